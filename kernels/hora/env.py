@@ -1,0 +1,234 @@
+"""Launcher environment contract (data plane).
+
+Two pure functions define how a process learns its place in a data-parallel world:
+
+* :func:`rank_env` builds the environment a launcher gives rank ``r`` (``hora run``, the
+  notebook engines and the service's local runtime all use it, so they agree by construction).
+* :func:`detect_world` reads whichever launcher started this process: hora / torchrun,
+  Open MPI, MPICH / Intel MPI, Slurm's srun, or none (a world of one).
+
+Neither touches ``os.environ``: callers pass the mapping in and hand the result to children.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from hora.errors import LauncherEnvError
+
+DEFAULT_MASTER_PORT = 29500
+
+
+@dataclass(frozen=True)
+class World:
+    """Where this process sits in the job.
+
+    Attributes:
+        rank: global rank, 0..size-1.
+        size: number of processes in the job.
+        local_rank: rank among the processes on this host.
+        local_size: number of processes on this host.
+        cross_rank: index of this host among hosts (the rank among processes with the same local_rank).
+        cross_size: number of hosts.
+        launcher: which launcher set the environment: hora, torchrun, openmpi, mpich, slurm, none.
+        master_addr: rendezvous host, or None when the launcher gives none (mpirun).
+        master_port: rendezvous port, or None when the launcher gives none.
+        job_id: an id unique to this launch when the launcher gives one (used for file rendezvous).
+    """
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+    cross_rank: int = 0
+    cross_size: int = 1
+    launcher: str = "none"
+    master_addr: str | None = None
+    master_port: int | None = None
+    job_id: str | None = None
+
+
+def rank_env(
+    rank: int,
+    size: int,
+    *,
+    local_rank: int | None = None,
+    local_size: int | None = None,
+    master_addr: str = "127.0.0.1",
+    master_port: int = DEFAULT_MASTER_PORT,
+    cross_rank: int = 0,
+    cross_size: int = 1,
+    extra: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """Return the environment variables that place one rank in a world.
+
+    The names are torchrun's, so a script started by hora also works under torchrun and
+    plain ``torch.distributed.init_process_group("env://")``; ``HORA_LAUNCHER`` marks that hora
+    set them.
+
+    Args:
+        rank: global rank.
+        size: world size.
+        local_rank: rank on this host (default: ``rank``).
+        local_size: processes on this host (default: ``size``).
+        master_addr: rendezvous address.
+        master_port: rendezvous port.
+        cross_rank: host index.
+        cross_size: number of hosts.
+        extra: more variables to add (they win over the computed ones).
+
+    Returns:
+        A new dict of strings, to merge over a child's base environment.
+
+    Raises:
+        LauncherEnvError: when the numbers do not describe a valid world.
+
+    Example:
+        >>> rank_env(1, 2, master_port=1234)["RANK"]
+        '1'
+    """
+    lr = rank if local_rank is None else local_rank
+    ls = size if local_size is None else local_size
+    if size < 1:
+        raise LauncherEnvError(f"world size must be >= 1, got {size}")
+    if not 0 <= rank < size:
+        raise LauncherEnvError(f"rank {rank} is outside the world of size {size}")
+    if not 0 <= lr < ls:
+        raise LauncherEnvError(f"local rank {lr} is outside local size {ls}")
+    env = {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(size),
+        "LOCAL_RANK": str(lr),
+        "LOCAL_WORLD_SIZE": str(ls),
+        "LOCAL_SIZE": str(ls),
+        "GROUP_RANK": str(cross_rank),
+        "CROSS_RANK": str(cross_rank),
+        "CROSS_SIZE": str(cross_size),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "HORA_LAUNCHER": "hora",
+    }
+    if extra:
+        env.update(extra)
+    return env
+
+
+def _int(environ: Mapping[str, str], name: str) -> int:
+    value = environ[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise LauncherEnvError(f"{name}={value!r} is not an integer") from None
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """Return the first host of a Slurm node list such as ``gpu[03-05,07],cpu1``."""
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        raise LauncherEnvError(f"cannot parse SLURM_NODELIST={nodelist!r}")
+    prefix, ranges = m.group(1), m.group(2)
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def _finish(launcher: str, environ: Mapping[str, str], **kw: object) -> World:
+    rank, size = int(kw["rank"]), int(kw["size"])  # type: ignore[call-overload]
+    local_rank, local_size = int(kw["local_rank"]), int(kw["local_size"])  # type: ignore[call-overload]
+    if not 0 <= rank < size:
+        raise LauncherEnvError(f"{launcher}: rank {rank} is outside the world of size {size}")
+    if not 0 <= local_rank < local_size:
+        raise LauncherEnvError(f"{launcher}: local rank {local_rank} is outside local size {local_size}")
+    cross_size = int(environ.get("CROSS_SIZE", max(1, size // local_size)))
+    cross_rank = int(environ.get("CROSS_RANK", rank // local_size if local_size else 0))
+    port = environ.get("MASTER_PORT")
+    return World(
+        rank=rank,
+        size=size,
+        local_rank=local_rank,
+        local_size=local_size,
+        cross_rank=cross_rank,
+        cross_size=cross_size,
+        launcher=launcher,
+        master_addr=environ.get("MASTER_ADDR") or kw.get("master_addr"),  # type: ignore[arg-type]
+        master_port=int(port) if port else kw.get("master_port"),  # type: ignore[arg-type]
+        job_id=kw.get("job_id"),  # type: ignore[arg-type]
+    )
+
+
+def detect_world(environ: Mapping[str, str]) -> World:
+    """Read the world from the variables a launcher set.
+
+    Order: hora/torchrun (``RANK`` + ``WORLD_SIZE``), Open MPI (``OMPI_COMM_WORLD_*``),
+    MPICH / Intel MPI (``PMI_RANK``), Slurm srun (``SLURM_PROCID`` with ``SLURM_NTASKS``),
+    else a world of one.
+
+    Args:
+        environ: the process environment (pass ``os.environ``).
+
+    Returns:
+        The detected :class:`World`. ``master_addr`` is None under mpirun; the caller then
+        uses a rendezvous keyed by ``job_id``.
+
+    Raises:
+        LauncherEnvError: when the variables are inconsistent or not integers.
+
+    Example:
+        >>> detect_world({"RANK": "1", "WORLD_SIZE": "2"}).rank
+        1
+    """
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        size = _int(environ, "WORLD_SIZE")
+        local_size = int(environ.get("LOCAL_WORLD_SIZE", environ.get("LOCAL_SIZE", size)))
+        return _finish(
+            environ.get("HORA_LAUNCHER", "torchrun"),
+            environ,
+            rank=_int(environ, "RANK"),
+            size=size,
+            local_rank=int(environ.get("LOCAL_RANK", 0)),
+            local_size=local_size,
+            master_addr="127.0.0.1",
+            master_port=DEFAULT_MASTER_PORT,
+        )
+    if "OMPI_COMM_WORLD_RANK" in environ:
+        job = environ.get("PMIX_NAMESPACE") or environ.get("OMPI_MCA_ess_base_jobid")
+        return _finish(
+            "openmpi",
+            environ,
+            rank=_int(environ, "OMPI_COMM_WORLD_RANK"),
+            size=_int(environ, "OMPI_COMM_WORLD_SIZE"),
+            local_rank=int(environ.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)),
+            local_size=int(environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", 1)),
+            job_id=job,
+        )
+    if "PMI_RANK" in environ:
+        size = _int(environ, "PMI_SIZE")
+        return _finish(
+            "mpich",
+            environ,
+            rank=_int(environ, "PMI_RANK"),
+            size=size,
+            local_rank=int(environ.get("MPI_LOCALRANKID", environ.get("PMI_LOCAL_RANK", 0))),
+            local_size=int(environ.get("MPI_LOCALNRANKS", environ.get("PMI_LOCAL_SIZE", size))),
+            job_id=environ.get("PMI_KVSNAME") or environ.get("PMI_ID"),
+        )
+    if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
+        nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_NODELIST", "")
+        job = environ.get("SLURM_JOB_ID", "0")
+        size = _int(environ, "SLURM_NTASKS")
+        nnodes = int(environ.get("SLURM_NNODES", environ.get("SLURM_JOB_NUM_NODES", 1)))
+        return _finish(
+            "slurm",
+            environ,
+            rank=_int(environ, "SLURM_PROCID"),
+            size=size,
+            local_rank=int(environ.get("SLURM_LOCALID", 0)),
+            local_size=max(1, size // max(1, nnodes)),
+            master_addr=_first_slurm_host(nodelist) if nodelist else "127.0.0.1",
+            master_port=DEFAULT_MASTER_PORT + int(job) % 10000 if job.isdigit() else DEFAULT_MASTER_PORT,
+            job_id=job,
+        )
+    return World()

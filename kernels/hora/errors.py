@@ -1,0 +1,93 @@
+"""One error tree for all of hora (data plane; the service reuses it).
+
+Every exception carries the data a caller needs to act on it (the field, the rank, the
+missing ranks), not just a message, so the magics, the CLI and the service can render
+them in their own way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class HoraError(Exception):
+    """Root of every error hora raises on purpose."""
+
+
+class NotInitializedError(HoraError):
+    """A hora.torch operation ran before ``hvd.init()``."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__(f"hora.torch.{op}() called before hora.torch.init(); call hvd.init() first")
+        self.op = op
+
+
+class SpecError(HoraError, ValueError):
+    """A job or launch description is invalid; ``field`` names the offending field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class LauncherEnvError(HoraError):
+    """The environment set by a launcher (torchrun, mpirun, srun, hora run) is inconsistent."""
+
+
+class RankFailedError(HoraError):
+    """A rank exited or raised; ``others`` counts further failed ranks not shown in full."""
+
+    def __init__(
+        self,
+        rank: int,
+        exit_code: int | None = None,
+        host: str = "",
+        detail: str = "",
+        others: Sequence[int] = (),
+    ) -> None:
+        where = f" on {host}" if host else ""
+        code = f" with exit code {exit_code}" if exit_code is not None else ""
+        msg = f"rank {rank}{where} failed{code}"
+        if detail:
+            msg += f": {detail}"
+        if others:
+            msg += f" (also failed on ranks {', '.join(map(str, others))})"
+        super().__init__(msg)
+        self.rank = rank
+        self.exit_code = exit_code
+        self.host = host
+        self.detail = detail
+        self.others = list(others)
+
+
+class CollectiveTimeout(HoraError):
+    """A collective did not complete because some ranks never arrived."""
+
+    def __init__(self, op: str, missing_ranks: Sequence[int], timeout_s: float, name: str = "") -> None:
+        tensor = f" on tensor {name!r}" if name else ""
+        missing = ", ".join(map(str, missing_ranks)) if missing_ranks else "unknown"
+        super().__init__(
+            f"{op}{tensor} timed out after {timeout_s:g}s waiting for missing ranks: {missing}"
+        )
+        self.op = op
+        self.missing_ranks = list(missing_ranks)
+        self.timeout_s = timeout_s
+        self.name = name
+
+
+class TensorMismatchError(HoraError, ValueError):
+    """Ranks passed tensors of different shape or dtype to the same collective."""
+
+    def __init__(self, op: str, name: str, detail: str, ranks: Sequence[int]) -> None:
+        super().__init__(
+            f"{op} on tensor {name!r}: {detail} (ranks {', '.join(map(str, ranks))} disagree)"
+        )
+        self.op = op
+        self.name = name
+        self.detail = detail
+        self.ranks = list(ranks)
+
+
+class UnsupportedError(HoraError, NotImplementedError):
+    """A Horovod capability that hora does not provide was called."""

@@ -1,0 +1,89 @@
+"""The one typed job description (data plane; shared by CLI, client, magics and service).
+
+REST bodies, ``hora submit`` arguments and the Python client all become a :class:`JobSpec`,
+validated once at the edge; later stages (scheduler, runtimes) receive this frozen object.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+MAX_ARGV = 1024
+MAX_ARG_LEN = 16384
+
+
+class Priority(StrEnum):
+    """Queue priority; higher runs first, FIFO within a priority."""
+
+    low = "low"
+    normal = "normal"
+    high = "high"
+
+
+PRIORITY_RANK = {Priority.low: 0, Priority.normal: 1, Priority.high: 2}
+
+
+class RuntimeName(StrEnum):
+    """Where a job's processes run."""
+
+    local = "local"
+    docker = "docker"
+    slurm = "slurm"
+
+
+class JobSpec(BaseModel):
+    """What a user asks to run: ``workers`` processes of ``command``, each with its GPUs.
+
+    Example:
+        >>> JobSpec(command=["python", "train.py"], workers=2).total_gpus
+        2
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._ -]*$")] = "job"
+    command: Annotated[list[str], Field(min_length=1, max_length=MAX_ARGV)]
+    workers: Annotated[int, Field(ge=1, le=1024)] = 1
+    gpus_per_worker: Annotated[int, Field(ge=1, le=16)] = 1
+    env: dict[str, str] = Field(default_factory=dict)
+    working_dir: Annotated[str | None, Field(max_length=4096)] = None
+    priority: Priority = Priority.normal
+    max_retries: Annotated[int, Field(ge=0, le=100)] = 0
+    timeout_s: Annotated[float | None, Field(gt=0, le=30 * 24 * 3600)] = None
+    runtime: RuntimeName = RuntimeName.local
+    image: Annotated[str | None, Field(max_length=512)] = None
+    submission_id: Annotated[str | None, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")] = None
+
+    @field_validator("command")
+    @classmethod
+    def _check_command(cls, v: list[str]) -> list[str]:
+        if not v[0]:
+            raise ValueError("the first element (the program) must not be empty")
+        for i, arg in enumerate(v):
+            if len(arg) > MAX_ARG_LEN:
+                raise ValueError(f"argument {i} is longer than {MAX_ARG_LEN} characters")
+            if "\x00" in arg:
+                raise ValueError(f"argument {i} contains a NUL byte")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _check_env(cls, v: dict[str, str]) -> dict[str, str]:
+        if len(v) > 256:
+            raise ValueError("at most 256 environment variables")
+        for k, val in v.items():
+            if not _ENV_NAME.match(k):
+                raise ValueError(f"{k!r} is not a valid environment variable name")
+            if "\x00" in val or len(val) > MAX_ARG_LEN:
+                raise ValueError(f"value of {k} is too long or contains a NUL byte")
+        return v
+
+    @property
+    def total_gpus(self) -> int:
+        """GPUs (or CPU slots) the job needs at once: ``workers * gpus_per_worker``."""
+        return self.workers * self.gpus_per_worker
