@@ -87,3 +87,23 @@ class JobSpec(BaseModel):
     def total_gpus(self) -> int:
         """GPUs (or CPU slots) the job needs at once: ``workers * gpus_per_worker``."""
         return self.workers * self.gpus_per_worker
+
+
+class JobState(StrEnum):
+    """Lifecycle of a job: queued -> starting -> running -> succeeded | failed | cancelled.
+
+    ``retrying`` sits between a failed attempt and the next one.
+    """
+
+    queued = "queued"
+    starting = "starting"
+    running = "running"
+    retrying = "retrying"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        """True for succeeded, failed and cancelled."""
+        return self in (JobState.succeeded, JobState.failed, JobState.cancelled)
