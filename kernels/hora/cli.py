@@ -13,7 +13,7 @@ import sys
 # subcommand -> (module, one-line help). Modules under hora_service belong to the control
 # plane; importing them lazily here keeps `import hora` free of fastapi.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "run": ("hora.launch.cli", "start N local ranks of a training script (like horovodrun/torchrun)"),
+    "run": ("hora.launch.cli", "start N local ranks of a training script (horovodrun/torchrun)"),
     "kernel": ("hora.engines.kernelspec", "install the 'Python 3 (hora)' Jupyter kernel"),
     "serve": ("hora_service.cli", "start the job service (FastAPI + scheduler)"),
     "up": ("hora_service.up", "start the service and JupyterLab together"),

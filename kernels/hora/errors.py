@@ -18,7 +18,9 @@ class NotInitializedError(HoraError):
     """A hora.torch operation ran before ``hvd.init()``."""
 
     def __init__(self, op: str) -> None:
-        super().__init__(f"hora.torch.{op}() called before hora.torch.init(); call hvd.init() first")
+        super().__init__(
+            f"hora.torch.{op}() called before hora.torch.init(); call hvd.init() first"
+        )
         self.op = op
 
 
@@ -64,7 +66,9 @@ class RankFailedError(HoraError):
 class CollectiveTimeout(HoraError):
     """A collective did not complete because some ranks never arrived."""
 
-    def __init__(self, op: str, missing_ranks: Sequence[int], timeout_s: float, name: str = "") -> None:
+    def __init__(
+        self, op: str, missing_ranks: Sequence[int], timeout_s: float, name: str = ""
+    ) -> None:
         tensor = f" on tensor {name!r}" if name else ""
         missing = ", ".join(map(str, missing_ranks)) if missing_ranks else "unknown"
         super().__init__(

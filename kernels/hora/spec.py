@@ -46,7 +46,9 @@ class JobSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._ -]*$")] = "job"
+    name: Annotated[
+        str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._ -]*$")
+    ] = "job"
     command: Annotated[list[str], Field(min_length=1, max_length=MAX_ARGV)]
     workers: Annotated[int, Field(ge=1, le=1024)] = 1
     gpus_per_worker: Annotated[int, Field(ge=1, le=16)] = 1
@@ -57,7 +59,9 @@ class JobSpec(BaseModel):
     timeout_s: Annotated[float | None, Field(gt=0, le=30 * 24 * 3600)] = None
     runtime: RuntimeName = RuntimeName.local
     image: Annotated[str | None, Field(max_length=512)] = None
-    submission_id: Annotated[str | None, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")] = None
+    submission_id: Annotated[
+        str | None, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")
+    ] = None
 
     @field_validator("command")
     @classmethod

@@ -80,7 +80,8 @@ def run_world(
             out = Path(tmp, f"out{r}.pkl")
             log = open(Path(tmp, f"log{r}.txt"), "w")  # noqa: SIM115
             cmd = [sys.executable, str(CHILD), file, func, str(argfile), str(out)]
-            procs.append((subprocess.Popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT), log, out))
+            proc = subprocess.Popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT)
+            procs.append((proc, log, out))
         codes: list[int | None] = []
         for p, log, _ in procs:
             try:
@@ -96,6 +97,9 @@ def run_world(
         if expect_failure:
             return list(zip(codes, outputs, strict=True))
         if any(c != 0 for c in codes):
-            detail = "\n".join(f"--- rank {r} (exit {c}) ---\n{o[-4000:]}" for r, (c, o) in enumerate(zip(codes, outputs, strict=True)))
+            detail = "\n".join(
+                f"--- rank {r} (exit {c}) ---\n{o[-4000:]}"
+                for r, (c, o) in enumerate(zip(codes, outputs, strict=True))
+            )
             raise WorldFailed(f"ranks failed: {codes}\n{detail}", codes, outputs)
         return [pickle.loads(out.read_bytes()) for _, _, out in procs]
