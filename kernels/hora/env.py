@@ -30,7 +30,8 @@ class World:
         size: number of processes in the job.
         local_rank: rank among the processes on this host.
         local_size: number of processes on this host.
-        cross_rank: index of this host among hosts (the rank among processes with the same local_rank).
+        cross_rank: index of this host among hosts (rank among processes with the same
+            local_rank).
         cross_size: number of hosts.
         launcher: which launcher set the environment: hora, torchrun, openmpi, mpich, slurm, none.
         master_addr: rendezvous host, or None when the launcher gives none (mpirun).
@@ -115,47 +116,85 @@ def rank_env(
     return env
 
 
-def _int(environ: Mapping[str, str], name: str) -> int:
-    value = environ[name]
+def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
+    """Read an integer variable; a missing one gives ``default`` (or an error when None)."""
+    value = environ.get(name)
+    if value is None or value.strip() == "":
+        if default is None:
+            raise LauncherEnvError(f"{name} is not set")
+        return default
     try:
         return int(value)
     except ValueError:
         raise LauncherEnvError(f"{name}={value!r} is not an integer") from None
 
 
+def _opt(environ: Mapping[str, str], name: str) -> int | None:
+    return _int(environ, name) if environ.get(name, "").strip() else None
+
+
 def _first_slurm_host(nodelist: str) -> str:
-    """Return the first host of a Slurm node list such as ``gpu[03-05,07],cpu1``."""
-    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if not m:
+    """Return the first host of a Slurm node list (``gpu[03-05,07],cpu1``, ``n[1-2]-ib``)."""
+    m = re.match(r"([^,\[]*)(?:\[([^\]]+)\])?([^,\[]*)", nodelist.strip())
+    if not m or not (m.group(1) or m.group(2)):
         raise LauncherEnvError(f"cannot parse SLURM_NODELIST={nodelist!r}")
-    prefix, ranges = m.group(1), m.group(2)
+    prefix, ranges, suffix = m.group(1), m.group(2), m.group(3)
     if not ranges:
-        return prefix
-    first = ranges.split(",")[0].split("-")[0]
-    return prefix + first
+        return prefix + suffix
+    first = ranges.split(",")[0].split("-")[0].strip()
+    if not first:
+        raise LauncherEnvError(f"cannot parse SLURM_NODELIST={nodelist!r}")
+    return prefix + first + suffix
 
 
-def _finish(launcher: str, environ: Mapping[str, str], **kw: object) -> World:
-    rank, size = int(kw["rank"]), int(kw["size"])  # type: ignore[call-overload]
-    local_rank, local_size = int(kw["local_rank"]), int(kw["local_size"])  # type: ignore[call-overload]
+def _slurm_tasks_on_node(spec: str, node: int) -> int | None:
+    """Tasks on node ``node`` from SLURM_TASKS_PER_NODE (``2(x3),1``), or None if unparsable."""
+    counts: list[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not m:
+            return None
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts[node] if 0 <= node < len(counts) else None
+
+
+def _finish(
+    launcher: str,
+    environ: Mapping[str, str],
+    *,
+    rank: int,
+    size: int,
+    local_rank: int,
+    local_size: int,
+    cross_rank: int | None = None,
+    cross_size: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    job_id: str | None = None,
+) -> World:
+    """Validate the numbers; ``MASTER_ADDR`` / ``MASTER_PORT`` in the environment win."""
+    if size < 1:
+        raise LauncherEnvError(f"{launcher}: world size must be >= 1, got {size}")
     if not 0 <= rank < size:
         raise LauncherEnvError(f"{launcher}: rank {rank} is outside the world of size {size}")
     if not 0 <= local_rank < local_size:
-        raise LauncherEnvError(f"{launcher}: local rank {local_rank} is outside local size {local_size}")
-    cross_size = int(environ.get("CROSS_SIZE", max(1, size // local_size)))
-    cross_rank = int(environ.get("CROSS_RANK", rank // local_size if local_size else 0))
-    port = environ.get("MASTER_PORT")
+        raise LauncherEnvError(
+            f"{launcher}: local rank {local_rank} is outside local size {local_size}"
+        )
+    port = _int(environ, "MASTER_PORT", 0) or master_port
+    if port is not None and not 0 < port < 65536:
+        raise LauncherEnvError(f"MASTER_PORT={port} is not a TCP port")
     return World(
         rank=rank,
         size=size,
         local_rank=local_rank,
         local_size=local_size,
-        cross_rank=cross_rank,
-        cross_size=cross_size,
+        cross_rank=rank // local_size if cross_rank is None else cross_rank,
+        cross_size=max(1, size // local_size) if cross_size is None else cross_size,
         launcher=launcher,
-        master_addr=environ.get("MASTER_ADDR") or kw.get("master_addr"),  # type: ignore[arg-type]
-        master_port=int(port) if port else kw.get("master_port"),  # type: ignore[arg-type]
-        job_id=kw.get("job_id"),  # type: ignore[arg-type]
+        master_addr=environ.get("MASTER_ADDR") or master_addr,
+        master_port=port,
+        job_id=job_id,
     )
 
 
@@ -164,7 +203,8 @@ def detect_world(environ: Mapping[str, str]) -> World:
 
     Order: hora/torchrun (``RANK`` + ``WORLD_SIZE``), Open MPI (``OMPI_COMM_WORLD_*``),
     MPICH / Intel MPI (``PMI_RANK``), Slurm srun (``SLURM_PROCID`` with ``SLURM_NTASKS``),
-    else a world of one.
+    else a world of one. ``MASTER_ADDR`` / ``MASTER_PORT``, when set, win over what a
+    launcher implies.
 
     Args:
         environ: the process environment (pass ``os.environ``).
@@ -174,61 +214,93 @@ def detect_world(environ: Mapping[str, str]) -> World:
         uses a rendezvous keyed by ``job_id``.
 
     Raises:
-        LauncherEnvError: when the variables are inconsistent or not integers.
+        LauncherEnvError: when the variables are inconsistent or not integers (the message
+            names the variable).
 
     Example:
         >>> detect_world({"RANK": "1", "WORLD_SIZE": "2"}).rank
         1
     """
     if "RANK" in environ and "WORLD_SIZE" in environ:
-        size = _int(environ, "WORLD_SIZE")
-        local_size = int(environ.get("LOCAL_WORLD_SIZE", environ.get("LOCAL_SIZE", size)))
-        return _finish(
-            environ.get("HORA_LAUNCHER", "torchrun"),
-            environ,
-            rank=_int(environ, "RANK"),
-            size=size,
-            local_rank=int(environ.get("LOCAL_RANK", 0)),
-            local_size=local_size,
-            master_addr="127.0.0.1",
-            master_port=DEFAULT_MASTER_PORT,
-        )
+        return _torchrun(environ)
     if "OMPI_COMM_WORLD_RANK" in environ:
-        job = environ.get("PMIX_NAMESPACE") or environ.get("OMPI_MCA_ess_base_jobid")
-        return _finish(
-            "openmpi",
-            environ,
-            rank=_int(environ, "OMPI_COMM_WORLD_RANK"),
-            size=_int(environ, "OMPI_COMM_WORLD_SIZE"),
-            local_rank=int(environ.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)),
-            local_size=int(environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", 1)),
-            job_id=job,
-        )
+        return _openmpi(environ)
     if "PMI_RANK" in environ:
-        size = _int(environ, "PMI_SIZE")
-        return _finish(
-            "mpich",
-            environ,
-            rank=_int(environ, "PMI_RANK"),
-            size=size,
-            local_rank=int(environ.get("MPI_LOCALRANKID", environ.get("PMI_LOCAL_RANK", 0))),
-            local_size=int(environ.get("MPI_LOCALNRANKS", environ.get("PMI_LOCAL_SIZE", size))),
-            job_id=environ.get("PMI_KVSNAME") or environ.get("PMI_ID"),
-        )
+        return _mpich(environ)
     if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
-        nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_NODELIST", "")
-        job = environ.get("SLURM_JOB_ID", "0")
-        size = _int(environ, "SLURM_NTASKS")
-        nnodes = int(environ.get("SLURM_NNODES", environ.get("SLURM_JOB_NUM_NODES", 1)))
-        return _finish(
-            "slurm",
-            environ,
-            rank=_int(environ, "SLURM_PROCID"),
-            size=size,
-            local_rank=int(environ.get("SLURM_LOCALID", 0)),
-            local_size=max(1, size // max(1, nnodes)),
-            master_addr=_first_slurm_host(nodelist) if nodelist else "127.0.0.1",
-            master_port=DEFAULT_MASTER_PORT + int(job) % 10000 if job.isdigit() else DEFAULT_MASTER_PORT,
-            job_id=job,
-        )
+        return _slurm(environ)
     return World()
+
+
+def _torchrun(environ: Mapping[str, str]) -> World:
+    size = _int(environ, "WORLD_SIZE")
+    local_size = _int(environ, "LOCAL_WORLD_SIZE", _int(environ, "LOCAL_SIZE", size))
+    return _finish(
+        environ.get("HORA_LAUNCHER", "torchrun"),
+        environ,
+        rank=_int(environ, "RANK"),
+        size=size,
+        local_rank=_int(environ, "LOCAL_RANK", 0),
+        local_size=local_size,
+        cross_rank=_opt(environ, "CROSS_RANK")
+        if "CROSS_RANK" in environ
+        else _opt(environ, "GROUP_RANK"),
+        cross_size=_opt(environ, "CROSS_SIZE"),
+        master_addr="127.0.0.1",
+        master_port=DEFAULT_MASTER_PORT,
+        job_id=environ.get("TORCHELASTIC_RUN_ID"),
+    )
+
+
+def _openmpi(environ: Mapping[str, str]) -> World:
+    job = environ.get("PMIX_NAMESPACE") or environ.get("OMPI_MCA_ess_base_jobid")
+    return _finish(
+        "openmpi",
+        environ,
+        rank=_int(environ, "OMPI_COMM_WORLD_RANK"),
+        size=_int(environ, "OMPI_COMM_WORLD_SIZE"),
+        local_rank=_int(environ, "OMPI_COMM_WORLD_LOCAL_RANK", 0),
+        local_size=_int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE", 1),
+        cross_rank=_opt(environ, "OMPI_COMM_WORLD_NODE_RANK"),
+        job_id=job,
+    )
+
+
+def _mpich(environ: Mapping[str, str]) -> World:
+    size = _int(environ, "PMI_SIZE")
+    return _finish(
+        "mpich",
+        environ,
+        rank=_int(environ, "PMI_RANK"),
+        size=size,
+        local_rank=_int(environ, "MPI_LOCALRANKID", _int(environ, "PMI_LOCAL_RANK", 0)),
+        local_size=_int(environ, "MPI_LOCALNRANKS", _int(environ, "PMI_LOCAL_SIZE", size)),
+        job_id=environ.get("PMI_KVSNAME") or environ.get("PMI_ID") or environ.get("PMI_JOBID"),
+    )
+
+
+def _slurm(environ: Mapping[str, str]) -> World:
+    nodelist = (
+        environ.get("SLURM_STEP_NODELIST")
+        or environ.get("SLURM_NODELIST")
+        or environ.get("SLURM_JOB_NODELIST", "")
+    )
+    job = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID") or "0"
+    size = _int(environ, "SLURM_NTASKS")
+    nnodes = max(1, _int(environ, "SLURM_NNODES", _int(environ, "SLURM_JOB_NUM_NODES", 1)))
+    node = _int(environ, "SLURM_NODEID", 0)
+    per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE", "")
+    local_size = _slurm_tasks_on_node(per_node, node) if per_node else None
+    return _finish(
+        "slurm",
+        environ,
+        rank=_int(environ, "SLURM_PROCID"),
+        size=size,
+        local_rank=_int(environ, "SLURM_LOCALID", 0),
+        local_size=local_size or max(1, size // nnodes),
+        cross_rank=node,
+        cross_size=nnodes,
+        master_addr=_first_slurm_host(nodelist) if nodelist else "127.0.0.1",
+        master_port=DEFAULT_MASTER_PORT + (int(job) % 10000 if job.isdigit() else 0),
+        job_id=job,
+    )
