@@ -1,0 +1,174 @@
+"""hora.torch: Horovod's PyTorch API on torch.distributed (data plane).
+
+Move a Horovod script over by changing one line::
+
+    import hora.torch as hvd
+
+    hvd.init()
+    torch.cuda.set_device(hvd.local_rank())      # done by init() already; harmless
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+
+``__all__`` is the compatibility list: the ``horovod.torch`` names hora provides, plus hora's
+error classes and metric helpers (``allreduce_metrics``, ``Metric``). Capabilities
+hora lacks (Adasum, process sets other than the global one, MPI communicators) raise
+:class:`hora.errors.UnsupportedError` when used. This package imports only torch, the
+standard library and hora.
+"""
+
+from __future__ import annotations
+
+from hora.errors import (
+    CollectiveTimeout,
+    HoraError,
+    NotInitializedError,
+    RankFailedError,
+    TensorMismatchError,
+    UnsupportedError,
+)
+from hora.torch._process_sets import add_process_set, remove_process_set
+from hora.torch._state import (
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    init,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    rocm_built,
+    shutdown,
+    size,
+)
+from hora.torch.compression import Compression
+from hora.torch.functions import (
+    Metric,
+    allreduce_metrics,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+)
+from hora.torch.mpi_ops import (
+    Adasum,
+    Average,
+    Max,
+    Min,
+    ProcessSet,
+    Product,
+    Sum,
+    allgather,
+    allgather_async,
+    allgather_object,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    alltoall,
+    alltoall_async,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    broadcast_object,
+    global_process_set,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    join,
+    poll,
+    reducescatter,
+    reducescatter_async,
+    synchronize,
+)
+from hora.torch.optimizer import DistributedOptimizer
+from hora.torch.sync_batch_norm import SyncBatchNorm
+from hora.torch.timeline import start_timeline, stop_timeline
+
+__all__ = [
+    # init and world queries
+    "init",
+    "shutdown",
+    "is_initialized",
+    "size",
+    "rank",
+    "local_size",
+    "local_rank",
+    "cross_size",
+    "cross_rank",
+    "is_homogeneous",
+    "nccl_built",
+    "gloo_built",
+    "mpi_built",
+    "cuda_built",
+    "rocm_built",
+    "ddl_built",
+    "ccl_built",
+    "mpi_enabled",
+    "gloo_enabled",
+    "mpi_threads_supported",
+    # reduce ops
+    "Average",
+    "Sum",
+    "Adasum",
+    "Min",
+    "Max",
+    "Product",
+    # collectives
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "allgather",
+    "allgather_async",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
+    "alltoall",
+    "alltoall_async",
+    "reducescatter",
+    "reducescatter_async",
+    "synchronize",
+    "poll",
+    "barrier",
+    "join",
+    "broadcast_object",
+    "allgather_object",
+    # process sets (global only)
+    "ProcessSet",
+    "global_process_set",
+    "add_process_set",
+    "remove_process_set",
+    # training helpers
+    "DistributedOptimizer",
+    "Compression",
+    "broadcast_parameters",
+    "broadcast_optimizer_state",
+    "allreduce_metrics",
+    "Metric",
+    "SyncBatchNorm",
+    # timeline
+    "start_timeline",
+    "stop_timeline",
+    # errors
+    "HoraError",
+    "NotInitializedError",
+    "TensorMismatchError",
+    "CollectiveTimeout",
+    "RankFailedError",
+    "UnsupportedError",
+]

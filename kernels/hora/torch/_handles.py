@@ -1,0 +1,182 @@
+"""Async handles, signature checks and the timeline hooks shared by the collectives (data plane).
+
+A :class:`Handle` is what every ``*_async`` collective returns: the torch.distributed Works in
+flight and a ``finish`` callback (average, postscale, copy back, decompress) that
+``synchronize`` runs once. Before any data moves, :func:`start` verifies that every rank passes
+the same op, dtype and shape (one small all_gather on the gloo side group).
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hora.errors import TensorMismatchError
+from hora.torch import _stall, _state, timeline
+
+_DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+]
+_DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
+_MAXDIM = 6
+SIG_LEN = 4 + _MAXDIM + 1
+_PAD = (-1,) * _MAXDIM
+
+
+def check_mode() -> str:
+    """Return the shape/dtype check mode from ``HORA_CHECK_TENSORS``: changed, always or off.
+
+    ``changed`` (default) checks a collective unless it repeats, on this rank, the signature
+    (op, dtype, shape) that every rank agreed on last; ``always`` checks every call.
+    """
+    raw = os.environ.get("HORA_CHECK_TENSORS", "changed").lower()
+    if raw in ("0", "off", "false", "no"):
+        return "off"
+    return "always" if raw in ("always", "2") else "changed"
+
+
+def signature(opcode: int, extra: int, dtype: torch.dtype, shape: Sequence[int]) -> tuple[int, ...]:
+    """Encode (op, extra, dtype, shape) as SIG_LEN ints; long shapes go into a CRC slot."""
+    ndim = len(shape)
+    if ndim <= _MAXDIM:
+        return (opcode, extra, _DTYPE_CODE.get(dtype, 99), ndim, *shape, *_PAD[ndim:], 0)
+    dims = list(shape)
+    tail = zlib.crc32(repr(dims[_MAXDIM:]).encode())
+    return (opcode, extra, _DTYPE_CODE.get(dtype, 99), ndim, *dims[:_MAXDIM], tail)
+
+
+def describe(sig: Sequence[int]) -> str:
+    """Render a signature for an error message: dtype and shape."""
+    dtype = _DTYPES[sig[2]] if sig[2] < len(_DTYPES) else "other"
+    ndim = sig[3]
+    shape = tuple(sig[4 : 4 + min(ndim, _MAXDIM)])
+    dots = "..." if ndim > _MAXDIM else ""
+    return f"{str(dtype).replace('torch.', '')}{list(shape)}{dots}"
+
+
+class SigCheck:
+    """An all_gather of every rank's signature on the side group, verified at wait().
+
+    Ints after the first SIG_LEN are a payload (first dims, splits) that may differ by rank.
+    """
+
+    def __init__(self, state: _state.State, op: str, name: str, sig: Sequence[int]) -> None:
+        self.op, self.name = op, name
+        mine = torch.tensor(list(sig), dtype=torch.int64)
+        self.rows = [torch.empty_like(mine) for _ in range(state.size)]
+        self.work = dist.all_gather(self.rows, mine, group=state.side_group, async_op=True)
+
+    def wait(self) -> list[list[int]]:
+        _stall.wait_work(self.work, self.op, self.name)
+        rows = [r.tolist() for r in self.rows]
+        if any(r[:2] != rows[0][:2] for r in rows):
+            bad = _stall.mismatch_ranks([r[:2] for r in rows])
+            raise TensorMismatchError(
+                self.op,
+                self.name,
+                "ranks called different operations (or different root ranks / reduce ops)",
+                bad,
+            )
+        if any(r[2:SIG_LEN] != rows[0][2:SIG_LEN] for r in rows):
+            bad = _stall.mismatch_ranks([r[2:SIG_LEN] for r in rows])
+            seen = ", ".join(f"rank {r}: {describe(rows[r])}" for r in bad)
+            raise TensorMismatchError(self.op, self.name, f"shape or dtype differ ({seen})", bad)
+        return rows
+
+
+class Handle:
+    """A collective in flight; pass it to ``synchronize()`` or ``poll()``.
+
+    ``t0`` (when the op was called) and ``tq`` (when every rank had submitted it) feed the
+    timeline's QUEUED phase; both are 0 when no timeline is recording.
+    """
+
+    __slots__ = ("done", "finish", "name", "nbytes", "op", "result", "t0", "tq", "works")
+
+    def __init__(
+        self,
+        op: str,
+        name: str,
+        works: list[Any],
+        finish: Callable[[], Any],
+        nbytes: int = 0,
+        t0: int = 0,
+        tq: int = 0,
+    ) -> None:
+        self.op, self.name, self.works, self.finish = op, name, works, finish
+        self.nbytes, self.t0, self.tq = nbytes, t0, tq
+        self.done = False
+        self.result: Any = None
+
+    def poll(self) -> bool:
+        """Return True when the communication finished (``synchronize`` will not block)."""
+        return self.done or all(w is None or w.is_completed() for w in self.works)
+
+    def wait(self) -> Any:
+        """Wait, run the finishing step once, and return the result."""
+        if self.done:
+            return self.result
+        for w in self.works:
+            if w is not None:
+                _stall.wait_work(w, self.op, self.name)
+        self.result = self.finish()
+        self.done = True
+        if self.t0:
+            self._record()
+        return self.result
+
+    def _record(self) -> None:
+        tq = self.tq or self.t0
+        timeline.record(self.name, "QUEUED", self.t0, tq, self.nbytes)
+        timeline.record(self.name, self.op.upper(), tq, timeline.now_ns(), self.nbytes)
+
+
+def begin(op: str, name: str | None) -> tuple[_state.State, str]:
+    """Enter a collective: check init, count it for the stall report, default the name."""
+    state = _state.require_init(op)
+    state.seq += 1
+    state.last_op = op
+    state.last_sig = 0
+    return state, name if name is not None else f"{op}.noname.{state.seq}"
+
+
+def start(state: _state.State, op: str, name: str, sig: tuple[int, ...] | None, t0: int = 0) -> int:
+    """Verify op/dtype/shape across ranks before the data moves; return when it finished (ns).
+
+    The check must finish first: gloo aborts the whole process when a peer sends more bytes
+    than a rank expects. It is skipped when this call repeats the last signature all ranks
+    agreed on: ``verified_sig`` is the same on every rank, so ranks skip together only when
+    their signatures are equal; a rank that skips while another checks ends in the timeout,
+    and the stall report (heartbeats carry ``last_sig``) then names the mismatching ranks.
+
+    Returns:
+        The end of negotiation for the timeline (0 when ``t0`` is 0: no timeline).
+    """
+    if sig is not None:
+        state.last_sig = hash(sig) & 0x7FFFFFFF
+        mode = state.check_mode
+        if state.size > 1 and mode != "off" and (mode == "always" or sig != state.verified_sig):
+            SigCheck(state, op, name, sig).wait()
+            state.verified_sig = sig
+    return timeline.now_ns() if t0 else 0
+
+
+def guarded(op: str, name: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """Launch an async torch.distributed call, converting an immediate failure."""
+    return _stall.run_guarded(op, name, fn, *args, **kwargs)

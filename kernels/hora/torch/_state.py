@@ -1,0 +1,503 @@
+"""Process-wide state of hora.torch: init, shutdown and the world queries (data plane).
+
+``init()`` reads the world from whichever launcher started the process
+(:func:`hora.env.detect_world`), finds the rendezvous (the launcher's ``MASTER_ADDR`` /
+``MASTER_PORT``, a file keyed by the MPI job id under mpirun, or a private store for a world
+of one), and initialises torch.distributed's
+*default* process group, so plain ``torch.distributed`` calls and DDP work in the same script.
+If the user already called ``init_process_group`` that group is adopted instead.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hora.env import World, detect_world
+from hora.errors import CollectiveTimeout, LauncherEnvError, NotInitializedError, UnsupportedError
+
+log = logging.getLogger("hora.torch")
+
+DEFAULT_TIMEOUT_S = 60.0
+HEARTBEAT_S = 0.25
+_HB_KEY = "hora/hb/"
+
+
+@dataclass
+class State:
+    """Everything hora.torch knows about this process's place in the job.
+
+    Attributes:
+        rank: global rank.
+        size: world size.
+        local_rank: rank on this host.
+        local_size: ranks on this host.
+        cross_rank: host index.
+        cross_size: number of hosts.
+        device: ``cuda:local_rank`` with NCCL, else ``cpu``.
+        backend: torch.distributed backend name ("nccl" or "gloo").
+        timeout_s: timeout for rendezvous and collectives, in seconds.
+        group: the default process group.
+        side_group: a gloo group for small CPU metadata exchanges (shape checks, objects).
+        store: the rendezvous store (heartbeats, join).
+        launcher: which launcher started the process.
+        owns_group: whether init() created the default group (shutdown then destroys it).
+        seq: number of collectives this rank has entered (the stall report compares them).
+        last_op: the collective this rank entered last, for the stall report.
+        last_sig: CRC of the last collective's op/dtype/shape, for the stall report.
+        verified_sig: the last signature every rank agreed on (later identical calls skip the
+            check; identical on every rank because only a completed check updates it).
+    """
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    device: torch.device
+    backend: str
+    timeout_s: float
+    group: Any
+    side_group: Any
+    store: Any
+    launcher: str
+    owns_group: bool
+    seq: int = 0
+    join_epoch: int = 0
+    last_op: str = ""
+    last_sig: int = 0
+    verified_sig: tuple[int, ...] | None = None
+    check_mode: str = "changed"
+    rdzv_file: Path | None = None
+    hb_store: Any = None
+    timeout_td: datetime.timedelta = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.timeout_td = datetime.timedelta(seconds=self.timeout_s)
+
+    _hb_stop: threading.Event = field(default_factory=threading.Event)
+    _hb_thread: threading.Thread | None = None
+
+
+_STATE: State | None = None
+
+
+def require_init(op: str) -> State:
+    """Return the state, or raise NotInitializedError naming ``op``.
+
+    Args:
+        op: the public name of the operation being called (e.g. "allreduce").
+
+    Returns:
+        The process-wide :class:`State`.
+
+    Raises:
+        NotInitializedError: when ``init()`` has not run (or ``shutdown()`` ran).
+    """
+    if _STATE is None:
+        raise NotInitializedError(op)
+    return _STATE
+
+
+def _timeout(timeout: float | datetime.timedelta | None, environ: dict[str, str]) -> float:
+    if isinstance(timeout, datetime.timedelta):
+        return timeout.total_seconds()
+    if timeout is not None:
+        return float(timeout)
+    raw = environ.get("HORA_TIMEOUT")
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise LauncherEnvError(f"HORA_TIMEOUT={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise LauncherEnvError(f"HORA_TIMEOUT={raw!r} must be > 0")
+    return value
+
+
+def _backend(backend: str | None, environ: dict[str, str]) -> str:
+    source = "init(backend=...)" if backend else "HORA_BACKEND"
+    name = (backend or environ.get("HORA_BACKEND") or "").lower()
+    if not name:
+        return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    if name not in ("nccl", "gloo", "mpi"):
+        raise LauncherEnvError(f"{source}={name!r} is not one of nccl, gloo, mpi")
+    if name == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
+        raise LauncherEnvError(
+            f"{source}='nccl' needs CUDA GPUs and a torch built with NCCL; "
+            "this process has none: use 'gloo'"
+        )
+    if name == "mpi" and not dist.is_mpi_available():
+        raise LauncherEnvError(f"{source}='mpi': this torch was built without MPI; use 'gloo'")
+    return name
+
+
+def _rdzv_path(world: World) -> Path:
+    job = world.job_id or f"ppid{os.getppid()}"
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in job)
+    return Path(tempfile.gettempdir(), f"hora-rdzv-{safe}")
+
+
+def _file_rendezvous(world: World, timeout_s: float) -> tuple[Any, Path | None]:
+    """Rank 0 opens a store on a free port and publishes ``host port`` in a file; others wait."""
+    path = _rdzv_path(world)
+    td = datetime.timedelta(seconds=timeout_s)
+    if world.rank == 0:
+        store = dist.TCPStore("0.0.0.0", 0, world.size, True, timeout=td, wait_for_workers=False)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(f"{socket.gethostname()} {store.port} {os.getpid()}\n")
+        os.replace(tmp, path)
+        return store, path
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            host, port, _ = path.read_text().split()
+            break
+        except (FileNotFoundError, ValueError):
+            if time.monotonic() > deadline:
+                raise CollectiveTimeout(
+                    "init", [0], timeout_s, name=f"rendezvous file {path}"
+                ) from None
+            time.sleep(0.05)
+    addr = "127.0.0.1" if host == socket.gethostname() else host
+    return dist.TCPStore(addr, int(port), world.size, False, timeout=td), None
+
+
+def _make_store(world: World, timeout_s: float) -> tuple[Any, Path | None]:
+    td = datetime.timedelta(seconds=timeout_s)
+    if world.size == 1 and world.master_port is None:
+        return dist.TCPStore("127.0.0.1", 0, 1, True, timeout=td, wait_for_workers=False), None
+    if world.master_addr is None or world.master_port is None:
+        return _file_rendezvous(world, timeout_s)
+    try:
+        store = dist.TCPStore(
+            world.master_addr,
+            world.master_port,
+            world.size,
+            world.rank == 0,
+            timeout=td,
+            wait_for_workers=False,
+        )
+    except (RuntimeError, dist.DistError) as e:
+        who = "rank 0 (the rendezvous host)" if world.rank else "this rank"
+        raise CollectiveTimeout(
+            "init",
+            [0] if world.rank else [],
+            timeout_s,
+            name=f"rendezvous {world.master_addr}:{world.master_port}: {who}: {e}",
+        ) from None
+    return store, None
+
+
+def _world_from_group(world: World) -> World:
+    """Trust the existing default group for rank and size; keep the launcher's local numbers."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    if world.size != size or world.rank != rank:
+        world = World(
+            rank=rank,
+            size=size,
+            local_rank=0,
+            local_size=1,
+            cross_rank=rank,
+            cross_size=size,
+            launcher="torch.distributed",
+        )
+    return world
+
+
+def _own_client(store: Any) -> Any:
+    """A second connection to the store, so a blocking wait elsewhere never delays heartbeats."""
+    base = store
+    while hasattr(base, "underlying_store"):
+        base = base.underlying_store
+    try:
+        return base.clone()
+    except Exception:  # FileStore/HashStore: no connection to block on
+        return base
+
+
+def _init_group(world: World, backend: str, store: Any, timeout_s: float) -> None:
+    """init_process_group; on failure, name the ranks that never reached the rendezvous."""
+    try:
+        store.set(f"hora/arrived/{world.rank}", "1")
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=world.rank,
+            world_size=world.size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    except (RuntimeError, dist.DistError) as e:
+        try:
+            missing = [r for r in range(world.size) if not store.check([f"hora/arrived/{r}"])]
+        except Exception:  # the store host (rank 0) is gone
+            missing = [0]
+        raise CollectiveTimeout("init", missing, timeout_s, name=f"process group: {e}") from None
+
+
+def _heartbeat(state: State) -> None:
+    """Publish this rank's collective counter so a stalled rank can be named (Horovod's stall)."""
+    key = f"{_HB_KEY}{state.rank}"
+    while not state._hb_stop.wait(HEARTBEAT_S):
+        try:
+            state.hb_store.set(
+                key, f"{state.seq} {time.time():.3f} {state.last_sig} {state.last_op}"
+            )
+        except Exception:  # the store host went away; the op that fails will report it
+            return
+
+
+def _group(world: World, backend: str, timeout_s: float) -> tuple[World, str, Any, Path | None]:
+    """Adopt the user's default group, or rendezvous and create it."""
+    if dist.is_initialized():
+        store = dist.distributed_c10d._get_default_store()
+        return _world_from_group(world), str(dist.get_backend()), store, None
+    store, rdzv = _make_store(world, timeout_s)
+    if backend == "nccl":
+        torch.cuda.set_device(world.local_rank)
+    _init_group(world, backend, store, timeout_s)
+    return world, backend, store, rdzv
+
+
+def _start_heartbeat(state: State) -> None:
+    state.hb_store = _own_client(state.store)
+    state.hb_store.set(f"{_HB_KEY}{state.rank}", f"0 {time.time():.3f} 0 init")
+    state._hb_thread = threading.Thread(
+        target=_heartbeat, args=(state,), name="hora-heartbeat", daemon=True
+    )
+    state._hb_thread.start()
+
+
+def _start(world: World, backend: str, timeout_s: float) -> State:
+    from hora.torch._handles import check_mode
+
+    adopted = dist.is_initialized()
+    world, backend, store, rdzv = _group(world, backend, timeout_s)
+    device = torch.device("cpu")
+    if "nccl" in backend and torch.cuda.is_available():
+        torch.cuda.set_device(world.local_rank)
+        device = torch.device("cuda", world.local_rank)
+    side = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    state = State(
+        rank=world.rank,
+        size=world.size,
+        local_rank=world.local_rank,
+        local_size=world.local_size,
+        cross_rank=world.cross_rank,
+        cross_size=world.cross_size,
+        device=device,
+        backend=backend,
+        timeout_s=timeout_s,
+        group=dist.group.WORLD,
+        side_group=side,
+        store=store,
+        launcher=world.launcher,
+        owns_group=not adopted,
+        rdzv_file=rdzv,
+        check_mode=check_mode(),
+    )
+    _start_heartbeat(state)
+    return state
+
+
+def init(
+    comm: Any = None,
+    process_sets: Any = None,
+    *,
+    backend: str | None = None,
+    timeout: float | datetime.timedelta | None = None,
+) -> None:
+    """Initialise hora.torch (and torch.distributed's default process group).
+
+    Args:
+        comm: Horovod's MPI communicator argument; only None is supported.
+        process_sets: Horovod's process sets; only None (the global set) is supported.
+        backend: "nccl" or "gloo"; default NCCL when CUDA is available, else gloo, or the
+            ``HORA_BACKEND`` environment variable.
+        timeout: seconds (or a timedelta) for the rendezvous and for each collective; default
+            the ``HORA_TIMEOUT`` environment variable, else 60.
+
+    Raises:
+        UnsupportedError: for an MPI communicator or process sets.
+        LauncherEnvError: when the launcher's environment is inconsistent.
+        CollectiveTimeout: when the rendezvous does not complete in time.
+
+    Example:
+        >>> import hora.torch as hvd
+        >>> hvd.init()
+        >>> hvd.size() >= 1
+        True
+    """
+    global _STATE
+    if comm is not None:
+        raise UnsupportedError("hvd.init(comm=...) needs MPI; hora.torch runs on torch.distributed")
+    if process_sets not in (None, [], ()):
+        raise UnsupportedError("hvd.init(process_sets=...) is not supported; use the global set")
+    if _STATE is not None:
+        return
+    environ = dict(os.environ)
+    world = detect_world(environ)
+    timeout_s = _timeout(timeout, environ)
+    _STATE = _start(world, _backend(backend, environ), timeout_s)
+    log.debug(
+        "hora.torch initialised: rank %d of %d (%s)", _STATE.rank, _STATE.size, _STATE.backend
+    )
+    path = environ.get("HORA_TIMELINE") or environ.get("HOROVOD_TIMELINE")
+    if path:
+        from hora.torch import timeline
+
+        timeline.start_timeline(path)
+
+
+def shutdown() -> None:
+    """Stop hora.torch: flush the timeline, stop the heartbeat, destroy the group init() made.
+
+    A group adopted from the user is left alone. Calling it twice is harmless.
+
+    Example:
+        >>> hvd.shutdown()
+    """
+    global _STATE
+    state = _STATE
+    if state is None:
+        return
+    from hora.torch import timeline
+
+    if timeline.enabled():
+        timeline.stop_timeline()
+    state._hb_stop.set()
+    if state._hb_thread is not None:
+        state._hb_thread.join(timeout=2 * HEARTBEAT_S + 1)
+    _STATE = None
+    if state.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+    if state.rdzv_file is not None:
+        state.rdzv_file.unlink(missing_ok=True)
+
+
+def is_initialized() -> bool:
+    """Return whether ``init()`` has run (and ``shutdown()`` has not)."""
+    return _STATE is not None
+
+
+def size() -> int:
+    """Return the number of ranks in the job.
+
+    Raises:
+        NotInitializedError: before ``init()``.
+    """
+    return require_init("size").size
+
+
+def rank() -> int:
+    """Return this process's global rank.
+
+    Raises:
+        NotInitializedError: before ``init()``.
+    """
+    return require_init("rank").rank
+
+
+def local_size() -> int:
+    """Return the number of ranks on this host.
+
+    Raises:
+        NotInitializedError: before ``init()``.
+    """
+    return require_init("local_size").local_size
+
+
+def local_rank() -> int:
+    """Return this process's rank on its host (use it to pick the GPU).
+
+    Raises:
+        NotInitializedError: before ``init()``.
+    """
+    return require_init("local_rank").local_rank
+
+
+def cross_size() -> int:
+    """Return the number of hosts.
+
+    Raises:
+        NotInitializedError: before ``init()``.
+    """
+    return require_init("cross_size").cross_size
+
+
+def cross_rank() -> int:
+    """Return this host's index among hosts.
+
+    Raises:
+        NotInitializedError: before ``init()``.
+    """
+    return require_init("cross_rank").cross_rank
+
+
+def is_homogeneous() -> bool:
+    """Return whether every host runs the same number of ranks."""
+    st = require_init("is_homogeneous")
+    return st.size == st.local_size * st.cross_size
+
+
+def nccl_built() -> bool:
+    """Return whether torch.distributed has NCCL (Horovod returns a version int; truthy here)."""
+    return bool(dist.is_nccl_available())
+
+
+def gloo_built() -> bool:
+    """Return whether torch.distributed has gloo."""
+    return bool(dist.is_gloo_available())
+
+
+def mpi_built() -> bool:
+    """Return whether torch.distributed was built with MPI."""
+    return bool(dist.is_mpi_available())
+
+
+def mpi_enabled() -> bool:
+    """Return whether the MPI backend is in use (hora uses NCCL/gloo, so normally False)."""
+    return _STATE is not None and _STATE.backend == "mpi"
+
+
+def gloo_enabled() -> bool:
+    """Return whether gloo carries the collectives."""
+    return _STATE is not None and "gloo" in _STATE.backend
+
+
+def mpi_threads_supported() -> bool:
+    """Return False: hora does not use MPI threads (kept for Horovod compatibility)."""
+    return False
+
+
+def cuda_built() -> bool:
+    """Return whether torch was built with CUDA."""
+    return torch.version.cuda is not None
+
+
+def rocm_built() -> bool:
+    """Return whether torch was built with ROCm."""
+    return getattr(torch.version, "hip", None) is not None
+
+
+def ddl_built() -> bool:
+    """Return False: IBM DDL is not supported."""
+    return False
+
+
+def ccl_built() -> bool:
+    """Return False: oneCCL is not supported."""
+    return False

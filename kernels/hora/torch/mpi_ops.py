@@ -1,0 +1,595 @@
+"""Horovod's collectives on torch.distributed: allreduce, broadcast, ... (data plane).
+
+Same names, signatures and semantics as ``horovod.torch.mpi_ops``: out-of-place forms return a
+new tensor and leave the input alone, ``_`` forms work in place, ``_async`` forms return a
+handle for :func:`synchronize` / :func:`poll`. Each collective runs on the default process group
+(NCCL or gloo); a tiny shape/dtype check runs first on a gloo side group so that ranks
+passing different tensors get :class:`~hora.errors.TensorMismatchError` instead of garbage, a
+hang or a gloo abort (see :func:`hora.torch._handles.start`; ``HORA_CHECK_TENSORS``).
+Failures and timeouts name the ranks at fault.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hora.errors import UnsupportedError
+from hora.torch import _handles, _stall, _state, timeline
+from hora.torch._handles import Handle, begin, guarded, signature, start
+from hora.torch._objects import (
+    allgather_object,
+    barrier,
+    broadcast_object,
+    join,
+)
+from hora.torch._process_sets import ProcessSet, check_process_set, global_process_set
+from hora.torch.compression import Compression
+
+__all__ = [
+    "Adasum",
+    "Average",
+    "Max",
+    "Min",
+    "Product",
+    "Sum",
+    "ProcessSet",
+    "global_process_set",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "allgather",
+    "allgather_async",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
+    "alltoall",
+    "alltoall_async",
+    "reducescatter",
+    "reducescatter_async",
+    "synchronize",
+    "poll",
+    "barrier",
+    "join",
+    "broadcast_object",
+    "allgather_object",
+]
+
+# Horovod's reduce-op values.
+Average = 0
+Sum = 1
+Adasum = 2
+Min = 3
+Max = 4
+Product = 5
+
+_TORCH_OPS = {
+    Average: dist.ReduceOp.SUM,
+    Sum: dist.ReduceOp.SUM,
+    Min: dist.ReduceOp.MIN,
+    Max: dist.ReduceOp.MAX,
+    Product: dist.ReduceOp.PRODUCT,
+}
+_OPC_ALLREDUCE, _OPC_BROADCAST, _OPC_ALLGATHER, _OPC_ALLTOALL, _OPC_RSCATTER = 1, 2, 3, 4, 5
+
+
+def _resolve_op(op: int | None, average: bool | None) -> int:
+    if op is not None and average is not None:
+        raise ValueError("pass either op= or the deprecated average=, not both")
+    if op is None:
+        op = Sum if average is False else Average
+    if op == Adasum:
+        raise UnsupportedError("op=Adasum is not supported by hora.torch; use Average or Sum")
+    if op not in _TORCH_OPS:
+        raise ValueError(f"op={op!r} is not one of Average, Sum, Min, Max, Product")
+    return op
+
+
+def _scale(t: torch.Tensor, factor: float) -> None:
+    """Multiply in place; integer tensors truncate toward zero like Horovod's ScaleBuffer."""
+    if factor == 1.0:
+        return
+    if t.is_floating_point() or t.is_complex():
+        t.mul_(factor)
+    else:
+        t.copy_(torch.trunc(t.double() * factor))
+
+
+def _average(t: torch.Tensor, n: int, postscale: float) -> None:
+    if t.is_floating_point() or t.is_complex():
+        if postscale == 1.0:
+            t.div_(n)
+        else:
+            t.mul_(postscale / n)
+        return
+    t.copy_(torch.div(t, n, rounding_mode="trunc"))
+    _scale(t, postscale)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _allreduce_buffer(
+    out: torch.Tensor,
+    src: torch.Tensor | None,
+    name: str,
+    op: int,
+    pre: float,
+    post: float,
+    op_name: str = "allreduce",
+    ret: torch.Tensor | None = None,
+    sig: tuple[int, ...] | None = None,
+    sync: bool = False,
+) -> Handle:
+    """Reduce ``out`` in place (contiguous); copy into ``src`` at the end when it is a view.
+
+    The handle's result is ``ret`` when given (the caller's tensor for in-place forms). With
+    ``sync`` the data collective runs as a blocking call, exactly like a plain
+    ``dist.all_reduce`` (the blocking forms use it: no Work object, no extra wait).
+    """
+    state = _state.require_init(op_name)
+    t0 = timeline.now_ns() if timeline.enabled() else 0
+    sig = sig or signature(_OPC_ALLREDUCE, op, out.dtype, out.shape)
+    tq = start(state, op_name, name, sig, t0)
+    _scale(out, pre)
+    work = None
+    if out.numel() and state.size > 1:
+        try:
+            work = dist.all_reduce(out, op=_TORCH_OPS[op], async_op=not sync)
+        except RuntimeError as e:
+            raise _stall.diagnose(op_name, name, e) from None
+
+    def finish() -> torch.Tensor:
+        if op == Average:
+            _average(out, state.size, post)
+        else:
+            _scale(out, post)
+        if src is not None:
+            src.copy_(out)
+        return out if ret is None else ret
+
+    return Handle(op_name, name, [work], finish, _nbytes(out), t0, tq)
+
+
+def allreduce_async(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> Handle:
+    """Start reducing ``tensor`` over all ranks without changing it; see :func:`allreduce`.
+
+    Returns:
+        A handle for :func:`synchronize` (which returns the reduced tensor) or :func:`poll`.
+    """
+    return _allreduce(
+        tensor, False, average, name, op, prescale_factor, postscale_factor, process_set, sync=False
+    )
+
+
+def allreduce_async_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> Handle:
+    """Start reducing ``tensor`` in place over all ranks; see :func:`allreduce`.
+
+    Returns:
+        A handle; :func:`synchronize` returns ``tensor`` holding the result.
+    """
+    return _allreduce(
+        tensor, True, average, name, op, prescale_factor, postscale_factor, process_set, sync=False
+    )
+
+
+def _allreduce(
+    tensor: torch.Tensor,
+    inplace: bool,
+    average: bool | None,
+    name: str | None,
+    op: int | None,
+    pre: float,
+    post: float,
+    process_set: ProcessSet,
+    sync: bool,
+) -> Handle:
+    _, name = begin("allreduce", name)
+    check_process_set(process_set)
+    op = _resolve_op(op, average)
+    t = tensor.detach()
+    if not inplace:
+        buf = t.clone(memory_format=torch.contiguous_format)
+        return _allreduce_buffer(buf, None, name, op, pre, post, sync=sync)
+    if t.is_contiguous():
+        return _allreduce_buffer(t, None, name, op, pre, post, ret=tensor, sync=sync)
+    return _allreduce_buffer(t.contiguous(), t, name, op, pre, post, ret=tensor, sync=sync)
+
+
+def allreduce(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    compression: Any = Compression.none,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
+    """Reduce a tensor over all ranks; the input is not modified.
+
+    Args:
+        tensor: the tensor to reduce; same shape and dtype on every rank.
+        average: deprecated Horovod flag; use ``op``.
+        name: a name for error messages and the timeline.
+        compression: ``hvd.Compression.none`` (default), ``fp16`` or ``bf16``: compress before
+            sending, decompress the result.
+        op: Average (default), Sum, Min, Max or Product. Average of integer tensors truncates
+            toward zero.
+        prescale_factor: multiply before reducing.
+        postscale_factor: multiply after reducing (and averaging).
+        process_set: only the global process set is supported.
+
+    Returns:
+        A new tensor with the reduced values.
+
+    Raises:
+        NotInitializedError: before ``init()``.
+        TensorMismatchError: ranks passed different shapes or dtypes.
+        CollectiveTimeout: ranks never arrived within the timeout (named).
+        RankFailedError: a rank died (named).
+        UnsupportedError: op=Adasum or another process set.
+
+    Example:
+        >>> avg = hvd.allreduce(torch.tensor([float(hvd.rank())]), name="r")
+    """
+    plain = compression is None or compression is Compression.none
+    if plain and tensor.requires_grad and torch.is_grad_enabled():
+        from hora.torch._autograd import AllreduceFn
+
+        check_process_set(process_set)
+        out = AllreduceFn.apply(tensor, average, name, op, prescale_factor, postscale_factor)
+        return out  # type: ignore[no-any-return]
+    wire, ctx = (tensor, None) if plain else compression.compress(tensor)
+    h = _allreduce(
+        wire, False, average, name, op, prescale_factor, postscale_factor, process_set, sync=True
+    )
+    return h.wait() if plain else compression.decompress(h.wait(), ctx)  # type: ignore[no-any-return]
+
+
+def allreduce_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
+    """Reduce a tensor over all ranks in place; see :func:`allreduce`.
+
+    Returns:
+        ``tensor``, now holding the reduced values.
+
+    Example:
+        >>> hvd.allreduce_(t, op=hvd.Sum)
+    """
+    h = _allreduce(
+        tensor, True, average, name, op, prescale_factor, postscale_factor, process_set, sync=True
+    )
+    return h.wait()  # type: ignore[no-any-return]
+
+
+def _grouped(
+    tensors: Sequence[torch.Tensor],
+    inplace: bool,
+    average: bool | None,
+    name: str | None,
+    op: int | None,
+    pre: float,
+    post: float,
+    process_set: ProcessSet,
+) -> Handle:
+    state, name = begin("grouped_allreduce", name)
+    check_process_set(process_set)
+    op = _resolve_op(op, average)
+    tensors = list(tensors)
+    if not tensors:
+        return Handle("grouped_allreduce", name, [], list)
+    t0 = timeline.now_ns() if timeline.enabled() else 0
+    flat = (
+        torch.cat([t.detach().reshape(-1) for t in tensors])
+        if len({t.dtype for t in tensors}) == 1
+        else None
+    )
+    if flat is None:
+        return _grouped_per_tensor(tensors, inplace, name, op, pre, post)
+    if t0:
+        timeline.record(name, "MEMCPY_IN_FUSION_BUFFER", t0, timeline.now_ns(), _nbytes(flat))
+    shapes = [t.shape for t in tensors]
+    sig = signature(_OPC_ALLREDUCE, op, flat.dtype, [len(tensors), *[n for s in shapes for n in s]])
+    inner = _allreduce_buffer(flat, None, name, op, pre, post, "grouped_allreduce", sig=sig)
+
+    def finish(base: Any = inner.finish) -> list[torch.Tensor]:
+        out = base()
+        pieces = [
+            p.view(s) for p, s in zip(out.split([s.numel() for s in shapes]), shapes, strict=True)
+        ]
+        if inplace:
+            for t, p in zip(tensors, pieces, strict=True):
+                t.detach().copy_(p)
+            return tensors
+        return pieces
+
+    inner.finish = finish
+    return inner
+
+
+def _grouped_per_tensor(
+    tensors: list[torch.Tensor],
+    inplace: bool,
+    name: str,
+    op: int,
+    pre: float,
+    post: float,
+) -> Handle:
+    fn = allreduce_async_ if inplace else allreduce_async
+    handles = [fn(t, None, f"{name}.{i}", op, pre, post) for i, t in enumerate(tensors)]
+    return Handle("grouped_allreduce", name, [], lambda: [h.wait() for h in handles])
+
+
+def grouped_allreduce_async(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> Handle:
+    """Start reducing a list of tensors as one fused collective; see :func:`grouped_allreduce`."""
+    return _grouped(
+        tensors, False, average, name, op, prescale_factor, postscale_factor, process_set
+    )
+
+
+def grouped_allreduce_async_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> Handle:
+    """Start reducing a list of tensors in place as one fused collective."""
+    return _grouped(
+        tensors, True, average, name, op, prescale_factor, postscale_factor, process_set
+    )
+
+
+def grouped_allreduce(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    compression: Any = Compression.none,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> list[torch.Tensor]:
+    """Reduce a list of tensors over all ranks in one fused collective (inputs unchanged).
+
+    Args:
+        tensors: the tensors; the same list of shapes and dtypes on every rank.
+        average: deprecated; use ``op``.
+        name: a name for errors and the timeline.
+        compression: as in :func:`allreduce`.
+        op: as in :func:`allreduce`.
+        prescale_factor: multiply before reducing.
+        postscale_factor: multiply after reducing.
+        process_set: only the global set.
+
+    Returns:
+        New tensors, one per input.
+
+    Example:
+        >>> a, b = hvd.grouped_allreduce([torch.ones(2), torch.zeros(3)], op=hvd.Sum)
+    """
+    if compression is None or compression is Compression.none:
+        return synchronize(
+            grouped_allreduce_async(
+                tensors, average, name, op, prescale_factor, postscale_factor, process_set
+            )
+        )
+    packed = [compression.compress(t) for t in tensors]
+    out = synchronize(
+        grouped_allreduce_async(
+            [p[0] for p in packed],
+            average,
+            name,
+            op,
+            prescale_factor,
+            postscale_factor,
+            process_set,
+        )
+    )
+    return [compression.decompress(o, p[1]) for o, p in zip(out, packed, strict=True)]
+
+
+def grouped_allreduce_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> list[torch.Tensor]:
+    """Reduce a list of tensors in place in one fused collective; returns the same tensors."""
+    return synchronize(
+        grouped_allreduce_async_(
+            tensors, average, name, op, prescale_factor, postscale_factor, process_set
+        )
+    )
+
+
+def _broadcast(
+    tensor: torch.Tensor, root_rank: int, name: str | None, inplace: bool, process_set: ProcessSet
+) -> Handle:
+    state, name = begin("broadcast", name)
+    check_process_set(process_set)
+    if not isinstance(root_rank, int) or not 0 <= root_rank < state.size:
+        raise ValueError(f"root_rank={root_rank!r} is outside the world of size {state.size}")
+    t0 = timeline.now_ns() if timeline.enabled() else 0
+    src = tensor.detach()
+    direct = inplace and src.is_contiguous()
+    buf = src if direct else src.clone(memory_format=torch.contiguous_format)
+    tq = start(
+        state, "broadcast", name, signature(_OPC_BROADCAST, root_rank, buf.dtype, buf.shape), t0
+    )
+    work = None
+    if buf.numel() and state.size > 1:
+        work = guarded("broadcast", name, dist.broadcast, buf, src=root_rank, async_op=True)
+
+    def finish() -> torch.Tensor:
+        if inplace and not direct:
+            src.copy_(buf)
+            return tensor
+        return tensor if direct else buf
+
+    return Handle("broadcast", name, [work], finish, _nbytes(buf), t0, tq)
+
+
+def broadcast_async(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Handle:
+    """Start broadcasting root's ``tensor`` into a new tensor on every rank."""
+    return _broadcast(tensor, root_rank, name, False, process_set)
+
+
+def broadcast_async_(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Handle:
+    """Start broadcasting root's ``tensor`` into ``tensor`` on every rank."""
+    return _broadcast(tensor, root_rank, name, True, process_set)
+
+
+def broadcast(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
+    """Return root's ``tensor`` on every rank (the input is not modified).
+
+    Args:
+        tensor: same shape and dtype on every rank.
+        root_rank: the rank whose values everyone receives.
+        name: a name for errors and the timeline.
+        process_set: only the global set.
+
+    Returns:
+        A new tensor holding root's values.
+
+    Raises:
+        ValueError: root_rank outside the world.
+        TensorMismatchError: shapes or dtypes differ across ranks.
+
+    Example:
+        >>> w = hvd.broadcast(torch.randn(3), root_rank=0, name="w")
+    """
+    if tensor.requires_grad and torch.is_grad_enabled():
+        from hora.torch._autograd import BroadcastFn
+
+        check_process_set(process_set)
+        return BroadcastFn.apply(tensor, root_rank, name)  # type: ignore[no-any-return]
+    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+
+
+def broadcast_(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
+    """Overwrite ``tensor`` with root's values on every rank and return it."""
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+def synchronize(handle: Handle) -> Any:
+    """Wait for an async collective and return its result (Horovod's ``synchronize``).
+
+    Args:
+        handle: what an ``*_async`` function returned.
+
+    Returns:
+        The output tensor (a list for grouped forms, a pair for alltoall with splits).
+
+    Example:
+        >>> h = hvd.allreduce_async(t); out = hvd.synchronize(h)
+    """
+    if not isinstance(handle, Handle):
+        raise TypeError(
+            f"synchronize() expects a handle from an *_async call, got {type(handle).__name__}"
+        )
+    return handle.wait()
+
+
+def poll(handle: Handle) -> bool:
+    """Return True when the async collective behind ``handle`` has finished.
+
+    Example:
+        >>> while not hvd.poll(h): do_other_work()
+    """
+    if not isinstance(handle, Handle):
+        raise TypeError(
+            f"poll() expects a handle from an *_async call, got {type(handle).__name__}"
+        )
+    return handle.poll()
+
+
+from hora.torch._gather import (  # noqa: E402  (they use the helpers above)
+    allgather,
+    allgather_async,
+    alltoall,
+    alltoall_async,
+    reducescatter,
+    reducescatter_async,
+)
+
+_ = (
+    _handles,
+    allgather_object,
+    barrier,
+    broadcast_object,
+    join,
+    allgather,
+    allgather_async,
+    alltoall,
+    alltoall_async,
+    reducescatter,
+    reducescatter_async,
+)
