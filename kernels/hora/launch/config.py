@@ -1,0 +1,295 @@
+"""Parse ``hora run`` arguments into a :class:`LaunchConfig` and build each rank's environment.
+
+Data plane, pure: nothing here starts a process or reads ``os.environ``. The command line is
+validated once, at the edge (:func:`parse_args`), into a frozen :class:`LaunchConfig`; the
+supervisor (:mod:`hora.launch.launcher`) receives that typed object and the per-rank
+environments from :func:`build_rank_envs`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from hora.env import rank_env
+from hora.errors import SpecError
+
+PROG = "hora run"
+BACKENDS = ("gloo", "nccl")
+DEFAULT_GRACE_S = 5.0
+_LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1", "localhost.localdomain"}
+# Variables a parent launcher may have set; a rank must see only the world hora gives it.
+_PARENT_LAUNCHER_VARS = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "GROUP_RANK",
+    "CROSS_RANK", "CROSS_SIZE", "MASTER_ADDR", "MASTER_PORT", "HORA_LAUNCHER",
+    "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_RANK", "PMI_SIZE", "SLURM_PROCID",
+)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """One validated ``hora run`` invocation.
+
+    Attributes:
+        np: number of ranks to start.
+        command: the program and its arguments, run once per rank.
+        timeline_filename: absolute path of the merged Chrome-trace file, or None.
+        start_timeout: seconds for the rendezvous and each collective (``HORA_TIMEOUT``), or
+            None to keep hora.torch's default.
+        master_port: rendezvous port, or None to pick a free one at launch.
+        master_addr: rendezvous address (one machine: the loopback address).
+        backend: ``gloo`` or ``nccl``, or None to let ``hvd.init()`` choose.
+        grace_period: seconds between SIGTERM and SIGKILL when ranks are stopped.
+    """
+
+    np: int
+    command: tuple[str, ...]
+    timeline_filename: Path | None = None
+    start_timeout: float | None = None
+    master_port: int | None = None
+    master_addr: str = "127.0.0.1"
+    backend: str | None = None
+    grace_period: float = DEFAULT_GRACE_S
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises :class:`SpecError` instead of exiting the process."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        head, sep, rest = message.partition(": ")
+        if head.startswith("argument "):
+            raise SpecError(head.removeprefix("argument ").split("/")[0], rest)
+        if head == "unrecognized arguments":
+            raise SpecError(rest.split()[0], "unknown option (put the command after --)")
+        raise SpecError("arguments", message)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """Return the ``hora run`` argument parser (used for parsing and for ``--help``).
+
+    Returns:
+        An :class:`argparse.ArgumentParser` whose errors raise :class:`SpecError`.
+
+    Example:
+        >>> make_parser().prog
+        'hora run'
+    """
+    p = _Parser(
+        prog=PROG, allow_abbrev=False,
+        usage="%(prog)s -np N [options] [--] COMMAND [ARGS...]",
+        description="Start N local ranks of a training script (like horovodrun / torchrun).",
+        epilog="Each output line is prefixed with its rank: [1]<stdout>:... / [1]<stderr>:...",
+    )
+    p.add_argument("-np", "--num-proc", "--nproc-per-node", "--nproc_per_node", dest="np",
+                   type=str, default=None, metavar="N", help="number of ranks to start")
+    p.add_argument("-H", "--hosts", default=None, metavar="HOSTS",
+                   help="only localhost[:slots] for now, e.g. localhost:4 (multi-host comes later)")
+    p.add_argument("--timeline-filename", default=None, metavar="F",
+                   help="write one Chrome-trace JSON of every rank's collectives to F")
+    p.add_argument("--start-timeout", default=None, metavar="S",
+                   help="seconds for the rendezvous and for each collective (HORA_TIMEOUT)")
+    p.add_argument("--master-port", default=None, metavar="P",
+                   help="rendezvous port on 127.0.0.1 (default: a free port)")
+    p.add_argument("--backend", default=None, metavar="{gloo,nccl}",
+                   help="torch.distributed backend (default: nccl with CUDA, else gloo)")
+    p.add_argument("--grace-period", default=str(DEFAULT_GRACE_S), metavar="S",
+                   help="seconds between SIGTERM and SIGKILL when stopping ranks (default 5)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the program to run on each rank")
+    return p
+
+
+def _number(flag: str, raw: str, kind: type[int] | type[float], low: float, high: float) -> float:
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise SpecError(flag, f"expected {'an integer' if kind is int else 'a number'}, "
+                        f"got {raw!r}") from None
+    if not low <= value <= high:
+        raise SpecError(flag, f"must be between {low:g} and {high:g}, got {raw}")
+    return value
+
+
+def parse_hosts(hosts: str, local_names: Sequence[str] = ()) -> int:
+    """Return the number of slots a ``-H`` value gives on this machine.
+
+    Args:
+        hosts: ``host[:slots][,host[:slots]...]``; every host must be this machine.
+        local_names: extra names that mean this machine (its hostname).
+
+    Returns:
+        The total number of slots (a host without ``:slots`` counts one).
+
+    Raises:
+        SpecError: for a remote host (multi-host comes later) or a bad slot count.
+
+    Example:
+        >>> parse_hosts("localhost:4")
+        4
+    """
+    local = _LOCAL_HOSTS | set(local_names)
+    total = 0
+    for item in filter(None, (h.strip() for h in hosts.split(","))):
+        name, _, slots = item.rpartition(":") if ":" in item else (item, "", "1")
+        if name not in local:
+            raise SpecError("--hosts", f"host {name!r} is not this machine: hora run starts ranks "
+                            "on localhost only for now (multi-host comes later)")
+        total += int(_number("--hosts", slots, int, 1, 4096))
+    if total == 0:
+        raise SpecError("--hosts", f"no host in {hosts!r}")
+    return total
+
+
+def _command(raw: list[str]) -> tuple[str, ...]:
+    cmd = raw[1:] if raw[:1] == ["--"] else raw
+    if not cmd:
+        raise SpecError("command", "missing: give the program to run, e.g. "
+                        "`hora run -np 2 -- python train.py`")
+    program = cmd[0]
+    if os.sep not in program and shutil.which(program) is None:
+        raise SpecError("command", f"{program!r} was not found on PATH")
+    if os.sep in program and not os.access(program, os.X_OK):
+        raise SpecError("command", f"{program!r} does not exist or is not executable")
+    return tuple(cmd)
+
+
+def _timeline(raw: str | None, cwd: Path) -> Path | None:
+    if raw is None:
+        return None
+    if not raw.strip():
+        raise SpecError("--timeline-filename", "must not be empty")
+    path = (cwd / raw).resolve()
+    if not path.parent.is_dir():
+        raise SpecError("--timeline-filename", f"directory {str(path.parent)!r} does not exist")
+    if path.is_dir():
+        raise SpecError("--timeline-filename", f"{str(path)!r} is a directory")
+    return path
+
+
+def _np(raw_np: str | None, hosts: str | None) -> int:
+    slots = parse_hosts(hosts, [socket.gethostname()]) if hosts is not None else None
+    if raw_np is None:
+        if slots is None:
+            raise SpecError("-np", "missing: say how many ranks to start, e.g. -np 2")
+        return slots
+    np = int(_number("-np", raw_np, int, 1, 4096))
+    if slots is not None and np > slots:
+        raise SpecError("-np", f"{np} ranks do not fit the {slots} slots of --hosts {hosts}")
+    return np
+
+
+def parse_args(argv: Sequence[str], cwd: Path | None = None) -> LaunchConfig:
+    """Parse the arguments after ``run`` into a validated :class:`LaunchConfig`.
+
+    Args:
+        argv: arguments after the subcommand, e.g. ``["-np", "2", "--", "python", "x.py"]``.
+        cwd: directory relative paths are resolved against (default: the current one).
+
+    Returns:
+        The frozen launch description.
+
+    Raises:
+        SpecError: naming the flag (``-np``, ``--start-timeout``, ``command``...) that is wrong.
+
+    Example:
+        >>> parse_args(["-np", "2", "--", "python", "-c", "pass"]).np
+        2
+    """
+    ns = make_parser().parse_args(list(argv))
+    backend = ns.backend.lower() if ns.backend is not None else None
+    if backend is not None and backend not in BACKENDS:
+        raise SpecError("--backend", f"must be one of {', '.join(BACKENDS)}, got {ns.backend!r}")
+    port = ns.master_port
+    timeout = ns.start_timeout
+    return LaunchConfig(
+        np=_np(ns.np, ns.hosts),
+        command=_command(list(ns.command)),
+        timeline_filename=_timeline(ns.timeline_filename, cwd or Path.cwd()),
+        start_timeout=_number("--start-timeout", timeout, float, 0.001, 1e7) if timeout else None,
+        master_port=int(_number("--master-port", port, int, 1, 65535)) if port else None,
+        backend=backend,
+        grace_period=_number("--grace-period", ns.grace_period, float, 0.0, 3600.0),
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Return a TCP port that is free on ``host`` right now.
+
+    Args:
+        host: the address to probe.
+
+    Returns:
+        A port number the OS just handed out (another process may take it later; the
+        rendezvous then fails with a clear error instead of hanging).
+
+    Example:
+        >>> 0 < free_port() < 65536
+        True
+    """
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def launch_extra(config: LaunchConfig) -> dict[str, str]:
+    """Return the hora settings every rank gets on top of its world variables.
+
+    Args:
+        config: the launch description.
+
+    Returns:
+        ``HOROVOD_TIMELINE``, ``HORA_START_TIMEOUT``/``HORA_TIMEOUT`` and ``HORA_BACKEND``,
+        each only when the matching flag was given.
+
+    Example:
+        >>> launch_extra(LaunchConfig(np=1, command=("true",), backend="gloo"))
+        {'HORA_BACKEND': 'gloo'}
+    """
+    extra: dict[str, str] = {}
+    if config.timeline_filename is not None:
+        extra["HOROVOD_TIMELINE"] = str(config.timeline_filename)
+    if config.start_timeout is not None:
+        extra["HORA_START_TIMEOUT"] = f"{config.start_timeout:g}"
+        extra["HORA_TIMEOUT"] = f"{config.start_timeout:g}"
+    if config.backend is not None:
+        extra["HORA_BACKEND"] = config.backend
+    return extra
+
+
+def build_rank_envs(
+    config: LaunchConfig, base_env: Mapping[str, str], master_port: int
+) -> list[dict[str, str]]:
+    """Return the full environment of every rank, in rank order.
+
+    Each is ``base_env`` without a parent launcher's world variables, plus
+    :func:`hora.env.rank_env` for that rank, plus :func:`launch_extra`. Python output is made
+    unbuffered (so lines stream live through the rank prefixer) and ``OMP_NUM_THREADS`` set to 1,
+    as torchrun does, unless the base environment already sets them.
+
+    Args:
+        config: the launch description.
+        base_env: the environment to start from (the launcher's ``os.environ``).
+        master_port: the rendezvous port every rank connects to.
+
+    Returns:
+        ``config.np`` new dicts; ``base_env`` is not modified.
+
+    Example:
+        >>> envs = build_rank_envs(LaunchConfig(np=2, command=("true",)), {}, 29500)
+        >>> [e["RANK"] for e in envs]
+        ['0', '1']
+    """
+    base = {k: v for k, v in base_env.items() if k not in _PARENT_LAUNCHER_VARS}
+    base.setdefault("PYTHONUNBUFFERED", "1")
+    base.setdefault("OMP_NUM_THREADS", "1")
+    extra = launch_extra(config)
+    return [
+        {**base, **rank_env(r, config.np, master_addr=config.master_addr,
+                            master_port=master_port, extra=extra)}
+        for r in range(config.np)
+    ]
