@@ -1,0 +1,84 @@
+"""Entry point of the processes hora starts for a notebook: the controller and the engines.
+
+``python -m hora.engines._child controller|engine [ipyparallel args]`` (data plane). Around
+ipyparallel's own ``main`` it adds what the notebook needs:
+
+* a watchdog that exits when the notebook kernel (the parent) is gone, so a killed kernel
+  leaves no orphans;
+* in engines, ``faulthandler`` on fatal signals (a segfault's stack lands in the engine log)
+  and on SIGUSR1 (the kernel asks for a stuck rank's current stack, written to a per-engine file);
+* in engines, torch is imported and ``hora.torch.init()`` runs in a background thread while
+  the engine registers with the controller (cold start overlaps the two).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+
+_STACK_FILES: list[object] = []
+
+
+def _watch_parent(parent: int, cleanup: str | None) -> None:
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent:
+            if cleanup:  # the kernel died before it could remove the cluster's directory
+                shutil.rmtree(cleanup, ignore_errors=True)
+            # this process leads its own process group (started with a new session): take the
+            # whole group down, including processes it forked (the controller's heart monitor,
+            # DataLoader workers of an engine), which have no watchdog of their own
+            try:
+                os.killpg(0, signal.SIGKILL)
+            finally:
+                os._exit(1)
+
+
+def _engine(args: list[str]) -> None:
+    stack = [a for a in args if a.startswith("--stack-file=")]
+    rest = [a for a in args if not a.startswith("--stack-file=")]
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    if stack:
+        fh = open(stack[0].split("=", 1)[1], "a")  # noqa: SIM115 - kept open for the handler
+        _STACK_FILES.append(fh)
+        faulthandler.register(signal.SIGUSR1, file=fh, all_threads=True)
+    from hora.engines import bootstrap
+
+    bootstrap.start_background_init()
+    # engines are not debugged through the notebook's debugger; skipping debugpy saves startup
+    sys.modules.setdefault("debugpy", None)  # type: ignore[arg-type]
+    from ipyparallel.engine.app import main
+
+    sys.argv = ["ipengine", *rest]
+    main()
+
+
+def _controller(args: list[str]) -> None:
+    from ipyparallel.controller.app import main
+
+    sys.argv = ["ipcontroller", *args]
+    main()
+
+
+def run(argv: list[str]) -> None:
+    """Run the controller or an engine (``argv[0]``), exiting if the parent process dies."""
+    profile = [a.split("=", 1)[1] for a in argv if a.startswith("--profile-dir=")]
+    cleanup = profile[0] if argv[:1] == ["controller"] and profile else None
+    threading.Thread(
+        target=_watch_parent, args=(os.getppid(), cleanup), name="hora-watchdog", daemon=True
+    ).start()
+    if argv[:1] == ["engine"]:
+        _engine(argv[1:])
+    elif argv[:1] == ["controller"]:
+        _controller(argv[1:])
+    else:
+        sys.exit(f"usage: python -m hora.engines._child controller|engine [args]; got {argv[:1]}")
+
+
+if __name__ == "__main__":
+    run(sys.argv[1:])

@@ -1,0 +1,174 @@
+"""Code that runs inside each engine: initialisation, variable transfer, memory (data plane).
+
+The kernel calls these functions through ipyparallel's ``apply``; they are pickled by
+reference, so every engine imports this module (cheap: torch is imported inside the functions).
+:func:`start_background_init` (called by the engine process at launch) imports torch and runs
+``hora.torch.init()`` while the engine registers; :func:`init_engine` (the first call from the
+kernel) waits for it, so the process group is ready before ``%dist_start`` returns, and leaves
+``hvd`` and ``torch`` in the engine's namespace.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from typing import Any
+
+_BG_DONE = threading.Event()
+_BG_ERROR: list[BaseException] = []
+_BG_STARTED = False
+
+
+def _background_init() -> None:
+    try:
+        import hora.torch as hvd
+
+        hvd.init()
+    except BaseException as e:  # re-raised by init_engine in the main thread, with context
+        _BG_ERROR.append(e)
+    finally:
+        _BG_DONE.set()
+
+
+def start_background_init() -> None:
+    """Import torch and run ``hora.torch.init()`` in a thread, while the engine registers.
+
+    The backend and timeout come from ``HORA_BACKEND`` / ``HORA_TIMEOUT`` set at launch;
+    :func:`init_engine` waits for this thread and re-raises its error.
+    """
+    global _BG_STARTED
+    _BG_STARTED = True
+    threading.Thread(target=_background_init, name="hora-init", daemon=True).start()
+
+
+def _user_ns() -> dict[str, Any]:
+    from IPython import get_ipython
+
+    ip = get_ipython()
+    if ip is None:  # pragma: no cover - engines always run an IPython shell
+        raise RuntimeError("not running inside an IPython engine")
+    return ip.user_ns  # type: ignore[no-any-return]
+
+
+def _device() -> Any:
+    import torch
+
+    from hora.torch import _state
+
+    return _state._STATE.device if _state._STATE is not None else torch.device("cpu")
+
+
+def init_engine(backend: str, timeout_s: float, threads: int) -> dict[str, Any]:
+    """Initialise hora.torch in this engine and describe it; failures are returned, not raised.
+
+    Args:
+        backend: "nccl" or "gloo".
+        timeout_s: rendezvous and collective timeout.
+        threads: torch intra-op threads on CPU.
+
+    Returns:
+        ``{"rank", "size", "host", "pid", "device", "gpu", "main_thread"}`` of this engine, or
+        ``{"pid", "error"}`` with the formatted traceback when init failed (so the kernel can
+        name the failing rank by its pid).
+
+    Example:
+        >>> info = view.apply_sync(init_engine, "gloo", 60.0, 1)  # doctest: +SKIP
+    """
+    try:
+        return _init_engine(backend, timeout_s, threads)
+    except Exception as e:
+        import traceback
+
+        return {"pid": os.getpid(), "error": "".join(traceback.format_exception(e)).rstrip()}
+
+
+def _init_engine(backend: str, timeout_s: float, threads: int) -> dict[str, Any]:
+    import torch
+
+    import hora.torch as hvd
+
+    if not torch.cuda.is_available():
+        torch.set_num_threads(threads)
+    if _BG_STARTED:
+        if not _BG_DONE.wait(timeout_s):
+            raise TimeoutError(f"hora.torch.init() did not finish within {timeout_s:g}s")
+        if _BG_ERROR:
+            raise _BG_ERROR[0]
+    hvd.init(backend=backend, timeout=timeout_s)  # no-op after the background init
+    ns = _user_ns()
+    ns.setdefault("hvd", hvd)
+    ns.setdefault("torch", torch)
+    return {
+        "rank": hvd.rank(),
+        "size": hvd.size(),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "device": str(_device()),
+        "gpu": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+        "main_thread": threading.main_thread().ident,
+    }
+
+
+def _map_tensors(obj: Any, fn: Any) -> Any:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, list | tuple):
+        mapped = [_map_tensors(o, fn) for o in obj]
+        return (
+            type(obj)(mapped)
+            if isinstance(obj, list) or not hasattr(obj, "_fields")
+            else type(obj)(*mapped)
+        )
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
+def pull_value(name: str) -> Any:
+    """Return the engine variable ``name``, with tensors (also inside lists/dicts) moved to CPU.
+
+    Raises:
+        NameError: when the engine has no such variable.
+    """
+    ns = _user_ns()
+    if name not in ns:
+        raise NameError(f"name {name!r} is not defined on this engine")
+    return _map_tensors(ns[name], lambda t: t.detach().cpu())
+
+
+def push_values(values: dict[str, Any]) -> list[str]:
+    """Store ``values`` in the engine's namespace, with tensors moved to this engine's device.
+
+    Returns:
+        The names stored.
+    """
+    device = _device()
+    ns = _user_ns()
+    for name, value in values.items():
+        ns[name] = _map_tensors(value, lambda t: t.to(device))
+    return sorted(values)
+
+
+def memory() -> dict[str, int]:
+    """Return this engine's memory in use: ``rss`` bytes, and ``cuda`` bytes allocated by torch."""
+    import sys
+
+    out = {"rss": _rss(os.getpid())}
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = int(torch.cuda.memory_allocated())
+    return out
+
+
+def _rss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return 0
+    return 0

@@ -1,0 +1,468 @@
+"""Run one cell on every rank: live output, errors, deaths, stalls, interrupts (data plane).
+
+One execute request per engine, sent with ipyparallel's ``message_future_hook`` so that the
+output callbacks are attached *before* the request leaves (no lost or duplicated output). The
+callbacks run on ipyparallel's IO thread and only enqueue; the kernel's main thread drains the
+queue and hands the output to a :class:`OutputSink` as it arrives, so prints, plots and tables
+appear in the notebook while the cell runs, in order, under the cell that produced them.
+
+While waiting, the main thread also watches the engine processes it started (a rank that exits
+is reported by rank and exit status at once, not after ipyparallel's heartbeat gives up),
+applies the stall timeout (counted from the moment the first rank finished; a rank that is
+then found waiting inside a collective is reported with its stack) and turns the
+notebook's interrupt into SIGINT for every engine still running the cell.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, Protocol
+
+from hora.engines.errors import CellFailedError, RankDiedError, RankError, StallError
+
+log = logging.getLogger("hora.engines")
+
+POLL_S = 0.2
+DEATH_GRACE_S = 5.0
+INTERRUPT_GRACE_S = 3.0
+
+
+@dataclass
+class Engine:
+    """One running engine, as the kernel knows it (the engine-id -> rank map lives here).
+
+    Attributes:
+        rank: its rank in the process group.
+        engine_id: ipyparallel's engine id (assigned by the controller; not the rank).
+        ident: ipyparallel's routing identity of the engine.
+        proc: the engine process (started by hora, so its pid and exit status are known).
+        host: host name.
+        device: torch device of the engine ("cuda:0", "cpu").
+        gpu: the GPU id bound through CUDA_VISIBLE_DEVICES ("" on CPU).
+        stack_file: where the engine writes its stack on SIGUSR1.
+        log_file: the engine's stdout/stderr outside cells (startup, crashes).
+        main_thread: ident of the engine's main thread (to pick its stack from a dump).
+    """
+
+    rank: int
+    engine_id: int
+    ident: bytes
+    proc: subprocess.Popen[bytes]
+    host: str
+    device: str
+    gpu: str
+    stack_file: Path
+    log_file: Path
+    main_thread: int = 0
+
+    @property
+    def pid(self) -> int:
+        """Return the engine's process id."""
+        return self.proc.pid
+
+
+class OutputSink(Protocol):
+    """Where a cell's output goes as it arrives (the magics display it; the API may collect it)."""
+
+    def stream(self, rank: int, name: str, text: str) -> None:
+        """Show text the rank wrote to ``name`` ("stdout" or "stderr")."""
+
+    def display(self, rank: int, content: dict[str, Any]) -> None:
+        """Show a rich output.
+
+        ``content`` is a display_data / execute_result content (``data``, ``metadata``,
+        ``transient``), with ``update=True`` for an update of an earlier display id, or
+        ``{"clear": True, "wait": bool}`` for ``clear_output``.
+        """
+
+
+class NullSink:
+    """An :class:`OutputSink` that shows nothing (the result still holds every output)."""
+
+    def stream(self, rank: int, name: str, text: str) -> None:
+        """Discard streamed text."""
+
+    def display(self, rank: int, content: dict[str, Any]) -> None:
+        """Discard rich output."""
+
+
+@dataclass
+class CellResult:
+    """What a cell produced on every rank.
+
+    Attributes:
+        stdout: text printed, by rank.
+        stderr: text written to stderr, by rank.
+        outputs: rich outputs (display_data and execute_result contents), by rank.
+        elapsed_s: wall time from send to the last rank's end.
+    """
+
+    stdout: dict[int, str] = field(default_factory=dict)
+    stderr: dict[int, str] = field(default_factory=dict)
+    outputs: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+
+
+class EnginesInterrupted(KeyboardInterrupt):
+    """The cell was interrupted; ``stuck`` lists ranks that did not stop within the grace period."""
+
+    def __init__(self, interrupted: Sequence[int], stuck: Sequence[int]) -> None:
+        super().__init__(f"interrupted ranks {list(interrupted)}; still running: {list(stuck)}")
+        self.interrupted = list(interrupted)
+        self.stuck = list(stuck)
+
+
+def _to_rank_error(rank: int, reply: Any) -> RankError | None:
+    """Turn an engine's reply into a RankError, or None when the cell succeeded there."""
+    ename = getattr(reply, "ename", None)
+    if ename is None:
+        if not isinstance(reply, BaseException):
+            return None
+        # ipyparallel's own failures (engine unregistered, task aborted) carry no remote traceback
+        return RankError(rank, type(reply).__name__, str(reply))
+    tb = getattr(reply, "traceback", "") or ""
+    lines = tb.splitlines() if isinstance(tb, str) else list(tb)
+    return RankError(rank, str(ename), str(getattr(reply, "evalue", "")), lines)
+
+
+def read_stack(engine: Engine, wait_s: float = 1.0) -> str:
+    """Ask an engine for its main thread's current Python stack (SIGUSR1 -> faulthandler).
+
+    Args:
+        engine: the engine to ask.
+        wait_s: how long to wait for the dump.
+
+    Returns:
+        The stack, most recent call first, or a note saying why there is none.
+    """
+    try:
+        start = engine.stack_file.stat().st_size
+        os.kill(engine.pid, signal.SIGUSR1)
+    except OSError as e:
+        return f"(no stack: {e})"
+    deadline, last = time.monotonic() + wait_s, -1
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        size = engine.stack_file.stat().st_size
+        if size > start and size == last:
+            break
+        last = size
+    with open(engine.stack_file, errors="replace") as f:
+        f.seek(start)
+        return pick_thread(f.read(), engine.main_thread)
+
+
+def pick_thread(dump: str, thread_id: int) -> str:
+    """Return one thread's frames from a faulthandler dump, cut below the cell's own frames.
+
+    Args:
+        dump: faulthandler output for all threads.
+        thread_id: the thread to keep (the engine's main thread); 0 keeps the whole dump.
+
+    Returns:
+        The frames of that thread up to the IPython machinery that runs cells.
+
+    Example:
+        >>> dump = "Thread 0x1 (most recent call first):"  + chr(10) + '  File "a.py", line 1 in f'
+        >>> pick_thread(dump, 1)
+        '  File "a.py", line 1 in f'
+    """
+    blocks: dict[int, list[str]] = {}
+    current: list[str] | None = None
+    for line in dump.splitlines():
+        words = line.split()
+        if line.startswith(("Thread 0x", "Current thread 0x")) and len(words) > 1:
+            current = blocks.setdefault(int(words[1] if words[0] == "Thread" else words[2], 16), [])
+        elif current is not None and line.startswith("  "):
+            current.append(line)
+    frames = blocks.get(thread_id) if thread_id else None
+    if frames is None:
+        return dump.strip()
+    kept = []
+    for line in frames:
+        if "IPython/core/interactiveshell.py" in line:
+            break
+        kept.append(line)
+    return "\n".join(kept or frames)
+
+
+COLLECTIVE_FRAMES = ("/hora/torch/", "/torch/distributed/")
+
+
+def in_collective(stack: str) -> bool:
+    """Return whether a stack (from :func:`read_stack`) is inside hora.torch or torch.distributed.
+
+    Example:
+        >>> in_collective('  File "/x/hora/torch/mpi_ops.py", line 9 in allreduce')
+        True
+    """
+    return any(marker in stack for marker in COLLECTIVE_FRAMES)
+
+
+def log_tail(path: Path, main_thread: int = 0, n: int = 20) -> str:
+    """Return what explains an engine's death from its log: a fatal-error stack, else the tail.
+
+    Args:
+        path: the engine's log file.
+        main_thread: the engine's main thread ident, to keep only its frames of a crash dump.
+        n: lines of plain tail when there is no crash dump.
+
+    Returns:
+        "Fatal Python error: ..." with the main thread's frames, or the last ``n`` lines.
+    """
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    at = text.rfind("Fatal Python error")
+    if at < 0:
+        return "\n".join(text.splitlines()[-n:])
+    dump = text[at:]
+    head = dump.splitlines()[0]
+    return head + "\n" + pick_thread(dump, main_thread)
+
+
+class CellRun:
+    """One cell on a set of engines; :meth:`wait` drives it to the end.
+
+    Args:
+        client: the connected ``ipyparallel.Client``.
+        engines: the engines to run on (all ranks).
+        code: the cell's source.
+        sink: receives the output of the ranks in ``shown``.
+        shown: ranks whose output is displayed live.
+        stall_timeout_s: how long ranks may still run after the first one finished.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        engines: Sequence[Engine],
+        code: str,
+        sink: OutputSink,
+        shown: Sequence[int],
+        stall_timeout_s: float,
+    ) -> None:
+        self.client, self.engines, self.code, self.sink = client, list(engines), code, sink
+        self.shown = set(shown)
+        self.stall_timeout_s = stall_timeout_s
+        self.q: queue.SimpleQueue[tuple[str, int, Any]] = queue.SimpleQueue()
+        self.replied: dict[int, Any] = {}
+        self.idle: set[int] = set()
+        self.result = CellResult()
+        self.first_done: float | None = None
+        self.dead: dict[int, int | None] = {}
+
+    # --- IO thread side: enqueue only -------------------------------------------------------
+    def _hook(self, rank: int, fut: Any) -> None:
+        fut.iopub_callbacks.append(partial(self._put, "iopub", rank))
+        fut.add_done_callback(partial(self._put, "reply", rank))
+        fut.output.add_done_callback(partial(self._put, "idle", rank))
+
+    def _put(self, kind: str, rank: int, payload: Any) -> None:
+        self.q.put((kind, rank, payload))
+
+    # --- main thread side --------------------------------------------------------------------
+    def send(self) -> None:
+        """Send the cell to every engine (one execute request each)."""
+        self.t0 = time.perf_counter()
+        for e in self.engines:
+            self.result.stdout[e.rank], self.result.stderr[e.rank] = "", ""
+            self.result.outputs[e.rank] = []
+            self.client.send_execute_request(
+                self.client._mux_stream,
+                self.code,
+                silent=False,
+                ident=e.ident,
+                message_future_hook=partial(self._hook, e.rank),
+            )
+
+    def pending(self) -> list[int]:
+        """Return the ranks that have not finished the cell (nor died)."""
+        return [
+            e.rank
+            for e in self.engines
+            if not (e.rank in self.replied and e.rank in self.idle) and e.rank not in self.dead
+        ]
+
+    def _handle(self, kind: str, rank: int, payload: Any) -> None:
+        if kind == "iopub":
+            self._on_iopub(rank, payload)
+            return
+        if kind == "reply":
+            self.replied[rank] = (
+                payload.result() if payload.exception() is None else payload.exception()
+            )
+        else:
+            self.idle.add(rank)
+        if rank in self.replied and rank in self.idle and self.first_done is None:
+            self.first_done = time.monotonic()
+
+    def _on_iopub(self, rank: int, msg: dict[str, Any]) -> None:
+        kind, content = msg["header"]["msg_type"], msg["content"]
+        if kind == "stream":
+            name = content.get("name", "stdout")
+            text = content.get("text", "")
+            store = self.result.stdout if name == "stdout" else self.result.stderr
+            store[rank] += text
+            if rank in self.shown:
+                self.sink.stream(rank, name, text)
+        elif kind in ("display_data", "execute_result", "update_display_data"):
+            if kind != "update_display_data":
+                self.result.outputs[rank].append(content)
+            if rank in self.shown:
+                self.sink.display(rank, dict(content, update=kind == "update_display_data"))
+        elif kind == "clear_output" and rank in self.shown:
+            self.sink.display(rank, {"clear": True, "wait": bool(content.get("wait"))})
+
+    def _drain(self, until: float | None) -> None:
+        """Process queued events until every rank is done, ``until`` passes, or a poll tick."""
+        timeout = POLL_S if until is None else max(0.0, min(POLL_S, until - time.monotonic()))
+        try:
+            item = self.q.get(timeout=timeout)
+        except queue.Empty:
+            return
+        self._handle(*item)
+        while True:  # take whatever else is already there without sleeping
+            try:
+                self._handle(*self.q.get_nowait())
+            except queue.Empty:
+                return
+
+    def _check_deaths(self) -> None:
+        for e in self.engines:
+            code = e.proc.poll()
+            if code is not None and e.rank not in self.dead:
+                self.dead[e.rank] = code
+                log.info("rank %d (pid %d) exited: %s", e.rank, e.pid, code)
+
+    def wait(self) -> CellResult:
+        """Wait for every rank, showing output as it comes.
+
+        Returns:
+            The cell's output on every rank.
+
+        Raises:
+            CellFailedError: the cell raised on one or more ranks.
+            RankDiedError: an engine process exited during the cell.
+            StallError: ranks still ran ``stall_timeout_s`` after the first one finished.
+            EnginesInterrupted: KeyboardInterrupt in the kernel; engines were sent SIGINT.
+        """
+        try:
+            self._loop()
+        except KeyboardInterrupt:
+            self._interrupt()
+        self.result.elapsed_s = time.perf_counter() - self.t0
+        self._raise_errors()
+        return self.result
+
+    def _loop(self) -> None:
+        death_deadline: float | None = None
+        last_check = time.monotonic()
+        while self.pending():
+            self._drain(death_deadline)
+            now = time.monotonic()
+            if now - last_check >= POLL_S:
+                last_check = now
+                self._check_deaths()
+                if self.dead and death_deadline is None:
+                    death_deadline = now + DEATH_GRACE_S
+            if death_deadline is not None and now >= death_deadline:
+                break
+            if (
+                death_deadline is None
+                and self.first_done is not None
+                and now - self.first_done > self.stall_timeout_s
+            ):
+                self._stall()
+
+    def _stall(self) -> None:
+        """Raise StallError if a still-running rank waits in a collective; else keep waiting.
+
+        A rank that computes alone (``if hvd.rank() == 0: evaluate()``) is not stalled: it is
+        sampled again one timeout later.
+        """
+        missing = self.pending()
+        by_rank = {e.rank: e for e in self.engines}
+        stacks = {r: read_stack(by_rank[r]) for r in missing}
+        if not any(in_collective(st) for st in stacks.values()):
+            self.first_done = time.monotonic()
+            return
+        finished = [e.rank for e in self.engines if e.rank not in missing]
+        raise StallError(missing, finished, self.stall_timeout_s, stacks)
+
+    def _interrupt(self) -> None:
+        running = self.pending()
+        for e in self.engines:
+            if e.rank in running:
+                try:
+                    os.kill(e.pid, signal.SIGINT)
+                except OSError:
+                    pass
+        deadline = time.monotonic() + INTERRUPT_GRACE_S
+        try:
+            while self.pending() and time.monotonic() < deadline:
+                self._drain(deadline)
+        except KeyboardInterrupt:  # a second interrupt: stop waiting
+            pass
+        raise EnginesInterrupted(running, self.pending())
+
+    def _errors(self) -> list[RankError]:
+        errs = [_to_rank_error(r, reply) for r, reply in sorted(self.replied.items())]
+        return [e for e in errs if e is not None]
+
+    def _raise_errors(self) -> None:
+        if self.dead:
+            by_rank = {e.rank: e for e in self.engines}
+            logs = {r: log_tail(by_rank[r].log_file, by_rank[r].main_thread) for r in self.dead}
+            errors = [e for e in self._errors() if e.rank not in self.dead]
+            raise RankDiedError(self.dead, logs, errors)
+        errors = self._errors()
+        if errors:
+            raise CellFailedError(errors)
+
+
+def run_cell(
+    client: Any,
+    engines: Sequence[Engine],
+    code: str,
+    *,
+    sink: OutputSink | None = None,
+    shown: Sequence[int] = (0,),
+    stall_timeout_s: float = 60.0,
+) -> CellResult:
+    """Run ``code`` on every engine and wait, streaming the shown ranks' output to ``sink``.
+
+    Args:
+        client: a connected ``ipyparallel.Client``.
+        engines: every rank's :class:`Engine`.
+        code: Python source of the cell.
+        sink: where live output goes (default: nowhere; it is in the result anyway).
+        shown: ranks whose output goes to the sink.
+        stall_timeout_s: seconds ranks may keep running after the first rank finished.
+
+    Returns:
+        Every rank's output.
+
+    Raises:
+        CellFailedError: the cell raised on one or more ranks.
+        RankDiedError: an engine exited during the cell.
+        StallError: some ranks never finished.
+        EnginesInterrupted: the kernel was interrupted while waiting.
+
+    Example:
+        >>> run_cell(client, engines, "print(hvd.rank())").stdout[1]  # doctest: +SKIP
+        '1' + chr(10)
+    """
+    run = CellRun(client, engines, code, sink or NullSink(), shown, stall_timeout_s)
+    run.send()
+    return run.wait()

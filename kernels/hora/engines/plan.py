@@ -1,0 +1,293 @@
+"""Pure functions that decide what the engine processes look like (data plane).
+
+Everything that becomes a process is built here without side effects, so it can be tested
+line by line: which GPU each rank gets (:func:`plan_devices`), each engine's environment
+(:func:`engine_env`: ``CUDA_VISIBLE_DEVICES`` bound before CUDA can initialise in it, plus the
+rank environment of :func:`hora.env.rank_env`), and the argument lists of the controller and
+engine processes. The notebook kernel's own ``os.environ`` is only ever read, never changed.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from hora.engines.errors import CudaInitializedError, NotEnoughGpusError
+from hora.env import rank_env
+from hora.errors import SpecError
+
+DEFAULT_CPU_ENGINES = 2
+DEFAULT_TIMEOUT_S = 60.0
+CLUSTER_ID = "hora"
+HEARTBEAT_MS = 250
+HEARTBEAT_MISSES = 40
+INLINE_MPL = "module://matplotlib_inline.backend_inline"
+_STRIP = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "LOCAL_SIZE",
+    "GROUP_RANK",
+    "CROSS_RANK",
+    "CROSS_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "HORA_LAUNCHER",
+    "JPY_PARENT_PID",
+    "IPP_CONNECTION_INFO",
+    "OMPI_COMM_WORLD_RANK",
+    "PMI_RANK",
+    "SLURM_PROCID",
+)
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    """How to start the engines (what ``%dist_start`` parsed; reused by ``%dist_restart``).
+
+    Attributes:
+        n: number of engines (ranks); None means one per free GPU, else 2 on CPU.
+        gpus: GPU ids to bind, one per rank (``CUDA_VISIBLE_DEVICES`` entries); None: choose.
+        backend: "nccl" or "gloo"; None: nccl with GPUs, gloo on CPU.
+        timeout_s: collective timeout in the engines and the default stall timeout of a cell.
+        start_timeout_s: how long engines may take to register and initialise.
+        threads: torch threads per engine on CPU (OMP_NUM_THREADS) when the kernel sets none.
+    """
+
+    n: int | None = None
+    gpus: tuple[str, ...] | None = None
+    backend: str | None = None
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    start_timeout_s: float = 60.0
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.n is not None and self.n < 1:
+            raise SpecError("n", f"number of engines must be >= 1, got {self.n}")
+        if self.backend is not None and self.backend not in ("nccl", "gloo"):
+            raise SpecError("backend", f"must be nccl or gloo, got {self.backend!r}")
+        if self.timeout_s <= 0:
+            raise SpecError("timeout", f"must be > 0 seconds, got {self.timeout_s:g}")
+        if self.start_timeout_s <= 0:
+            raise SpecError("start_timeout", f"must be > 0 seconds, got {self.start_timeout_s:g}")
+        if self.gpus is not None and self.n is not None and len(self.gpus) != self.n:
+            raise SpecError("gpus", f"{len(self.gpus)} GPUs listed for {self.n} engines")
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One GPU as the kernel sees it without touching CUDA (from nvidia-smi).
+
+    Attributes:
+        id: the id to put in an engine's ``CUDA_VISIBLE_DEVICES`` (index or UUID).
+        busy_pids: processes that hold a CUDA context on it.
+    """
+
+    id: str
+    busy_pids: tuple[int, ...] = ()
+
+
+def check_cuda_free(is_initialized: Callable[[], bool]) -> None:
+    """Refuse to start engines when CUDA is already initialised in the notebook kernel.
+
+    Args:
+        is_initialized: returns whether the kernel holds a CUDA context (in the kernel:
+            ``torch.cuda.is_initialized`` if torch is imported; tests inject a fake).
+
+    Raises:
+        CudaInitializedError: with what to do about it.
+
+    Example:
+        >>> check_cuda_free(lambda: False)
+    """
+    if is_initialized():
+        raise CudaInitializedError(
+            "CUDA is already initialised in this notebook kernel, so the GPUs cannot be given to "
+            "the engines; restart the kernel and run %dist_start before using CUDA in the notebook"
+        )
+
+
+def plan_devices(
+    n: int | None, gpus: Sequence[str] | None, visible: Sequence[GpuInfo]
+) -> list[str | None]:
+    """Choose one device per rank: a GPU id, or None for a CPU engine.
+
+    Args:
+        n: engines asked for (None: one per free GPU, else 2 on CPU).
+        gpus: GPU ids asked for explicitly (``--gpus``), or None.
+        visible: the GPUs the kernel can see.
+
+    Returns:
+        ``devices[rank]``: the GPU id bound to that rank, or None on CPU.
+
+    Raises:
+        NotEnoughGpusError: when more GPUs are asked for than are visible and free.
+
+    Example:
+        >>> plan_devices(2, None, [])
+        [None, None]
+    """
+    ids = [g.id for g in visible]
+    free = [g.id for g in visible if not g.busy_pids]
+    if gpus is not None:
+        unknown = [g for g in gpus if g not in ids]
+        taken = [g for g in gpus if g in ids and g not in free]
+        if unknown or taken or len(set(gpus)) != len(gpus):
+            why = (
+                f"GPU {', '.join(unknown)} not visible"
+                if unknown
+                else f"GPU {', '.join(taken)} in use"
+                if taken
+                else "a GPU is listed twice"
+            )
+            raise NotEnoughGpusError(len(gpus), ids, free, f"{why}; pick from the free ones")
+        return list(gpus)
+    if not visible:
+        return [None] * (n if n is not None else DEFAULT_CPU_ENGINES)
+    want = len(free) if n is None else n
+    if want == 0 or want > len(free):
+        busy = "; ".join(
+            f"GPU {g.id} used by pid {', '.join(map(str, g.busy_pids))}"
+            for g in visible
+            if g.busy_pids
+        )
+        hint = f"pass -n {len(free)}" if free else "free a GPU"
+        raise NotEnoughGpusError(want or 1, ids, free, hint + (f" ({busy})" if busy else ""))
+    return list(free[:want])
+
+
+def parse_nvidia_smi(gpus_csv: str, apps_csv: str, cuda_visible: str | None) -> list[GpuInfo]:
+    """Read ``nvidia-smi`` CSV output into the GPUs this kernel may use.
+
+    Args:
+        gpus_csv: output of ``nvidia-smi --query-gpu=index,uuid --format=csv,noheader``.
+        apps_csv: output of ``nvidia-smi --query-compute-apps=gpu_uuid,pid --format=csv,noheader``.
+        cuda_visible: the kernel's ``CUDA_VISIBLE_DEVICES`` (restricts and orders), or None.
+
+    Returns:
+        The visible GPUs, each with the pids that use it.
+
+    Example:
+        >>> parse_nvidia_smi("0, GPU-a", "GPU-a, 42", "0")
+        [GpuInfo(id='0', busy_pids=(42,))]
+    """
+    rows = [[c.strip() for c in line.split(",")] for line in gpus_csv.splitlines() if line.strip()]
+    busy: dict[str, list[int]] = {}
+    for line in apps_csv.splitlines():
+        cols = [c.strip() for c in line.split(",")]
+        if len(cols) >= 2 and cols[1].isdigit():
+            busy.setdefault(cols[0], []).append(int(cols[1]))
+    by_key = {key: (idx, uuid) for idx, uuid in rows for key in (idx, uuid)}
+    if cuda_visible is None:
+        chosen = [idx for idx, _ in rows]
+    else:
+        chosen = [v.strip() for v in cuda_visible.split(",") if v.strip() and v.strip() in by_key]
+    return [GpuInfo(v, tuple(busy.get(by_key[v][1], ()))) for v in chosen]
+
+
+def engine_env(
+    base: Mapping[str, str],
+    *,
+    rank: int,
+    size: int,
+    device: str | None,
+    master_port: int,
+    backend: str,
+    timeout_s: float,
+    threads: int = 1,
+) -> dict[str, str]:
+    """Build one engine's environment from the kernel's (which is left untouched).
+
+    Args:
+        base: the kernel's environment (``os.environ``), copied.
+        rank: the engine's rank.
+        size: number of engines.
+        device: GPU id for ``CUDA_VISIBLE_DEVICES``, or None for a CPU engine.
+        master_port: rendezvous port of the process group.
+        backend: "nccl" or "gloo" (``HORA_BACKEND``).
+        timeout_s: collective timeout (``HORA_TIMEOUT``).
+        threads: OMP_NUM_THREADS for CPU engines when ``base`` sets none.
+
+    Returns:
+        A new dict: the launcher variables are replaced by this rank's.
+
+    Example:
+        >>> env = engine_env({}, rank=1, size=2, device="3", master_port=1234, backend="nccl",
+        ...                  timeout_s=60)
+        >>> env["CUDA_VISIBLE_DEVICES"], env["RANK"], env["LOCAL_RANK"]
+        ('3', '1', '0')
+    """
+    env = {k: v for k, v in base.items() if k not in _STRIP}
+    if device is None:
+        env.update(rank_env(rank, size, master_port=master_port))
+    else:
+        # One GPU per engine: inside it that GPU is cuda:0 whatever the rank, so the engine is
+        # placed as local rank 0 of its own "host"; Horovod code doing
+        # torch.cuda.set_device(hvd.local_rank()) then picks the bound GPU.
+        env.update(
+            rank_env(
+                rank,
+                size,
+                local_rank=0,
+                local_size=1,
+                cross_rank=rank,
+                cross_size=size,
+                master_port=master_port,
+            )
+        )
+    env.update(
+        {
+            "HORA_BACKEND": backend,
+            "HORA_TIMEOUT": f"{timeout_s:g}",
+            "PYTHONUNBUFFERED": "1",
+            "MPLBACKEND": INLINE_MPL,
+        }
+    )
+    if device is not None:
+        env["CUDA_VISIBLE_DEVICES"] = device
+    else:
+        env.setdefault("OMP_NUM_THREADS", str(threads))
+    return env
+
+
+def controller_argv(profile_dir: Path, python: str = sys.executable) -> list[str]:
+    """Return the controller's command line (schedulers in threads, fast heartbeat, loopback)."""
+    return [
+        python,
+        "-m",
+        "hora.engines._child",
+        "controller",
+        "--usethreads",
+        "--ip=127.0.0.1",
+        f"--profile-dir={profile_dir}",
+        f"--cluster-id={CLUSTER_ID}",
+        "--log-level=WARN",
+        f"--HeartMonitor.period={HEARTBEAT_MS}",
+        f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
+    ]
+
+
+def engine_argv(profile_dir: Path, stack_file: Path, python: str = sys.executable) -> list[str]:
+    """Return one engine's command line (no nanny: hora signals engines by pid itself)."""
+    url = profile_dir / "security" / f"ipcontroller-{CLUSTER_ID}-engine.json"
+    return [
+        python,
+        "-m",
+        "hora.engines._child",
+        "engine",
+        f"--stack-file={stack_file}",
+        f"--profile-dir={profile_dir}",
+        f"--cluster-id={CLUSTER_ID}",
+        "--log-level=WARN",
+        f"--IPEngine.url_file={url}",
+        "--IPEngine.enable_nanny=False",
+        "--IPEngine.wait_for_url_file=60",
+    ]
+
+
+def client_file(profile_dir: Path) -> Path:
+    """Return where the controller writes the client connection file."""
+    return profile_dir / "security" / f"ipcontroller-{CLUSTER_ID}-client.json"

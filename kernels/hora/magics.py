@@ -1,0 +1,346 @@
+"""Notebook magics: ``%dist_start``, ``%%distributed`` and friends (data plane).
+
+Thin by design: each magic parses its line with IPython's ``magic_arguments`` (never ``eval``),
+calls :class:`hora.engines.Cluster`, and displays the result. ``%load_ext hora`` registers them
+without importing torch or ipyparallel; those load when a magic first starts engines.
+"""
+
+from __future__ import annotations
+
+import html
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+_MAGICS: HoraMagics | None = None
+
+
+class Table:
+    """Rows of dicts shown as an HTML table in notebooks and aligned text elsewhere."""
+
+    def __init__(self, rows: Sequence[dict[str, Any]], title: str = "") -> None:
+        self.rows, self.title = list(rows), title
+        self.cols = list(self.rows[0]) if self.rows else []
+
+    def __repr__(self) -> str:
+        cells = [self.cols] + [[str(r[c]) for c in self.cols] for r in self.rows]
+        widths = [max(len(row[i]) for row in cells) for i in range(len(self.cols))]
+        lines = [
+            "  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip()
+            for row in cells
+        ]
+        return "\n".join(([self.title] if self.title else []) + lines)
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in self.cols)
+        body = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(str(r[c]))}</td>" for c in self.cols) + "</tr>"
+            for r in self.rows
+        )
+        cap = f"<caption>{html.escape(self.title)}</caption>" if self.title else ""
+        return f"<table>{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+class DisplaySink:
+    """Shows a cell's live output in the notebook: text as it streams, rich output displayed.
+
+    Args:
+        prefix: prefix each line with ``[rank N]`` (``--all``).
+    """
+
+    def __init__(self, prefix: bool) -> None:
+        self.prefix = prefix
+        self._at_start: dict[tuple[int, str], bool] = {}
+
+    def stream(self, rank: int, name: str, text: str) -> None:
+        """Write a rank's text to the notebook's stdout or stderr."""
+        out = sys.stderr if name == "stderr" else sys.stdout
+        if self.prefix:
+            key = (rank, name)
+            lines = text.splitlines(keepends=True)
+            parts = []
+            for line in lines:
+                parts.append((f"[rank {rank}] " if self._at_start.get(key, True) else "") + line)
+                self._at_start[key] = line.endswith("\n")
+            text = "".join(parts)
+        out.write(text)
+        out.flush()
+
+    def display(self, rank: int, content: dict[str, Any]) -> None:
+        """Display a rank's rich output (plots, tables, the cell's last value, updates)."""
+        from IPython.display import clear_output, publish_display_data
+
+        if content.get("clear"):
+            clear_output(wait=bool(content.get("wait")))
+            return
+        transient = dict(content.get("transient") or {})
+        if "display_id" in transient:  # ranks may reuse ids; keep them apart in the notebook
+            transient["display_id"] = f"rank{rank}-{transient['display_id']}"
+        if self.prefix and not content.get("update"):
+            sys.stdout.write(f"[rank {rank}]\n")
+            sys.stdout.flush()
+        publish_display_data(
+            content.get("data", {}),
+            content.get("metadata", {}),
+            transient=transient or None,
+            update=bool(content.get("update")),
+        )
+
+
+def _names(names: Sequence[str], flag: str) -> list[str]:
+    bad = [n for n in names if not n.isidentifier()]
+    if bad:
+        raise UsageError(f"{flag}: {bad[0]!r} is not a Python variable name")
+    return list(names)
+
+
+def _csv(value: str) -> tuple[str, ...]:
+    items = tuple(v.strip() for v in value.split(",") if v.strip())
+    if not items:
+        raise UsageError(f"--gpus expects a comma-separated list such as 0,1; got {value!r}")
+    return items
+
+
+@magics_class
+class HoraMagics(Magics):
+    """The ``%dist_*`` magics and ``%%distributed``; holds this kernel's one cluster."""
+
+    def __init__(self, shell: Any) -> None:
+        super().__init__(shell)
+        self.cluster: Any = None
+
+    # --- helpers ---------------------------------------------------------------------------
+    def _ns(self) -> dict[str, Any]:
+        shell: Any = self.shell
+        return shell.user_ns  # type: ignore[no-any-return]
+
+    def _options(self, args: Any) -> Any:
+        from hora.engines import ClusterOptions
+        from hora.errors import SpecError
+
+        try:
+            return ClusterOptions(
+                n=args.n,
+                gpus=_csv(args.gpus) if args.gpus else None,
+                backend=args.backend,
+                timeout_s=args.timeout if args.timeout is not None else 60.0,
+                start_timeout_s=args.start_timeout,
+            )
+        except SpecError as e:
+            raise UsageError(str(e)) from None
+
+    def _start(self, options: Any) -> None:
+        from IPython.display import display
+
+        from hora.engines import Cluster
+
+        self.cluster = Cluster(options)
+        rows = self.cluster.start()
+        title = f"{len(rows)} engines ready in {self.cluster.start_s:.1f}s ({self.cluster.backend})"
+        display(
+            Table(
+                [{k: r[k] for k in ("rank", "host", "pid", "device", "engine_id")} for r in rows],
+                title,
+            )
+        )
+
+    def _running(self) -> Any:
+        from hora.engines import ClusterNotRunningError
+
+        if self.cluster is None:
+            raise ClusterNotRunningError("no engines are running; run %dist_start first")
+        return self.cluster
+
+    def _is_up(self) -> bool:
+        from hora.engines import State
+
+        return self.cluster is not None and self.cluster.state is not State.STOPPED
+
+    # --- magics ----------------------------------------------------------------------------
+    @magic_arguments()
+    @argument(
+        "-n", type=int, default=None, help="number of engines (default: one per free GPU, else 2)"
+    )
+    @argument("--gpus", default=None, help="GPU ids to bind, one per rank, e.g. 0,1")
+    @argument("--backend", choices=["nccl", "gloo"], default=None, help="process group backend")
+    @argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="collective timeout and default stall timeout of cells, seconds (default 60)",
+    )
+    @argument("--start-timeout", type=float, default=60.0, help="seconds engines may take to start")
+    @line_magic
+    def dist_start(self, line: str) -> None:
+        """Start engines, bind one GPU each, and initialise hora.torch in them.
+
+        Example: ``%dist_start -n 2 --backend gloo``
+        """
+        args = parse_argstring(self.dist_start, line)
+        options = self._options(args)
+        if self._is_up():
+            sys.stderr.write(
+                f"engines already running ({self.cluster.size} ranks); "
+                "use %dist_restart or %dist_stop first\n"
+            )
+            return
+        self._start(options)
+
+    @line_magic
+    def dist_stop(self, line: str) -> None:
+        """Stop the engines and the controller. Example: ``%dist_stop``."""
+        if self.cluster is not None:
+            self.cluster.stop()
+        self.cluster = None
+
+    @line_magic
+    def dist_restart(self, line: str) -> None:
+        """Stop and start the engines with the last start's options. Example: ``%dist_restart``."""
+        cluster = self._running()
+        cluster.stop()
+        self._start(cluster.options)
+
+    @line_magic
+    def dist_status(self, line: str) -> Any:
+        """Show each rank's liveness, pid, device and memory. Example: ``%dist_status``."""
+        from IPython.display import display
+
+        cluster = self._running()
+        note = f" ({cluster.broken_reason})" if cluster.broken_reason else ""
+        display(Table(cluster.status(), f"cluster {cluster.state.value}{note}"))
+
+    @magic_arguments()
+    @argument("names", nargs="+", help="notebook variables to copy to every engine")
+    @line_magic
+    def dist_push(self, line: str) -> None:
+        """Copy notebook variables to every engine (tensors to each engine's device).
+
+        Example: ``%dist_push weights lr``
+        """
+        args = parse_argstring(self.dist_push, line)
+        _names(args.names, "%dist_push")
+        missing = [n for n in args.names if n not in self._ns()]
+        if missing:
+            raise UsageError(f"%dist_push: {', '.join(missing)} not defined in the notebook")
+        self._running().push({n: self._ns()[n] for n in args.names})
+
+    @magic_arguments()
+    @argument("names", nargs="+", help="engine variables to fetch")
+    @argument("--rank", type=int, default=None, help="fetch only this rank's value (not a list)")
+    @line_magic
+    def dist_pull(self, line: str) -> None:
+        """Fetch engine variables into the notebook: a list by rank, or one value with --rank.
+
+        Example: ``%dist_pull loss --rank 0``
+        """
+        args = parse_argstring(self.dist_pull, line)
+        cluster = self._running()
+        if args.rank is not None and not 0 <= args.rank < cluster.size:
+            raise UsageError(f"--rank {args.rank} is outside 0..{cluster.size - 1}")
+        ranks = None if args.rank is None else [args.rank]
+        for name in _names(args.names, "%dist_pull"):
+            values = cluster.pull(name, ranks)
+            self._ns()[name] = values[0] if args.rank is not None else values
+
+    @magic_arguments()
+    @argument("-n", type=int, default=None, help="engines to start if none are running")
+    @argument("--all", action="store_true", help="show every rank's output, prefixed [rank N]")
+    @argument("--rank", type=int, default=None, help="show only this rank's output")
+    @argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="stall timeout: seconds ranks may run after the first finished",
+    )
+    @argument(
+        "--out",
+        default=None,
+        help="gather this engine variable from every rank into a notebook list",
+    )
+    @line_cell_magic
+    def distributed(self, line: str, cell: str | None = None) -> None:
+        """Run the cell on every rank; ``%distributed stmt`` runs one statement.
+
+        Example::
+
+            %%distributed --all
+            print(hvd.rank(), hvd.allreduce(torch.ones(1)))
+        """
+        if cell is None:
+            self._run_cell(line, shown_all=False, rank=None, timeout=None, out=None, n=None)
+            return
+        args = parse_argstring(self.distributed, line)
+        if args.all and args.rank is not None:
+            raise UsageError("use either --all or --rank R, not both")
+        if args.out is not None:
+            _names([args.out], "--out")
+        self._run_cell(
+            cell, shown_all=args.all, rank=args.rank, timeout=args.timeout, out=args.out, n=args.n
+        )
+
+    def _run_cell(
+        self,
+        code: str,
+        *,
+        shown_all: bool,
+        rank: int | None,
+        timeout: float | None,
+        out: str | None,
+        n: int | None,
+    ) -> None:
+        if not self._is_up():
+            from hora.engines import ClusterOptions
+
+            self._start(ClusterOptions(n=n))
+        cluster = self.cluster
+        if n is not None and n != cluster.size:
+            raise UsageError(
+                f"engines are running with {cluster.size} ranks but the cell asks for -n {n}; "
+                f"run %dist_stop then %dist_start -n {n}"
+            )
+        if rank is not None and not 0 <= rank < cluster.size:
+            raise UsageError(f"--rank {rank} is outside 0..{cluster.size - 1}")
+        if timeout is not None and timeout <= 0:
+            raise UsageError(f"--timeout must be > 0 seconds, got {timeout:g}")
+        shown = list(range(cluster.size)) if shown_all else [0 if rank is None else rank]
+        cluster.run(code, sink=DisplaySink(prefix=shown_all), shown=shown, timeout=timeout)
+        if out:
+            self._ns()[out] = cluster.pull(out)
+
+    def stop(self) -> None:
+        """Stop this kernel's engines (unload or shutdown)."""
+        if self.cluster is not None:
+            self.cluster.stop()
+            self.cluster = None
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """Register hora's magics (``%load_ext hora``); cheap: no torch, no ipyparallel yet.
+
+    Args:
+        ipython: the running InteractiveShell.
+
+    Example:
+        >>> %load_ext hora  # doctest: +SKIP
+    """
+    global _MAGICS
+    if _MAGICS is not None and _MAGICS.shell is ipython:
+        return
+    _MAGICS = HoraMagics(ipython)
+    ipython.register_magics(_MAGICS)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """Stop the engines this kernel started (``%unload_ext hora``).
+
+    Args:
+        ipython: the running InteractiveShell.
+    """
+    global _MAGICS
+    if _MAGICS is not None:
+        _MAGICS.stop()
+        _MAGICS = None

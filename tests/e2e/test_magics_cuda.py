@@ -1,0 +1,46 @@
+"""GPU binding of the engines (needs CUDA GPUs and nvidia-smi; skipped on CPU machines)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from _magics_util import wait_gone
+from hora.engines import Cluster, ClusterOptions
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or shutil.which("nvidia-smi") is None,
+        reason="needs a CUDA GPU and nvidia-smi",
+    ),
+]
+
+
+def test_each_engine_owns_one_gpu_and_nccl_works():
+    n = min(2, torch.cuda.device_count())
+    c = Cluster(ClusterOptions(n=n, backend="nccl"))
+    c.start()
+    try:
+        rows = c.table()
+        assert [r["device"] for r in rows] == ["cuda:0"] * n
+        assert len({r["gpu"] for r in rows}) == n  # distinct CUDA_VISIBLE_DEVICES per engine
+        res = c.run(
+            "import os\n"
+            "t = hvd.allreduce(torch.ones(2, device='cuda'), op=hvd.Sum)\n"
+            "print(torch.cuda.device_count(), hvd.local_rank(), t.device, t.sum().item())",
+            shown=list(range(n)),
+        )
+        assert all(out == f"1 0 cuda:0 {2.0 * n}\n" for out in res.stdout.values())
+        c.push({"w": torch.zeros(3)})
+        c.run("assert w.device.type == 'cuda'; w += 1")
+        pulled = c.pull("w")
+        assert all(v.device.type == "cpu" and v.tolist() == [1.0] * 3 for v in pulled)
+        assert all(isinstance(r["cuda_mb"], float) for r in c.status())
+    finally:
+        pids = c.pids
+        c.stop()
+    assert wait_gone(pids) == []

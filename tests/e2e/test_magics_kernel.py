@@ -1,0 +1,203 @@
+"""The magics in a real Jupyter kernel (jupyter_client): live streaming, interrupt, shutdown.
+
+This is the faithful setting for what the notebook's stop button does (SIGINT to the kernel's
+process group) and for the order in which output reaches the frontend over iopub.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _magics_util import alive, group_members, wait_gone
+from jupyter_client.manager import start_new_kernel
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class Kernel:
+    """A kernel plus helpers that collect each request's iopub messages."""
+
+    def __init__(self) -> None:
+        self.km, self.kc = start_new_kernel(kernel_name="python3", startup_timeout=60)
+
+    def send(self, code: str) -> str:
+        return self.kc.execute(code)
+
+    def collect(
+        self, msg_id: str, timeout: float = 90, on_msg: Any = None
+    ) -> tuple[dict, list[dict]]:
+        """Read iopub until the request is idle; return (reply content, iopub messages)."""
+        msgs: list[dict] = []
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            assert left > 0, f"no idle within {timeout}s; got {[m['msg_type'] for m in msgs]}"
+            try:
+                msg = self.kc.get_iopub_msg(timeout=min(left, 1.0))
+            except Exception:  # queue.Empty
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            msgs.append(msg)
+            if on_msg is not None:
+                on_msg(msg)
+            if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                break
+        while True:
+            reply = self.kc.get_shell_msg(timeout=10)
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return reply["content"], msgs
+
+    def run(self, code: str, timeout: float = 90) -> tuple[dict, str, list[dict]]:
+        reply, msgs = self.collect(self.send(code), timeout)
+        out = "".join(
+            m["content"]["text"]
+            for m in msgs
+            if m["msg_type"] == "stream" and m["content"]["name"] == "stdout"
+        )
+        return reply, out, msgs
+
+    def pids(self) -> list[int]:
+        reply, out, _ = self.run("from hora import magics; print(magics._MAGICS.cluster.pids)")
+        assert reply["status"] == "ok", reply
+        return list(ast.literal_eval(out.strip()))
+
+    def close(self) -> None:
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=False)
+
+
+def error_text(msgs: list[dict]) -> str:
+    return "\n".join("\n".join(m["content"]["traceback"]) for m in msgs if m["msg_type"] == "error")
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = Kernel()
+    reply, _, msgs = k.run("%load_ext hora\n%dist_start -n 2 --timeout 20")
+    assert reply["status"] == "ok", error_text(msgs)
+    pids = k.pids()
+    yield k
+    k.close()
+    assert wait_gone(pids) == [], "engines outlived the kernel's shutdown"
+
+
+def test_stream_reaches_frontend_while_cell_runs(kernel, tmp_path):
+    go: Path = tmp_path / "go"
+    code = (
+        f"%%distributed --all\nimport os, time\nprint('first', flush=True)\n"
+        f"deadline = time.time() + 30\n"
+        f"while not os.path.exists({str(go)!r}) and time.time() < deadline: time.sleep(0.05)\n"
+        f"print('second' if os.path.exists({str(go)!r}) else 'not streamed', flush=True)"
+    )
+
+    def on_msg(msg: dict) -> None:
+        if msg["msg_type"] == "stream" and "first" in msg["content"]["text"]:
+            go.touch()
+
+    reply, msgs = kernel.collect(kernel.send(code), on_msg=on_msg)
+    assert reply["status"] == "ok"
+    text = "".join(m["content"]["text"] for m in msgs if m["msg_type"] == "stream")
+    for rank in (0, 1):
+        assert text.index(f"[rank {rank}] first") < text.index(f"[rank {rank}] second")
+    assert "not streamed" not in text
+
+
+def test_failing_cell_is_an_error_reply(kernel):
+    reply, _, msgs = kernel.run("%%distributed\nraise KeyError('k')")
+    assert reply["status"] == "error"
+    assert reply["ename"] == "CellFailedError"
+    assert "also failed on rank 1 (same error)" in error_text(msgs)
+
+
+def test_interrupt_stops_cell_and_engines_stay_usable(kernel):
+    msg_id = kernel.send(
+        "%%distributed\nimport time\nprint('started', flush=True)\ntime.sleep(120)"
+    )
+    started = time.monotonic()
+
+    def on_msg(msg: dict) -> None:
+        if msg["msg_type"] == "stream" and "started" in msg["content"]["text"]:
+            kernel.km.interrupt_kernel()
+
+    reply, msgs = kernel.collect(msg_id, timeout=60, on_msg=on_msg)
+    assert time.monotonic() - started < 60
+    assert reply["status"] == "error"
+    assert reply["ename"] == "EnginesInterrupted"
+    assert "still usable" in error_text(msgs)
+    reply, out, _ = kernel.run(
+        "%%distributed\nprint(hvd.allreduce(torch.ones(1), op=hvd.Sum).item())"
+    )
+    assert reply["status"] == "ok" and out == "2.0\n"
+
+
+def test_interrupt_restarts_engines_that_ignore_it(kernel):
+    old = kernel.pids()
+    code = (
+        "%%distributed\nimport signal, time\n"
+        "if hvd.rank() == 1:\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "print('started', flush=True)\ntime.sleep(120)"
+    )
+    msg_id = kernel.send(code)
+
+    def on_msg(msg: dict) -> None:
+        if msg["msg_type"] == "stream" and "started" in msg["content"]["text"]:
+            kernel.km.interrupt_kernel()
+
+    reply, msgs = kernel.collect(msg_id, timeout=90, on_msg=on_msg)
+    assert reply["status"] == "error"
+    text = error_text(msgs)
+    assert "ranks [1] did not stop" in text and "restarted" in text
+    assert wait_gone(old) == []
+    reply, out, _ = kernel.run("%%distributed\nprint(hvd.size())")
+    assert reply["status"] == "ok" and out == "2\n"
+
+
+def test_killed_kernel_leaves_no_engines():
+    k = Kernel()
+    try:
+        reply, _, msgs = k.run("%load_ext hora\n%dist_start -n 2")
+        assert reply["status"] == "ok", error_text(msgs)
+        pids = k.pids()
+        reply, out, _ = k.run("print(magics._MAGICS.cluster._dir)")
+        workdir = Path(out.strip())
+        assert len(alive(pids)) == 3 and workdir.is_dir()
+        # the controller forks a heart monitor: every process in hora's groups must go
+        members = group_members(pids)
+        assert len(members) > len(pids)
+        os.kill(k.km.provisioner.process.pid, signal.SIGKILL)
+        assert wait_gone(members, timeout=15) == [], "engines outlived a killed kernel"
+        assert group_members(pids) == []
+        assert not workdir.exists()
+    finally:
+        k.kc.stop_channels()
+        k.km.shutdown_kernel(now=True)
+
+
+def test_failing_distributed_cell_fails_nbclient_execution(tmp_path):
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell("%load_ext hora\n%dist_start -n 2"),
+        nbformat.v4.new_code_cell("%%distributed\nprint('ok', hvd.rank())"),
+        nbformat.v4.new_code_cell("%%distributed\nassert hvd.rank() == 0, 'boom'"),
+        nbformat.v4.new_code_cell("print('never runs')"),
+    ]
+    client = NotebookClient(
+        nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    )
+    with pytest.raises(CellExecutionError) as exc:
+        client.execute()
+    assert exc.value.ename == "CellFailedError"
+    assert "[rank 1] AssertionError: boom" in str(exc.value)
+    assert nb.cells[1].outputs[0]["text"] == "ok 0\n"
+    assert nb.cells[3].get("outputs", []) == []
