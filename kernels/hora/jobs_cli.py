@@ -1,0 +1,372 @@
+"""``hora submit / jobs / status / logs / cancel / gpus``: the job service from a terminal.
+
+Data plane: a thin layer over :class:`hora.client.Client` (parse arguments into a
+:class:`hora.spec.JobSpec`, call the service, print a readable table). URL and token come from
+``--url``/``--token``, else ``HORA_URL``/``HORA_TOKEN``, else ``~/.hora/config``.
+
+``hora submit --wait`` prints state changes on stderr and rank 0's log on stdout until the job
+ends, then exits 0 (succeeded), 1 (failed) or 130 (cancelled). Errors exit 1 with one line on
+stderr; usage errors exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from typing import Any, TextIO
+
+from hora.client import Client, Job, JobInfo, parse_spec
+from hora.errors import HoraError, SpecError
+from hora.spec import JobState, Priority
+
+EXIT_FOR_STATE = {JobState.succeeded: 0, JobState.failed: 1, JobState.cancelled: 130}
+EXIT_INTERRUPTED = 130
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", help="service URL (default: HORA_URL or ~/.hora/config)")
+    p.add_argument("--token", help="bearer token (default: HORA_TOKEN or ~/.hora/config)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every job subcommand (``prog`` is ``hora``).
+
+    Returns:
+        The parser; ``args.cmd`` names the subcommand.
+
+    Example:
+        >>> build_parser().parse_args(["cancel", "7"]).job_id
+        7
+    """
+    parser = argparse.ArgumentParser(prog="hora", description="Use the hora job service.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser(
+        "submit",
+        help="submit a job",
+        description=(
+            "Submit COMMAND (after --) as a job. With --wait, exit 0 if it succeeded, "
+            "1 if it failed, 130 if it was cancelled."
+        ),
+    )
+    s.add_argument("--workers", "-w", type=int, default=1, help="processes (ranks), default 1")
+    s.add_argument("--gpus", type=int, default=1, help="GPUs (or CPU slots) per worker, default 1")
+    s.add_argument("--name", default="job", help="job name")
+    s.add_argument(
+        "--env", "-e", action="append", default=[], metavar="K=V", help="env var (repeat)"
+    )
+    s.add_argument("--priority", choices=[p.value for p in Priority], default="normal")
+    s.add_argument("--max-retries", type=int, default=0, help="retries after a failed attempt")
+    s.add_argument("--timeout", type=float, default=None, help="seconds before the job is killed")
+    s.add_argument("--workdir", default=None, help="working directory of the ranks")
+    s.add_argument(
+        "--submission-id", default=None, help="idempotency key: resubmitting returns the same job"
+    )
+    s.add_argument("--image", default=None, help="container image (docker runtime)")
+    s.add_argument("--runtime", default="local", help="local (docker and slurm later)")
+    s.add_argument(
+        "--wait", action="store_true", help="follow progress and rank 0's log until the end"
+    )
+    s.add_argument("command", nargs=argparse.REMAINDER, help="-- program and arguments")
+    j = sub.add_parser("jobs", help="list jobs (newest first)")
+    j.add_argument("--state", choices=[s.value for s in JobState], help="only jobs in this state")
+    j.add_argument("--all", action="store_true", help="every job, not just the latest --limit")
+    j.add_argument("--limit", type=int, default=20, help="how many to show (default 20)")
+    st = sub.add_parser("status", help="show one job")
+    st.add_argument("job_id", type=int)
+    st.add_argument("--json", action="store_true", help="print the raw JSON record")
+    lg = sub.add_parser("logs", help="print (or follow with -f) one rank's log")
+    lg.add_argument("job_id", type=int)
+    lg.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
+    lg.add_argument("--rank", "-r", type=int, default=0, help="which rank (default 0)")
+    lg.add_argument("--attempt", type=int, default=None, help="which attempt (default: current)")
+    c = sub.add_parser("cancel", help="cancel jobs")
+    c.add_argument("job_id", type=int, nargs="+")
+    sub.add_parser("gpus", help="show GPUs/slots and which job holds each")
+    for p in sub.choices.values():
+        _common(p)
+    return parser
+
+
+def parse_env(pairs: Sequence[str]) -> dict[str, str]:
+    """Turn ``["K=V", ...]`` into a dict.
+
+    Args:
+        pairs: ``K=V`` strings.
+
+    Returns:
+        The environment mapping.
+
+    Raises:
+        SpecError: a pair has no ``=`` (field ``env``).
+
+    Example:
+        >>> parse_env(["A=1", "B=x=y"])
+        {'A': '1', 'B': 'x=y'}
+    """
+    env = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SpecError("env", f"{pair!r} is not KEY=VALUE")
+        env[key] = value
+    return env
+
+
+def spec_from_args(args: argparse.Namespace) -> Any:
+    """Build the :class:`JobSpec` of ``hora submit`` from its parsed arguments.
+
+    Raises:
+        SpecError: no command after ``--``, or an invalid field.
+    """
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise SpecError("command", "give the program after --, e.g. hora submit -- python train.py")
+    data: dict[str, Any] = {
+        "name": args.name,
+        "command": command,
+        "workers": args.workers,
+        "gpus_per_worker": args.gpus,
+        "env": parse_env(args.env),
+        "priority": args.priority,
+        "max_retries": args.max_retries,
+        "timeout_s": args.timeout,
+        "working_dir": args.workdir,
+        "submission_id": args.submission_id,
+        "image": args.image,
+        "runtime": args.runtime,
+    }
+    return parse_spec({k: v for k, v in data.items() if v is not None})
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Left-aligned columns separated by two spaces.
+
+    Example:
+        >>> print(format_table(["ID", "NAME"], [[1, "a"]]))
+        ID  NAME
+        1   a
+    """
+    cells = [[str(h) for h in headers]] + [["" if v is None else str(v) for v in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
+    return "\n".join(lines)
+
+
+def age(when: datetime | None, now: datetime | None = None) -> str:
+    """Short age like ``42s``, ``5m``, ``3h``, ``2d`` (``-`` when unknown).
+
+    Example:
+        >>> age(datetime(2024, 1, 1, tzinfo=UTC), datetime(2024, 1, 1, 0, 5, tzinfo=UTC))
+        '5m'
+    """
+    if when is None:
+        return "-"
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    secs = max(0, int(((now or datetime.now(UTC)) - when).total_seconds()))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if secs >= size:
+            return f"{secs // size}{unit}"
+    return f"{secs}s"
+
+
+def jobs_table(jobs: Sequence[JobInfo], now: datetime | None = None) -> str:
+    """The ``hora jobs`` table."""
+    rows = [
+        [
+            j.id,
+            j.spec.name,
+            j.user,
+            j.state.value,
+            f"{j.spec.workers}x{j.spec.gpus_per_worker}",
+            j.attempt,
+            age(j.created_at, now),
+            _short(j.reason or ""),
+        ]
+        for j in jobs
+    ]
+    return format_table(
+        ["ID", "NAME", "USER", "STATE", "WORKERSxGPUS", "ATTEMPT", "AGE", "REASON"], rows
+    )
+
+
+def status_text(job: JobInfo) -> str:
+    """The ``hora status`` view: spec, state, per-rank exit codes and transition times."""
+    s = job.spec
+    lines = [
+        f"job {job.id}  {s.name}  ({job.user})",
+        f"state:    {job.state.value}" + (f"  reason: {job.reason}" if job.reason else ""),
+        f"attempt:  {job.attempt} (max retries {s.max_retries})",
+        f"command:  {' '.join(s.command)}",
+        f"workers:  {s.workers} x {s.gpus_per_worker} GPU  priority {s.priority.value}"
+        + (f"  timeout {s.timeout_s:g}s" if s.timeout_s else ""),
+        f"slots:    {', '.join(map(str, job.slots)) or '-'}",
+    ]
+    if job.exit_codes:
+        codes = [[r, "-" if c is None else c] for r, c in sorted(job.exit_codes.items())]
+        lines += ["", format_table(["RANK", "EXIT"], codes)]
+    if job.transitions:
+        rows = [[t.get("state"), t.get("at"), t.get("reason") or ""] for t in job.transitions]
+        lines += ["", format_table(["STATE", "AT", "REASON"], rows)]
+    return "\n".join(lines)
+
+
+def gpus_table(slots: Sequence[dict[str, Any]]) -> str:
+    """The ``hora gpus`` table."""
+    rows = [
+        [s.get("index"), s.get("kind"), s.get("name"), s.get("job_id") or "-", s.get("user") or "-"]
+        for s in slots
+    ]
+    return format_table(["SLOT", "KIND", "NAME", "JOB", "USER"], rows)
+
+
+def _short(text: str, width: int = 60) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _out(stream: TextIO, text: str) -> None:
+    stream.write(text)
+    stream.flush()
+
+
+def state_line(info: JobInfo) -> str:
+    """One progress line: ``job 7: running (attempt 2): reason``."""
+    attempt = f" (attempt {info.attempt})" if info.attempt > 1 else ""
+    reason = f": {info.reason}" if info.reason else ""
+    return f"job {info.id}: {info.state.value}{attempt}{reason}\n"
+
+
+def follow_job(job: Job, rank: int, out: TextIO, err: TextIO) -> JobInfo:
+    """Print state changes (to ``err``) and ``rank``'s log (to ``out``) until the job ends.
+
+    Returns:
+        The final record.
+    """
+    for text in job.follow(rank, on_state=lambda info: _out(err, state_line(info))):
+        _out(out, text)
+    return job.info or job.status()
+
+
+def _client(args: argparse.Namespace) -> Client:
+    return Client(args.url, args.token)
+
+
+def cmd_submit(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """``hora submit``: submit a job; with ``--wait`` follow it to the end."""
+    spec = spec_from_args(args)
+    with _client(args) as client:
+        job = client.submit_spec(spec)
+        state = job.info.state.value if job.info else "queued"
+        _out(err if args.wait else out, f"submitted job {job.id} ({spec.name}): {state}\n")
+        if not args.wait:
+            return 0
+        try:
+            final = follow_job(job, 0, out, err)
+        except KeyboardInterrupt:
+            _out(err, f"\nstopped waiting; job {job.id} goes on (hora cancel {job.id} stops it)\n")
+            return EXIT_INTERRUPTED
+        return EXIT_FOR_STATE.get(final.state, 1)
+
+
+def cmd_jobs(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """``hora jobs``: a table of jobs, newest first."""
+    with _client(args) as client:
+        page = 500 if args.all else max(1, min(args.limit, 500))
+        jobs, total = client.jobs(args.state, limit=page)
+        while args.all and len(jobs) < total:
+            more, total = client.jobs(args.state, limit=page, offset=len(jobs))
+            if not more:
+                break
+            jobs += more
+    _out(out, jobs_table(jobs) + "\n")
+    if len(jobs) < total:
+        _out(err, f"({len(jobs)} of {total} jobs; --all shows every one)\n")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """``hora status ID``: one job in detail."""
+    with _client(args) as client:
+        info = client.get_job(args.job_id)
+    if args.json:
+        _out(out, json.dumps(info.model_dump(mode="json"), indent=2) + "\n")
+    else:
+        _out(out, status_text(info) + "\n")
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """``hora logs [-f] [--rank R] ID``: print or follow one rank's log."""
+    with _client(args) as client:
+        job = client.job(args.job_id)
+        if not args.follow:
+            _out(out, job.logs(args.rank, attempt=args.attempt))
+            return 0
+        try:
+            if args.attempt is not None:
+                for text in job.follow(args.rank, args.attempt):
+                    _out(out, text)
+                return 0
+            follow_job(job, args.rank, out, io.StringIO())
+        except KeyboardInterrupt:
+            return EXIT_INTERRUPTED
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """``hora cancel ID...``: cancel jobs."""
+    with _client(args) as client:
+        for job_id in args.job_id:
+            info = Job(client, job_id).cancel()
+            _out(out, f"job {info.id}: {info.state.value}\n")
+    return 0
+
+
+def cmd_gpus(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """``hora gpus``: slots and the jobs holding them."""
+    with _client(args) as client:
+        _out(out, gpus_table(client.gpus()) + "\n")
+    return 0
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace, TextIO, TextIO], int]] = {
+    "submit": cmd_submit,
+    "jobs": cmd_jobs,
+    "status": cmd_status,
+    "logs": cmd_logs,
+    "cancel": cmd_cancel,
+    "gpus": cmd_gpus,
+}
+
+
+def main(argv: list[str], out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Run one job subcommand; ``argv[0]`` is the subcommand (``["submit", "--", ...]``).
+
+    Args:
+        argv: the subcommand and its arguments.
+        out: where results go (default stdout).
+        err: where progress and errors go (default stderr).
+
+    Returns:
+        The exit status: 0 ok, 1 error (or failed job with --wait), 2 usage, 130 cancelled.
+    """
+    out, err = out or sys.stdout, err or sys.stderr
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    try:
+        return COMMANDS[args.cmd](args, out, err)
+    except SpecError as e:
+        _out(err, f"hora {args.cmd}: error: {e}\n")
+        return 2
+    except HoraError as e:
+        _out(err, f"hora {args.cmd}: error: {e}\n")
+        return 1
