@@ -1,0 +1,111 @@
+"""The FastAPI application of the job service (control plane).
+
+:func:`create_app` builds everything at call time (nothing at import): the settings, the
+:class:`JobManager` (started in the lifespan, stopped at shutdown), the routes under ``/v1``,
+``/healthz``, ``/metrics``, the request-size limit and the error handlers.
+
+Outside dev mode the service refuses unsafe settings at startup (see
+:mod:`hora_service.api.safety`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import hora
+from fastapi import FastAPI, Request, Response
+from fastapi.exception_handlers import http_exception_handler
+from fastapi.responses import JSONResponse
+from hora.errors import HoraError, SpecError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+
+from hora_service.api import jobs, logs, system
+from hora_service.api.deps import TokenCache
+from hora_service.api.errors import spec_error_detail
+from hora_service.api.limits import BodySizeLimit
+from hora_service.api.safety import check_safe
+from hora_service.manager import JobManager
+from hora_service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings | None = None, manager: JobManager | None = None) -> FastAPI:
+    """Build the job service app.
+
+    Args:
+        settings: service settings (default: built from ``HORA_*`` environment variables).
+        manager: a job manager; when given, its caller starts and stops it. Otherwise the
+            app creates one and starts it in the lifespan and stops it at shutdown.
+
+    Returns:
+        The FastAPI app, ready for uvicorn.
+
+    Example:
+        >>> app = create_app(Settings(data_dir=tmp_path))  # doctest: +SKIP
+        >>> uvicorn.run(app, host="127.0.0.1", port=8000)  # doctest: +SKIP
+    """
+    settings = settings or Settings()
+    owned = manager is None
+    mgr = manager or JobManager(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if owned:
+            mgr.start()
+        try:
+            check_safe(settings, len(mgr.list_users()))
+            yield
+        finally:
+            if owned:
+                mgr.stop()
+
+    app = FastAPI(
+        title="hora job service",
+        version=hora.__version__,
+        description="Submit, watch and cancel data-parallel PyTorch jobs on this machine.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.manager = mgr
+    app.state.token_cache = TokenCache()
+    app.add_middleware(BodySizeLimit, max_bytes=max(1, int(settings.max_request_bytes)))
+    app.include_router(jobs.router)
+    app.include_router(logs.router)
+    app.include_router(system.router)
+    _add_handlers(app)
+    return app
+
+
+def allowed_methods(app: FastAPI, scope: dict[str, Any]) -> list[str]:
+    """Every method some route serves at this request's path (for a correct ``Allow``)."""
+    methods: set[str] = set()
+    for route in app.router.routes:
+        match, _ = route.matches(scope)
+        if match != Match.NONE:
+            methods |= set(getattr(route, "methods", None) or ())
+    return sorted(methods)
+
+
+def _add_handlers(app: FastAPI) -> None:
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 405:
+            # Starlette lists only the first matching route's methods; FastAPI has one route
+            # per method, so collect them all
+            allow = ", ".join(allowed_methods(app, dict(request.scope)))
+            exc = StarletteHTTPException(405, exc.detail, headers={"Allow": allow})
+        return await http_exception_handler(request, exc)
+
+    @app.exception_handler(SpecError)
+    async def _spec_error(request: Request, exc: SpecError) -> JSONResponse:
+        return JSONResponse({"detail": spec_error_detail(exc)}, status_code=422)
+
+    @app.exception_handler(HoraError)
+    async def _hora_error(request: Request, exc: HoraError) -> JSONResponse:
+        log.warning("%s %s: %s", request.method, request.url.path, exc)
+        return JSONResponse({"detail": str(exc)}, status_code=409)

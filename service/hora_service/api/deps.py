@@ -1,0 +1,124 @@
+"""FastAPI dependencies of the job API (control plane): settings, manager, user, owned job.
+
+The ownership rule lives here and only here (:func:`owned_job`): a user sees only their own
+jobs, another user's job answers 404 exactly like a job that does not exist, and an admin
+sees every job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Callable
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Path, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from hora_service.manager import JobManager
+from hora_service.models import JobRecord, User
+from hora_service.settings import Settings
+
+MAX_JOB_ID = 2**63 - 1
+MAX_TOKEN_CHARS = 512
+
+bearer = HTTPBearer(
+    auto_error=False,
+    description="A token from `hora user add NAME` (or printed by `hora up`).",
+)
+
+
+def get_settings(request: Request) -> Settings:
+    """The app's :class:`Settings` (built in ``create_app``, never at import)."""
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+def get_manager(request: Request) -> JobManager:
+    """The app's :class:`JobManager`."""
+    manager: JobManager = request.app.state.manager
+    return manager
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+ManagerDep = Annotated[JobManager, Depends(get_manager)]
+
+
+def unauthorized(detail: str) -> HTTPException:
+    """A 401 that tells the client to send a bearer token."""
+    return HTTPException(status_code=401, detail=detail, headers={"WWW-Authenticate": "Bearer"})
+
+
+class TokenCache:
+    """Known tokens -> user for a few seconds, so that a busy client costs no store lookup.
+
+    Only tokens the store accepted are kept (keyed by their SHA-256, never in clear), for
+    ``ttl_s`` seconds: a user removed from the store loses access within that time.
+    """
+
+    def __init__(self, ttl_s: float = 5.0, max_entries: int = 1024) -> None:
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._entries: dict[str, tuple[float, User]] = {}
+        self._lock = threading.Lock()
+
+    def lookup(self, token: str, load: Callable[[str], User | None]) -> User | None:
+        """The user of ``token``, from the cache or from ``load`` (the store)."""
+        key = hashlib.sha256(token.encode()).hexdigest()
+        now = time.monotonic()
+        with self._lock:
+            hit = self._entries.get(key)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        user = load(token)
+        if user is not None:
+            with self._lock:
+                if len(self._entries) >= self.max_entries:
+                    self._entries.clear()
+                self._entries[key] = (now + self.ttl_s, user)
+        return user
+
+
+def current_user(
+    request: Request,
+    manager: ManagerDep,
+    creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+) -> User:
+    """The user whose bearer token came with the request.
+
+    Raises:
+        HTTPException: 401 when the token is missing, malformed or unknown.
+    """
+    if creds is None or not creds.credentials:
+        raise unauthorized("missing bearer token (send 'Authorization: Bearer <token>')")
+    token = creds.credentials
+    if len(token) > MAX_TOKEN_CHARS:
+        raise unauthorized("invalid token")
+    cache: TokenCache | None = getattr(request.app.state, "token_cache", None)
+    user = cache.lookup(token, manager.user_for_token) if cache else manager.user_for_token(token)
+    if user is None:
+        raise unauthorized("invalid token")
+    return user
+
+
+CurrentUser = Annotated[User, Depends(current_user)]
+
+
+def owned_job(
+    job_id: Annotated[int, Path(ge=1, le=MAX_JOB_ID, description="the job's id")],
+    user: CurrentUser,
+    manager: ManagerDep,
+) -> JobRecord:
+    """The job ``job_id`` if the current user may see it (theirs, or any job for an admin).
+
+    Raises:
+        HTTPException: 404 when the job does not exist or belongs to someone else.
+    """
+    job = manager.get(job_id)
+    if job is None or not (user.is_admin or job.user == user.name):
+        raise HTTPException(status_code=404, detail=f"job {job_id} not found")
+    return job
+
+
+OwnedJob = Annotated[JobRecord, Depends(owned_job)]

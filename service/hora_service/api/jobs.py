@@ -1,0 +1,119 @@
+"""Routes under ``/v1/jobs``: submit, list, get, cancel, delete (control plane).
+
+Every route takes the user from :data:`CurrentUser`; routes on one job take it from
+:data:`OwnedJob`, the single ownership check. Manager calls touch SQLite, so the handlers are
+plain ``def`` functions that FastAPI runs in its thread pool.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Query, Response
+from hora.errors import HoraError, SpecError
+from hora.spec import JobSpec, JobState
+from pydantic import BaseModel
+
+from hora_service.api.deps import CurrentUser, ManagerDep, OwnedJob
+from hora_service.api.errors import AUTH_RESPONSES, JOB_RESPONSES, unprocessable
+from hora_service.models import JobRecord
+
+MAX_PAGE = 500
+MAX_OFFSET = 10**9
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+
+class JobList(BaseModel):
+    """One page of jobs, newest first."""
+
+    items: list[JobRecord]
+    total: int
+    limit: int
+    offset: int
+
+
+@router.post(
+    "",
+    status_code=201,
+    response_model=JobRecord,
+    summary="Submit a job",
+    responses={
+        **AUTH_RESPONSES,
+        200: {"model": JobRecord, "description": "submission_id matched an existing job"},
+        400: {"description": "The body could not be read (not UTF-8)"},
+        413: {"description": "Request body too large"},
+    },
+)
+def submit_job(
+    spec: JobSpec, user: CurrentUser, manager: ManagerDep, response: Response
+) -> JobRecord:
+    """Queue a job of ``workers`` processes with ``gpus_per_worker`` GPUs each.
+
+    Answers 201 with the new job. With a ``submission_id`` that this user already used, no
+    new job is created: the answer is the existing job with 200. A spec that can never run
+    here (more GPUs than the cluster has, an unavailable runtime, a bad ``working_dir``) is a
+    422 naming the field.
+    """
+    asked = datetime.now(UTC)
+    try:
+        job = manager.submit(user.name, spec)
+    except SpecError as e:
+        raise unprocessable(e) from None
+    if spec.submission_id is not None and _aware(job.created_at) < asked:
+        response.status_code = 200
+    return job
+
+
+@router.get("", response_model=JobList, summary="List jobs", responses=AUTH_RESPONSES)
+def list_jobs(
+    user: CurrentUser,
+    manager: ManagerDep,
+    state: Annotated[JobState | None, Query(description="only jobs in this state")] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 50,
+    offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0,
+) -> Response:
+    """Your jobs (an admin sees everyone's), newest first, one page at a time."""
+    items, total = manager.list_jobs(None if user.is_admin else user.name, state, limit, offset)
+    page = JobList(items=items, total=total, limit=limit, offset=offset)
+    # already validated models: serialize once instead of FastAPI's re-validation pass
+    return Response(page.model_dump_json(), media_type="application/json")
+
+
+@router.get("/{job_id}", response_model=JobRecord, summary="Get a job", responses=JOB_RESPONSES)
+def get_job(job: OwnedJob) -> JobRecord:
+    """State, attempt, per-rank exit codes, reason and transition times of one job."""
+    return job
+
+
+@router.post(
+    "/{job_id}/cancel", response_model=JobRecord, summary="Cancel a job", responses=JOB_RESPONSES
+)
+def cancel_job(job: OwnedJob, manager: ManagerDep) -> JobRecord:
+    """Cancel a job: queued jobs leave the queue, running ones get SIGTERM then SIGKILL.
+
+    Cancelling a finished job changes nothing and returns it as it is.
+    """
+    return manager.cancel(job.id)
+
+
+@router.delete(
+    "/{job_id}",
+    status_code=204,
+    summary="Delete a finished job",
+    responses={**JOB_RESPONSES, 409: {"description": "The job has not finished"}},
+)
+def delete_job(job: OwnedJob, manager: ManagerDep) -> Response:
+    """Remove a succeeded, failed or cancelled job and its logs (409 while it is active)."""
+    if not job.state.terminal:
+        raise HTTPException(409, f"job {job.id} is {job.state.value}; cancel it first")
+    try:
+        manager.delete(job.id)
+    except HoraError as e:
+        raise HTTPException(409, str(e)) from None
+    return Response(status_code=204)
+
+
+def _aware(when: datetime) -> datetime:
+    return when if when.tzinfo else when.replace(tzinfo=UTC)

@@ -1,0 +1,141 @@
+"""``GET /v1/jobs/{id}/logs``: read or follow one rank's log (control plane).
+
+Without ``follow`` the answer is ``text/plain``: at most ``limit`` bytes (capped by
+``Settings.max_log_request_bytes``) from ``offset``, with ``X-Hora-Next-Offset`` telling where
+to continue, ``X-Hora-Attempt`` the attempt read and ``X-Hora-Log-Complete: true`` once the
+attempt is over and everything was read. With ``follow=true`` it is a stream of Server-Sent
+Events: each event's ``data`` is a JSON string of log text and its ``id`` the byte offset after
+it; resuming from ``offset`` or the ``Last-Event-ID`` header continues exactly there; the stream
+ends with ``event: end`` when the attempt is over and the file is drained. Paths come from
+the manager (built from ids, never from the request).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query, Request, Response
+from fastapi.responses import StreamingResponse
+from hora.errors import SpecError
+from hora.spec import JobState
+
+from hora_service.api.deps import ManagerDep, OwnedJob, SettingsDep
+from hora_service.api.errors import JOB_RESPONSES, unprocessable
+from hora_service.api.logstream import (
+    FollowState,
+    complete_prefix,
+    file_size,
+    follow_log,
+    read_chunk,
+)
+from hora_service.manager import JobManager
+from hora_service.models import JobRecord
+
+MAX_OFFSET = 2**62
+DEFAULT_LIMIT = 1 << 20
+
+router = APIRouter(tags=["logs"])
+
+
+@router.get(
+    "/v1/jobs/{job_id}/logs",
+    summary="Read or follow one rank's log",
+    response_class=Response,
+    responses={
+        **JOB_RESPONSES,
+        200: {
+            "description": "Log text (text/plain), or an SSE stream with follow=true",
+            "content": {
+                "text/plain": {"schema": {"type": "string"}},
+                "text/event-stream": {"schema": {"type": "string"}},
+            },
+        },
+    },
+)
+def job_logs(
+    job: OwnedJob,
+    manager: ManagerDep,
+    settings: SettingsDep,
+    request: Request,
+    rank: Annotated[int, Query(ge=0, le=1 << 20, description="which rank's log")] = 0,
+    attempt: Annotated[int | None, Query(ge=0, le=1000, description="default: the current")] = None,
+    follow: Annotated[
+        bool, Query(description="stream as Server-Sent Events until the end")
+    ] = False,
+    offset: Annotated[int, Query(ge=0, le=MAX_OFFSET, description="byte offset to start from")] = 0,
+    limit: Annotated[
+        int, Query(ge=1, le=1 << 30, description="most bytes to return")
+    ] = DEFAULT_LIMIT,
+    last_event_id: Annotated[int | None, Header(ge=0, le=MAX_OFFSET)] = None,
+) -> Response:
+    """Read (plain text) or follow (SSE) the log of ``rank`` of one attempt of a job."""
+    if rank >= job.spec.workers:
+        raise unprocessable(SpecError("rank", _rank_msg(rank, job)), "query")
+    if attempt is not None and attempt > job.attempt:
+        msg = f"job {job.id} is at attempt {job.attempt}; attempt {attempt} has not happened"
+        raise unprocessable(SpecError("attempt", msg), "query")
+    chosen = job.attempt if attempt is None else attempt
+    try:
+        path = manager.log_path(job.id, rank, chosen)
+    except SpecError as e:
+        raise unprocessable(e, "query") from None
+    start = offset if last_event_id is None else last_event_id
+    if follow:
+        return _stream(request, manager, job, chosen, path, start)
+    return _plain(manager, job, chosen, path, start, min(limit, _max_read(settings)))
+
+
+def _rank_msg(rank: int, job: JobRecord) -> str:
+    return f"job {job.id} has ranks 0..{job.spec.workers - 1}; rank {rank} does not exist"
+
+
+def _max_read(settings: object) -> int:
+    return int(getattr(settings, "max_log_request_bytes", DEFAULT_LIMIT))
+
+
+def _attempt_over(manager: JobManager, job_id: int, attempt: int) -> FollowState:
+    job = manager.get(job_id)
+    if job is None:
+        return FollowState(True, {"state": "deleted", "attempt": attempt})
+    over = (
+        job.state.terminal
+        or job.attempt > attempt
+        or (job.state == JobState.retrying and job.attempt == attempt)
+    )
+    return FollowState(
+        over, {"state": job.state.value, "attempt": attempt, "current_attempt": job.attempt}
+    )
+
+
+def _plain(
+    manager: JobManager, job: JobRecord, attempt: int, path: Path, offset: int, limit: int
+) -> Response:
+    over = _attempt_over(manager, job.id, attempt).done
+    data = read_chunk(path, offset, limit)
+    size = file_size(path)
+    text, used = complete_prefix(data, final=over and offset + len(data) >= size)
+    headers = {
+        "X-Hora-Next-Offset": str(offset + used),
+        "X-Hora-Log-Size": str(size),
+        "X-Hora-Attempt": str(attempt),
+        "X-Hora-Log-Complete": "true" if over and offset + used >= size else "false",
+    }
+    return Response(text.encode(), media_type="text/plain; charset=utf-8", headers=headers)
+
+
+def _stream(
+    request: Request, manager: JobManager, job: JobRecord, attempt: int, path: Path, offset: int
+) -> StreamingResponse:
+    events = follow_log(
+        path,
+        offset,
+        lambda: _attempt_over(manager, job.id, attempt),
+        request.is_disconnected,
+    )
+    headers = {
+        "Cache-Control": "no-cache",
+        "X-Accel-Buffering": "no",
+        "X-Hora-Attempt": str(attempt),
+    }
+    return StreamingResponse(events, media_type="text/event-stream", headers=headers)

@@ -1,0 +1,293 @@
+"""``hora up``: the job service and JupyterLab with the hora kernel, in one command.
+
+Control plane entry point. It builds the :class:`Settings`, makes sure an admin user exists
+(the first time it creates one, prints its token once and saves URL and token to
+``~/.hora/config`` so that ``hora submit`` and ``hora.Client()`` work at once), installs the
+"Python 3 (hora)" kernel under ``DATA_DIR/jupyter`` (visible to this JupyterLab only), starts
+JupyterLab as a child process on 127.0.0.1 with a random token, and runs the service with
+uvicorn in this process. Ctrl-C or SIGTERM stops uvicorn, cancels the jobs still running
+(``--keep-jobs`` leaves them for the next start to re-adopt), and stops JupyterLab's whole
+process group (SIGTERM, then SIGKILL after a grace period), so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import logging
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from hora.client import load_config, save_config
+
+log = logging.getLogger(__name__)
+
+LAB_STOP_GRACE_S = 10.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Arguments of ``hora up``.
+
+    Example:
+        >>> build_parser().parse_args(["up", "--no-lab"]).no_lab
+        True
+    """
+    p = argparse.ArgumentParser(prog="hora up", description="Start the job service and JupyterLab.")
+    p.add_argument("cmd", choices=["up"], help=argparse.SUPPRESS)
+    p.add_argument("--host", default="127.0.0.1", help="service address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="service port (default 8000)")
+    p.add_argument("--lab-port", type=int, default=8888, help="JupyterLab port (default 8888)")
+    p.add_argument("--data-dir", type=Path, default=None, help="state directory (default ~/.hora)")
+    p.add_argument("--gpus", default=None, help="auto | N | 0,1,3 (default auto)")
+    p.add_argument("--cpu-slots", type=int, default=None, help="schedulable slots without GPUs")
+    p.add_argument("--no-lab", action="store_true", help="start only the service")
+    p.add_argument("--keep-jobs", action="store_true", help="leave running jobs alive on exit")
+    p.add_argument("--dev", action="store_true", help="dev mode: relax the startup safety checks")
+    return p
+
+
+def settings_from_args(args: argparse.Namespace) -> Any:
+    """The service :class:`Settings` for these arguments (unset ones keep their defaults)."""
+    from hora_service.settings import Settings
+
+    overrides: dict[str, Any] = {"host": args.host, "port": args.port}
+    for key in ("data_dir", "gpus", "cpu_slots"):
+        if getattr(args, key) is not None:
+            overrides[key] = getattr(args, key)
+    if args.dev:
+        overrides["dev_mode"] = True
+    return Settings(**overrides)
+
+
+def service_url(host: str, port: int) -> str:
+    """The URL clients use for a service bound to ``host:port``.
+
+    Example:
+        >>> service_url("0.0.0.0", 8000)
+        'http://127.0.0.1:8000'
+    """
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    if ":" in shown and not shown.startswith("["):
+        shown = f"[{shown}]"
+    return f"http://{shown}:{port}"
+
+
+def ensure_admin(manager: Any, url: str) -> tuple[str | None, bool]:
+    """Find or create the admin token that ``hora up`` hands to the CLI and notebooks.
+
+    A token from ``HORA_TOKEN`` or ``~/.hora/config`` that this service knows is reused (and
+    the config file is updated with ``url``). Otherwise, when the store has no user at all, an
+    admin named after the login is created and its token saved to the config file. When users
+    exist but no known token is at hand, nothing is created.
+
+    Returns:
+        The token (None when unknown) and whether it was just created (printed once).
+    """
+    saved = load_config(url=url).token
+    if saved and manager.user_for_token(saved) is not None:
+        save_config(url, saved)
+        return saved, False
+    if manager.list_users():
+        return None, False
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", getpass.getuser()).strip("-.") or "admin"
+    token = str(manager.create_user(name, admin=True))
+    save_config(url, token)
+    return token, True
+
+
+def token_line(token: str | None, new: bool, data_dir: Path) -> str:
+    """What ``hora up`` prints about the token."""
+    if token is None:
+        return (
+            "  token: none saved for this service; create one with "
+            f"`hora user add NAME --admin --data-dir {data_dir}` and set HORA_TOKEN"
+        )
+    return f"  token: {token}" if new else "  token: saved in ~/.hora/config"
+
+
+def install_kernel(data_dir: Path) -> Path | None:
+    """Install the hora kernel spec under ``DATA_DIR/jupyter``; None if unavailable.
+
+    Returns:
+        The Jupyter data directory to put on ``JUPYTER_PATH``, or None.
+    """
+    try:
+        from hora.engines.kernelspec import install_kernel_spec
+    except ImportError as e:
+        log.warning("hora kernel not installed (hora.engines.kernelspec unavailable: %s)", e)
+        return None
+    prefix = data_dir / "jupyter"
+    install_kernel_spec(prefix=str(prefix))
+    return prefix / "share" / "jupyter"
+
+
+def lab_argv(port: int, token: str, root: Path) -> list[str]:
+    """The JupyterLab command line (an argument list; no shell).
+
+    Example:
+        >>> lab_argv(8888, "t", Path("/w"))[:4]
+        ['...', '-m', 'jupyterlab', '--no-browser']
+    """
+    return [
+        sys.executable,
+        "-m",
+        "jupyterlab",
+        "--no-browser",
+        "--ip",
+        "127.0.0.1",
+        f"--port={port}",
+        "--ServerApp.port_retries=0",
+        f"--IdentityProvider.token={token}",
+        f"--ServerApp.root_dir={root}",
+    ] + (["--allow-root"] if os.geteuid() == 0 else [])
+
+
+def lab_env(url: str, token: str | None, jupyter_path: Path | None) -> dict[str, str]:
+    """Environment of the JupyterLab child: notebooks reach the service with HORA_URL/TOKEN."""
+    env = dict(os.environ)
+    env["HORA_URL"] = url
+    if token:
+        env["HORA_TOKEN"] = token
+    if jupyter_path is not None:
+        env["JUPYTER_PATH"] = os.pathsep.join(
+            p for p in (str(jupyter_path), env.get("JUPYTER_PATH")) if p
+        )
+    return env
+
+
+def start_lab(
+    port: int, url: str, token: str | None, jupyter_path: Path | None
+) -> tuple[subprocess.Popen[bytes], str]:
+    """Start JupyterLab in its own process group; return it and its token."""
+    lab_token = secrets.token_urlsafe(24)
+    proc = subprocess.Popen(
+        lab_argv(port, lab_token, Path.cwd()),
+        env=lab_env(url, token, jupyter_path),
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+    )
+    return proc, lab_token
+
+
+def stop_group(proc: subprocess.Popen[bytes], grace_s: float = LAB_STOP_GRACE_S) -> None:
+    """SIGTERM the process group of ``proc``, SIGKILL it after ``grace_s``; reap the leader."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=grace_s)
+            if sig == signal.SIGTERM:
+                _kill_leftovers(proc.pid)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    proc.wait(timeout=grace_s)
+
+
+def _kill_leftovers(pgid: int) -> None:
+    # kernels that JupyterLab started stay in its group; don't let them outlive it
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _watch(lab: subprocess.Popen[bytes], server: Any) -> None:
+    """Stop the service too if JupyterLab dies on its own (hora up is one unit)."""
+
+    def watch() -> None:
+        while not server.should_exit:
+            if lab.poll() is not None:
+                log.error("JupyterLab exited with code %s; stopping hora up", lab.returncode)
+                server.should_exit = True
+                return
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, name="hora-up-lab-watch", daemon=True).start()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _say(text: str) -> None:
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start everything, block until Ctrl-C/SIGTERM, stop everything; return the exit code."""
+    import uvicorn
+
+    from hora_service.api.app import create_app
+    from hora_service.manager import JobManager
+
+    settings = settings_from_args(args)
+    url = service_url(args.host, args.port)
+    manager = JobManager(settings)
+    manager.start()
+    lab: subprocess.Popen[bytes] | None = None
+    try:
+        token, new = ensure_admin(manager, url)
+        app = create_app(settings, manager)
+        server = uvicorn.Server(
+            uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+        )
+        if not args.no_lab:
+            lab, lab_token = start_lab(
+                args.lab_port, url, token, install_kernel(Path(settings.data_dir))
+            )
+        _say(f"hora service: {url}  (docs: {url}/docs)")
+        _say(token_line(token, new, Path(settings.data_dir)))
+        if lab is not None:
+            _say(f"JupyterLab:   http://127.0.0.1:{args.lab_port}/lab?token={lab_token}")
+        _say("Press Ctrl-C to stop.")
+        signal.signal(signal.SIGTERM, _interrupt)
+        if lab is not None:
+            _watch(lab, server)
+        server.run()  # handles SIGINT/SIGTERM itself, then re-raises them after shutdown
+        return 0 if server.started and (lab is None or lab.poll() is None) else 1
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not skip the cleanup
+        if not args.keep_jobs and hasattr(manager, "shutdown_jobs"):
+            manager.shutdown_jobs()
+        manager.stop()
+        if lab is not None:
+            stop_group(lab)
+        _say("hora up: stopped")
+
+
+def main(argv: list[str]) -> int:
+    """``hora up``: see the module docstring.
+
+    Args:
+        argv: ``["up", ...options]``.
+
+    Returns:
+        0 after a clean stop, 1 when something failed to start.
+    """
+    from hora.errors import HoraError
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    try:
+        return run(args)
+    except HoraError as e:
+        sys.stderr.write(f"hora up: error: {e}\n")
+        return 1
+    except KeyboardInterrupt:
+        return 0
