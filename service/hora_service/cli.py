@@ -1,0 +1,131 @@
+"""``hora serve`` and ``hora user``: run the job service, manage its users (control plane).
+
+``hora serve [--host H] [--port P] [--data-dir DIR] [--gpus auto|N|LIST] [--cpu-slots N]
+[--work-root DIR] [--quota N] [--dev]`` runs uvicorn with the FastAPI app; every option
+falls back to its ``HORA_*`` variable, then to the default. Stopping it (Ctrl-C, SIGTERM)
+leaves running jobs alive; the next start re-adopts them.
+
+``hora user add NAME [--admin] [--quota N] [--data-dir DIR]`` prints the new user's token
+once (only its hash is stored); ``hora user list`` and ``hora user remove NAME`` do what
+they say.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from hora.errors import HoraError
+
+SETTING_ARGS = ("host", "port", "data_dir", "gpus", "cpu_slots", "work_root")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Arguments of ``hora serve`` and ``hora user``.
+
+    Example:
+        >>> build_parser().parse_args(["user", "add", "ann", "--admin"]).admin
+        True
+    """
+    p = argparse.ArgumentParser(prog="hora", description="The hora job service.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    serve = sub.add_parser("serve", help="start the job service")
+    serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="TCP port (default 8000)")
+    _data_dir(serve)
+    serve.add_argument("--gpus", help="auto | N | 0,1,3 (default auto)")
+    serve.add_argument("--cpu-slots", type=int, help="slots without GPUs (default 2)")
+    serve.add_argument("--work-root", type=Path, help="jobs' working dirs live under it")
+    serve.add_argument("--quota", type=int, help="default per-user GPU quota")
+    serve.add_argument("--dev", action="store_true", help="relax the startup safety checks")
+    user = sub.add_parser("user", help="manage users and tokens")
+    verbs = user.add_subparsers(dest="verb", required=True)
+    add = verbs.add_parser("add", help="create a user and print their token")
+    add.add_argument("name")
+    add.add_argument("--admin", action="store_true", help="sees and acts on every job")
+    add.add_argument("--quota", type=int, help="most GPUs this user's jobs may hold")
+    _data_dir(add)
+    _data_dir(verbs.add_parser("list", help="list users"))
+    remove = verbs.add_parser("remove", help="delete a user (their token stops working)")
+    remove.add_argument("name")
+    _data_dir(remove)
+    return p
+
+
+def _data_dir(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data-dir", type=Path, help="state directory (default ~/.hora)")
+
+
+def settings_from_args(args: argparse.Namespace) -> Any:
+    """The :class:`Settings` for these arguments (unset ones come from HORA_* or defaults)."""
+    from hora_service.settings import Settings
+
+    overrides: dict[str, Any] = {
+        k: getattr(args, k) for k in SETTING_ARGS if getattr(args, k, None) is not None
+    }
+    if getattr(args, "quota", None) is not None and args.cmd == "serve":
+        overrides["user_gpu_quota"] = args.quota
+    if getattr(args, "dev", False):
+        overrides["dev_mode"] = True
+    return Settings(**overrides)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run the service until Ctrl-C or SIGTERM."""
+    import uvicorn
+
+    from hora_service.api.app import create_app
+
+    settings = settings_from_args(args)
+    sys.stdout.write(
+        f"hora service on http://{settings.host}:{settings.port} ({settings.data_dir})\n"
+    )
+    sys.stdout.flush()
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    return 0
+
+
+def user(args: argparse.Namespace) -> int:
+    """``hora user add|list|remove``."""
+    from hora_service.manager import JobManager
+
+    manager = JobManager(settings_from_args(args))
+    try:
+        if args.verb == "add":
+            token = manager.create_user(args.name, admin=args.admin, quota=args.quota)
+            sys.stdout.write(f"{token}\n")
+            sys.stderr.write(
+                f"created {'admin ' if args.admin else ''}user {args.name}; "
+                "the token above is shown only once\n"
+            )
+        elif args.verb == "list":
+            for u in manager.list_users():
+                quota = "" if u.gpu_quota is None else f"  quota={u.gpu_quota}"
+                sys.stdout.write(f"{u.name}{'  (admin)' if u.is_admin else ''}{quota}\n")
+        elif not manager.remove_user(args.name):
+            sys.stderr.write(f"hora user: no user {args.name!r}\n")
+            return 1
+    finally:
+        manager.close_store()
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    """Entry point for ``hora serve`` and ``hora user`` (``argv`` starts with the command).
+
+    Returns:
+        0 on success, 1 on an error (one line on stderr), 2 on a usage error.
+    """
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    try:
+        return serve(args) if args.cmd == "serve" else user(args)
+    except (HoraError, ValueError) as e:
+        sys.stderr.write(f"hora {args.cmd}: error: {e}\n")
+        return 1

@@ -1,0 +1,573 @@
+"""The job manager: the service's one owner of job state (control plane).
+
+It validates submissions against this machine (slots, quota, runtime, working directory),
+keeps the queue, and runs **one monitor loop** that moves every job through its lifecycle
+(``queued -> starting -> running -> succeeded | failed | cancelled``, ``retrying`` between
+attempts): it polls ranks, enforces ``timeout_s``, escalates SIGTERM to SIGKILL after the
+grace period, retries failed attempts with exponential backoff, and runs the scheduling pass
+(:func:`hora_service.scheduler.schedule`) whenever something changed. Submissions and
+cancellations wake the loop at once. :meth:`JobManager.tick` is one pass, public so that
+tests can drive the loop step by step.
+
+Durability: every transition is written to SQLite before and after processes start, and
+each rank's shim leaves pid and exit files in its run directory. :meth:`JobManager.start`
+re-adopts ranks still alive from an earlier run of the service, records how finished ones
+ended, and fails (then retries per policy) attempts whose ranks vanished without a trace.
+A slot is held until every process of the attempt holding it is gone.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hora.errors import HoraError, SpecError
+from hora.spec import PRIORITY_RANK, JobSpec, JobState
+
+from hora_service import runtimes
+from hora_service.inventory import Slot, inventory
+from hora_service.models import JobRecord, MetricsSnapshot, SlotInfo, User
+from hora_service.runtimes import AttemptPlan, Exit, RankProcess, Runtime
+from hora_service.runtimes.base import RankStatus, first_failure
+from hora_service.scheduler import INF, Holding, Pending, schedule
+from hora_service.settings import Settings
+from hora_service.store import Store, token_hash
+
+log = logging.getLogger(__name__)
+
+USER_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+LATENCY_WINDOW = 1000
+STOP_JOIN_S = 30.0
+
+
+@dataclass
+class Attempt:
+    """One running attempt: its ranks, and how it is being stopped, if it is."""
+
+    job_id: int
+    user: str
+    plan: AttemptPlan
+    ranks: list[RankProcess]
+    started: float
+    deadline: float | None
+    stop_state: JobState | None = None
+    stop_reason: str | None = None
+    kill_at: float = INF
+    retriable: bool = True
+    codes: list[RankStatus] = field(default_factory=list)
+
+    def stop(self, state: JobState, reason: str, now: float, grace: float, retry: bool) -> None:
+        """Begin stopping every rank: SIGTERM now, SIGKILL at ``now + grace``."""
+        if self.stop_state is not None and self.stop_state != JobState.failed:
+            return
+        self.stop_state, self.stop_reason, self.retriable = state, reason, retry
+        self.kill_at = min(self.kill_at, now + grace)
+        for rank in self.ranks:
+            rank.signal(signal.SIGTERM)
+
+
+def describe(rank: int, status: RankStatus) -> str:
+    """A human reason for one rank's failure.
+
+    Example:
+        >>> describe(1, 3), describe(0, -9)
+        ('rank 1 exited with code 3', 'rank 0 was killed by SIGKILL')
+    """
+    if status is Exit.lost:
+        return f"rank {rank} ended while the service was down; its exit status is unknown"
+    assert isinstance(status, int)
+    if status < 0:
+        try:
+            name = signal.Signals(-status).name
+        except ValueError:
+            name = f"signal {-status}"
+        return f"rank {rank} was killed by {name}"
+    return f"rank {rank} exited with code {status}"
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for a job's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class JobManager:
+    """Owns the store, the slots and the monitor loop (see the module docstring).
+
+    Args:
+        settings: the service settings.
+
+    Example:
+        >>> mgr = JobManager(Settings(data_dir=tmp_path, gpus="0", cpu_slots=2))  # doctest: +SKIP
+        >>> mgr.start(); token = mgr.create_user("ann")  # doctest: +SKIP
+        >>> mgr.submit("ann", JobSpec(command=["python", "-c", "pass"]))  # doctest: +SKIP
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.store: Store | None = None
+        self.inventory: list[Slot] = inventory(settings.gpus, settings.cpu_slots)
+        self._kind = self.inventory[0].kind
+        self._lock = threading.RLock()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pending: dict[int, tuple[Pending, float | None]] = {}
+        self._attempts: dict[int, Attempt] = {}
+        self._dirty = True
+        self._runtimes: dict[str, Runtime] = {}
+        self._base_env = dict(os.environ)
+        self._latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
+        self._latency_sum = 0.0
+        self._latency_count = 0
+        self._last_pass_s = 0.0
+
+    # lifecycle --------------------------------------------------------------------------
+
+    def open_store(self) -> Store:
+        """Open (and migrate) the SQLite store if it is not open yet."""
+        if self.store is None:
+            self.settings.data_dir.mkdir(parents=True, exist_ok=True)
+            self.store = Store(self.settings.db_path)
+        return self.store
+
+    def close_store(self) -> None:
+        """Close the store's connections."""
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+    def start(self) -> None:
+        """Open the store, recover jobs from an earlier run, start the monitor loop."""
+        self.open_store()
+        with self._lock:
+            self._recover()
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._loop, name="hora-monitor", daemon=True)
+        self._thread.start()
+        log.info("job manager started: %d %s slot(s)", len(self.inventory), self._kind)
+
+    def stop(self) -> None:
+        """Stop the monitor loop and close the store; running jobs keep running.
+
+        The next :meth:`start` re-adopts them.
+        """
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=STOP_JOIN_S)
+            self._thread = None
+        self.close_store()
+
+    def shutdown_jobs(self, timeout: float | None = None) -> None:
+        """Cancel every active job and wait (bounded) until their processes are gone."""
+        with self._lock:
+            for job_id in list(self._attempts):
+                self.cancel(job_id, reason="cancelled: the service is shutting down")
+        deadline = time.monotonic() + (timeout or self.settings.kill_grace_s + 10.0)
+        while self._attempts and time.monotonic() < deadline:
+            self.tick()
+            time.sleep(0.05)
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self.tick()
+            except Exception:  # the loop must outlive any one bad pass
+                log.exception("monitor pass failed")
+            self._wake.wait(self._next_wait())
+            self._wake.clear()
+
+    def _next_wait(self) -> float:
+        wait = self.settings.monitor_interval_s
+        if not self._attempts:
+            due = [t for _, t in self._pending.values() if t is not None]
+            wait = max(wait, min(due) - time.time()) if due else 5.0
+        return max(0.0, min(wait, 5.0))
+
+    # users ------------------------------------------------------------------------------
+
+    def create_user(self, name: str, admin: bool = False, quota: int | None = None) -> str:
+        """Create a user and return their token (shown once; only its hash is stored).
+
+        Raises:
+            SpecError: the name is empty, too long, or has characters other than letters,
+                digits, ``.``, ``_`` and ``-``.
+            hora_service.store.StoreError: the name is taken.
+        """
+        if not name or len(name) > 64 or not set(name) <= USER_NAME_CHARS or name[0] in ".-":
+            raise SpecError("name", f"{name!r} is not a user name (letters, digits, . _ -)")
+        if quota is not None and quota < 1:
+            raise SpecError("quota", "a GPU quota must be at least 1")
+        token = secrets.token_urlsafe(32)
+        self.open_store().add_user(name, token_hash(token), admin, quota)
+        return token
+
+    def remove_user(self, name: str) -> bool:
+        """Delete a user; their token stops working. False if there was none."""
+        return self.open_store().remove_user(name)
+
+    def user_for_token(self, token: str) -> User | None:
+        """The user a bearer token belongs to, or None."""
+        return self.open_store().user_by_digest(token_hash(token))
+
+    def list_users(self) -> list[User]:
+        """Every user."""
+        return self.open_store().users()
+
+    # jobs -------------------------------------------------------------------------------
+
+    def submit(self, user: str, spec: JobSpec) -> JobRecord:
+        """Queue a job (or return the one this user submitted with the same submission id).
+
+        Raises:
+            SpecError: the job can never run here (more slots than exist or than the user's
+                quota, an unavailable runtime, an image without the docker runtime, a working
+                directory outside the work root); ``field`` names the field.
+        """
+        store = self.open_store()
+        self.check(user, spec)
+        with store.tx() as conn:  # the check and the insert are one write transaction
+            if spec.submission_id is not None:
+                existing = store.job_by_submission(conn, user, spec.submission_id)
+                if existing is not None:
+                    found = store.get(existing, conn)
+                    assert found is not None
+                    return found
+            now = time.time()
+            job_id = store.insert_job(conn, user, spec, now)
+            record = store.get(job_id, conn)
+            assert record is not None
+        self._enqueue(job_id, user, spec, None)
+        return record
+
+    def check(self, user: str, spec: JobSpec) -> None:
+        """Refuse a spec that can never run on this service (see :meth:`submit`)."""
+        total, need = len(self.inventory), spec.total_gpus
+        unit = "GPUs" if self._kind == "gpu" else "slots"
+        field = "workers" if spec.gpus_per_worker == 1 else "gpus_per_worker"
+        if need > total:
+            raise SpecError(
+                field,
+                f"asks for {need} {unit} ({spec.workers} workers x {spec.gpus_per_worker}); "
+                f"this cluster has {total}",
+            )
+        quota = self._quotas().get(user, self.settings.user_gpu_quota)
+        if quota is not None and need > quota:
+            raise SpecError(field, f"asks for {need} {unit}; your quota is {quota}")
+        self._runtime(spec.runtime.value)
+        if spec.image is not None and spec.runtime.value != "docker":
+            raise SpecError("image", "an image is used only by the docker runtime")
+        self.workdir(spec)
+
+    def workdir(self, spec: JobSpec) -> Path:
+        """The ranks' working directory: ``working_dir`` under the work root (default: it).
+
+        Raises:
+            SpecError: it escapes the work root or is not an existing directory.
+        """
+        root = self.settings.work_root
+        if spec.working_dir is None:
+            return root
+        path = (root / spec.working_dir).resolve()
+        if not path.is_relative_to(root):
+            raise SpecError("working_dir", f"{spec.working_dir!r} is outside the work root {root}")
+        if not path.is_dir():
+            raise SpecError("working_dir", f"{spec.working_dir!r} is not an existing directory")
+        return path
+
+    def get(self, job_id: int) -> JobRecord | None:
+        """One job, or None."""
+        return self.open_store().get(job_id)
+
+    def list_jobs(
+        self, user: str | None, state: JobState | None, limit: int, offset: int
+    ) -> tuple[list[JobRecord], int]:
+        """A page of jobs (``user=None``: everyone's), newest first, and the total."""
+        return self.open_store().list_jobs(user, state, limit, offset)
+
+    def cancel(self, job_id: int, reason: str = "cancelled by the user") -> JobRecord:
+        """Cancel a job; a no-op on a finished one. Running ranks get SIGTERM, then SIGKILL.
+
+        Raises:
+            HoraError: there is no such job.
+        """
+        store = self.open_store()
+        with self._lock:
+            job = store.get(job_id)
+            if job is None:
+                raise HoraError(f"job {job_id} not found")
+            now = time.time()
+            if job_id in self._pending:
+                del self._pending[job_id]
+                self._set_state(job_id, JobState.cancelled, now, reason, finished_at=now)
+            elif job_id in self._attempts:
+                self._attempts[job_id].stop(
+                    JobState.cancelled, reason, now, self.settings.kill_grace_s, retry=False
+                )
+                with store.tx() as conn:
+                    store.update_job(conn, job_id, cancel_requested=1)
+            self._dirty = True
+        self._wake.set()
+        found = store.get(job_id)
+        assert found is not None
+        return found
+
+    def delete(self, job_id: int) -> None:
+        """Remove a finished job and its logs.
+
+        Raises:
+            HoraError: the job is still active.
+        """
+        store = self.open_store()
+        with self._lock:
+            job = store.get(job_id)
+            if job is None:
+                return
+            if not job.state.terminal:
+                raise HoraError(f"job {job_id} is {job.state.value}; cancel it first")
+            store.delete_job(job_id)
+        shutil.rmtree(self.settings.logs_dir / str(int(job_id)), ignore_errors=True)
+
+    def log_path(self, job_id: int, rank: int, attempt: int) -> Path:
+        """The log file of one rank of one attempt (built from integers only).
+
+        Raises:
+            SpecError: a negative rank or attempt.
+        """
+        if rank < 0:
+            raise SpecError("rank", "must be >= 0")
+        if attempt < 0:
+            raise SpecError("attempt", "must be >= 0")
+        return self.settings.logs_dir / str(int(job_id)) / str(int(attempt)) / f"rank{rank}.log"
+
+    def slots(self) -> list[SlotInfo]:
+        """Every slot and the job (and user) holding it."""
+        with self._lock:
+            held = {s: a for a in self._attempts.values() for s in a.plan.slots}
+        return [
+            SlotInfo(
+                index=s.index,
+                kind=s.kind,
+                name=s.name,
+                job_id=held[s.index].job_id if s.index in held else None,
+                user=held[s.index].user if s.index in held else None,
+            )
+            for s in self.inventory
+        ]
+
+    def metrics(self) -> MetricsSnapshot:
+        """Jobs by state, queue length, slots, and submit-to-running latency."""
+        counts = self.open_store().count_by_state()
+        with self._lock:
+            lat = sorted(self._latencies)
+            allocated = sum(len(a.plan.slots) for a in self._attempts.values())
+        return MetricsSnapshot(
+            jobs_by_state=counts,
+            queue_length=counts.get("queued", 0) + counts.get("retrying", 0),
+            slots_total=len(self.inventory),
+            slots_allocated=allocated,
+            schedule_latency_p50_s=statistics.median(lat) if lat else None,
+            schedule_latency_p99_s=lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else None,
+            schedule_latency_sum_s=self._latency_sum,
+            schedule_latency_count=self._latency_count,
+            schedule_pass_seconds=self._last_pass_s,
+        )
+
+    # the monitor loop -------------------------------------------------------------------
+
+    def tick(self, now: float | None = None) -> None:
+        """One pass of the monitor loop: poll ranks, stop, finish, retry, schedule."""
+        with self._lock:
+            now = time.time() if now is None else now
+            for attempt in list(self._attempts.values()):
+                self._poll(attempt, now)
+            if self._dirty or any(t is not None and t <= now for _, t in self._pending.values()):
+                self._dirty = False
+                self._schedule(now)
+
+    def _poll(self, attempt: Attempt, now: float) -> None:
+        grace = self.settings.kill_grace_s
+        attempt.codes = [r.poll() for r in attempt.ranks]
+        if attempt.stop_state is None:
+            failed = first_failure(attempt.codes)
+            if failed is not None:
+                attempt.stop(JobState.failed, describe(*failed), now, grace, retry=True)
+            elif attempt.deadline is not None and now > attempt.deadline:
+                timeout = attempt.plan.spec.timeout_s or 0
+                attempt.stop(JobState.failed, f"timed out after {timeout:g}s", now, grace, False)
+            elif all(c == 0 for c in attempt.codes):
+                self._finish(attempt, JobState.succeeded, None, now)
+                return
+        if attempt.stop_state is None:
+            return
+        if all(c is not Exit.running for c in attempt.codes):
+            self._finish(attempt, attempt.stop_state, attempt.stop_reason, now)
+        elif now >= attempt.kill_at:
+            for rank, code in zip(attempt.ranks, attempt.codes, strict=True):
+                if code is Exit.running:
+                    rank.signal(signal.SIGKILL)
+
+    def _finish(self, attempt: Attempt, state: JobState, reason: str | None, now: float) -> None:
+        """The attempt's processes are all gone: free its slots and record the outcome."""
+        del self._attempts[attempt.job_id]
+        self._dirty = True
+        codes = {r: (c if isinstance(c, int) else None) for r, c in enumerate(attempt.codes)}
+        spec = attempt.plan.spec
+        if (
+            state == JobState.failed
+            and attempt.retriable
+            and attempt.plan.attempt <= spec.max_retries
+        ):
+            delay = self.settings.retry_backoff_s * 2 ** (attempt.plan.attempt - 1)
+            self._set_state(
+                attempt.job_id, JobState.retrying, now, reason,
+                exit_codes=codes, slots=[], retry_at=now + delay,
+            )  # fmt: skip
+            self._enqueue(attempt.job_id, attempt.user, spec, now + delay)
+            return
+        self._set_state(
+            attempt.job_id, state, now, reason, exit_codes=codes, slots=[], finished_at=now
+        )
+
+    def _schedule(self, now: float) -> None:
+        t0 = time.perf_counter()
+        ready = [p for p, due in self._pending.values() if due is None or due <= now]
+        held = {s for a in self._attempts.values() for s in a.plan.slots}
+        free = [s.index for s in self.inventory if s.index not in held]
+        holding = [
+            Holding(a.job_id, a.user, a.plan.slots, a.deadline if a.deadline else INF)
+            for a in self._attempts.values()
+        ]
+        used: dict[str, int] = {}
+        for a in self._attempts.values():
+            used[a.user] = used.get(a.user, 0) + len(a.plan.slots)
+        quotas = self._quotas()
+        default = self.settings.user_gpu_quota
+        limit = None if default is None and not quotas else lambda u: quotas.get(u, default)
+        placements = schedule(ready, free, holding, now, limit, used)
+        self._last_pass_s = time.perf_counter() - t0
+        for placement in placements:
+            self._launch(placement.job_id, placement.slots)
+
+    def _launch(self, job_id: int, slots: tuple[int, ...]) -> None:
+        store = self.open_store()
+        job = store.get(job_id)
+        del self._pending[job_id]
+        if job is None:
+            return
+        n = job.attempt + 1
+        now = time.time()
+        self._set_state(
+            job_id, JobState.starting, now, None,
+            attempt=n, slots=list(slots), exit_codes={}, retry_at=None, cancel_requested=0,
+        )  # fmt: skip
+        plan = self._plan(job, n, slots, self.settings.work_root, 0)
+        try:
+            plan = self._plan(job, n, slots, self.workdir(job.spec), free_port())
+            ranks = self._runtime(job.spec.runtime.value).start(plan, self._base_env)
+        except (OSError, HoraError) as e:
+            reason = f"could not start the ranks: {e}"
+            log.warning("job %d: %s", job_id, reason)
+            self._attempts[job_id] = attempt = Attempt(job_id, job.user, plan, [], now, None)
+            self._finish(attempt, JobState.failed, reason, now)
+            return
+        running = time.time()
+        timeout = job.spec.timeout_s
+        self._attempts[job_id] = Attempt(
+            job_id, job.user, plan, ranks, running, running + timeout if timeout else None
+        )
+        self._set_state(job_id, JobState.running, running, None, started_at=running)
+        if n == 1:
+            latency = running - job.created_at.timestamp()
+            self._latencies.append(latency)
+            self._latency_sum += latency
+            self._latency_count += 1
+
+    def _plan(
+        self, job: JobRecord, attempt: int, slots: Sequence[int], workdir: Path, port: int
+    ) -> AttemptPlan:
+        return AttemptPlan(
+            job_id=job.id,
+            attempt=attempt,
+            spec=job.spec,
+            slots=tuple(slots),
+            slot_kind=self._kind,
+            run_dir=self.settings.logs_dir / str(job.id) / str(attempt),
+            workdir=workdir,
+            master_port=port,
+        )
+
+    # recovery ---------------------------------------------------------------------------
+
+    def _recover(self) -> None:
+        """Re-adopt, finish or fail the attempts an earlier run of the service left behind."""
+        store = self.open_store()
+        now = time.time()
+        cancelling = store.cancel_requested()
+        grace = self.settings.kill_grace_s
+        for job in store.jobs_in((JobState.starting, JobState.running)):
+            plan = self._plan(job, job.attempt, job.slots, self.settings.work_root, 0)
+            ranks = self._runtime(job.spec.runtime.value).adopt(plan)
+            started = job.started_at.timestamp() if job.started_at else now
+            timeout = job.spec.timeout_s
+            attempt = Attempt(
+                job.id, job.user, plan, ranks, started, started + timeout if timeout else None
+            )
+            self._attempts[job.id] = attempt
+            if job.id in cancelling:
+                attempt.stop(JobState.cancelled, "cancelled by the user", now, grace, False)
+            elif job.state == JobState.starting:
+                reason = "the service stopped while the job was starting"
+                attempt.stop(JobState.failed, reason, now, grace, retry=True)
+        for job_id, user, need, priority, spec_json, retry_at in store.pending_rows():
+            spec = JobSpec.model_validate_json(spec_json)
+            self._pending[job_id] = (
+                Pending(job_id, user, need, priority, spec.timeout_s),
+                retry_at,
+            )
+        self._dirty = True
+        if self._attempts or self._pending:
+            log.info(
+                "recovered %d active and %d queued job(s)", len(self._attempts), len(self._pending)
+            )
+
+    # helpers ----------------------------------------------------------------------------
+
+    def _enqueue(self, job_id: int, user: str, spec: JobSpec, due: float | None) -> None:
+        pending = Pending(
+            job_id, user, spec.total_gpus, PRIORITY_RANK[spec.priority], spec.timeout_s
+        )
+        with self._lock:
+            self._pending[job_id] = (pending, due)
+            self._dirty = True
+        self._wake.set()
+
+    def _set_state(
+        self, job_id: int, state: JobState, now: float, reason: str | None, **fields: object
+    ) -> None:
+        store = self.open_store()
+        with store.tx() as conn:
+            store.update_job(conn, job_id, state=state, reason=reason, **fields)
+            store.add_transition(conn, job_id, state, now, reason)
+
+    def _quotas(self) -> dict[str, int]:
+        """User -> their own GPU quota, for the users that have one (one query a pass)."""
+        return {u.name: u.gpu_quota for u in self.open_store().users() if u.gpu_quota is not None}
+
+    def _runtime(self, name: str) -> Runtime:
+        if name not in self._runtimes:
+            self._runtimes[name] = runtimes.create(name)
+        return self._runtimes[name]

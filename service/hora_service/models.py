@@ -1,0 +1,90 @@
+"""Typed records the service stores and answers with (control plane).
+
+:class:`JobRecord` is what ``GET /v1/jobs/{id}`` returns and what the manager hands around;
+the spec inside it is the frozen :class:`hora.spec.JobSpec` validated at the edge.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from hora.spec import JobSpec, JobState
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class User(BaseModel):
+    """A user of the service; tokens are stored only as SHA-256 hashes."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    is_admin: bool = False
+    gpu_quota: int | None = None
+
+
+class Transition(BaseModel):
+    """One state change of a job, with when and why."""
+
+    model_config = ConfigDict(frozen=True)
+
+    state: JobState
+    at: datetime
+    reason: str | None = None
+
+
+class JobRecord(BaseModel):
+    """A job as stored: its spec, where it is in its lifecycle, and how its ranks ended.
+
+    Attributes:
+        id: the job's id (positive, increasing).
+        user: who submitted it.
+        spec: what was asked.
+        state: current state.
+        attempt: current attempt (0 before the first start, 1 for the first run).
+        reason: a human reason for failure or cancellation.
+        exit_codes: rank -> exit code of the current attempt (None while running).
+        slots: GPU (or CPU slot) indices held while starting or running.
+        created_at: submission time (UTC).
+        started_at: when the current attempt started running.
+        finished_at: when it reached a terminal state.
+        transitions: every state change, oldest first.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    id: int
+    user: str
+    spec: JobSpec
+    state: JobState
+    attempt: int = 0
+    reason: str | None = None
+    exit_codes: dict[int, int | None] = Field(default_factory=dict)
+    slots: list[int] = Field(default_factory=list)
+    created_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    transitions: list[Transition] = Field(default_factory=list)
+
+
+class SlotInfo(BaseModel):
+    """One schedulable GPU (or CPU slot) and the job holding it."""
+
+    index: int
+    kind: str = Field(description="gpu or cpu")
+    name: str
+    job_id: int | None = None
+    user: str | None = None
+
+
+class MetricsSnapshot(BaseModel):
+    """Numbers behind ``/metrics`` (rendered by :mod:`hora_service.api.prometheus`)."""
+
+    jobs_by_state: dict[str, int]
+    queue_length: int
+    slots_total: int
+    slots_allocated: int
+    schedule_latency_p50_s: float | None = None
+    schedule_latency_p99_s: float | None = None
+    schedule_latency_sum_s: float = 0.0
+    schedule_latency_count: int = 0
+    schedule_pass_seconds: float = 0.0

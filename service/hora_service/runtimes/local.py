@@ -1,0 +1,178 @@
+"""The local runtime: one process per rank on this machine (control plane).
+
+Each rank runs under the rank shim (:mod:`hora_service.runtimes.shim`) in a session of its
+own, so signals reach its whole process group and it outlives a crash of the service. The
+argument list and the environment are built by pure functions (:func:`rank_argv`,
+:func:`rank_environment`); nothing passes through a shell.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+import psutil
+from hora.env import rank_env
+
+from hora_service.runtimes.base import AttemptPlan, Exit, RankProcess, RankStatus, Runtime
+
+SHIM = Path(__file__).with_name("shim.py")
+# settings of the service itself; a job never inherits them
+PRIVATE_PREFIXES = ("HORA_",)
+KEEP = ("HORA_TORCH_CONSTRAINTS",)
+
+
+def rank_argv(plan: AttemptPlan, rank: int, python: str = sys.executable) -> list[str]:
+    """The argument list that starts rank ``rank``: the shim, then the user's command.
+
+    Example:
+        >>> rank_argv(plan, 0)[-2:]  # doctest: +SKIP
+        ['python', 'train.py']
+    """
+    return [python, "-S", str(SHIM), str(plan.run_dir), str(rank), "--", *plan.spec.command]
+
+
+def rank_environment(plan: AttemptPlan, rank: int, base: Mapping[str, str]) -> dict[str, str]:
+    """The environment of rank ``rank``.
+
+    The service's environment minus its own ``HORA_*`` settings, then the job's ``env``,
+    then what hora sets (which wins): the rank variables of the ``hora.torch`` contract,
+    ``CUDA_VISIBLE_DEVICES`` of exactly this rank's GPUs (empty on CPU slots),
+    ``HORA_JOB_ID``, ``HORA_RESTART_COUNT`` (0 on the first attempt) and
+    ``PYTHONUNBUFFERED=1`` so that logs stream as they are written.
+    """
+    env = {k: v for k, v in base.items() if not k.startswith(PRIVATE_PREFIXES) or k in KEEP}
+    env.update(plan.spec.env)
+    n = plan.spec.workers
+    env.update(
+        rank_env(
+            rank,
+            n,
+            local_rank=rank,
+            local_size=n,
+            master_addr="127.0.0.1",
+            master_port=plan.master_port,
+        )
+    )
+    mine = plan.rank_slots(rank)
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, mine)) if plan.slot_kind == "gpu" else ""
+    env["HORA_SLOTS"] = ",".join(map(str, mine))
+    env["HORA_JOB_ID"] = str(plan.job_id)
+    env["HORA_RESTART_COUNT"] = str(plan.attempt - 1)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def read_exit(run_dir: Path, rank: int) -> int | None:
+    """The exit code the shim recorded for ``rank``, or None if it recorded none."""
+    try:
+        return int((run_dir / f"rank{rank}.exit").read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def read_pid(run_dir: Path, rank: int) -> int | None:
+    """The shim's pid for ``rank``, or None if it never started."""
+    try:
+        return int((run_dir / f"rank{rank}.pid").read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)  # the shim leads its own session: its pid is the group id
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class ChildRank(RankProcess):
+    """A rank this service started (it is the shim's parent and reaps it)."""
+
+    def __init__(self, rank: int, proc: subprocess.Popen[bytes], run_dir: Path) -> None:
+        self.rank = rank
+        self.proc = proc
+        self.run_dir = run_dir
+
+    def poll(self) -> RankStatus:
+        """Exit code once the shim has exited (the recorded one, else the shim's own)."""
+        code = self.proc.poll()
+        if code is None:
+            return Exit.running
+        recorded = read_exit(self.run_dir, self.rank)
+        return recorded if recorded is not None else code
+
+    def signal(self, sig: int) -> None:
+        """Signal the rank's process group."""
+        _signal_group(self.proc.pid, sig)
+
+
+class AdoptedRank(RankProcess):
+    """A rank started by an earlier run of the service, found again through its pid file."""
+
+    def __init__(self, rank: int, pid: int | None, run_dir: Path) -> None:
+        self.rank = rank
+        self.pid = pid
+        self.run_dir = run_dir
+
+    def _alive(self) -> bool:
+        if self.pid is None:
+            return False
+        try:
+            proc = psutil.Process(self.pid)
+            # the pid may have been reused: the shim's command line names this run dir
+            return proc.status() != psutil.STATUS_ZOMBIE and str(self.run_dir) in proc.cmdline()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return False
+
+    def poll(self) -> RankStatus:
+        """The recorded exit code, ``running`` while the shim lives, else ``lost``."""
+        recorded = read_exit(self.run_dir, self.rank)
+        if recorded is not None:
+            return recorded
+        if self._alive():
+            return Exit.running
+        recorded = read_exit(self.run_dir, self.rank)  # it may have ended between the looks
+        return Exit.lost if recorded is None else recorded
+
+    def signal(self, sig: int) -> None:
+        """Signal the rank's process group if it is still this rank's."""
+        if self.pid is not None and self._alive():
+            _signal_group(self.pid, sig)
+
+
+class LocalRuntime(Runtime):
+    """One process per rank on this machine (see the module docstring)."""
+
+    name = "local"
+
+    def _start(self, plan: AttemptPlan, base_env: dict[str, str]) -> list[RankProcess]:
+        ranks: list[RankProcess] = []
+        try:
+            for rank in range(plan.spec.workers):
+                with plan.log_path(rank).open("ab") as log:
+                    proc = subprocess.Popen(
+                        rank_argv(plan, rank),
+                        env=rank_environment(plan, rank, base_env),
+                        cwd=plan.workdir,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                ranks.append(ChildRank(rank, proc, plan.run_dir))
+        except OSError:
+            for started in ranks:
+                started.signal(signal.SIGKILL)
+            raise
+        return ranks
+
+    def _adopt(self, plan: AttemptPlan) -> list[RankProcess]:
+        return [
+            AdoptedRank(rank, read_pid(plan.run_dir, rank), plan.run_dir)
+            for rank in range(plan.spec.workers)
+        ]

@@ -1,0 +1,81 @@
+"""Settings of the job service (control plane).
+
+One :class:`Settings` object, read from ``HORA_*`` environment variables and arguments, is
+built by whoever starts the service (``hora serve``, ``hora up``, a test) and handed down:
+nothing reads the environment at import time.
+
+Example:
+    >>> Settings(data_dir="/tmp/h", cpu_slots=4).db_path.name
+    'hora.db'
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Everything the service can be told; each field is ``HORA_<FIELD>`` in the environment.
+
+    Attributes:
+        host: address uvicorn listens on.
+        port: TCP port.
+        data_dir: state directory: the SQLite database and job logs live here.
+        gpus: ``auto`` (ask ``nvidia-smi``), a count ``N`` (GPUs ``0..N-1``; ``0`` for none)
+            or a list ``0,1,3``.
+        cpu_slots: schedulable slots that stand in for GPUs on a machine without any.
+        work_root: jobs' working directories must lie under it (default: the home directory).
+        user_gpu_quota: most GPUs (slots) one user's running jobs may hold; None = no quota.
+        kill_grace_s: seconds between SIGTERM and SIGKILL when a job is cancelled or times out.
+        retry_backoff_s: wait before the first retry; doubles for each further attempt.
+        monitor_interval_s: seconds between two passes of the monitor loop.
+        dev_mode: relax the startup safety checks (never authentication).
+        max_request_bytes: largest request body accepted.
+        max_log_request_bytes: most log bytes one plain log request returns.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="HORA_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 8000
+    data_dir: Path = Path("~/.hora")
+    gpus: str = "auto"
+    cpu_slots: Annotated[int, Field(ge=1, le=4096)] = 2
+    work_root: Path = Path("~")
+    user_gpu_quota: Annotated[int | None, Field(ge=1)] = None
+    kill_grace_s: Annotated[float, Field(ge=0, le=3600)] = 10.0
+    retry_backoff_s: Annotated[float, Field(ge=0, le=3600)] = 2.0
+    monitor_interval_s: Annotated[float, Field(gt=0, le=60)] = 0.5
+    dev_mode: bool = False
+    max_request_bytes: int = 1 << 20
+    max_log_request_bytes: Annotated[int, Field(ge=1)] = 1 << 20
+
+    @field_validator("data_dir", "work_root")
+    @classmethod
+    def _absolute(cls, v: Path) -> Path:
+        return v.expanduser().resolve()
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus(cls, v: str) -> str:
+        v = v.strip()
+        if v == "auto" or v.isdigit():
+            return v
+        parts = [p.strip() for p in v.split(",")]
+        if not all(p.isdigit() for p in parts) or len(set(parts)) != len(parts):
+            raise ValueError(f"gpus must be auto, a count or a list like 0,1,3; got {v!r}")
+        return ",".join(parts)
+
+    @property
+    def db_path(self) -> Path:
+        """The SQLite database file."""
+        return self.data_dir / "hora.db"
+
+    @property
+    def logs_dir(self) -> Path:
+        """Root of every job's logs and run files (``logs/<job>/<attempt>/``)."""
+        return self.data_dir / "logs"

@@ -1,0 +1,359 @@
+"""The SQLite store of the job service (control plane): users, jobs, transitions.
+
+SQLAlchemy 2 over one SQLite file in WAL mode (readers never wait for the writer). The
+schema is versioned with ``PRAGMA user_version`` and upgraded by :data:`MIGRATIONS` when the
+store opens, in one transaction per step, so an old data directory keeps working.
+
+Times are stored as UNIX seconds (REAL) and returned as aware UTC datetimes. Tokens are
+stored only as SHA-256 hex digests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from hora.errors import HoraError
+from hora.spec import PRIORITY_RANK, JobSpec, JobState
+from sqlalchemy import Connection, Engine, create_engine, event, text
+
+from hora_service.models import JobRecord, Transition, User
+
+# Each step upgrades the schema by one version; never edit a released step, add one.
+MIGRATIONS: list[list[str]] = [
+    [
+        """CREATE TABLE users (
+            name TEXT PRIMARY KEY,
+            token_hash TEXT NOT NULL UNIQUE,
+            is_admin INTEGER NOT NULL DEFAULT 0,
+            created_at REAL NOT NULL)""",
+        """CREATE TABLE jobs (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            user TEXT NOT NULL,
+            submission_id TEXT,
+            spec TEXT NOT NULL,
+            state TEXT NOT NULL,
+            priority INTEGER NOT NULL,
+            need INTEGER NOT NULL,
+            attempt INTEGER NOT NULL DEFAULT 0,
+            reason TEXT,
+            exit_codes TEXT NOT NULL DEFAULT '{}',
+            slots TEXT NOT NULL DEFAULT '[]',
+            created_at REAL NOT NULL,
+            started_at REAL,
+            finished_at REAL,
+            UNIQUE (user, submission_id))""",
+        "CREATE INDEX jobs_by_user ON jobs (user, id)",
+        "CREATE INDEX jobs_by_state ON jobs (state, id)",
+        """CREATE TABLE transitions (
+            seq INTEGER PRIMARY KEY AUTOINCREMENT,
+            job_id INTEGER NOT NULL REFERENCES jobs (id) ON DELETE CASCADE,
+            state TEXT NOT NULL,
+            at REAL NOT NULL,
+            reason TEXT)""",
+        "CREATE INDEX transitions_by_job ON transitions (job_id, seq)",
+    ],
+    [
+        # v2: per-user GPU quota, and the time a retrying job may start again
+        "ALTER TABLE users ADD COLUMN gpu_quota INTEGER",
+        "ALTER TABLE jobs ADD COLUMN retry_at REAL",
+        "ALTER TABLE jobs ADD COLUMN cancel_requested INTEGER NOT NULL DEFAULT 0",
+    ],
+]
+SCHEMA_VERSION = len(MIGRATIONS)
+ACTIVE = (JobState.starting, JobState.running)
+JOB_COLUMNS = (
+    "id, user, spec, state, attempt, reason, exit_codes, slots, created_at, started_at, finished_at"
+)
+
+
+class StoreError(HoraError):
+    """The store refused an operation (a duplicate user, a newer schema than this hora)."""
+
+
+def token_hash(token: str) -> str:
+    """SHA-256 hex digest of a token: what the store keeps instead of the token."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def _utc(ts: float | None) -> datetime | None:
+    return None if ts is None else datetime.fromtimestamp(ts, UTC)
+
+
+def _at(ts: float) -> datetime:
+    return datetime.fromtimestamp(ts, UTC)
+
+
+class Store:
+    """Users and jobs in one SQLite file (see the module docstring).
+
+    Args:
+        path: the database file; its directory is created.
+
+    Example:
+        >>> store = Store(tmp_path / "hora.db")  # doctest: +SKIP
+        >>> store.add_user("ann", token_hash("secret"))  # doctest: +SKIP
+    """
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.engine: Engine = create_engine(
+            f"sqlite:///{path}",
+            connect_args={"check_same_thread": False, "timeout": 30},
+            pool_size=8,
+            max_overflow=56,
+            pool_timeout=30,
+        )
+        event.listen(self.engine, "connect", _pragmas)
+        self._write = threading.Lock()
+        self.migrate()
+
+    def close(self) -> None:
+        """Close every pooled connection."""
+        self.engine.dispose()
+
+    @contextmanager
+    def tx(self) -> Iterator[Connection]:
+        """A write transaction; writers are serialised here rather than by SQLite's retry."""
+        with self._write, self.engine.begin() as conn:
+            yield conn
+
+    def migrate(self) -> int:
+        """Upgrade the schema to :data:`SCHEMA_VERSION`; return the version found before.
+
+        Raises:
+            StoreError: the file was written by a newer hora (a higher version).
+        """
+        with self.tx() as conn:
+            found = int(conn.exec_driver_sql("PRAGMA user_version").scalar() or 0)
+            if found > SCHEMA_VERSION:
+                raise StoreError(
+                    f"{self.path} has schema version {found}; this hora knows up to "
+                    f"{SCHEMA_VERSION}: upgrade hora"
+                )
+            for version in range(found, SCHEMA_VERSION):
+                for statement in MIGRATIONS[version]:
+                    conn.exec_driver_sql(statement)
+                conn.exec_driver_sql(f"PRAGMA user_version = {version + 1}")
+        return found
+
+    # users ------------------------------------------------------------------------------
+
+    def add_user(
+        self, name: str, digest: str, admin: bool = False, quota: int | None = None
+    ) -> User:
+        """Create a user with a token digest.
+
+        Raises:
+            StoreError: the name is taken.
+        """
+        with self.tx() as conn:
+            if conn.execute(text("SELECT 1 FROM users WHERE name = :n"), {"n": name}).first():
+                raise StoreError(f"user {name!r} exists already")
+            conn.execute(
+                text(
+                    "INSERT INTO users (name, token_hash, is_admin, gpu_quota, created_at) "
+                    "VALUES (:n, :h, :a, :q, :t)"
+                ),
+                {"n": name, "h": digest, "a": int(admin), "q": quota, "t": _now()},
+            )
+        return User(name=name, is_admin=admin, gpu_quota=quota)
+
+    def remove_user(self, name: str) -> bool:
+        """Delete a user (their jobs stay); False if there was none."""
+        with self.tx() as conn:
+            return bool(
+                conn.execute(text("DELETE FROM users WHERE name = :n"), {"n": name}).rowcount
+            )
+
+    def user_by_digest(self, digest: str) -> User | None:
+        """The user whose token has this digest."""
+        with self.engine.connect() as conn:
+            row = conn.execute(
+                text("SELECT name, is_admin, gpu_quota FROM users WHERE token_hash = :h"),
+                {"h": digest},
+            ).first()
+        return None if row is None else User(name=row[0], is_admin=bool(row[1]), gpu_quota=row[2])
+
+    def users(self) -> list[User]:
+        """Every user, by name."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(text("SELECT name, is_admin, gpu_quota FROM users ORDER BY name"))
+            return [User(name=r[0], is_admin=bool(r[1]), gpu_quota=r[2]) for r in rows]
+
+    # jobs -------------------------------------------------------------------------------
+
+    def insert_job(self, conn: Connection, user: str, spec: JobSpec, at: float) -> int:
+        """Insert a queued job with its first transition; return its id."""
+        row = conn.execute(
+            text(
+                "INSERT INTO jobs (user, submission_id, spec, state, priority, need, created_at) "
+                "VALUES (:u, :sid, :spec, :st, :p, :need, :t) RETURNING id"
+            ),
+            {
+                "u": user,
+                "sid": spec.submission_id,
+                "spec": spec.model_dump_json(),
+                "st": JobState.queued.value,
+                "p": PRIORITY_RANK[spec.priority],
+                "need": spec.total_gpus,
+                "t": at,
+            },
+        ).one()
+        job_id = int(row[0])
+        self.add_transition(conn, job_id, JobState.queued, at, None)
+        return job_id
+
+    def job_by_submission(self, conn: Connection, user: str, submission_id: str) -> int | None:
+        """The id of ``user``'s job with this submission id, if any."""
+        row = conn.execute(
+            text("SELECT id FROM jobs WHERE user = :u AND submission_id = :s"),
+            {"u": user, "s": submission_id},
+        ).first()
+        return None if row is None else int(row[0])
+
+    def add_transition(
+        self, conn: Connection, job_id: int, state: JobState, at: float, reason: str | None
+    ) -> None:
+        """Record one state change."""
+        conn.execute(
+            text("INSERT INTO transitions (job_id, state, at, reason) VALUES (:j, :s, :t, :r)"),
+            {"j": job_id, "s": state.value, "t": at, "r": reason},
+        )
+
+    def update_job(self, conn: Connection, job_id: int, **fields: Any) -> None:
+        """Set columns of one job; dicts and lists are stored as JSON."""
+        values = {k: json.dumps(v) if isinstance(v, dict | list) else v for k, v in fields.items()}
+        values = {k: v.value if isinstance(v, JobState) else v for k, v in values.items()}
+        assignments = ", ".join(f"{k} = :{k}" for k in values)
+        conn.execute(
+            text(f"UPDATE jobs SET {assignments} WHERE id = :_id"), {**values, "_id": job_id}
+        )
+
+    def delete_job(self, job_id: int) -> None:
+        """Remove a job and its transitions."""
+        with self.tx() as conn:
+            conn.execute(text("DELETE FROM transitions WHERE job_id = :j"), {"j": job_id})
+            conn.execute(text("DELETE FROM jobs WHERE id = :j"), {"j": job_id})
+
+    def get(self, job_id: int, conn: Connection | None = None) -> JobRecord | None:
+        """One job with its transitions, or None."""
+        if conn is None:
+            with self.engine.connect() as c:
+                return self.get(job_id, c)
+        row = conn.execute(
+            text(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = :j"), {"j": job_id}
+        ).first()
+        if row is None:
+            return None
+        return self._records(conn, [row])[0]
+
+    def list_jobs(
+        self, user: str | None, state: JobState | None, limit: int, offset: int
+    ) -> tuple[list[JobRecord], int]:
+        """A page of jobs, newest first, and how many match in all."""
+        where: list[str] = []
+        params: dict[str, object] = {"lim": limit, "off": offset}
+        if user is not None:
+            where.append("user = :u")
+            params["u"] = user
+        if state is not None:
+            where.append("state = :s")
+            params["s"] = state.value
+        clause = f" WHERE {' AND '.join(where)}" if where else ""
+        with self.engine.connect() as conn:
+            total = int(
+                conn.execute(text(f"SELECT COUNT(*) FROM jobs{clause}"), params).scalar_one()
+            )
+            rows = conn.execute(
+                text(
+                    f"SELECT {JOB_COLUMNS} FROM jobs{clause} ORDER BY id DESC "
+                    "LIMIT :lim OFFSET :off"
+                ),
+                params,
+            ).all()
+            return self._records(conn, rows), total
+
+    def _records(self, conn: Connection, rows: Sequence[Any]) -> list[JobRecord]:
+        ids = [r[0] for r in rows]
+        moves: dict[int, list[Transition]] = {i: [] for i in ids}
+        if ids:
+            marks = ",".join(str(int(i)) for i in ids)  # ints from the database, not input
+            for t in conn.execute(
+                text(
+                    f"SELECT job_id, state, at, reason FROM transitions "
+                    f"WHERE job_id IN ({marks}) ORDER BY seq"
+                )
+            ):
+                moves[t[0]].append(Transition(state=JobState(t[1]), at=_at(t[2]), reason=t[3]))
+        return [
+            JobRecord(
+                id=r[0],
+                user=r[1],
+                spec=JobSpec.model_validate_json(r[2]),
+                state=JobState(r[3]),
+                attempt=r[4],
+                reason=r[5],
+                exit_codes={int(k): v for k, v in json.loads(r[6]).items()},
+                slots=json.loads(r[7]),
+                created_at=_at(r[8]),
+                started_at=_utc(r[9]),
+                finished_at=_utc(r[10]),
+                transitions=moves[r[0]],
+            )
+            for r in rows
+        ]
+
+    def jobs_in(self, states: Iterable[JobState]) -> list[JobRecord]:
+        """Every job in one of ``states``, oldest first (used at start-up)."""
+        names = [s.value for s in states]
+        marks = ",".join(f":s{i}" for i in range(len(names)))
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                text(f"SELECT {JOB_COLUMNS} FROM jobs WHERE state IN ({marks}) ORDER BY id"),
+                {f"s{i}": n for i, n in enumerate(names)},
+            ).all()
+            return self._records(conn, rows)
+
+    def pending_rows(self) -> list[tuple[int, str, int, int, str, float | None]]:
+        """``(id, user, need, priority, spec, retry_at)`` of queued and retrying jobs."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                text(
+                    "SELECT id, user, need, priority, spec, retry_at FROM jobs "
+                    "WHERE state IN ('queued', 'retrying') ORDER BY id"
+                )
+            ).all()
+        return [(r[0], r[1], r[2], r[3], r[4], r[5]) for r in rows]
+
+    def cancel_requested(self) -> set[int]:
+        """Ids of active jobs whose cancellation was asked for."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(text("SELECT id FROM jobs WHERE cancel_requested = 1"))
+            return {int(r[0]) for r in rows}
+
+    def count_by_state(self) -> dict[str, int]:
+        """Number of jobs in each state that has any."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(text("SELECT state, COUNT(*) FROM jobs GROUP BY state"))
+            return {r[0]: int(r[1]) for r in rows}
+
+
+def _now() -> float:
+    return datetime.now(UTC).timestamp()
+
+
+def _pragmas(dbapi_conn: Any, record: Any) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.execute("PRAGMA busy_timeout=30000")
+    cur.close()
