@@ -85,7 +85,9 @@ class _SyncBNFunction(torch.autograd.Function):
         dx = None
         if ctx.needs_input_grad[0]:
             state = _state.require_init("SyncBatchNorm")
-            both = torch.cat([sum_dy, sum_dy_xhat]).float()
+            both = torch.cat([sum_dy, sum_dy_xhat])
+            if both.dtype in (torch.float16, torch.bfloat16):  # float64 keeps its precision
+                both = both.float()
             state.seq += 1
             state.last_op = "allreduce"
             work = dist.all_reduce(both, group=state.group, async_op=True)
@@ -104,8 +106,10 @@ class SyncBatchNorm(_BatchNorm):
     Drop-in for ``torch.nn.BatchNorm1d/2d/3d`` (same arguments and state_dict keys). In
     training, mean and variance are computed over the union of all ranks' batches (one
     allgather of per-channel statistics in forward, one allreduce in backward); running
-    statistics are updated from them identically on every rank. In eval mode, or with one
-    rank, it is plain batch normalization. Works on CPU (gloo) and GPU (NCCL).
+    statistics are updated from them identically on every rank. In eval mode with running
+    statistics, or with one rank, it is plain batch normalization; in eval mode without them
+    (``track_running_stats=False``) the batch statistics span every rank, as in training.
+    Works on CPU (gloo) and GPU (NCCL).
 
     Args:
         num_features: channels C of an input of shape (N, C, ...).
@@ -139,7 +143,10 @@ class SyncBatchNorm(_BatchNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """Normalize ``input`` with statistics over all ranks (training) or running ones."""
         self._check_input_dim(input)
-        state = _state.require_init("SyncBatchNorm") if self.training else None
+        # like torch's BatchNorm: batch statistics in training, and in eval mode too when no
+        # running statistics are kept; those are the statistics that must span every rank
+        batch_stats = self.training or self.running_mean is None or self.running_var is None
+        state = _state.require_init("SyncBatchNorm") if batch_stats else None
         if state is None or state.size == 1:
             return super().forward(input)
         mean, var, total = _global_stats(input, state)
