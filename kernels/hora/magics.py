@@ -8,6 +8,7 @@ without importing torch or ipyparallel; those load when a magic first starts eng
 from __future__ import annotations
 
 import html
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -45,8 +46,16 @@ class Table:
         return f"<table>{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
+_LINE_END = re.compile(r"(\r\n|\r|\n)")
+
+
 class DisplaySink:
-    """Shows a cell's live output in the notebook: text as it streams, rich output displayed.
+    r"""Shows a cell's live output in the notebook: text as it streams, rich output displayed.
+
+    With ``prefix`` (``--all``) text is passed on a whole line at a time, each line prefixed
+    ``[rank N]``: ranks print concurrently, and a partial line of one rank must not be joined
+    with another rank's text. A line ends at ``\n`` or ``\r`` (so progress bars that redraw
+    with ``\r`` still update); what is left at the end of the cell is written by :meth:`flush`.
 
     Args:
         prefix: prefix each line with ``[rank N]`` (``--all``).
@@ -54,19 +63,32 @@ class DisplaySink:
 
     def __init__(self, prefix: bool) -> None:
         self.prefix = prefix
-        self._at_start: dict[tuple[int, str], bool] = {}
+        self._partial: dict[tuple[int, str], str] = {}
 
     def stream(self, rank: int, name: str, text: str) -> None:
         """Write a rank's text to the notebook's stdout or stderr."""
-        out = sys.stderr if name == "stderr" else sys.stdout
         if self.prefix:
             key = (rank, name)
-            lines = text.splitlines(keepends=True)
-            parts = []
-            for line in lines:
-                parts.append((f"[rank {rank}] " if self._at_start.get(key, True) else "") + line)
-                self._at_start[key] = line.endswith("\n")
-            text = "".join(parts)
+            parts = _LINE_END.split(self._partial.pop(key, "") + text)
+            if parts[-1]:
+                self._partial[key] = parts[-1]
+            text = "".join(
+                end if not line and end == "\r" else f"[rank {rank}] {line}{end}"
+                for line, end in zip(parts[:-1:2], parts[1::2], strict=True)
+            )
+        self._write(name, text)
+
+    def flush(self) -> None:
+        """Write the ranks' unfinished lines (text printed without a newline at the end)."""
+        for (rank, name), line in sorted(self._partial.items()):
+            self._write(name, f"[rank {rank}] {line}\n")
+        self._partial.clear()
+
+    @staticmethod
+    def _write(name: str, text: str) -> None:
+        if not text:
+            return
+        out = sys.stderr if name == "stderr" else sys.stdout
         out.write(text)
         out.flush()
 
@@ -143,7 +165,10 @@ class HoraMagics(Magics):
         title = f"{len(rows)} engines ready in {self.cluster.start_s:.1f}s ({self.cluster.backend})"
         display(
             Table(
-                [{k: r[k] for k in ("rank", "host", "pid", "device", "engine_id")} for r in rows],
+                [
+                    {k: r[k] for k in ("rank", "host", "pid", "device", "gpu", "engine_id")}
+                    for r in rows
+                ],
                 title,
             )
         )
@@ -307,7 +332,11 @@ class HoraMagics(Magics):
         if timeout is not None and timeout <= 0:
             raise UsageError(f"--timeout must be > 0 seconds, got {timeout:g}")
         shown = list(range(cluster.size)) if shown_all else [0 if rank is None else rank]
-        cluster.run(code, sink=DisplaySink(prefix=shown_all), shown=shown, timeout=timeout)
+        sink = DisplaySink(prefix=shown_all)
+        try:
+            cluster.run(code, sink=sink, shown=shown, timeout=timeout)
+        finally:
+            sink.flush()
         if out:
             self._ns()[out] = cluster.pull(out)
 

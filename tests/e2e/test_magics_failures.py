@@ -99,6 +99,20 @@ def test_rank_death_is_reported_and_restart_recovers(ip, kill, status):
     assert result.success and cap.stdout == "2.0\n"
 
 
+def test_rank_left_running_after_a_death_is_named(ip):
+    # rank 0 is not in a collective, so nothing makes it fail: the cell still returns (after
+    # a short grace period), and the report says rank 0 was still running
+    cell = "%%distributed\nimport os, time\nif hvd.rank() == 1:\n    os._exit(5)\ntime.sleep(90)"
+    result, cap = run(ip, cell)
+    err = result.error_in_exec
+    assert isinstance(err, RankDiedError), cap.stdout
+    assert err.dead == {1: 5} and err.running == [0]
+    assert "rank 1 died (exit code 5)" in cap.stdout
+    assert "rank 0 still running the cell" in cap.stdout
+    assert "Not using CurveZMQ" not in cap.stdout  # engine start-up noise is not "last output"
+    restart(ip)
+
+
 def test_segfault_stack_lands_in_the_report(ip):
     result, cap = run(
         ip, "%%distributed\nimport ctypes\nif hvd.rank() == 0:\n    ctypes.string_at(0)"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +21,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 ENV_BEFORE: dict[str, str] = {}
+START_OUTPUT: list[dict[str, str]] = []
 
 
 @pytest.fixture(scope="module")
@@ -28,13 +30,10 @@ def ip():
 
     ENV_BEFORE.update(os.environ)
     shell = InteractiveShell.instance()
-    heavy_before = {m for m in ("torch", "ipyparallel") if m in sys.modules}
     shell.run_line_magic("load_ext", "hora")
-    loaded = {m for m in ("torch", "ipyparallel") if m in sys.modules} - heavy_before
-    assert not loaded, f"%load_ext hora imported {loaded}"
     with capture_output() as cap:
         shell.run_line_magic("dist_start", "-n 2 --timeout 20")
-    assert "2 engines ready" in cap.outputs[0].data["text/plain"]
+    START_OUTPUT[:] = [o.data for o in cap.outputs]
     from hora import magics
 
     members = group_members(magics._MAGICS.cluster.pids)
@@ -49,12 +48,42 @@ def run(ip, cell: str):
     return result, cap
 
 
+def test_load_ext_registers_magics_without_heavy_imports():
+    # a fresh interpreter: in this one torch may already be imported by other tests
+    code = (
+        "import sys\n"
+        "from IPython.core.interactiveshell import InteractiveShell\n"
+        "ip = InteractiveShell.instance()\n"
+        "ip.run_line_magic('load_ext', 'hora')\n"
+        "names = ['dist_start', 'distributed', 'dist_push', 'dist_pull', 'dist_status',\n"
+        "         'dist_restart', 'dist_stop']\n"
+        "cell = bool(ip.find_cell_magic('distributed'))\n"
+        "print(all(ip.find_line_magic(n) for n in names), cell)\n"
+        "print(sorted(m for m in ('torch', 'ipyparallel') if m in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["True True", "[]"]
+
+
 def test_start_table_lists_rank_pid_device(ip):
     from hora import magics
 
     table = magics._MAGICS.cluster.table()
     assert [r["rank"] for r in table] == [0, 1]
     assert all(r["device"] == "cpu" for r in table)
+    # what %dist_start displayed: a title, then one row per rank (text and HTML)
+    (shown,) = START_OUTPUT
+    lines = shown["text/plain"].splitlines()
+    assert lines[0].startswith("2 engines ready in") and lines[0].endswith("(gloo)")
+    cols = ["rank", "host", "pid", "device", "gpu", "engine_id"]
+    assert lines[1].split() == cols
+    for row, line in zip(table, lines[2:], strict=True):
+        assert line.split() == [str(row[k]) for k in cols]
+        assert f"<td>{row['pid']}</td>" in shown["text/html"]
     # the engine-id -> rank map is explicit: each engine's own RANK matches the map
     result, cap = run(ip, "%%distributed --all\nimport os; print(os.environ['RANK'], os.getpid())")
     assert result.success
@@ -73,6 +102,23 @@ def test_all_prefixes_every_line(ip):
     assert result.success
     lines = sorted(cap.stdout.splitlines())
     assert lines == ["[rank 0] a", "[rank 0] b", "[rank 1] a", "[rank 1] b"]
+
+
+def test_all_keeps_each_rank_in_order_and_joins_partial_lines(ip):
+    cell = (
+        "%%distributed --all\nimport sys, time\n"
+        "for i in range(8):\n"
+        "    print('step', end=' ', flush=True)\n"
+        "    time.sleep(0.01)\n"
+        "    print(i, flush=True)\n"
+        "print('warn', file=sys.stderr)"
+    )
+    result, cap = run(ip, cell)
+    assert result.success
+    for rank in (0, 1):
+        mine = [x for x in cap.stdout.splitlines() if x.startswith(f"[rank {rank}] ")]
+        assert mine == [f"[rank {rank}] step {i}" for i in range(8)], cap.stdout
+    assert sorted(cap.stderr.splitlines()) == ["[rank 0] warn", "[rank 1] warn"]
 
 
 def test_rank_shows_only_that_rank(ip):

@@ -181,6 +181,38 @@ def test_rank_died_names_rank_status_and_recovery():
     assert "boom" in "\n".join(err._render_traceback_())
 
 
+def test_rank_died_names_ranks_left_running():
+    err = RankDiedError({2: -9}, {}, [RankError(1, "RankFailedError", "peer lost")], running=[3, 0])
+    lines = err._render_traceback_()
+    assert lines[0].startswith("RankDiedError: rank 2 died (killed by SIGKILL (out of memory?))")
+    assert "other ranks then failed: 1 (first: RankFailedError: peer lost)" in lines
+    assert lines[-1].startswith("ranks 0, 3 still running the cell")
+    assert lines[-1].endswith("%dist_restart stops them")
+    assert err.running == [0, 3]
+
+
+def test_log_tail_prefers_the_crash_dump_and_drops_startup_noise(tmp_path):
+    from hora.engines.execute import log_tail
+
+    log = tmp_path / "engine1.log"
+    log.write_text(
+        "2026 [IPEngine] WARNING | Not using CurveZMQ security\n"
+        "2026 [IPEngine.1] WARNING | debugpy_stream undefined, debugging will not be enabled\n"
+        "user wrote this\n"
+    )
+    assert log_tail(log) == "user wrote this"
+    with log.open("a") as f:
+        f.write(
+            "Fatal Python error: Segmentation fault\n\n"
+            "Current thread 0x0000000000000010 (most recent call first):\n"
+            '  File "cell.py", line 2 in crash\n'
+        )
+    assert log_tail(log, main_thread=0x10) == (
+        'Fatal Python error: Segmentation fault\n  File "cell.py", line 2 in crash'
+    )
+    assert log_tail(tmp_path / "missing.log") == ""
+
+
 def test_pick_thread_keeps_main_thread_above_ipython():
     dump = (
         "Thread 0x00000000000000aa (most recent call first):\n"
@@ -206,3 +238,31 @@ def test_replies_become_rank_errors():
     assert _to_rank_error(0, {"status": "ok"}) is None
     assert in_collective('  File "/site/torch/distributed/distributed_c10d.py", line 1 in wait')
     assert not in_collective('  File "cell.py", line 3 in train')
+
+
+def test_display_sink_prefixes_whole_lines_of_concurrent_ranks(capsys):
+    from hora.magics import DisplaySink
+
+    sink = DisplaySink(prefix=True)
+    sink.stream(0, "stdout", "step ")
+    sink.stream(1, "stdout", "step ")  # two partial lines: neither is written yet
+    assert capsys.readouterr().out == ""
+    sink.stream(0, "stdout", "0\n\nwin\r\n")
+    sink.stream(1, "stderr", "\r 10%\r 20%")  # a progress bar redrawn with \r
+    sink.stream(0, "stdout", "no newline")
+    sink.flush()
+    out, err = capsys.readouterr()
+    assert out == (
+        "[rank 0] step 0\n[rank 0] \n[rank 0] win\r\n[rank 0] no newline\n[rank 1] step \n"
+    )
+    assert err == "\r[rank 1]  10%\r[rank 1]  20%\n"
+
+
+def test_display_sink_without_prefix_passes_text_through(capsys):
+    from hora.magics import DisplaySink
+
+    sink = DisplaySink(prefix=False)
+    sink.stream(0, "stdout", "par")
+    sink.stream(0, "stdout", "tial")
+    sink.flush()
+    assert capsys.readouterr().out == "partial"

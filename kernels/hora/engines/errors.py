@@ -140,13 +140,21 @@ class CellFailedError(RankFailedError, EngineError):
 
 
 class RankDiedError(RankFailedError, EngineError):
-    """One or more engine processes exited while a cell ran."""
+    """One or more engine processes exited while a cell ran.
+
+    Attributes:
+        dead: exit code by dead rank (negative: killed by that signal).
+        logs: what explains each death (a crash dump, else the end of the engine's log).
+        errors: exceptions the surviving ranks raised afterwards (a lost peer, usually).
+        running: ranks still inside the cell when hora stopped waiting for them.
+    """
 
     def __init__(
         self,
         dead: dict[int, int | None],
         logs: dict[int, str] | None = None,
         errors: Sequence[RankError] = (),
+        running: Sequence[int] = (),
     ) -> None:
         ranks = sorted(dead)
         first = ranks[0]
@@ -156,6 +164,7 @@ class RankDiedError(RankFailedError, EngineError):
         self.dead = dict(dead)
         self.logs = dict(logs or {})
         self.errors = list(errors)
+        self.running = sorted(running)
 
     def __str__(self) -> str:
         parts = [f"rank {r} died ({exit_status(c)})" for r, c in sorted(self.dead.items())]
@@ -171,6 +180,13 @@ class RankDiedError(RankFailedError, EngineError):
         if self.errors:
             ranks = ", ".join(str(e.rank) for e in self.errors)
             lines.append(f"other ranks then failed: {ranks} (first: {self.errors[0].summary})")
+        if self.running:
+            ranks = ", ".join(map(str, self.running))
+            word = "rank" if len(self.running) == 1 else "ranks"
+            lines.append(
+                f"{word} {ranks} still running the cell (probably waiting for the dead rank in a "
+                "collective); %dist_restart stops them"
+            )
         return lines
 
 

@@ -208,6 +208,10 @@ def in_collective(stack: str) -> bool:
     return any(marker in stack for marker in COLLECTIVE_FRAMES)
 
 
+# warnings every engine logs at start; they explain nothing about a death
+_BENIGN = ("Not using CurveZMQ security", "debugpy_stream undefined")
+
+
 def log_tail(path: Path, main_thread: int = 0, n: int = 20) -> str:
     """Return what explains an engine's death from its log: a fatal-error stack, else the tail.
 
@@ -225,7 +229,8 @@ def log_tail(path: Path, main_thread: int = 0, n: int = 20) -> str:
         return ""
     at = text.rfind("Fatal Python error")
     if at < 0:
-        return "\n".join(text.splitlines()[-n:])
+        lines = [line for line in text.splitlines() if not any(b in line for b in _BENIGN)]
+        return "\n".join(lines[-n:])
     dump = text[at:]
     head = dump.splitlines()[0]
     return head + "\n" + pick_thread(dump, main_thread)
@@ -425,7 +430,7 @@ class CellRun:
             by_rank = {e.rank: e for e in self.engines}
             logs = {r: log_tail(by_rank[r].log_file, by_rank[r].main_thread) for r in self.dead}
             errors = [e for e in self._errors() if e.rank not in self.dead]
-            raise RankDiedError(self.dead, logs, errors)
+            raise RankDiedError(self.dead, logs, errors, self.pending())
         errors = self._errors()
         if errors:
             raise CellFailedError(errors)
