@@ -116,21 +116,30 @@ def test_failing_cell_is_an_error_reply(kernel):
     assert "also failed on rank 1 (same error)" in error_text(msgs)
 
 
-def test_interrupt_stops_cell_and_engines_stay_usable(kernel):
+def test_interrupt_reaches_every_rank_and_engines_stay_usable(kernel):
+    # each rank reports the KeyboardInterrupt it got: the interrupt must reach all of them
     msg_id = kernel.send(
-        "%%distributed\nimport time\nprint('started', flush=True)\ntime.sleep(120)"
+        "%%distributed --all\nimport time\nprint('started', flush=True)\n"
+        "try:\n    time.sleep(120)\n"
+        "except KeyboardInterrupt:\n    print('interrupted', flush=True)\n    raise"
     )
     started = time.monotonic()
+    seen: set[str] = set()
 
     def on_msg(msg: dict) -> None:
-        if msg["msg_type"] == "stream" and "started" in msg["content"]["text"]:
-            kernel.km.interrupt_kernel()
+        if msg["msg_type"] == "stream":
+            seen.update(line for line in msg["content"]["text"].splitlines() if "started" in line)
+            if seen == {"[rank 0] started", "[rank 1] started"}:
+                seen.add("sent")
+                kernel.km.interrupt_kernel()
 
     reply, msgs = kernel.collect(msg_id, timeout=60, on_msg=on_msg)
     assert time.monotonic() - started < 60
     assert reply["status"] == "error"
     assert reply["ename"] == "EnginesInterrupted"
     assert "still usable" in error_text(msgs)
+    text = "".join(m["content"]["text"] for m in msgs if m["msg_type"] == "stream")
+    assert "[rank 0] interrupted" in text and "[rank 1] interrupted" in text, text
     reply, out, _ = kernel.run(
         "%%distributed\nprint(hvd.allreduce(torch.ones(1), op=hvd.Sum).item())"
     )
@@ -178,6 +187,26 @@ def test_killed_kernel_leaves_no_engines():
     finally:
         k.kc.stop_channels()
         k.km.shutdown_kernel(now=True)
+
+
+def test_kernel_restart_leaves_no_engines():
+    # what the notebook's "Restart Kernel" does (jupyter_server: restart_kernel(now=False))
+    k = Kernel()
+    try:
+        reply, _, msgs = k.run("%load_ext hora\n%dist_start -n 2")
+        assert reply["status"] == "ok", error_text(msgs)
+        members = group_members(k.pids())
+        k.km.restart_kernel(now=False)
+        k.kc.wait_for_ready(timeout=60)
+        assert wait_gone(members, timeout=15) == [], "engines outlived the kernel restart"
+        # the restarted kernel is a fresh one: no engines, and it can start new ones
+        reply, _, msgs = k.run("%load_ext hora\n%distributed print(hvd.size())")
+        assert reply["status"] == "ok", error_text(msgs)
+        new = k.pids()
+        assert not set(new) & set(members)
+    finally:
+        k.close()
+    assert wait_gone(new) == []
 
 
 def test_failing_distributed_cell_fails_nbclient_execution(tmp_path):

@@ -66,6 +66,18 @@ def test_bad_name_is_refused_naming_the_field(tmp_path: Path, bad: str,
         install_kernel_spec(prefix=str(tmp_path), name=bad)
 
 
+def test_cli_install_user_writes_to_the_user_data_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --user means jupyter's per-user data dir (~/.local/share/jupyter), redirected to tmp here
+    monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "data"))
+    assert hora_main(["kernel", "install", "--user"]) == 0
+    spec = tmp_path / "data" / "kernels" / "hora" / "kernel.json"
+    assert json.loads(spec.read_text()) == kernel_spec()
+    assert json.loads(spec.read_text())["display_name"] == "Python 3 (hora)"
+    assert str(spec.parent) in capsys.readouterr().out
+
+
 def test_user_and_prefix_are_exclusive(tmp_path: Path) -> None:
     assert main(["kernel", "install", "--user", "--prefix", str(tmp_path)]) == 2
     with pytest.raises(KernelSpecError, match="prefix"):
