@@ -108,6 +108,8 @@ class JobManager:
 
     Args:
         settings: the service settings.
+        runtimes: runtimes by name to use instead of building them from the registry
+            (tests pass one whose ranks report scripted states).
 
     Example:
         >>> mgr = JobManager(Settings(data_dir=tmp_path, gpus="0", cpu_slots=2))  # doctest: +SKIP
@@ -115,7 +117,7 @@ class JobManager:
         >>> mgr.submit("ann", JobSpec(command=["python", "-c", "pass"]))  # doctest: +SKIP
     """
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, runtimes: dict[str, Runtime] | None = None) -> None:
         self.settings = settings
         self.store: Store | None = None
         self.inventory: list[Slot] = inventory(settings.gpus, settings.cpu_slots)
@@ -127,7 +129,7 @@ class JobManager:
         self._pending: dict[int, tuple[Pending, float | None]] = {}
         self._attempts: dict[int, Attempt] = {}
         self._dirty = True
-        self._runtimes: dict[str, Runtime] = {}
+        self._runtimes: dict[str, Runtime] = dict(runtimes or {})
         self._base_env = dict(os.environ)
         self._latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
         self._latency_sum = 0.0

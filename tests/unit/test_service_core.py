@@ -1,0 +1,352 @@
+"""The service core without a server: the monitor loop driven by tick(), the store's
+migrations, the pure parts of the local runtime, settings and GPU inventory.
+
+The lifecycle tests script what the loop sees: their runtime's ranks report the exit codes
+a test sets and record the signals they get (torch elastic's agent tests work this way), so
+timeouts, SIGKILL escalation and retry backoff are checked without sleeping. Real processes
+run in tests/e2e/test_service_runtime.py and the other service e2e tests.
+"""
+
+from __future__ import annotations
+
+import signal
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+from hora.errors import SpecError
+from hora.spec import JobSpec, JobState
+from hora_service.inventory import inventory, parse_nvidia_smi
+from hora_service.manager import JobManager
+from hora_service.runtimes import AttemptPlan, Exit, RankProcess, Runtime
+from hora_service.runtimes.base import RankStatus
+from hora_service.runtimes.local import SHIM, rank_argv, rank_environment
+from hora_service.settings import Settings
+from hora_service.store import MIGRATIONS, SCHEMA_VERSION, Store, StoreError, token_hash
+
+
+class ScriptedRank(RankProcess):
+    def __init__(self, rank: int, obeys_term: bool) -> None:
+        self.rank = rank
+        self.status: RankStatus = Exit.running
+        self.signals: list[int] = []
+        self.obeys_term = obeys_term
+
+    def poll(self) -> RankStatus:
+        return self.status
+
+    def signal(self, sig: int) -> None:
+        self.signals.append(sig)
+        if self.status is Exit.running and (sig == signal.SIGKILL or self.obeys_term):
+            self.status = -sig
+
+
+class ScriptedRuntime(Runtime):
+    name = "scripted"
+
+    def __init__(self) -> None:
+        self.started: list[tuple[AttemptPlan, list[ScriptedRank]]] = []
+        self.obeys_term = True
+
+    def _start(self, plan: AttemptPlan, base_env: dict[str, str]) -> list[RankProcess]:
+        ranks = [ScriptedRank(r, self.obeys_term) for r in range(plan.spec.workers)]
+        self.started.append((plan, ranks))
+        return list(ranks)
+
+    def _adopt(self, plan: AttemptPlan) -> list[RankProcess]:
+        return []
+
+
+@pytest.fixture
+def rt() -> ScriptedRuntime:
+    return ScriptedRuntime()
+
+
+@pytest.fixture
+def mgr(tmp_path: Path, rt: ScriptedRuntime) -> JobManager:
+    settings = Settings(
+        data_dir=tmp_path / "data", work_root=tmp_path, gpus="0", cpu_slots=4,
+        kill_grace_s=5, retry_backoff_s=2,
+    )  # fmt: skip
+    m = JobManager(settings, runtimes={"local": rt})
+    m.open_store()
+    return m
+
+
+def spec(**kw: object) -> JobSpec:
+    return JobSpec.model_validate({"command": ["python", "train.py"], **kw})
+
+
+def state(m: JobManager, job_id: int) -> JobState:
+    job = m.get(job_id)
+    assert job is not None
+    return job.state
+
+
+def test_success_frees_slots_and_records_codes(mgr: JobManager, rt: ScriptedRuntime) -> None:
+    job = mgr.submit("ann", spec(workers=2))
+    mgr.tick()
+    plan, ranks = rt.started[0]
+    assert state(mgr, job.id) == JobState.running and plan.slots == (0, 1)
+    assert [s.job_id for s in mgr.slots()] == [job.id, job.id, None, None]
+    for r in ranks:
+        r.status = 0
+    mgr.tick()
+    done = mgr.get(job.id)
+    assert done is not None and done.state == JobState.succeeded and done.exit_codes == {0: 0, 1: 0}
+    assert [t.state for t in done.transitions] == ["queued", "starting", "running", "succeeded"]
+    assert all(s.job_id is None for s in mgr.slots())
+
+
+def test_one_failed_rank_stops_the_others(mgr: JobManager, rt: ScriptedRuntime) -> None:
+    job = mgr.submit("ann", spec(workers=3))
+    mgr.tick()
+    _, ranks = rt.started[0]
+    ranks[1].status = 3
+    mgr.tick()  # rank 1 failed: the others get SIGTERM and exit from it
+    mgr.tick()
+    done = mgr.get(job.id)
+    assert done is not None and done.state == JobState.failed
+    assert done.reason == "rank 1 exited with code 3"
+    assert ranks[0].signals == [signal.SIGTERM] and done.exit_codes == {0: -15, 1: 3, 2: -15}
+
+
+def test_timeout_terminates_and_is_not_retried(mgr: JobManager, rt: ScriptedRuntime) -> None:
+    job = mgr.submit("ann", spec(timeout_s=10, max_retries=3))
+    mgr.tick()
+    _, (rank,) = rt.started[0]
+    mgr.tick(now=time.time() + 5)
+    assert rank.signals == [] and state(mgr, job.id) == JobState.running
+    mgr.tick(now=time.time() + 11)
+    assert rank.signals == [signal.SIGTERM]
+    mgr.tick(now=time.time() + 11)
+    done = mgr.get(job.id)
+    assert done is not None and done.state == JobState.failed
+    assert done.reason == "timed out after 10s" and len(rt.started) == 1
+
+
+def test_cancel_escalates_to_sigkill_and_holds_slots_until_gone(
+    mgr: JobManager, rt: ScriptedRuntime
+) -> None:
+    rt.obeys_term = False
+    job = mgr.submit("ann", spec(workers=2))
+    mgr.tick()
+    _, ranks = rt.started[0]
+    t0 = time.time()
+    mgr.cancel(job.id)
+    assert all(r.signals == [signal.SIGTERM] for r in ranks)
+    mgr.tick(now=t0 + 1)
+    assert state(mgr, job.id) == JobState.running  # still stopping: slots stay held
+    assert sum(s.job_id == job.id for s in mgr.slots()) == 2
+    blocked = mgr.submit("bob", spec(workers=4))
+    mgr.tick(now=t0 + 1)
+    assert state(mgr, blocked.id) == JobState.queued
+    mgr.tick(now=t0 + 6)  # grace of 5 s is over
+    assert all(r.signals == [signal.SIGTERM, signal.SIGKILL] for r in ranks)
+    mgr.tick(now=t0 + 6)
+    assert state(mgr, job.id) == JobState.cancelled
+    assert state(mgr, blocked.id) == JobState.running  # the freed slots went to the next job
+    assert mgr.cancel(job.id).state == JobState.cancelled  # a no-op now
+
+
+def test_retry_waits_for_backoff_then_starts_next_attempt(
+    mgr: JobManager, rt: ScriptedRuntime
+) -> None:
+    job = mgr.submit("ann", spec(max_retries=2))
+    mgr.tick()
+    t0 = time.time()
+    rt.started[0][1][0].status = 1
+    mgr.tick(now=t0)
+    first = mgr.get(job.id)
+    assert first is not None and first.state == JobState.retrying and first.reason
+    assert first.exit_codes == {0: 1}
+    mgr.tick(now=t0 + 1.9)
+    assert state(mgr, job.id) == JobState.retrying and len(rt.started) == 1
+    mgr.tick(now=t0 + 2.1)
+    assert state(mgr, job.id) == JobState.running
+    assert [p.attempt for p, _ in rt.started] == [1, 2]
+    rt.started[1][1][0].status = 1
+    t1 = time.time()
+    mgr.tick(now=t1)
+    mgr.tick(now=t1 + 3.9)  # the second wait is twice as long
+    assert len(rt.started) == 2
+    mgr.tick(now=t1 + 4.1)
+    rt.started[2][1][0].status = 1
+    mgr.tick()
+    done = mgr.get(job.id)
+    assert done is not None and done.state == JobState.failed and done.attempt == 3
+
+
+def test_cancel_of_queued_and_retrying_jobs(mgr: JobManager, rt: ScriptedRuntime) -> None:
+    big = mgr.submit("ann", spec(workers=4))
+    waiting = mgr.submit("ann", spec(workers=4))
+    mgr.tick()
+    assert mgr.cancel(waiting.id).state == JobState.cancelled
+    assert mgr.metrics().queue_length == 0
+    rt.started[0][1][0].status = 1
+    mgr.tick()  # rank 0 failed: ranks 1-3 get SIGTERM
+    mgr.tick()  # ... and are gone
+    assert state(mgr, big.id) == JobState.failed  # max_retries 0
+    flaky = mgr.submit("ann", spec(max_retries=1))
+    mgr.tick()
+    rt.started[1][1][0].status = 1
+    mgr.tick()
+    assert state(mgr, flaky.id) == JobState.retrying
+    assert mgr.cancel(flaky.id).state == JobState.cancelled
+
+
+def test_submission_checks_name_the_field(mgr: JobManager, tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match="asks for 6 slots .*has 4") as e:
+        mgr.submit("ann", spec(workers=3, gpus_per_worker=2))
+    assert e.value.field == "gpus_per_worker"
+    with pytest.raises(SpecError, match="outside the work root") as e:
+        mgr.submit("ann", spec(working_dir="../.."))
+    assert e.value.field == "working_dir"
+    with pytest.raises(SpecError, match="not an existing directory"):
+        mgr.submit("ann", spec(working_dir="nope"))
+    with pytest.raises(SpecError, match="docker") as e:
+        mgr.submit("ann", spec(image="pytorch/pytorch"))
+    assert e.value.field == "image"
+    with pytest.raises(SpecError, match="not available") as e:
+        mgr.submit("ann", spec(runtime="slurm"))
+    assert e.value.field == "runtime"
+    (tmp_path / "proj").mkdir()
+    ok = mgr.submit("ann", spec(working_dir="proj"))
+    assert mgr.workdir(ok.spec) == tmp_path / "proj"
+
+
+def test_quota_rejects_impossible_and_queues_over_quota(mgr: JobManager) -> None:
+    mgr.create_user("ann", quota=2)
+    with pytest.raises(SpecError, match="your quota is 2"):
+        mgr.submit("ann", spec(workers=3))
+    first = mgr.submit("ann", spec(workers=2))
+    second = mgr.submit("ann", spec(workers=1))
+    other = mgr.submit("bob", spec(workers=2))
+    mgr.tick()
+    assert [state(mgr, j.id) for j in (first, second, other)] == [
+        JobState.running,
+        JobState.queued,  # over ann's quota: waits, and does not block bob
+        JobState.running,
+    ]
+
+
+def test_submission_id_is_per_user_and_idempotent(mgr: JobManager) -> None:
+    a = mgr.submit("ann", spec(submission_id="x1"))
+    assert mgr.submit("ann", spec(submission_id="x1")).id == a.id
+    assert mgr.submit("bob", spec(submission_id="x1")).id != a.id
+    assert mgr.list_jobs(None, None, 50, 0)[1] == 2
+
+
+def test_users_tokens_are_hashed(mgr: JobManager, tmp_path: Path) -> None:
+    token = mgr.create_user("ann", admin=True)
+    user = mgr.user_for_token(token)
+    assert user is not None and user.is_admin and mgr.user_for_token(token + "x") is None
+    with pytest.raises(StoreError, match="exists"):
+        mgr.create_user("ann")
+    with pytest.raises(SpecError):
+        mgr.create_user("ann smith")
+    raw = b"".join(p.read_bytes() for p in (tmp_path / "data").glob("hora.db*"))  # db + WAL
+    assert token.encode() not in raw and token_hash(token).encode() in raw
+    assert mgr.remove_user("ann") and mgr.user_for_token(token) is None
+
+
+def test_metrics_count_latency_and_slots(mgr: JobManager, rt: ScriptedRuntime) -> None:
+    mgr.submit("ann", spec(workers=3))
+    mgr.submit("ann", spec(workers=3))
+    mgr.tick()
+    snap = mgr.metrics()
+    assert snap.jobs_by_state == {"running": 1, "queued": 1} and snap.queue_length == 1
+    assert (snap.slots_total, snap.slots_allocated, snap.schedule_latency_count) == (4, 3, 1)
+    assert snap.schedule_latency_p50_s is not None and snap.schedule_latency_p50_s >= 0
+
+
+def test_log_paths_are_built_from_integers(mgr: JobManager, tmp_path: Path) -> None:
+    path = mgr.log_path(7, 1, 2)
+    assert path == tmp_path / "data" / "logs" / "7" / "2" / "rank1.log"
+    with pytest.raises(SpecError):
+        mgr.log_path(7, -1, 0)
+
+
+# --- store -----------------------------------------------------------------------------
+
+
+def test_old_database_is_migrated_in_place(tmp_path: Path) -> None:
+    db = tmp_path / "hora.db"
+    conn = sqlite3.connect(db)
+    for statement in MIGRATIONS[0]:
+        conn.execute(statement)
+    conn.execute("PRAGMA user_version = 1")
+    conn.execute("INSERT INTO users VALUES ('ann', 'h', 1, 0)")
+    conn.commit()
+    conn.close()
+    store = Store(db)
+    assert store.migrate() == SCHEMA_VERSION  # already current on a second open
+    (user,) = store.users()
+    assert (user.name, user.is_admin, user.gpu_quota) == ("ann", True, None)
+    with sqlite3.connect(db) as c:
+        assert c.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+    store.close()
+
+
+def test_newer_schema_is_refused(tmp_path: Path) -> None:
+    db = tmp_path / "hora.db"
+    with sqlite3.connect(db) as c:
+        c.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    with pytest.raises(StoreError, match="upgrade hora"):
+        Store(db)
+
+
+# --- local runtime, pure parts ---------------------------------------------------------
+
+HOSTILE = ["train.py", "--name", "a b", "it's", '"q"', "$(rm -rf /)", "`id`", "x;y|z", "*"]
+
+
+def plan(tmp_path: Path, kind: str = "gpu", **kw: object) -> AttemptPlan:
+    return AttemptPlan(
+        job_id=7, attempt=2, spec=spec(command=["python", *HOSTILE], **kw), slots=(4, 5, 6, 7),
+        slot_kind=kind, run_dir=tmp_path / "run dir", workdir=tmp_path, master_port=29999,
+    )  # fmt: skip
+
+
+def test_rank_argv_passes_hostile_arguments_verbatim(tmp_path: Path) -> None:
+    argv = rank_argv(plan(tmp_path, workers=2, gpus_per_worker=2), 1, python="/py")
+    run_dir = str(tmp_path / "run dir")
+    assert argv == ["/py", "-S", str(SHIM), run_dir, "1", "--", "python", *HOSTILE]
+
+
+def test_rank_environment_contract(tmp_path: Path) -> None:
+    p = plan(tmp_path, workers=2, gpus_per_worker=2, env={"RANK": "99", "SEED": "$(id)"})
+    base = {"PATH": "/bin", "HORA_TOKEN": "s", "HORA_DATA_DIR": "/x", "CUDA_VISIBLE_DEVICES": "0"}
+    env = rank_environment(p, 1, base)
+    assert env["PATH"] == "/bin" and "HORA_TOKEN" not in env and "HORA_DATA_DIR" not in env
+    assert env["SEED"] == "$(id)"  # the job's env, as given
+    world = (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_SIZE"])
+    assert world == ("1", "2", "1", "2")  # hora's contract wins over the job's RANK=99
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "29999")
+    assert env["CUDA_VISIBLE_DEVICES"] == "6,7" and env["HORA_RESTART_COUNT"] == "1"
+    assert env["HORA_JOB_ID"] == "7" and env["PYTHONUNBUFFERED"] == "1"
+    assert rank_environment(plan(tmp_path, "cpu"), 0, {})["CUDA_VISIBLE_DEVICES"] == ""
+
+
+# --- settings and inventory ------------------------------------------------------------
+
+
+def test_settings_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HORA_DATA_DIR", str(tmp_path / "d"))
+    monkeypatch.setenv("HORA_GPUS", " 0, 2 ")
+    monkeypatch.setenv("HORA_USER_GPU_QUOTA", "3")
+    s = Settings()
+    assert s.db_path == tmp_path / "d" / "hora.db" and s.gpus == "0,2" and s.user_gpu_quota == 3
+
+
+@pytest.mark.parametrize("gpus", ["two", "0,0", "1,-1", "0;1"])
+def test_bad_gpu_lists_are_refused(gpus: str) -> None:
+    with pytest.raises(ValueError, match="gpus"):
+        Settings(gpus=gpus)
+
+
+def test_inventory() -> None:
+    assert [(s.index, s.kind) for s in inventory("2", 5)] == [(0, "gpu"), (1, "gpu")]
+    assert [s.kind for s in inventory("0", 3)] == ["cpu"] * 3
+    assert [s.index for s in parse_nvidia_smi("0, A100\n1, A100\nNo devices\n")] == [0, 1]
