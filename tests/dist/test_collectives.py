@@ -1,8 +1,9 @@
 """Every tensor collective of hora.torch on 2 and 3 gloo ranks, against a NumPy reference.
 
-Starting a rank (process + torch import) costs seconds, so one world per size runs every case
-of this module (``_rank_body``) and returns the results; each case is then its own test that
-recomputes the expected values with NumPy from the same deterministic inputs. Cases cover
+Starting a rank (process + torch import) costs seconds, so the shared world of each size
+(conftest.py) runs every case of this module (``suite``) and returns the results; each case is
+then its own test that recomputes the expected values with NumPy from the same deterministic
+inputs. Cases cover
 float32, float64, float16, bfloat16, int32 and int64, empty tensors, scalars, every reduce op,
 pre/post scale factors, and the in-place ``_``, ``_async`` (synchronize) and ``poll`` forms.
 """
@@ -18,7 +19,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-SIZES = (2, 3)
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
 FLOATS = ("float32", "float64", "float16", "bfloat16")
 OPS = ("Average", "Sum", "Min", "Max", "Product")
@@ -342,25 +342,23 @@ def _run_objects(hvd: Any, rank: int, size: int) -> dict[str, Any]:
     res["gather_obj"] = hvd.allgather_object({"rank": rank, "sq": rank * rank})
     res["gather_obj_named"] = hvd.allgather_object(list(range(rank)), name="ranges")
     if rank == 0:
-        time.sleep(0.6)
+        time.sleep(0.4)
     t0 = time.monotonic()
     res["barrier_ret"] = hvd.barrier()
     res["barrier_wait"] = time.monotonic() - t0
     if rank == 0:
-        time.sleep(0.6)
+        time.sleep(0.4)
     res["join_first"] = hvd.join()
     if rank == last:
-        time.sleep(0.6)
+        time.sleep(0.4)
     res["join_second"] = hvd.join()
     # the world still works after join: one more allreduce
     res["after_join"] = float(hvd.allreduce(_torch(np.array([rank]), "float32"), op=hvd.Sum))
     return res
 
 
-def _rank_body(rank: int, size: int) -> dict[str, Any]:
-    import hora.torch as hvd
-
-    hvd.init()
+def suite(hvd: Any, rank: int, size: int) -> dict[str, Any]:
+    """Run every case on this rank (called by the shared world, after ``hvd.init()``)."""
     results: dict[str, Any] = {}
     for case in CASES:  # same order on every rank; an error is recorded, not raised
         try:
@@ -368,20 +366,12 @@ def _rank_body(rank: int, size: int) -> dict[str, Any]:
         except Exception as e:  # noqa: BLE001  (reported by the case's own test)
             results[str(case)] = {"error": f"{type(e).__name__}: {e}"}
     results["objects"] = _run_objects(hvd, rank, size)
-    hvd.shutdown()
     return results
 
 
 # ------------------------------------------------------------------------ test side
-@pytest.fixture(scope="module", params=SIZES, ids=lambda n: f"np{n}")
-def world(request: pytest.FixtureRequest, run_world: Any) -> tuple[int, list[dict[str, Any]]]:
-    n = request.param
-    return n, run_world(__file__, "_rank_body", n, timeout=180)
-
-
-def _results(world: tuple[int, list[dict[str, Any]]], case: Case) -> list[dict[str, Any]]:
-    _, by_rank = world
-    res = [r[str(case)] for r in by_rank]
+def _results(world: Any, case: Case) -> list[dict[str, Any]]:
+    res = [r[str(case)] for r in world.results(__file__)]
     errors = [f"rank {i}: {r['error']}" for i, r in enumerate(res) if "error" in r]
     assert not errors, "\n".join(errors)
     return res
@@ -421,7 +411,7 @@ def _assert_flags(res: list[dict[str, Any]]) -> None:
 
 @pytest.mark.parametrize("case", ALLREDUCE + ALLREDUCE_SCALED + ALLREDUCE_FORMS, ids=str)
 def test_allreduce(world: Any, case: Case) -> None:
-    n = world[0]
+    n = world.size
     shape = case.shape
     xs = np.stack(
         [_values(case, r, shape[::-1] if "noncontig" in case.form else shape) for r in range(n)]
@@ -437,7 +427,7 @@ def test_allreduce(world: Any, case: Case) -> None:
 
 @pytest.mark.parametrize("case", GROUPED, ids=str)
 def test_grouped_allreduce(world: Any, case: Case) -> None:
-    n = world[0]
+    n = world.size
     res = _results(world, case)
     _assert_flags(res)
     for k, d in enumerate(case.group):
@@ -451,7 +441,7 @@ def test_grouped_allreduce(world: Any, case: Case) -> None:
 
 @pytest.mark.parametrize("case", ALLGATHER, ids=str)
 def test_allgather(world: Any, case: Case) -> None:
-    n = world[0]
+    n = world.size
     want = np.concatenate(
         [_values(case, r, (_gather_rows(case, r), *case.shape)) for r in range(n)]
     )
@@ -461,7 +451,7 @@ def test_allgather(world: Any, case: Case) -> None:
 
 @pytest.mark.parametrize("case", BROADCAST, ids=str)
 def test_broadcast(world: Any, case: Case) -> None:
-    n = world[0]
+    n = world.size
     root = _root(case, n)
     flip = "noncontig" in case.form
     want = _values(case, root, case.shape[::-1] if flip else case.shape)
@@ -474,7 +464,7 @@ def test_broadcast(world: Any, case: Case) -> None:
 
 @pytest.mark.parametrize("case", ALLTOALL, ids=str)
 def test_alltoall(world: Any, case: Case) -> None:
-    n = world[0]
+    n = world.size
     sends = []
     for src in range(n):
         sp = _splits(case, src, n) or [2] * n
@@ -493,7 +483,7 @@ def test_alltoall(world: Any, case: Case) -> None:
 
 @pytest.mark.parametrize("case", REDUCESCATTER, ids=str)
 def test_reducescatter(world: Any, case: Case) -> None:
-    n = world[0]
+    n = world.size
     rows = _rs_rows(case, n)
     xs = np.stack([_values(case, r, (rows, *case.shape)) for r in range(n)])
     full = _reduce(xs, case.op, case.dtype, case.pre, case.post)
@@ -505,7 +495,7 @@ def test_reducescatter(world: Any, case: Case) -> None:
 
 
 def test_broadcast_object_and_allgather_object(world: Any) -> None:
-    n, by_rank = world
+    n, by_rank = world.size, world.results(__file__)
     for r in by_rank:
         o = r["objects"]
         assert o["bcast_obj_0"] == {"from": 0, "lr": [0.1, 0]}
@@ -515,15 +505,14 @@ def test_broadcast_object_and_allgather_object(world: Any) -> None:
 
 
 def test_barrier_blocks_until_every_rank_arrives(world: Any) -> None:
-    n, by_rank = world
-    for rank, r in enumerate(by_rank[1:], start=1):
+    for rank, r in enumerate(world.results(__file__)[1:], start=1):
         assert r["objects"]["barrier_ret"] is None
-        # rank 0 arrived 0.6 s late: everyone else waited for it
-        assert r["objects"]["barrier_wait"] > 0.4, f"rank {rank} left the barrier early"
+        # rank 0 arrived 0.4 s late: everyone else waited for it
+        assert r["objects"]["barrier_wait"] > 0.3, f"rank {rank} left the barrier early"
 
 
 def test_join_returns_the_last_rank_to_join(world: Any) -> None:
-    n, by_rank = world
+    n, by_rank = world.size, world.results(__file__)
     assert [r["objects"]["join_first"] for r in by_rank] == [0] * n
     assert [r["objects"]["join_second"] for r in by_rank] == [n - 1] * n
     assert [r["objects"]["after_join"] for r in by_rank] == [float(sum(range(n)))] * n

@@ -1,11 +1,11 @@
-"""broadcast_parameters, broadcast_optimizer_state and SyncBatchNorm on 3 gloo ranks.
+"""broadcast_parameters, broadcast_optimizer_state and SyncBatchNorm on 2 and 3 gloo ranks.
 
-One world runs every case (``_rank_body``). Broadcasts must leave every rank with root's
-values (buffers, integer counters and optimizer step counts included) whichever rank is
-root, also when only root has optimizer state. SyncBatchNorm on each rank's slice must match
-``torch.nn.BatchNorm*d`` on the concatenated batch: outputs, input gradients, the sum of the
-ranks' weight/bias gradients and the running statistics, also with a different batch size on
-every rank.
+The shared world of each size (conftest.py) runs every case (``suite``). Broadcasts must
+leave every rank with root's values (buffers, integer counters and optimizer step counts
+included) whichever rank is root, also when only root has optimizer state. SyncBatchNorm on
+each rank's slice must match ``torch.nn.BatchNorm*d`` on the concatenated batch: outputs,
+input gradients, the sum of the ranks' weight/bias gradients and the running statistics,
+also with a different batch size on every rank.
 """
 
 from __future__ import annotations
@@ -18,8 +18,11 @@ import pytest
 import torch
 from torch import nn
 
-SIZE = 3
-ROOTS = (0, SIZE - 1)
+ROOTS = ("first", "last")  # rank 0 and rank size - 1
+
+
+def _root(which: str, size: int) -> int:
+    return 0 if which == "first" else size - 1
 
 
 class Model(nn.Module):
@@ -132,8 +135,8 @@ def _rows(case: BNCase, rank: int) -> int:
     return rank + 2 if case.uneven else 4
 
 
-def _bn_data(case: BNCase, it: int) -> tuple[torch.Tensor, torch.Tensor]:
-    n = sum(_rows(case, r) for r in range(SIZE))
+def _bn_data(case: BNCase, it: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n = sum(_rows(case, r) for r in range(size))
     tail = {2: (), 3: (5,), 4: (2, 3)}[case.dims]
     g = torch.Generator().manual_seed(7 + it)
     dtype = getattr(torch, case.dtype)
@@ -172,48 +175,39 @@ def _bn_run(bn: Any, x: torch.Tensor, w: torch.Tensor) -> dict[str, Any]:
     return out
 
 
-def _syncbn(hvd: Any, case: BNCase, rank: int) -> dict[str, Any]:
+def _syncbn(hvd: Any, case: BNCase, rank: int, size: int) -> dict[str, Any]:
     lo = sum(_rows(case, r) for r in range(rank))
     hi = lo + _rows(case, rank)
-    data = [_bn_data(case, it) for it in range(ITERS)]
+    data = [_bn_data(case, it, size) for it in range(ITERS)]
     bn = _bn_module(hvd.SyncBatchNorm, case)
     return _bn_run(bn, [x[lo:hi] for x, _ in data], [w[lo:hi] for _, w in data])
 
 
 # ------------------------------------------------------------------------ rank body
-def _rank_body(rank: int, size: int) -> dict[str, Any]:
-    import hora.torch as hvd
-
-    hvd.init()
+def suite(hvd: Any, rank: int, size: int) -> dict[str, Any]:
+    """Run every case on this rank (called by the shared world, after ``hvd.init()``)."""
     jobs: dict[str, Any] = {}
-    for root in ROOTS:
+    for which in ROOTS:
+        root = _root(which, size)
         for form in ("state_dict", "named_parameters"):
-            jobs[f"params-{form}-root{root}"] = lambda r=root, f=form: _bcast_params(
-                hvd, rank, r, f
-            )
+            jobs[f"params-{form}-{which}"] = lambda r=root, f=form: _bcast_params(hvd, rank, r, f)
         for kind in ("adam", "sgd"):
-            jobs[f"opt-{kind}-root{root}"] = lambda r=root, k=kind: _bcast_opt(hvd, rank, r, k)
-        jobs[f"wrapped-root{root}"] = lambda r=root: _bcast_wrapped_opt(hvd, rank, r)
+            jobs[f"opt-{kind}-{which}"] = lambda r=root, k=kind: _bcast_opt(hvd, rank, r, k)
+        jobs[f"wrapped-{which}"] = lambda r=root: _bcast_wrapped_opt(hvd, rank, r)
     for case in BN_CASES:
-        jobs[f"bn-{case}"] = lambda c=case: _syncbn(hvd, c, rank)
+        jobs[f"bn-{case}"] = lambda c=case: _syncbn(hvd, c, rank, size)
     results: dict[str, Any] = {}
     for key, job in jobs.items():  # same order on every rank; errors are reported per case
         try:
             results[key] = job()
         except Exception as e:  # noqa: BLE001
             results[key] = {"error": f"{type(e).__name__}: {e}"}
-    hvd.shutdown()
     return results
 
 
 # ------------------------------------------------------------------------ test side
-@pytest.fixture(scope="module")
-def world(run_world: Any) -> list[dict[str, Any]]:
-    return run_world(__file__, "_rank_body", SIZE, timeout=180)
-
-
-def _get(world: list[dict[str, Any]], key: str) -> list[Any]:
-    res = [r[key] for r in world]
+def _get(world: Any, key: str) -> list[Any]:
+    res = [r[key] for r in world.results(__file__)]
     errors = [f"rank {i}: {r['error']}" for i, r in enumerate(res) if "error" in r]
     assert not errors, "\n".join(errors)
     return res
@@ -238,9 +232,12 @@ def _equal(a: Any, b: Any, path: str = "") -> None:
 
 
 @pytest.mark.parametrize("form", ["state_dict", "named_parameters"])
-@pytest.mark.parametrize("root", ROOTS)
-def test_broadcast_parameters_makes_every_rank_equal_root(world: Any, root: int, form: str) -> None:
-    res = _get(world, f"params-{form}-root{root}")
+@pytest.mark.parametrize("which", ROOTS)
+def test_broadcast_parameters_makes_every_rank_equal_root(
+    world: Any, which: str, form: str
+) -> None:
+    res = _get(world, f"params-{form}-{which}")
+    root = _root(which, world.size)
     want = res[root]["before"]
     names = (
         set(want)
@@ -259,20 +256,22 @@ def test_broadcast_parameters_makes_every_rank_equal_root(world: Any, root: int,
 
 
 @pytest.mark.parametrize("kind", ["adam", "sgd"])
-@pytest.mark.parametrize("root", ROOTS)
+@pytest.mark.parametrize("which", ROOTS)
 def test_broadcast_optimizer_state_when_only_root_has_state(
-    world: Any, root: int, kind: str
+    world: Any, which: str, kind: str
 ) -> None:
-    res = _get(world, f"opt-{kind}-root{root}")
+    res = _get(world, f"opt-{kind}-{which}")
+    root = _root(which, world.size)
     want = res[root]["state_dict"]
     assert len(want["state"]) == 3  # root stepped: all 3 parameters have state
     for r, got in enumerate(res):
         _equal(got["state_dict"], want, f"rank {r}")
 
 
-@pytest.mark.parametrize("root", ROOTS)
-def test_broadcast_optimizer_state_of_a_distributed_optimizer(world: Any, root: int) -> None:
-    res = _get(world, f"wrapped-root{root}")
+@pytest.mark.parametrize("which", ROOTS)
+def test_broadcast_optimizer_state_of_a_distributed_optimizer(world: Any, which: str) -> None:
+    res = _get(world, f"wrapped-{which}")
+    root = _root(which, world.size)
     want = res[root]["state_dict"]
     assert want["param_groups"][0]["lr"] == pytest.approx(0.001 * (root + 1))
     for r, got in enumerate(res):
@@ -282,7 +281,7 @@ def test_broadcast_optimizer_state_of_a_distributed_optimizer(world: Any, root: 
 @pytest.mark.parametrize("case", BN_CASES, ids=str)
 def test_sync_batch_norm_matches_batch_norm_on_concatenated_batch(world: Any, case: BNCase) -> None:
     res = _get(world, f"bn-{case}")
-    data = [_bn_data(case, it) for it in range(ITERS)]
+    data = [_bn_data(case, it, world.size) for it in range(ITERS)]
     want = _bn_run(
         _bn_module(nn.BatchNorm1d if case.dims < 4 else nn.BatchNorm2d, case),
         [x for x, _ in data],
@@ -294,7 +293,7 @@ def test_sync_batch_norm_matches_batch_norm_on_concatenated_batch(world: Any, ca
         assert got.dtype == exp.dtype, what
         torch.testing.assert_close(got, exp, rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
 
-    bounds = list(itertools.accumulate([_rows(case, r) for r in range(SIZE)], initial=0))
+    bounds = list(itertools.accumulate([_rows(case, r) for r in range(world.size)], initial=0))
     for r, got in enumerate(res):
         lo, hi = bounds[r], bounds[r + 1]
         close(got["y"], want["y"][lo:hi], f"rank {r} output")

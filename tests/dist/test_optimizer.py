@@ -1,9 +1,10 @@
 """DistributedOptimizer on 2 and 3 gloo ranks ends where one process on the whole batch ends.
 
 Every rank trains the same small model on its slice of a fixed global batch; averaging the
-gradients over ranks must reproduce single-process training on the concatenated batch. One
-world per size runs every case (``_rank_body``); each case is one test that trains the
-reference in the test process and compares the final parameters (and optimizer state).
+gradients over ranks must reproduce single-process training on the concatenated batch. The
+shared world of each size (conftest.py) runs every case (``suite``); each case is one test
+that trains the reference in the test process and compares the final parameters (and the
+optimizer state).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-SIZES = (2, 3)
 GLOBAL_BATCH = 12  # divisible by every world size tested
 STEPS = 3
 LR = {"sgd": 0.1, "adam": 0.01}
@@ -166,17 +166,14 @@ def _train_case(hvd: Any, case: TrainCase, rank: int, size: int) -> dict[str, An
     return res
 
 
-def _rank_body(rank: int, size: int) -> dict[str, Any]:
-    import hora.torch as hvd
-
-    hvd.init()
+def suite(hvd: Any, rank: int, size: int) -> dict[str, Any]:
+    """Train every case on this rank (called by the shared world, after ``hvd.init()``)."""
     results: dict[str, Any] = {}
     for case in CASES:
         try:
             results[case.name] = _train_case(hvd, case, rank, size)
         except Exception as e:  # noqa: BLE001  (reported by the case's own test)
             results[case.name] = {"error": f"{type(e).__name__}: {e}"}
-    hvd.shutdown()
     return results
 
 
@@ -207,14 +204,8 @@ def _reference(case: TrainCase, size: int) -> tuple[dict[str, Any], dict[str, An
     return _params(model), _opt_state(opt)
 
 
-@pytest.fixture(scope="module", params=SIZES, ids=lambda n: f"np{n}")
-def world(request: pytest.FixtureRequest, run_world: Any) -> tuple[int, list[dict[str, Any]]]:
-    n = request.param
-    return n, run_world(__file__, "_rank_body", n, timeout=180)
-
-
-def _case_results(world: tuple[int, list[dict[str, Any]]], case: TrainCase) -> list[Any]:
-    res = [r[case.name] for r in world[1]]
+def _case_results(world: Any, case: TrainCase) -> list[Any]:
+    res = [r[case.name] for r in world.results(__file__)]
     errors = [f"rank {i}: {r['error']}" for i, r in enumerate(res) if "error" in r]
     assert not errors, "\n".join(errors)
     return res
@@ -230,7 +221,7 @@ def _assert_close(got: dict[str, Any], want: dict[str, Any], atol: float) -> Non
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_matches_single_process_on_concatenated_batch(world: Any, case: TrainCase) -> None:
-    n = world[0]
+    n = world.size
     want, want_opt = _reference(case, n)
     atol = COMPRESSED.get(case.compression, EXACT)
     res = _case_results(world, case)
@@ -253,7 +244,7 @@ def test_wrapped_optimizer_is_the_original_class_and_warns_nothing(
 
 def test_optimizer_state_matches_reference(world: Any) -> None:
     """Momentum buffers (SGD) and moments (Adam) equal the single-process ones."""
-    n = world[0]
+    n = world.size
     for case in (CASES[0], CASES[1], CASES[10]):
         _, want = _reference(case, n)
         for r in _case_results(world, case):

@@ -111,21 +111,40 @@ def require_init(op: str) -> State:
     return _STATE
 
 
+def _seconds(environ: dict[str, str], key: str) -> float | None:
+    raw = environ.get(key)
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise LauncherEnvError(f"{key}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise LauncherEnvError(f"{key}={raw!r} must be > 0")
+    return value
+
+
 def _timeout(timeout: float | datetime.timedelta | None, environ: dict[str, str]) -> float:
     if isinstance(timeout, datetime.timedelta):
         return timeout.total_seconds()
     if timeout is not None:
         return float(timeout)
-    raw = environ.get("HORA_TIMEOUT")
-    if not raw:
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise LauncherEnvError(f"HORA_TIMEOUT={raw!r} is not a number of seconds") from None
-    if value <= 0:
-        raise LauncherEnvError(f"HORA_TIMEOUT={raw!r} must be > 0")
-    return value
+    value = _seconds(environ, "HORA_TIMEOUT")
+    return DEFAULT_TIMEOUT_S if value is None else value
+
+
+def _start_timeout(
+    timeout: float | datetime.timedelta | None, environ: dict[str, str], collective_s: float
+) -> float:
+    """Return the seconds to wait for every rank at the rendezvous.
+
+    Ranks start (import torch, load data) at different speeds, so ``HORA_START_TIMEOUT`` may
+    allow more than a collective may take; ``init(timeout=)`` sets both.
+    """
+    if timeout is not None:
+        return collective_s
+    value = _seconds(environ, "HORA_START_TIMEOUT")
+    return collective_s if value is None else value
 
 
 def _backend(backend: str | None, environ: dict[str, str]) -> str:
@@ -229,10 +248,17 @@ def _own_client(store: Any) -> Any:
         return base
 
 
-def _init_group(world: World, backend: str, store: Any, timeout_s: float) -> None:
-    """init_process_group; on failure, name the ranks that never reached the rendezvous."""
+def _init_group(world: World, backend: str, store: Any, start_s: float, timeout_s: float) -> None:
+    """Wait for every rank (start_s), then init_process_group; on failure, name the absent.
+
+    The process group's own rendezvous would give up after its (collective) timeout, so the
+    ranks first meet in the store, under the start timeout.
+    """
     try:
         store.set(f"hora/arrived/{world.rank}", "1")
+        store.wait(
+            [f"hora/arrived/{r}" for r in range(world.size)], datetime.timedelta(seconds=start_s)
+        )
         dist.init_process_group(
             backend,
             store=store,
@@ -245,7 +271,7 @@ def _init_group(world: World, backend: str, store: Any, timeout_s: float) -> Non
             missing = [r for r in range(world.size) if not store.check([f"hora/arrived/{r}"])]
         except Exception:  # the store host (rank 0) is gone
             missing = [0]
-        raise CollectiveTimeout("init", missing, timeout_s, name=f"process group: {e}") from None
+        raise CollectiveTimeout("init", missing, start_s, name=f"process group: {e}") from None
 
 
 def _heartbeat(state: State) -> None:
@@ -260,15 +286,17 @@ def _heartbeat(state: State) -> None:
             return
 
 
-def _group(world: World, backend: str, timeout_s: float) -> tuple[World, str, Any, Path | None]:
+def _group(
+    world: World, backend: str, start_s: float, timeout_s: float
+) -> tuple[World, str, Any, Path | None]:
     """Adopt the user's default group, or rendezvous and create it."""
     if dist.is_initialized():
         store = dist.distributed_c10d._get_default_store()
         return _world_from_group(world), str(dist.get_backend()), store, None
-    store, rdzv = _make_store(world, timeout_s)
+    store, rdzv = _make_store(world, start_s)
     if backend == "nccl":
         torch.cuda.set_device(world.local_rank)
-    _init_group(world, backend, store, timeout_s)
+    _init_group(world, backend, store, start_s, timeout_s)
     return world, backend, store, rdzv
 
 
@@ -281,11 +309,11 @@ def _start_heartbeat(state: State) -> None:
     state._hb_thread.start()
 
 
-def _start(world: World, backend: str, timeout_s: float) -> State:
+def _start(world: World, backend: str, start_s: float, timeout_s: float) -> State:
     from hora.torch._handles import check_mode
 
     adopted = dist.is_initialized()
-    world, backend, store, rdzv = _group(world, backend, timeout_s)
+    world, backend, store, rdzv = _group(world, backend, start_s, timeout_s)
     device = torch.device("cpu")
     if "nccl" in backend and torch.cuda.is_available():
         torch.cuda.set_device(world.local_rank)
@@ -328,7 +356,9 @@ def init(
         backend: "nccl" or "gloo"; default NCCL when CUDA is available, else gloo, or the
             ``HORA_BACKEND`` environment variable.
         timeout: seconds (or a timedelta) for the rendezvous and for each collective; default
-            the ``HORA_TIMEOUT`` environment variable, else 60.
+            the ``HORA_TIMEOUT`` environment variable, else 60. Without it, the rendezvous
+            waits ``HORA_START_TIMEOUT`` seconds when that is set (``hora run
+            --start-timeout``).
 
     Raises:
         UnsupportedError: for an MPI communicator or process sets.
@@ -351,7 +381,8 @@ def init(
     environ = dict(os.environ)
     world = detect_world(environ)
     timeout_s = _timeout(timeout, environ)
-    _STATE = _start(world, _backend(backend, environ), timeout_s)
+    start_s = _start_timeout(timeout, environ, timeout_s)
+    _STATE = _start(world, _backend(backend, environ), start_s, timeout_s)
     log.debug(
         "hora.torch initialised: rank %d of %d (%s)", _STATE.rank, _STATE.size, _STATE.backend
     )
