@@ -257,6 +257,20 @@ class ServiceServer:
                     f"server ignored SIGTERM for {grace}s:\n{self.output()}"
                 ) from None
 
+    def crash(self) -> None:
+        """kill -9 the server process alone; the ranks it started live on in their sessions."""
+        assert self.proc is not None
+        self.descendants()
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def restart(self) -> ServiceServer:
+        """Start a new server on the same data dir and port (after :meth:`crash`)."""
+        self._sampling.clear()
+        if self._sampler is not None:
+            self._sampler.join(timeout=5)
+        return self.start()
+
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from hora.env import rank_env
 from hora_service.runtimes.base import AttemptPlan, Exit, RankProcess, RankStatus, Runtime
 
 SHIM = Path(__file__).with_name("shim.py")
+PID_WAIT_S = 5.0
 # settings of the service itself; a job never inherits them
 PRIVATE_PREFIXES = ("HORA_",)
 KEEP = ("HORA_TORCH_CONSTRAINTS",)
@@ -83,6 +85,14 @@ def read_pid(run_dir: Path, rank: int) -> int | None:
         return None
 
 
+def write_pid(run_dir: Path, rank: int, pid: int) -> None:
+    """Record the shim's pid (atomically, as the shim itself does)."""
+    path = run_dir / f"rank{rank}.pid"
+    tmp = path.with_suffix(".pid.tmp-service")
+    tmp.write_text(str(pid))
+    os.replace(tmp, path)
+
+
 def _signal_group(pid: int, sig: int) -> None:
     try:
         os.killpg(pid, sig)  # the shim leads its own session: its pid is the group id
@@ -112,18 +122,34 @@ class ChildRank(RankProcess):
 
 
 class AdoptedRank(RankProcess):
-    """A rank started by an earlier run of the service, found again through its pid file."""
+    """A rank started by an earlier run of the service, found again through its pid file.
 
-    def __init__(self, rank: int, pid: int | None, run_dir: Path) -> None:
+    A rank whose pid file is missing may be one the old service had just forked when it
+    died: for ``wait_s`` it counts as running (a signal sent meanwhile is delivered once
+    the pid is known), then as lost.
+    """
+
+    def __init__(self, rank: int, run_dir: Path, wait_s: float = PID_WAIT_S) -> None:
         self.rank = rank
-        self.pid = pid
         self.run_dir = run_dir
+        self.pid: int | None = None
+        self._give_up = time.monotonic() + wait_s
+        self._owed: int | None = None
+
+    def _find(self) -> int | None:
+        if self.pid is None:
+            self.pid = read_pid(self.run_dir, self.rank)
+            if self.pid is not None and self._owed is not None:
+                sig, self._owed = self._owed, None
+                self.signal(sig)
+        return self.pid
 
     def _alive(self) -> bool:
-        if self.pid is None:
+        pid = self._find()
+        if pid is None:
             return False
         try:
-            proc = psutil.Process(self.pid)
+            proc = psutil.Process(pid)
             # the pid may have been reused: the shim's command line names this run dir
             return proc.status() != psutil.STATUS_ZOMBIE and str(self.run_dir) in proc.cmdline()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -134,14 +160,17 @@ class AdoptedRank(RankProcess):
         recorded = read_exit(self.run_dir, self.rank)
         if recorded is not None:
             return recorded
-        if self._alive():
+        if self._alive() or (self.pid is None and time.monotonic() < self._give_up):
             return Exit.running
         recorded = read_exit(self.run_dir, self.rank)  # it may have ended between the looks
         return Exit.lost if recorded is None else recorded
 
     def signal(self, sig: int) -> None:
-        """Signal the rank's process group if it is still this rank's."""
-        if self.pid is not None and self._alive():
+        """Signal the rank's process group if it is still this rank's (or once it appears)."""
+        if self._find() is None:
+            self._owed = signal.SIGKILL if signal.SIGKILL in (sig, self._owed) else sig
+        elif self._alive():
+            assert self.pid is not None
             _signal_group(self.pid, sig)
 
 
@@ -164,6 +193,9 @@ class LocalRuntime(Runtime):
                         stderr=subprocess.STDOUT,
                         start_new_session=True,
                     )
+                # the shim writes this too; writing it here means a job recorded as running
+                # always has its pid files, whatever instant the service dies at
+                write_pid(plan.run_dir, rank, proc.pid)
                 ranks.append(ChildRank(rank, proc, plan.run_dir))
         except OSError:
             for started in ranks:
@@ -172,7 +204,4 @@ class LocalRuntime(Runtime):
         return ranks
 
     def _adopt(self, plan: AttemptPlan) -> list[RankProcess]:
-        return [
-            AdoptedRank(rank, read_pid(plan.run_dir, rank), plan.run_dir)
-            for rank in range(plan.spec.workers)
-        ]
+        return [AdoptedRank(rank, plan.run_dir) for rank in range(plan.spec.workers)]
