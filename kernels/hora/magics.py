@@ -180,6 +180,11 @@ class HoraMagics(Magics):
             raise ClusterNotRunningError("no engines are running; run %dist_start first")
         return self.cluster
 
+    @staticmethod
+    def _check_rank(rank: int | None, size: int) -> None:
+        if rank is not None and not 0 <= rank < size:
+            raise UsageError(f"--rank {rank} is outside 0..{size - 1}")
+
     def _is_up(self) -> bool:
         from hora.engines import State
 
@@ -240,18 +245,22 @@ class HoraMagics(Magics):
 
     @magic_arguments()
     @argument("names", nargs="+", help="notebook variables to copy to every engine")
+    @argument("--rank", type=int, default=None, help="copy to this rank only")
     @line_magic
     def dist_push(self, line: str) -> None:
-        """Copy notebook variables to every engine (tensors to each engine's device).
+        """Copy notebook variables to every engine, or one (tensors to each engine's device).
 
-        Example: ``%dist_push weights lr``
+        Example: ``%dist_push weights lr`` or ``%dist_push seed --rank 0``
         """
         args = parse_argstring(self.dist_push, line)
         _names(args.names, "%dist_push")
         missing = [n for n in args.names if n not in self._ns()]
         if missing:
             raise UsageError(f"%dist_push: {', '.join(missing)} not defined in the notebook")
-        self._running().push({n: self._ns()[n] for n in args.names})
+        cluster = self._running()
+        self._check_rank(args.rank, cluster.size)
+        ranks = None if args.rank is None else [args.rank]
+        cluster.push({n: self._ns()[n] for n in args.names}, ranks)
 
     @magic_arguments()
     @argument("names", nargs="+", help="engine variables to fetch")
@@ -264,8 +273,7 @@ class HoraMagics(Magics):
         """
         args = parse_argstring(self.dist_pull, line)
         cluster = self._running()
-        if args.rank is not None and not 0 <= args.rank < cluster.size:
-            raise UsageError(f"--rank {args.rank} is outside 0..{cluster.size - 1}")
+        self._check_rank(args.rank, cluster.size)
         ranks = None if args.rank is None else [args.rank]
         for name in _names(args.names, "%dist_pull"):
             values = cluster.pull(name, ranks)
@@ -327,8 +335,7 @@ class HoraMagics(Magics):
                 f"engines are running with {cluster.size} ranks but the cell asks for -n {n}; "
                 f"run %dist_stop then %dist_start -n {n}"
             )
-        if rank is not None and not 0 <= rank < cluster.size:
-            raise UsageError(f"--rank {rank} is outside 0..{cluster.size - 1}")
+        self._check_rank(rank, cluster.size)
         if timeout is not None and timeout <= 0:
             raise UsageError(f"--timeout must be > 0 seconds, got {timeout:g}")
         shown = list(range(cluster.size)) if shown_all else [0 if rank is None else rank]

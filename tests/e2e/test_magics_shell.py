@@ -255,6 +255,19 @@ def test_push_then_pull_roundtrip(ip, value, check):
     assert check(ip.user_ns["pulled"])
 
 
+def test_push_to_one_rank(ip):
+    from hora.engines import CellFailedError
+
+    assert ip.run_cell("import torch\nonly_one = torch.tensor([5.0])").success
+    ip.run_line_magic("dist_push", "only_one --rank 1")
+    ip.run_line_magic("dist_pull", "only_one --rank 1")
+    assert ip.user_ns["only_one"].tolist() == [5.0]
+    with pytest.raises(CellFailedError, match="only_one"):
+        ip.run_line_magic("dist_pull", "only_one --rank 0")
+    with pytest.raises(UsageError, match="outside 0..1"):
+        ip.run_line_magic("dist_push", "only_one --rank 2")
+
+
 def test_pulled_tensors_come_back_on_cpu_from_engine_device(ip):
     run(ip, "%%distributed\nt = torch.full((2,), float(hvd.rank()))")
     ip.run_line_magic("dist_pull", "t")
