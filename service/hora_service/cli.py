@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -80,12 +81,23 @@ def serve(args: argparse.Namespace) -> int:
     from hora_service.api.app import create_app
 
     settings = settings_from_args(args)
-    sys.stdout.write(
-        f"hora service on http://{settings.host}:{settings.port} ({settings.data_dir})\n"
-    )
+    where = f"http://{settings.host}:{settings.port} (state in {settings.data_dir})"
+    sys.stdout.write(f"hora service on {where}\n")
     sys.stdout.flush()
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
-    return 0
+    app = create_app(settings)
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port))
+    # uvicorn shuts down cleanly on SIGINT/SIGTERM, then re-raises the signal: make that a
+    # KeyboardInterrupt so that a requested stop exits 0
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    return 0 if server.started else 1
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def user(args: argparse.Namespace) -> int:

@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", type=Path, default=None, help="state directory (default ~/.hora)")
     p.add_argument("--gpus", default=None, help="auto | N | 0,1,3 (default auto)")
     p.add_argument("--cpu-slots", type=int, default=None, help="schedulable slots without GPUs")
+    p.add_argument(
+        "--work-root", type=Path, default=None, help="jobs run under it (default: this directory)"
+    )
     p.add_argument("--no-lab", action="store_true", help="start only the service")
     p.add_argument("--keep-jobs", action="store_true", help="leave running jobs alive on exit")
     p.add_argument("--dev", action="store_true", help="dev mode: relax the startup safety checks")
@@ -62,6 +65,10 @@ def settings_from_args(args: argparse.Namespace) -> Any:
     for key in ("data_dir", "gpus", "cpu_slots"):
         if getattr(args, key) is not None:
             overrides[key] = getattr(args, key)
+    if args.work_root is not None:
+        overrides["work_root"] = args.work_root
+    elif "HORA_WORK_ROOT" not in os.environ:
+        overrides["work_root"] = Path.cwd()  # the directory JupyterLab shows
     if args.dev:
         overrides["dev_mode"] = True
     return Settings(**overrides)

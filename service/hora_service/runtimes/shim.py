@@ -41,8 +41,8 @@ def _on_signal(signum: int, frame: object) -> None:
 def main(argv: list[str]) -> int:
     """Run ``argv = [RUN_DIR, RANK, "--", COMMAND...]``; return the command's status."""
     global _started
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, _on_signal)
+    for stop in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(stop, _on_signal)
     run_dir, rank, sep, command = argv[0], int(argv[1]), argv[2], argv[3:]
     if sep != "--" or not command:
         sys.stderr.write("usage: shim.py RUN_DIR RANK -- COMMAND...\n")
