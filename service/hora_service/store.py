@@ -255,10 +255,10 @@ class Store:
             return None
         return self._records(conn, [row])[0]
 
-    def list_jobs(
+    def list_ids(
         self, user: str | None, state: JobState | None, limit: int, offset: int
-    ) -> tuple[list[JobRecord], int]:
-        """A page of jobs, newest first, and how many match in all."""
+    ) -> tuple[list[int], int]:
+        """Ids of a page of jobs, newest first, and how many match in all."""
         where: list[str] = []
         params: dict[str, object] = {"lim": limit, "off": offset}
         if user is not None:
@@ -269,17 +269,21 @@ class Store:
             params["s"] = state.value
         clause = f" WHERE {' AND '.join(where)}" if where else ""
         with self.engine.connect() as conn:
-            total = int(
-                conn.execute(text(f"SELECT COUNT(*) FROM jobs{clause}"), params).scalar_one()
-            )
+            count = text(f"SELECT COUNT(*) FROM jobs{clause}")
+            total = int(conn.execute(count, params).scalar_one())
             rows = conn.execute(
-                text(
-                    f"SELECT {JOB_COLUMNS} FROM jobs{clause} ORDER BY id DESC "
-                    "LIMIT :lim OFFSET :off"
-                ),
-                params,
+                text(f"SELECT id FROM jobs{clause} ORDER BY id DESC LIMIT :lim OFFSET :off"), params
             ).all()
-            return self._records(conn, rows), total
+        return [int(r[0]) for r in rows], total
+
+    def records(self, ids: Sequence[int]) -> dict[int, JobRecord]:
+        """The jobs with these ids that exist, by id."""
+        if not ids:
+            return {}
+        marks = ",".join(str(int(i)) for i in ids)  # ints, never request text
+        with self.engine.connect() as conn:
+            rows = conn.execute(text(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id IN ({marks})")).all()
+            return {r.id: r for r in self._records(conn, rows)}
 
     def _records(self, conn: Connection, rows: Sequence[Any]) -> list[JobRecord]:
         ids = [r[0] for r in rows]

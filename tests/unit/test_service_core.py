@@ -350,3 +350,35 @@ def test_inventory() -> None:
     assert [(s.index, s.kind) for s in inventory("2", 5)] == [(0, "gpu"), (1, "gpu")]
     assert [s.kind for s in inventory("0", 3)] == ["cpu"] * 3
     assert [s.index for s in parse_nvidia_smi("0, A100\n1, A100\nNo devices\n")] == [0, 1]
+
+
+def test_job_cache_never_serves_a_stale_job(mgr: JobManager, rt: ScriptedRuntime) -> None:
+    from hora_service.api.jobs import JobList
+
+    job = mgr.submit("ann", spec(workers=2))
+    assert mgr.get(job.id).state == JobState.queued  # type: ignore[union-attr]  # now cached
+    mgr.tick()
+    assert mgr.get(job.id).state == JobState.running  # type: ignore[union-attr]
+    items, total = mgr.list_jobs(None, None, 10, 0)
+    expected = JobList(items=items, total=total, limit=10, offset=0).model_dump_json()
+    assert mgr.list_json(None, None, 10, 0).decode() == expected
+    # a read that raced a write must not put what it read into the cache
+    mgr._forget(job.id)
+    store = mgr.open_store()
+    read = store.records
+
+    def read_then_write(ids: list[int]) -> dict[int, object]:
+        found = read(ids)
+        mgr._forget(job.id)  # the monitor wrote the job after this read
+        return found  # type: ignore[return-value]
+
+    store.records = read_then_write  # type: ignore[method-assign]
+    assert mgr.get(job.id) is not None and job.id not in mgr._cache
+    store.records = read  # type: ignore[method-assign]
+    assert mgr.get(job.id) is not None and job.id in mgr._cache
+    for r in rt.started[0][1]:
+        r.status = 0
+    mgr.tick()
+    assert b'"state":"succeeded"' in mgr.list_json("ann", JobState.succeeded, 10, 0)
+    mgr.delete(job.id)
+    assert mgr.get(job.id) is None and mgr.list_jobs(None, None, 10, 0) == ([], 0)
