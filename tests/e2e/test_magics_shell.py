@@ -89,6 +89,7 @@ def test_start_table_lists_rank_pid_device(ip):
     assert result.success
     for row in table:
         assert f"[rank {row['rank']}] {row['rank']} {row['pid']}" in cap.stdout
+        assert magics._MAGICS.cluster.rank_of(row["engine_id"]) == row["rank"]
 
 
 def test_default_shows_rank0_only(ip):
