@@ -47,6 +47,7 @@ class Case:
     root: int = 0  # -1: the last rank
     pattern: str = ""
     group: tuple[str, ...] = ()  # grouped_allreduce: one dtype per tensor
+    compression: str = ""  # hvd.Compression.<name> on the wire
 
     def __str__(self) -> str:
         dtype = self.dtype or "+".join(self.group)
@@ -57,6 +58,8 @@ class Case:
             parts.append(f"root{self.root}")
         if self.pattern:
             parts.append(self.pattern)
+        if self.compression:
+            parts.append(self.compression)
         return "-".join(p for p in parts if p)
 
 
@@ -175,8 +178,18 @@ REDUCESCATTER = [
         ("reducescatter", "reducescatter_async"), ("Average", "Sum"), [(1.0, 1.0), (0.5, 3.0)]
     )
 ]
+COMPRESSED = [
+    Case("allreduce", "allreduce", d, (5,), op, compression=c)
+    for d, op, c in itertools.product(("float32", "float64"), ("Average", "Sum"), ("fp16", "bf16"))
+] + [
+    Case("allreduce", "allreduce", "int64", (5,), "Sum", compression="fp16"),  # passes as is
+    Case("grouped", "grouped_allreduce", "", (), "Average", group=("float32", "float64", "int64"),
+         compression="fp16"),
+    Case("reducescatter", "reducescatter", "float32", (3,), "Sum", pattern="uneven",
+         compression="bf16"),
+]  # fmt: skip
 CASES = ALLREDUCE + ALLREDUCE_SCALED + ALLREDUCE_FORMS + GROUPED + ALLGATHER + BROADCAST
-CASES += ALLTOALL + REDUCESCATTER
+CASES += ALLTOALL + REDUCESCATTER + COMPRESSED
 
 
 # ------------------------------------------------------------------------- rank side
@@ -202,11 +215,18 @@ def _wait_poll(hvd: Any, handle: Any) -> bool:
     return True
 
 
-def _run_allreduce(hvd: Any, case: Case, rank: int) -> dict[str, Any]:
-    x = _torch(_values(case, rank, case.shape), case.dtype)
-    kw = {"op": getattr(hvd, case.op), "name": str(case)}
+def _kwargs(hvd: Any, case: Case) -> dict[str, Any]:
+    kw: dict[str, Any] = {"op": getattr(hvd, case.op), "name": str(case)}
     if (case.pre, case.post) != (1.0, 1.0):
         kw.update(prescale_factor=case.pre, postscale_factor=case.post)
+    if case.compression:
+        kw["compression"] = getattr(hvd.Compression, case.compression)
+    return kw
+
+
+def _run_allreduce(hvd: Any, case: Case, rank: int) -> dict[str, Any]:
+    x = _torch(_values(case, rank, case.shape), case.dtype)
+    kw = _kwargs(hvd, case)
     before = x.clone()
     form = case.form
     res: dict[str, Any] = {}
@@ -242,9 +262,7 @@ def _run_grouped(hvd: Any, case: Case, rank: int) -> dict[str, Any]:
         _torch(_values(case, rank, GROUP_SHAPES[k % len(GROUP_SHAPES)], k, d), d)
         for k, d in enumerate(case.group)
     ]
-    kw = {"op": getattr(hvd, case.op), "name": str(case)}
-    if (case.pre, case.post) != (1.0, 1.0):
-        kw.update(prescale_factor=case.pre, postscale_factor=case.post)
+    kw = _kwargs(hvd, case)
     fn = getattr(hvd, case.form)
     out = fn(xs, **kw)
     if case.form.endswith("async") or case.form.endswith("async_"):
@@ -309,9 +327,7 @@ def _run_alltoall(hvd: Any, case: Case, rank: int, size: int) -> dict[str, Any]:
 
 def _run_reducescatter(hvd: Any, case: Case, rank: int, size: int) -> dict[str, Any]:
     x = _torch(_values(case, rank, (_rs_rows(case, size), *case.shape)), case.dtype)
-    kw = {"name": str(case), "op": getattr(hvd, case.op)}
-    if (case.pre, case.post) != (1.0, 1.0):
-        kw.update(prescale_factor=case.pre, postscale_factor=case.post)
+    kw = _kwargs(hvd, case)
     if case.form == "reducescatter":
         out = hvd.reducescatter(x, **kw)
     else:
@@ -357,6 +373,43 @@ def _run_objects(hvd: Any, rank: int, size: int) -> dict[str, Any]:
     return res
 
 
+def _run_autograd(hvd: Any, rank: int, size: int) -> dict[str, Any]:
+    """Gradients through the differentiable collectives; rank r weighs its output by r + 1."""
+    import torch
+
+    res: dict[str, Any] = {}
+    w = float(rank + 1)
+    for op in ("Average", "Sum"):
+        x = torch.tensor([1.0, -2.0], requires_grad=True)
+        (hvd.allreduce(x * 1.0, op=getattr(hvd, op), name=f"ag.{op}") * w).sum().backward()
+        res[f"allreduce_{op}"] = x.grad.tolist()
+    x = torch.ones(rank + 1, 2, requires_grad=True)
+    y = hvd.allgather(x, name="ag.gather")
+    (y * torch.arange(y.numel()).view_as(y) * w).sum().backward()
+    res["allgather"] = x.grad.tolist()
+    x = torch.full((3,), float(rank), requires_grad=True)
+    y = hvd.broadcast(x, root_rank=size - 1, name="ag.bcast")
+    (y * w).sum().backward()
+    res["broadcast"] = (y.tolist(), x.grad.tolist())
+    return res
+
+
+def _run_metrics(hvd: Any, rank: int, size: int) -> dict[str, Any]:
+    """The hora extensions in __all__: allreduce_metrics and Metric."""
+    import torch
+
+    values = {"loss": float(rank), "acc": torch.tensor([rank, 2.0 * rank])}
+    m = hvd.Metric("val_loss")
+    m.update(float(rank + 1), n=rank + 1)  # uneven sample counts: a weighted average
+    m.update(torch.tensor([0.0, 2.0]), n=1)
+    return {
+        "avg": hvd.allreduce_metrics(values),
+        "max": hvd.allreduce_metrics(values, op=hvd.Max),
+        "scalar": hvd.allreduce_metrics(3.5 * rank, op=hvd.Sum),
+        "metric": m.avg,
+    }
+
+
 def suite(hvd: Any, rank: int, size: int) -> dict[str, Any]:
     """Run every case on this rank (called by the shared world, after ``hvd.init()``)."""
     results: dict[str, Any] = {}
@@ -366,6 +419,8 @@ def suite(hvd: Any, rank: int, size: int) -> dict[str, Any]:
         except Exception as e:  # noqa: BLE001  (reported by the case's own test)
             results[str(case)] = {"error": f"{type(e).__name__}: {e}"}
     results["objects"] = _run_objects(hvd, rank, size)
+    results["autograd"] = _run_autograd(hvd, rank, size)
+    results["metrics"] = _run_metrics(hvd, rank, size)
     return results
 
 
@@ -377,11 +432,17 @@ def _results(world: Any, case: Case) -> list[dict[str, Any]]:
     return res
 
 
-def _check(got: tuple[str, np.ndarray], want: np.ndarray, dtype: str) -> None:
+WIRE = {"fp16": "float16", "bf16": "bfloat16"}
+
+
+def _check(
+    got: tuple[str, np.ndarray], want: np.ndarray, dtype: str, compression: str = ""
+) -> None:
     got_dtype, arr = got
-    assert got_dtype == dtype
+    assert got_dtype == dtype  # compressed results come back in the input's dtype
     assert arr.shape == want.shape
-    rtol, atol = TOL[dtype]
+    floats = not dtype.startswith("int")
+    rtol, atol = TOL[WIRE[compression] if compression and floats else dtype]
     if rtol == 0:
         np.testing.assert_array_equal(arr, want)
     else:
@@ -409,7 +470,9 @@ def _assert_flags(res: list[dict[str, Any]]) -> None:
             assert r.get(flag, True) is True, f"{flag} is False"
 
 
-@pytest.mark.parametrize("case", ALLREDUCE + ALLREDUCE_SCALED + ALLREDUCE_FORMS, ids=str)
+@pytest.mark.parametrize(
+    "case", ALLREDUCE + ALLREDUCE_SCALED + ALLREDUCE_FORMS + COMPRESSED[:9], ids=str
+)
 def test_allreduce(world: Any, case: Case) -> None:
     n = world.size
     shape = case.shape
@@ -422,10 +485,10 @@ def test_allreduce(world: Any, case: Case) -> None:
     res = _results(world, case)
     _assert_flags(res)
     for r in res:
-        _check(r["out"], want, case.dtype)
+        _check(r["out"], want, case.dtype, case.compression)
 
 
-@pytest.mark.parametrize("case", GROUPED, ids=str)
+@pytest.mark.parametrize("case", GROUPED + COMPRESSED[9:10], ids=str)
 def test_grouped_allreduce(world: Any, case: Case) -> None:
     n = world.size
     res = _results(world, case)
@@ -435,7 +498,7 @@ def test_grouped_allreduce(world: Any, case: Case) -> None:
         xs = np.stack([_values(case, r, shape, k, d) for r in range(n)])
         want = _reduce(xs, case.op, d, case.pre, case.post)
         for r in res:
-            _check(r["out"][k], want, d)
+            _check(r["out"][k], want, d, case.compression)
     assert all(len(r["out"]) == len(case.group) for r in res)
 
 
@@ -481,7 +544,7 @@ def test_alltoall(world: Any, case: Case) -> None:
             assert r["splits_dtype"] == "torch.int32"
 
 
-@pytest.mark.parametrize("case", REDUCESCATTER, ids=str)
+@pytest.mark.parametrize("case", REDUCESCATTER + COMPRESSED[10:], ids=str)
 def test_reducescatter(world: Any, case: Case) -> None:
     n = world.size
     rows = _rs_rows(case, n)
@@ -491,7 +554,7 @@ def test_reducescatter(world: Any, case: Case) -> None:
     counts = [rows // n + (1 if r < rows % n else 0) for r in range(n)]
     blocks = np.split(full, np.cumsum(counts)[:-1])
     for r, res in enumerate(_results(world, case)):
-        _check(res["out"], blocks[r], case.dtype)
+        _check(res["out"], blocks[r], case.dtype, case.compression)
 
 
 def test_broadcast_object_and_allgather_object(world: Any) -> None:
@@ -516,3 +579,34 @@ def test_join_returns_the_last_rank_to_join(world: Any) -> None:
     assert [r["objects"]["join_first"] for r in by_rank] == [0] * n
     assert [r["objects"]["join_second"] for r in by_rank] == [n - 1] * n
     assert [r["objects"]["after_join"] for r in by_rank] == [float(sum(range(n)))] * n
+
+
+def test_gradients_flow_through_collectives(world: Any) -> None:
+    n = world.size
+    weights = [r + 1.0 for r in range(n)]  # rank r's output gradient is r + 1
+    for rank, r in enumerate(world.results(__file__)):
+        g = r["autograd"]
+        # d/dx of allreduce is the allreduce (same op) of the output gradients
+        assert g["allreduce_Average"] == pytest.approx([sum(weights) / n] * 2)
+        assert g["allreduce_Sum"] == pytest.approx([sum(weights)] * 2)
+        # allgather: the summed gradient's rows that came from this rank
+        lo = sum(range(1, rank + 1)) * 2
+        rows = np.arange(lo, lo + (rank + 1) * 2).reshape(rank + 1, 2) * sum(weights)
+        np.testing.assert_allclose(g["allgather"], rows)
+        # broadcast: root's values; the summed gradient on root, zeros elsewhere
+        values, grad = g["broadcast"]
+        assert values == [float(n - 1)] * 3
+        assert grad == [sum(weights) if rank == n - 1 else 0.0] * 3
+
+
+def test_allreduce_metrics_and_metric(world: Any) -> None:
+    n = world.size
+    for r in world.results(__file__):
+        m = r["metrics"]
+        assert m["avg"]["loss"] == pytest.approx(sum(range(n)) / n)
+        assert m["avg"]["acc"].tolist() == pytest.approx([sum(range(n)) / n, 2 * sum(range(n)) / n])
+        assert str(m["avg"]["acc"].dtype) == "torch.float32"
+        assert m["max"]["loss"] == float(n - 1)
+        assert m["scalar"] == pytest.approx(3.5 * sum(range(n)))
+        total = sum((k + 1) * (k + 1) + 1.0 for k in range(n))  # value x count, plus 1 x 1
+        assert m["metric"] == pytest.approx(total / sum(k + 2 for k in range(n)))

@@ -42,6 +42,8 @@ class TrainCase:
     resume: bool = False
     predivide: float = 1.0
     fusion: int | None = None  # bytes per fusion bucket; 0: one bucket per gradient
+    embed: bool = False  # add an nn.Embedding with sparse gradients
+    momentum: float = 0.9
 
     def __str__(self) -> str:
         return self.name
@@ -63,19 +65,24 @@ CASES = [
     TrainCase("sgd-unused-bucket-per-grad", unused=True, fusion=0),
     TrainCase("adam-accumulate2-bucket-per-grad", opt="adam", passes=2, fusion=0),
     TrainCase("sgd-fp16-small-buckets", compression="fp16", fusion=64),
+    TrainCase("sgd-sparse-embedding", embed=True, momentum=0.0),
 ]
 
 
 class Net(nn.Module):
-    """A small MLP; with ``heads``, plus a head only odd ranks use and one that no rank uses."""
+    """A small MLP; for ``case.unused`` a head only odd ranks use and one that no rank uses;
+    for ``case.embed`` an embedding with sparse gradients added to the input.
+    """
 
-    def __init__(self, heads: bool = False) -> None:
+    def __init__(self, case: TrainCase) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.body = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-        if heads:
+        if case.unused:
             self.extra = nn.Linear(4, 2)
             self.never = nn.Linear(4, 2)
+        if case.embed:
+            self.emb = nn.Embedding(10, 4, sparse=True)
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,6 +91,8 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _loss(model: Net, case: TrainCase, rank: int, x: torch.Tensor, y: torch.Tensor) -> Any:
+    if case.embed:
+        x = x + model.emb((x[:, 0].abs() * 3).long() % 10)
     out = model.body(x)
     if case.unused and rank % 2 == 1:
         out = out + model.extra(x)
@@ -93,7 +102,7 @@ def _loss(model: Net, case: TrainCase, rank: int, x: torch.Tensor, y: torch.Tens
 def _optimizer(case: TrainCase, params: Any) -> torch.optim.Optimizer:
     if case.opt == "adam":
         return torch.optim.Adam(params, lr=LR["adam"])
-    return torch.optim.SGD(params, lr=LR["sgd"], momentum=0.9)
+    return torch.optim.SGD(params, lr=LR["sgd"], momentum=case.momentum)
 
 
 def _params(model: nn.Module) -> dict[str, Any]:
@@ -141,7 +150,7 @@ def _wrap(hvd: Any, case: TrainCase, model: Net) -> Any:
 
 
 def _train_case(hvd: Any, case: TrainCase, rank: int, size: int) -> dict[str, Any]:
-    model = Net(case.unused)
+    model = Net(case)
     opt = _wrap(hvd, case, model)
     base = torch.optim.Adam if case.opt == "adam" else torch.optim.SGD
     res: dict[str, Any] = {"isinstance": isinstance(opt, base)}
@@ -151,7 +160,7 @@ def _train_case(hvd: Any, case: TrainCase, rank: int, size: int) -> dict[str, An
         warnings.simplefilter("always")
         for step in range(STEPS):
             if case.resume and step == STEPS - 1:  # a new process would rebuild both
-                fresh = Net(case.unused)
+                fresh = Net(case)
                 fresh.load_state_dict(model.state_dict())
                 saved = opt.state_dict()
                 model, opt = fresh, _wrap(hvd, case, fresh)
@@ -166,6 +175,33 @@ def _train_case(hvd: Any, case: TrainCase, rank: int, size: int) -> dict[str, An
     return res
 
 
+def _misuse(hvd: Any) -> dict[str, Any]:
+    """zero_grad() between backward() and step(), and one backward() too many."""
+    model = Net(CASES[0])
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
+    x, y = _batch(0)
+    res: dict[str, Any] = {}
+    F.mse_loss(model.body(x), y).backward()
+    try:
+        opt.zero_grad()
+    except Exception as e:  # noqa: BLE001
+        res["zero_grad"] = (type(e).__name__, str(e))
+    opt.step()  # the reduction that was under way completes normally
+    opt.zero_grad()
+    F.mse_loss(model.body(x), y).backward()
+    try:
+        F.mse_loss(model.body(x), y).backward()
+    except Exception as e:  # noqa: BLE001
+        res["second_backward"] = (type(e).__name__, str(e))
+    opt.synchronize()
+    with opt.skip_synchronize():
+        opt.step()
+    res["params"] = _params(model)
+    return res
+
+
 def suite(hvd: Any, rank: int, size: int) -> dict[str, Any]:
     """Train every case on this rank (called by the shared world, after ``hvd.init()``)."""
     results: dict[str, Any] = {}
@@ -174,13 +210,14 @@ def suite(hvd: Any, rank: int, size: int) -> dict[str, Any]:
             results[case.name] = _train_case(hvd, case, rank, size)
         except Exception as e:  # noqa: BLE001  (reported by the case's own test)
             results[case.name] = {"error": f"{type(e).__name__}: {e}"}
+    results["misuse"] = _misuse(hvd)
     return results
 
 
 # ------------------------------------------------------------------------ test side
 def _reference(case: TrainCase, size: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """One process, the concatenated batch, the plain optimizer."""
-    model = Net(case.unused)
+    model = Net(case)
     opt = _optimizer(case, model.parameters())
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if case.sched else None
     per = GLOBAL_BATCH // size
@@ -194,7 +231,7 @@ def _reference(case: TrainCase, size: int) -> tuple[dict[str, Any], dict[str, An
             ]
             loss = torch.stack(losses).mean()
         else:
-            loss = F.mse_loss(model.body(x), y)
+            loss = _loss(model, case, 0, x, y)  # the whole batch at once
         loss.backward()
         if case.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
@@ -258,3 +295,14 @@ def test_step_inside_skip_synchronize_starts_no_collective(world: Any) -> None:
     case = next(c for c in CASES if c.clip)
     for r in _case_results(world, case):
         assert [i["collectives_in_step"] for i in r["infos"]] == [0] * STEPS
+
+
+def test_misuse_raises_clear_errors_and_the_step_still_completes(world: Any) -> None:
+    res = world.results(__file__)
+    for r in res:
+        name, msg = r["misuse"]["zero_grad"]
+        assert name == "HoraError" and "before optimizer.step()" in msg
+        name, msg = r["misuse"]["second_backward"]
+        assert name == "GradientCountError" and "backward_passes_per_step=1" in msg
+    for r in res[1:]:  # after the errors, every rank still applied the same update
+        _assert_close(r["misuse"]["params"], res[0]["misuse"]["params"], 0.0)
