@@ -13,6 +13,7 @@ Modes (RANK comes from the launcher's environment):
 * ``late-init``: rank 1 sleeps 60 s before ``hvd.init()``; rank 0 calls it at once.
 * ``collectives``: a few named collectives and two DistributedOptimizer steps (timeline).
 * ``world``: ``hvd.init()``, one allreduce, and a JSON line with what hora.torch detected.
+* ``crash``: one allreduce, then rank 1 exits 3 while rank 0 waits to be stopped.
 """
 
 from __future__ import annotations
@@ -113,6 +114,17 @@ def _world() -> None:
     hvd.shutdown()
 
 
+def _crash() -> None:
+    import hora.torch as hvd
+    import torch
+
+    hvd.init()
+    hvd.allreduce(torch.ones(16), name="grad.before_crash")
+    if RANK == 1:
+        sys.exit(3)
+    time.sleep(60)  # stopped by the launcher (SIGTERM) without reaching shutdown()
+
+
 def main() -> None:
     mode, args = sys.argv[1], sys.argv[2:]
     if mode == "exit":
@@ -129,6 +141,8 @@ def main() -> None:
         _collectives()
     elif mode == "world":
         _world()
+    elif mode == "crash":
+        _crash()
     else:
         raise SystemExit(f"unknown mode {mode!r}")
 

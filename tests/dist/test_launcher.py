@@ -195,6 +195,18 @@ def test_timeline_is_one_chrome_trace_with_every_rank(tmp_path: Path) -> None:
         assert phases("bias")["ALLREDUCE"] == 8
 
 
+def test_timeline_keeps_the_events_of_ranks_that_failed_or_were_stopped(tmp_path: Path) -> None:
+    path = tmp_path / "timeline.json"
+    res, _ = _run(_argv(2, "crash", flags=["--timeline-filename", str(path)]))
+    assert res.returncode == 3, res.stderr
+    events = json.loads(path.read_text())["traceEvents"]
+    seen = {
+        e["pid"] for e in events if e["ph"] == "X" and e["args"]["tensor"] == "grad.before_crash"
+    }
+    assert seen == {0, 1}, "every rank's events up to the failure are in the merged file"
+    assert not list(tmp_path.glob("*.part"))
+
+
 def test_openmpi_world_is_detected() -> None:
     mpirun = shutil.which("mpirun")
     if mpirun is None:

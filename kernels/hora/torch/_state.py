@@ -10,6 +10,7 @@ If the user already called ``init_process_group`` that group is adopted instead.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -386,11 +387,41 @@ def init(
     log.debug(
         "hora.torch initialised: rank %d of %d (%s)", _STATE.rank, _STATE.size, _STATE.backend
     )
+    atexit.register(_at_exit)  # once per process: register() of a registered function is a no-op
     path = environ.get("HORA_TIMELINE") or environ.get("HOROVOD_TIMELINE")
     if path:
         from hora.torch import timeline
 
         timeline.start_timeline(path)
+
+
+# A script that exits without shutdown() (or by an exception) waits this long at most for the
+# other ranks' timeline parts before rank 0 merges; the hora run launcher merges the rest.
+_EXIT_TIMELINE_WAIT_S = 2.0
+
+
+def _stop_heartbeat(state: State) -> None:
+    state._hb_stop.set()
+    if state._hb_thread is not None:
+        state._hb_thread.join(timeout=2 * HEARTBEAT_S + 1)
+
+
+def _at_exit() -> None:
+    """Stop the heartbeat and the timeline when the script ends without ``shutdown()``.
+
+    Python kills daemon threads at exit; one caught inside a C++ store call is unwound
+    through C++ frames and aborts the process ("terminate called without an active
+    exception", exit code 134 instead of the script's own). The process group is left to
+    the interpreter: destroying it could wait for a peer's collective that never comes.
+    """
+    state = _STATE
+    if state is None:
+        return
+    from hora.torch import timeline
+
+    if timeline.enabled():
+        timeline.stop_timeline(_wait_s=_EXIT_TIMELINE_WAIT_S)
+    _stop_heartbeat(state)
 
 
 def shutdown() -> None:
@@ -409,9 +440,7 @@ def shutdown() -> None:
 
     if timeline.enabled():
         timeline.stop_timeline()
-    state._hb_stop.set()
-    if state._hb_thread is not None:
-        state._hb_thread.join(timeout=2 * HEARTBEAT_S + 1)
+    _stop_heartbeat(state)
     _STATE = None
     if state.owns_group and dist.is_initialized():
         dist.destroy_process_group()

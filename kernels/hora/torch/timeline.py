@@ -30,7 +30,8 @@ class _Writer:
     def __init__(self, path: Path, rank: int) -> None:
         self.path = path
         self.rank = rank
-        self.file: IO[str] = part_path(path, rank).open("w", encoding="utf-8")
+        # line-buffered: a rank killed by the launcher (SIGTERM) keeps every finished event
+        self.file: IO[str] = part_path(path, rank).open("w", encoding="utf-8", buffering=1)
         self.tids: dict[str, int] = {}
         self.lock = threading.Lock()
         self.offset_ns = time.time_ns() - time.perf_counter_ns()
@@ -143,11 +144,11 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     _writer = _Writer(path, state.rank)
 
 
-def _wait_all_stopped(state: Any, gen: str) -> None:
+def _wait_all_stopped(state: Any, gen: str, wait_s: float) -> None:
     """Rank 0 waits (bounded) until every rank closed its part; other ranks only announce."""
     try:
         n = state.store.add(f"hora/timeline/stopped/{gen}", 1)
-        deadline = time.monotonic() + min(_STOP_WAIT_S, state.timeout_s)
+        deadline = time.monotonic() + min(wait_s, state.timeout_s)
         while state.rank == 0 and n < state.size and time.monotonic() < deadline:
             time.sleep(0.02)
             n = state.store.add(f"hora/timeline/stopped/{gen}", 0)
@@ -155,8 +156,10 @@ def _wait_all_stopped(state: Any, gen: str) -> None:
         return
 
 
-def stop_timeline() -> None:
+def stop_timeline(*, _wait_s: float = _STOP_WAIT_S) -> None:
     """Stop recording; rank 0 merges every rank's events into the timeline file.
+
+    Rank 0 first waits (at most 10 s, or the collective timeout) for the other ranks to stop.
 
     Example:
         >>> hvd.stop_timeline()
@@ -170,6 +173,6 @@ def stop_timeline() -> None:
     w.close()
     state = _state._STATE
     if state is not None and state.size > 1:
-        _wait_all_stopped(state, str(w.path))
+        _wait_all_stopped(state, str(w.path), _wait_s)
     if w.rank == 0:
         merge_parts(w.path)
