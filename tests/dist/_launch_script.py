@@ -7,6 +7,7 @@ Modes (RANK comes from the launcher's environment):
 * ``echo ARGS...``: prints its arguments, one per line, and a last line without a newline.
 * ``signals DIR``: notes SIGINT/SIGTERM in DIR/got-RANK-SIGNAME and exits 0; writes
   DIR/pids-RANK and DIR/ready-RANK, then waits (at most 60 s).
+* ``stubborn DIR``: like ``signals`` but ignores SIGINT and SIGTERM after noting them.
 * ``orphans DIR``: starts two ``sleep`` children, one in the rank's process group and one in
   a session of its own, writes every pid to DIR/pids-RANK and DIR/ready-RANK; rank 1 then
   exits 3, rank 0 ignores SIGTERM and waits to be killed.
@@ -50,10 +51,11 @@ def _ready(d: Path, pids: list[int]) -> None:
     Path(d, f"ready-{RANK}").touch()
 
 
-def _signals(d: Path) -> None:
+def _signals(d: Path, stubborn: bool = False) -> None:
     def note(signum: int, frame: object) -> None:
         Path(d, f"got-{RANK}-{signal.Signals(signum).name}").touch()
-        sys.exit(0)
+        if not stubborn:
+            sys.exit(0)
 
     signal.signal(signal.SIGINT, note)
     signal.signal(signal.SIGTERM, note)
@@ -131,8 +133,8 @@ def main() -> None:
         _exit(*args)
     elif mode == "echo":
         _echo(args)
-    elif mode == "signals":
-        _signals(Path(args[0]))
+    elif mode in ("signals", "stubborn"):
+        _signals(Path(args[0]), stubborn=mode == "stubborn")
     elif mode == "orphans":
         _orphans(Path(args[0]))
     elif mode == "late-init":

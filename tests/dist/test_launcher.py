@@ -128,27 +128,54 @@ def test_failure_stops_every_rank_and_leaves_no_orphans(tmp_path: Path) -> None:
     _assert_no_orphans(pids)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
-def test_signal_is_forwarded_to_every_rank(tmp_path: Path, sig: signal.Signals) -> None:
+def _signalled_run(
+    d: Path, mode: str, signals: list[signal.Signals], grace: str
+) -> tuple[int, str, float]:
+    """Start hora run, wait until both ranks are ready, send ``signals`` 0.5 s apart.
+
+    Returns:
+        hora run's exit code, its stderr, and the seconds from the last signal to its exit.
+    """
     proc = subprocess.Popen(
-        _argv(2, "signals", str(tmp_path)), env=_env(), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True,
+        _argv(2, mode, str(d), flags=["--grace-period", grace]), env=_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 60
-        while not all(Path(tmp_path, f"ready-{r}").exists() for r in range(2)):
+        while not all(Path(d, f"ready-{r}").exists() for r in range(2)):
             assert proc.poll() is None and time.monotonic() < deadline, "ranks never got ready"
             time.sleep(0.05)
-        proc.send_signal(sig)
-        _, err = proc.communicate(timeout=30)
+        for i, sig in enumerate(signals):
+            if i:
+                time.sleep(0.5)
+            proc.send_signal(sig)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        return proc.returncode, err, time.monotonic() - t0
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_signal_is_forwarded_to_every_rank(tmp_path: Path, sig: signal.Signals) -> None:
+    code, err, _ = _signalled_run(tmp_path, "signals", [sig], grace="5")
     for r in range(2):
         assert Path(tmp_path, f"got-{r}-{sig.name}").exists(), f"rank {r} did not get {sig.name}"
-    assert proc.returncode == 128 + sig, err
+    assert code == 128 + sig, err  # the ranks exited 0 after the signal
     assert f"received {sig.name}" in err
+    _assert_no_orphans(_reported_pids(tmp_path))
+
+
+def test_second_sigint_kills_ranks_that_ignore_the_first(tmp_path: Path) -> None:
+    code, err, after = _signalled_run(
+        tmp_path, "stubborn", [signal.SIGINT, signal.SIGINT], grace="60"
+    )
+    assert all(Path(tmp_path, f"got-{r}-SIGINT").exists() for r in range(2))
+    assert after < 10, "the second SIGINT must not wait for the 60 s grace period"
+    assert code == 128 + signal.SIGKILL, err  # the ranks' status: killed
+    assert "again; killing all ranks" in err
     _assert_no_orphans(_reported_pids(tmp_path))
 
 

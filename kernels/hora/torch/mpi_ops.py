@@ -351,7 +351,8 @@ def _grouped_per_tensor(
 ) -> Handle:
     fn = allreduce_async_ if inplace else allreduce_async
     handles = [fn(t, None, f"{name}.{i}", op, pre, post) for i, t in enumerate(tensors)]
-    return Handle("grouped_allreduce", name, [], lambda: [h.wait() for h in handles])
+    works = [w for h in handles for w in h.works]  # so that poll() sees them in flight
+    return Handle("grouped_allreduce", name, works, lambda: [h.wait() for h in handles])
 
 
 def grouped_allreduce_async(
