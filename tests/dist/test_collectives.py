@@ -361,15 +361,15 @@ def _run_objects(hvd: Any, rank: int, size: int) -> dict[str, Any]:
     res["gather_obj"] = hvd.allgather_object({"rank": rank, "sq": rank * rank})
     res["gather_obj_named"] = hvd.allgather_object(list(range(rank)), name="ranges")
     if rank == 0:
-        time.sleep(0.4)
+        time.sleep(0.5)
     t0 = time.monotonic()
     res["barrier_ret"] = hvd.barrier()
     res["barrier_wait"] = time.monotonic() - t0
     if rank == 0:
-        time.sleep(0.4)
+        time.sleep(0.5)
     res["join_first"] = hvd.join()
     if rank == last:
-        time.sleep(0.4)
+        time.sleep(0.5)
     res["join_second"] = hvd.join()
     # the world still works after join: one more allreduce
     res["after_join"] = float(hvd.allreduce(_torch(np.array([rank]), "float32"), op=hvd.Sum))
@@ -573,8 +573,8 @@ def test_broadcast_object_and_allgather_object(world: Any) -> None:
 def test_barrier_blocks_until_every_rank_arrives(world: Any) -> None:
     for rank, r in enumerate(world.results(__file__)[1:], start=1):
         assert r["objects"]["barrier_ret"] is None
-        # rank 0 arrived 0.4 s late: everyone else waited for it
-        assert r["objects"]["barrier_wait"] > 0.3, f"rank {rank} left the barrier early"
+        # rank 0 arrived 0.5 s late: everyone else waited for it
+        assert r["objects"]["barrier_wait"] > 0.25, f"rank {rank} left the barrier early"
 
 
 def test_join_returns_the_last_rank_to_join(world: Any) -> None:

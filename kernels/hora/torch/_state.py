@@ -407,7 +407,7 @@ def _stop_heartbeat(state: State) -> None:
 
 
 def _at_exit() -> None:
-    """Stop the heartbeat and the timeline when the script ends without ``shutdown()``.
+    """Stop the heartbeat and timeline, drop the rendezvous file, if ``shutdown()`` never ran.
 
     Python kills daemon threads at exit; one caught inside a C++ store call is unwound
     through C++ frames and aborts the process ("terminate called without an active
@@ -422,6 +422,8 @@ def _at_exit() -> None:
     if timeline.enabled():
         timeline.stop_timeline(_wait_s=_EXIT_TIMELINE_WAIT_S)
     _stop_heartbeat(state)
+    if state.rdzv_file is not None:  # every rank found the store long ago
+        state.rdzv_file.unlink(missing_ok=True)
 
 
 def shutdown() -> None:
