@@ -10,7 +10,7 @@ Modes (RANK comes from the launcher's environment):
 * ``stubborn DIR``: like ``signals`` but ignores SIGINT and SIGTERM after noting them.
 * ``orphans DIR``: starts two ``sleep`` children, one in the rank's process group and one in
   a session of its own, writes every pid to DIR/pids-RANK and DIR/ready-RANK; rank 1 then
-  exits 3, rank 0 ignores SIGTERM and waits to be killed.
+  exits 3 (once rank 0 is ready), rank 0 ignores SIGTERM and waits to be killed.
 * ``late-init``: rank 1 sleeps 60 s before ``hvd.init()``; rank 0 calls it at once.
 * ``collectives``: a few named collectives and two DistributedOptimizer steps (timeline).
 * ``world``: ``hvd.init()``, one allreduce, and a JSON line with what hora.torch detected.
@@ -64,12 +64,16 @@ def _signals(d: Path, stubborn: bool = False) -> None:
 
 
 def _orphans(d: Path) -> None:
+    if RANK == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher must escalate to SIGKILL
     same_group = subprocess.Popen(["sleep", "300"])
     own_session = subprocess.Popen(["sleep", "300"], start_new_session=True)
     _ready(d, [same_group.pid, own_session.pid])
     if RANK == 1:
+        deadline = time.monotonic() + 60
+        while not Path(d, "ready-0").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
         sys.exit(3)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher must escalate to SIGKILL
     time.sleep(60)
 
 
@@ -122,6 +126,7 @@ def _crash() -> None:
 
     hvd.init()
     hvd.allreduce(torch.ones(16), name="grad.before_crash")
+    hvd.barrier()  # rank 0 recorded the allreduce before it got here
     if RANK == 1:
         sys.exit(3)
     time.sleep(60)  # stopped by the launcher (SIGTERM) without reaching shutdown()
