@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 USER_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 LATENCY_WINDOW = 1000
 CACHE_MAX = 50_000
+PAGES_MAX = 1024
 STOP_JOIN_S = 30.0
 
 
@@ -139,7 +140,8 @@ class JobManager:
         # job id -> (record, its JSON); dropped on every write to the job (see _forget)
         self._cache: dict[int, tuple[JobRecord, bytes]] = {}
         self._cache_lock = threading.Lock()
-        self._generation = 0
+        self._generation = 0  # moves on at every write to the jobs table
+        self._pages: dict[tuple[object, ...], tuple[int, list[int], int]] = {}
 
     # lifecycle --------------------------------------------------------------------------
 
@@ -257,6 +259,7 @@ class JobManager:
             job_id = store.insert_job(conn, user, spec, now)
             record = store.get(job_id, conn)
             assert record is not None
+        self._forget(job_id)  # a new job changes every page it belongs to
         self._enqueue(job_id, user, spec, None)
         return record
 
@@ -312,8 +315,9 @@ class JobManager:
     def list_json(self, user: str | None, state: JobState | None, limit: int, offset: int) -> bytes:
         """The same page as :meth:`list_jobs`, as the JSON body of ``GET /v1/jobs``.
 
-        Each job's JSON is serialised once and cached until the job changes, so a busy list
-        endpoint costs one indexed query and a join of bytes.
+        Each job's JSON is serialised once and cached until the job changes, and a page's ids
+        and total are reused until the next write, so a busy list endpoint costs dictionary
+        lookups and a join of bytes.
         """
         page, total = self._page(user, state, limit, offset)
         items = b",".join(body for _, body in page)
@@ -323,7 +327,17 @@ class JobManager:
     def _page(
         self, user: str | None, state: JobState | None, limit: int, offset: int
     ) -> tuple[list[tuple[JobRecord, bytes]], int]:
-        ids, total = self.open_store().list_ids(user, state, limit, offset)
+        key = (user, state, limit, offset)
+        generation = self._generation
+        memo = self._pages.get(key)
+        if memo is not None and memo[0] == generation:
+            ids, total = memo[1], memo[2]
+        else:  # a page read is reused until the next write to any job
+            ids, total = self.open_store().list_ids(user, state, limit, offset)
+            with self._cache_lock:
+                if len(self._pages) > PAGES_MAX:
+                    self._pages.clear()
+                self._pages[key] = (generation, ids, total)
         found = {i: hit for i in ids if (hit := self._cache.get(i)) is not None}
         if len(found) < len(ids):
             found.update(self._load([i for i in ids if i not in found]))

@@ -380,5 +380,11 @@ def test_job_cache_never_serves_a_stale_job(mgr: JobManager, rt: ScriptedRuntime
         r.status = 0
     mgr.tick()
     assert b'"state":"succeeded"' in mgr.list_json("ann", JobState.succeeded, 10, 0)
+    before = mgr.list_jobs(None, None, 10, 0)  # this page is now memoized
+    newer = mgr.submit("bob", spec())
+    assert mgr.list_jobs(None, None, 10, 0)[1] == before[1] + 1
+    assert mgr.list_jobs(None, None, 10, 0)[0][0].id == newer.id
+    mgr.cancel(newer.id)
+    mgr.delete(newer.id)
     mgr.delete(job.id)
     assert mgr.get(job.id) is None and mgr.list_jobs(None, None, 10, 0) == ([], 0)
