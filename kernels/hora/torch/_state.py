@@ -48,7 +48,8 @@ class State:
         cross_size: number of hosts.
         device: ``cuda:local_rank`` with NCCL, else ``cpu``.
         backend: torch.distributed backend name ("nccl" or "gloo").
-        timeout_s: timeout for rendezvous and collectives, in seconds.
+        timeout_s: timeout for each collective, in seconds (the rendezvous waits
+            ``HORA_START_TIMEOUT`` instead when that is set).
         group: the default process group.
         side_group: a gloo group for small CPU metadata exchanges (shape checks, objects).
         store: the rendezvous store (heartbeats, join).
