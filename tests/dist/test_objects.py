@@ -1,0 +1,138 @@
+"""barrier, join, the object collectives, autograd through collectives, metric helpers.
+
+Part of the shared world of 2 and 3 ranks (conftest.py): ``suite`` runs on every rank and
+each test checks one aspect of the returned results. Timing matters for barrier and join:
+one rank arrives 0.5 s late on purpose, and the others must have waited for it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+
+# ------------------------------------------------------------------------- rank side
+def _run_objects(hvd: Any, rank: int, size: int) -> dict[str, Any]:
+    """barrier, join, broadcast_object and allgather_object, with timing where it matters."""
+    last = size - 1
+    res: dict[str, Any] = {}
+    res["bcast_obj_0"] = hvd.broadcast_object({"from": rank, "lr": [0.1, rank]}, root_rank=0)
+    res["bcast_obj_last"] = hvd.broadcast_object(("r", rank) if rank == last else None, last)
+    res["gather_obj"] = hvd.allgather_object({"rank": rank, "sq": rank * rank})
+    res["gather_obj_named"] = hvd.allgather_object(list(range(rank)), name="ranges")
+    if rank == 0:
+        time.sleep(0.5)
+    t0 = time.monotonic()
+    res["barrier_ret"] = hvd.barrier()
+    res["barrier_wait"] = time.monotonic() - t0
+    if rank == 0:
+        time.sleep(0.5)
+    res["join_first"] = hvd.join()
+    if rank == last:
+        time.sleep(0.5)
+    res["join_second"] = hvd.join()
+    # the world still works after join: one more allreduce
+    res["after_join"] = float(hvd.allreduce(torch.tensor([float(rank)]), op=hvd.Sum))
+    return res
+
+
+def _run_autograd(hvd: Any, rank: int, size: int) -> dict[str, Any]:
+    """Gradients through the differentiable collectives; rank r weighs its output by r + 1."""
+    res: dict[str, Any] = {}
+    w = float(rank + 1)
+    for op in ("Average", "Sum"):
+        x = torch.tensor([1.0, -2.0], requires_grad=True)
+        (hvd.allreduce(x * 1.0, op=getattr(hvd, op), name=f"ag.{op}") * w).sum().backward()
+        res[f"allreduce_{op}"] = x.grad.tolist()
+    x = torch.ones(rank + 1, 2, requires_grad=True)
+    y = hvd.allgather(x, name="ag.gather")
+    (y * torch.arange(y.numel()).view_as(y) * w).sum().backward()
+    res["allgather"] = x.grad.tolist()
+    x = torch.full((3,), float(rank), requires_grad=True)
+    y = hvd.broadcast(x, root_rank=size - 1, name="ag.bcast")
+    (y * w).sum().backward()
+    res["broadcast"] = (y.tolist(), x.grad.tolist())
+    return res
+
+
+def _run_metrics(hvd: Any, rank: int, size: int) -> dict[str, Any]:
+    """The hora extensions in __all__: allreduce_metrics and Metric."""
+    values = {"loss": float(rank), "acc": torch.tensor([rank, 2.0 * rank])}
+    m = hvd.Metric("val_loss")
+    m.update(float(rank + 1), n=rank + 1)  # uneven sample counts: a weighted average
+    m.update(torch.tensor([0.0, 2.0]), n=1)
+    return {
+        "avg": hvd.allreduce_metrics(values),
+        "max": hvd.allreduce_metrics(values, op=hvd.Max),
+        "scalar": hvd.allreduce_metrics(3.5 * rank, op=hvd.Sum),
+        "metric": m.avg,
+    }
+
+
+def suite(hvd: Any, rank: int, size: int) -> dict[str, Any]:
+    """Run every part on this rank (called by the shared world, after ``hvd.init()``)."""
+    return {
+        "objects": _run_objects(hvd, rank, size),
+        "autograd": _run_autograd(hvd, rank, size),
+        "metrics": _run_metrics(hvd, rank, size),
+    }
+
+
+# ------------------------------------------------------------------------ test side
+def test_broadcast_object_and_allgather_object(world: Any) -> None:
+    n, by_rank = world.size, world.results(__file__)
+    for r in by_rank:
+        o = r["objects"]
+        assert o["bcast_obj_0"] == {"from": 0, "lr": [0.1, 0]}
+        assert o["bcast_obj_last"] == ("r", n - 1)
+        assert o["gather_obj"] == [{"rank": i, "sq": i * i} for i in range(n)]
+        assert o["gather_obj_named"] == [list(range(i)) for i in range(n)]
+
+
+def test_barrier_blocks_until_every_rank_arrives(world: Any) -> None:
+    for rank, r in enumerate(world.results(__file__)[1:], start=1):
+        assert r["objects"]["barrier_ret"] is None
+        # rank 0 arrived 0.5 s late: everyone else waited for it
+        assert r["objects"]["barrier_wait"] > 0.25, f"rank {rank} left the barrier early"
+
+
+def test_join_returns_the_last_rank_to_join(world: Any) -> None:
+    n, by_rank = world.size, world.results(__file__)
+    assert [r["objects"]["join_first"] for r in by_rank] == [0] * n
+    assert [r["objects"]["join_second"] for r in by_rank] == [n - 1] * n
+    assert [r["objects"]["after_join"] for r in by_rank] == [float(sum(range(n)))] * n
+
+
+def test_gradients_flow_through_collectives(world: Any) -> None:
+    n = world.size
+    weights = [r + 1.0 for r in range(n)]  # rank r's output gradient is r + 1
+    for rank, r in enumerate(world.results(__file__)):
+        g = r["autograd"]
+        # d/dx of allreduce is the allreduce (same op) of the output gradients
+        assert g["allreduce_Average"] == pytest.approx([sum(weights) / n] * 2)
+        assert g["allreduce_Sum"] == pytest.approx([sum(weights)] * 2)
+        # allgather: the summed gradient's rows that came from this rank
+        lo = sum(range(1, rank + 1)) * 2
+        rows = np.arange(lo, lo + (rank + 1) * 2).reshape(rank + 1, 2) * sum(weights)
+        np.testing.assert_allclose(g["allgather"], rows)
+        # broadcast: root's values; the summed gradient on root, zeros elsewhere
+        values, grad = g["broadcast"]
+        assert values == [float(n - 1)] * 3
+        assert grad == [sum(weights) if rank == n - 1 else 0.0] * 3
+
+
+def test_allreduce_metrics_and_metric(world: Any) -> None:
+    n = world.size
+    for r in world.results(__file__):
+        m = r["metrics"]
+        assert m["avg"]["loss"] == pytest.approx(sum(range(n)) / n)
+        assert m["avg"]["acc"].tolist() == pytest.approx([sum(range(n)) / n, 2 * sum(range(n)) / n])
+        assert str(m["avg"]["acc"].dtype) == "torch.float32"
+        assert m["max"]["loss"] == float(n - 1)
+        assert m["scalar"] == pytest.approx(3.5 * sum(range(n)))
+        total = sum((k + 1) * (k + 1) + 1.0 for k in range(n))  # value x count, plus 1 x 1
+        assert m["metric"] == pytest.approx(total / sum(k + 2 for k in range(n)))
