@@ -1,0 +1,49 @@
+"""Start the ranks of a two-sided benchmark on this machine and collect rank 0's result.
+
+Each rank runs ``python SCRIPT --worker --out FILE ARGS...`` with the hora rank environment,
+gloo and one OpenMP thread; rank 0 writes its JSON result to FILE.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+RANK_TIMEOUT_S = 3000
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(script: str, np: int, worker_args: list[str]) -> dict[str, Any]:
+    """Run ``np`` ranks of ``script`` and return rank 0's JSON result."""
+    from hora.env import rank_env
+
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="hora-bench-") as tmp:
+        out = os.path.join(tmp, "result.json")
+        procs = []
+        for r in range(np):
+            env = dict(os.environ, OMP_NUM_THREADS="1", HORA_BACKEND="gloo")
+            env.update(rank_env(r, np, master_port=port))
+            cmd = [sys.executable, script, "--worker", "--out", out, *worker_args]
+            procs.append(subprocess.Popen(cmd, env=env))
+        try:
+            codes = [p.wait(timeout=RANK_TIMEOUT_S) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        if any(codes):
+            raise SystemExit(f"bench ranks failed: exit codes {codes}")
+        return dict(json.loads(Path(out).read_text()))
