@@ -35,7 +35,7 @@ __all__ = ["DistributedOptimizer", "GradientCountError", "fusion_threshold_bytes
 log = logging.getLogger("hora.torch")
 
 # 25 MiB (DDP's bucket size) measured faster than Horovod's 64 MiB here: more buckets overlap
-# more of backward (bench/results/train_throughput.md has the sweep).
+# more of backward (bench/RESULTS.md, section 2: the hora and hora_64MB rows).
 DEFAULT_FUSION_THRESHOLD = 25 * 1024 * 1024
 # Like DDP's first bucket: a small one closes early so communication starts early in backward.
 FIRST_BUCKET_BYTES = 1024 * 1024
