@@ -132,7 +132,15 @@ def install_kernel(data_dir: Path) -> Path | None:
         log.warning("hora kernel not installed (hora.engines.kernelspec unavailable: %s)", e)
         return None
     prefix = data_dir / "jupyter"
-    install_kernel_spec(prefix=str(prefix))
+    # jupyter_client warns that this prefix is not on *this* process's kernel path; it is on
+    # the JupyterLab child's JUPYTER_PATH (lab_env), which is all that matters here
+    traitlets_log = logging.getLogger("traitlets")
+    level = traitlets_log.level
+    traitlets_log.setLevel(logging.ERROR)
+    try:
+        install_kernel_spec(prefix=str(prefix))
+    finally:
+        traitlets_log.setLevel(level)
     return prefix / "share" / "jupyter"
 
 
