@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from hora.errors import SpecError
 from hora.spec import JobSpec, JobState
-from hora_service.inventory import inventory, parse_nvidia_smi
+from hora_service.inventory import detect_gpus, inventory, parse_nvidia_smi, torch_gpus
 from hora_service.manager import JobManager
 from hora_service.runtimes import AttemptPlan, Exit, RankProcess, Runtime
 from hora_service.runtimes.base import RankStatus
@@ -388,3 +388,23 @@ def test_job_cache_never_serves_a_stale_job(mgr: JobManager, rt: ScriptedRuntime
     mgr.delete(newer.id)
     mgr.delete(job.id)
     assert mgr.get(job.id) is None and mgr.list_jobs(None, None, 10, 0) == ([], 0)
+
+
+@pytest.mark.parametrize(("says", "count"), [("2", 2), ("0", 0), ("not a number", 0)])
+def test_torch_fallback_counts_gpus_in_a_child(tmp_path: Path, says: str, count: int) -> None:
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\necho {says}\n")  # stands in for torch on a GPU machine
+    fake.chmod(0o755)
+    assert [s.name for s in torch_gpus(str(fake))] == [f"cuda:{i}" for i in range(count)]
+
+
+def test_torch_fallback_only_where_nvidia_devices_exist(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 4\n")
+    fake.chmod(0o755)
+    assert detect_gpus(str(fake), dev=tmp_path) == []  # no /dev/nvidia*: not asked
+    (tmp_path / "nvidia0").touch()
+    assert len(detect_gpus(str(fake), dev=tmp_path)) == 4
