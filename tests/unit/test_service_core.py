@@ -55,7 +55,9 @@ class ScriptedRuntime(Runtime):
         return list(ranks)
 
     def _adopt(self, plan: AttemptPlan) -> list[RankProcess]:
-        return []
+        ranks = [ScriptedRank(r, self.obeys_term) for r in range(plan.spec.workers)]
+        self.started.append((plan, ranks))
+        return list(ranks)
 
 
 @pytest.fixture
@@ -408,3 +410,36 @@ def test_torch_fallback_only_where_nvidia_devices_exist(
     assert detect_gpus(str(fake), dev=tmp_path) == []  # no /dev/nvidia*: not asked
     (tmp_path / "nvidia0").touch()
     assert len(detect_gpus(str(fake), dev=tmp_path)) == 4
+
+
+def test_a_launch_that_fails_is_a_failed_attempt(mgr: JobManager, tmp_path: Path) -> None:
+    (tmp_path / "proj").mkdir()
+    job = mgr.submit("ann", spec(working_dir="proj", max_retries=0))
+    (tmp_path / "proj").rmdir()  # gone between submission and start
+    mgr.tick()
+    done = mgr.get(job.id)
+    assert done is not None and done.state == JobState.failed
+    assert done.reason is not None and done.reason.startswith("could not start the ranks")
+    assert all(s.job_id is None for s in mgr.slots())
+
+
+def test_restart_finishes_a_cancel_that_was_under_way(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path / "d", work_root=tmp_path, gpus="0", cpu_slots=2)
+    before = ScriptedRuntime()
+    before.obeys_term = False
+    first = JobManager(settings, runtimes={"local": before})
+    first.open_store()
+    job = first.submit("ann", spec(workers=2))
+    first.tick()
+    first.cancel(job.id)  # the ranks ignore SIGTERM; then the service dies
+    assert first.get(job.id).state == JobState.running  # type: ignore[union-attr]
+    first.close_store()
+    after = ScriptedRuntime()
+    second = JobManager(settings, runtimes={"local": after})
+    second.open_store()
+    second._recover()
+    _, ranks = after.started[0]
+    assert [r.signals for r in ranks] == [[signal.SIGTERM], [signal.SIGTERM]]
+    second.tick()
+    done = second.get(job.id)
+    assert done is not None and done.state == JobState.cancelled and done.attempt == 1
