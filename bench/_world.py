@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,15 +17,10 @@ from typing import Any
 RANK_TIMEOUT_S = 3000
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_ranks(script: str, np: int, worker_args: list[str]) -> dict[str, Any]:
     """Run ``np`` ranks of ``script`` and return rank 0's JSON result."""
     from hora.env import rank_env
+    from hora.launch.config import free_port
 
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="hora-bench-") as tmp:

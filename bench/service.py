@@ -25,7 +25,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from hora.launch.config import free_port
 
 SERVE = (
     "import uvicorn;"
@@ -45,12 +45,6 @@ SERVE = (
     "uvicorn.run(create_app(s), host=s.host, port=s.port, log_level='warning')"
 )
 TARGETS = {"latency_median_ms": 200.0, "pass_10k_ms": 50.0, "list_p99_ms": 100.0}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def pct(values: list[float], q: float) -> float:

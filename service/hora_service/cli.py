@@ -88,7 +88,7 @@ def serve(args: argparse.Namespace) -> int:
     server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port))
     # uvicorn shuts down cleanly on SIGINT/SIGTERM, then re-raises the signal: make that a
     # KeyboardInterrupt so that a requested stop exits 0
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     try:
         server.run()
     except KeyboardInterrupt:
@@ -96,7 +96,8 @@ def serve(args: argparse.Namespace) -> int:
     return 0 if server.started else 1
 
 
-def _interrupt(signum: int, frame: object) -> None:
+def interrupt(signum: int, frame: object) -> None:
+    """Signal handler that turns SIGTERM into a KeyboardInterrupt (a clean, requested stop)."""
     raise KeyboardInterrupt
 
 

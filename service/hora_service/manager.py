@@ -24,7 +24,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import statistics
 import threading
 import time
@@ -33,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hora.errors import HoraError, SpecError
+from hora.launch.config import free_port
 from hora.spec import PRIORITY_RANK, JobSpec, JobState
 
 from hora_service import runtimes
@@ -71,6 +71,8 @@ class Attempt:
 
     def stop(self, state: JobState, reason: str, now: float, grace: float, retry: bool) -> None:
         """Begin stopping every rank: SIGTERM now, SIGKILL at ``now + grace``."""
+        # a cancel may replace a failure already being stopped (the user's word is final and
+        # a cancelled job is not retried); nothing replaces a cancel
         if self.stop_state is not None and self.stop_state != JobState.failed:
             return
         self.stop_state, self.stop_reason, self.retriable = state, reason, retry
@@ -96,13 +98,6 @@ def describe(rank: int, status: RankStatus) -> str:
             name = f"signal {-status}"
         return f"rank {rank} was killed by {name}"
     return f"rank {rank} exited with code {status}"
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (for a job's rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class JobManager:
@@ -242,6 +237,17 @@ class JobManager:
         """Queue a job (or return the one this user submitted with the same submission id).
 
         Raises:
+            SpecError: see :meth:`submit_or_find`.
+        """
+        return self.submit_or_find(user, spec)[0]
+
+    def submit_or_find(self, user: str, spec: JobSpec) -> tuple[JobRecord, bool]:
+        """Queue a job; with a submission id this user used before, find that job instead.
+
+        Returns:
+            The job, and True when it was created by this call.
+
+        Raises:
             SpecError: the job can never run here (more slots than exist or than the user's
                 quota, an unavailable runtime, an image without the docker runtime, a working
                 directory outside the work root); ``field`` names the field.
@@ -254,14 +260,14 @@ class JobManager:
                 if existing is not None:
                     found = store.get(existing, conn)
                     assert found is not None
-                    return found
+                    return found, False
             now = time.time()
             job_id = store.insert_job(conn, user, spec, now)
             record = store.get(job_id, conn)
             assert record is not None
         self._forget(job_id)  # a new job changes every page it belongs to
         self._enqueue(job_id, user, spec, None)
-        return record
+        return record, True
 
     def check(self, user: str, spec: JobSpec) -> None:
         """Refuse a spec that can never run on this service (see :meth:`submit`)."""

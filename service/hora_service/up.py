@@ -231,10 +231,6 @@ def _watch(lab: subprocess.Popen[bytes], server: Any) -> None:
     threading.Thread(target=watch, name="hora-up-lab-watch", daemon=True).start()
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 def _say(text: str) -> None:
     sys.stdout.write(text + "\n")
     sys.stdout.flush()
@@ -245,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from hora_service.api.app import create_app
+    from hora_service.cli import interrupt
     from hora_service.manager import JobManager
 
     settings = settings_from_args(args)
@@ -267,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
         if lab is not None:
             _say(f"JupyterLab:   http://127.0.0.1:{args.lab_port}/lab?token={lab_token}")
         _say("Press Ctrl-C to stop.")
-        signal.signal(signal.SIGTERM, _interrupt)
+        signal.signal(signal.SIGTERM, interrupt)
         if lab is not None:
             _watch(lab, server)
         server.run()  # handles SIGINT/SIGTERM itself, then re-raises them after shutdown

@@ -234,8 +234,9 @@ def test_quota_rejects_impossible_and_queues_over_quota(mgr: JobManager) -> None
 
 
 def test_submission_id_is_per_user_and_idempotent(mgr: JobManager) -> None:
-    a = mgr.submit("ann", spec(submission_id="x1"))
-    assert mgr.submit("ann", spec(submission_id="x1")).id == a.id
+    a, created = mgr.submit_or_find("ann", spec(submission_id="x1"))
+    again, created_again = mgr.submit_or_find("ann", spec(submission_id="x1"))
+    assert (again.id, created, created_again) == (a.id, True, False)
     assert mgr.submit("bob", spec(submission_id="x1")).id != a.id
     assert mgr.list_jobs(None, None, 50, 0)[1] == 2
 

@@ -9,7 +9,6 @@ a thread-pool hop per request costs more than that under load.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, Response
@@ -58,12 +57,11 @@ def submit_job(
     here (more GPUs than the cluster has, an unavailable runtime, a bad ``working_dir``) is a
     422 naming the field.
     """
-    asked = datetime.now(UTC)
     try:
-        job = manager.submit(user.name, spec)
+        job, created = manager.submit_or_find(user.name, spec)
     except SpecError as e:
         raise unprocessable(e) from None
-    if spec.submission_id is not None and _aware(job.created_at) < asked:
+    if not created:
         response.status_code = 200
     return job
 
@@ -115,6 +113,3 @@ def delete_job(job: OwnedJob, manager: ManagerDep) -> Response:
         raise HTTPException(409, str(e)) from None
     return Response(status_code=204)
 
-
-def _aware(when: datetime) -> datetime:
-    return when if when.tzinfo else when.replace(tzinfo=UTC)

@@ -25,7 +25,6 @@ SHIM = Path(__file__).with_name("shim.py")
 PID_WAIT_S = 5.0
 # settings of the service itself; a job never inherits them
 PRIVATE_PREFIXES = ("HORA_",)
-KEEP = ("HORA_TORCH_CONSTRAINTS",)
 
 
 def rank_argv(plan: AttemptPlan, rank: int, python: str = sys.executable) -> list[str]:
@@ -47,7 +46,7 @@ def rank_environment(plan: AttemptPlan, rank: int, base: Mapping[str, str]) -> d
     ``HORA_JOB_ID``, ``HORA_RESTART_COUNT`` (0 on the first attempt) and
     ``PYTHONUNBUFFERED=1`` so that logs stream as they are written.
     """
-    env = {k: v for k, v in base.items() if not k.startswith(PRIVATE_PREFIXES) or k in KEEP}
+    env = {k: v for k, v in base.items() if not k.startswith(PRIVATE_PREFIXES)}
     env.update(plan.spec.env)
     n = plan.spec.workers
     env.update(
