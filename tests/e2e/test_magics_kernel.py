@@ -149,15 +149,19 @@ def test_interrupt_reaches_every_rank_and_engines_stay_usable(kernel):
 def test_interrupt_restarts_engines_that_ignore_it(kernel):
     old = kernel.pids()
     code = (
-        "%%distributed\nimport signal, time\n"
+        "%%distributed --all\nimport signal, time\n"
         "if hvd.rank() == 1:\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
         "print('started', flush=True)\ntime.sleep(120)"
     )
     msg_id = kernel.send(code)
+    sent = []
 
     def on_msg(msg: dict) -> None:
-        if msg["msg_type"] == "stream" and "started" in msg["content"]["text"]:
-            kernel.km.interrupt_kernel()
+        # interrupt only once rank 1 has ignored SIGINT (it prints after doing so)
+        if msg["msg_type"] == "stream" and "[rank 1] started" in msg["content"]["text"]:
+            if not sent:
+                sent.append(True)
+                kernel.km.interrupt_kernel()
 
     reply, msgs = kernel.collect(msg_id, timeout=90, on_msg=on_msg)
     assert reply["status"] == "error"
