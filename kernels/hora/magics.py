@@ -134,6 +134,15 @@ class HoraMagics(Magics):
     def __init__(self, shell: Any) -> None:
         super().__init__(shell)
         self.cluster: Any = None
+        self.cell_number: int | None = None
+
+    def pre_run_cell(self, info: Any) -> None:
+        """Note the number the notebook shows for the cell that starts (engines count apart).
+
+        IPython has already counted the cell when this event fires if it stores history.
+        """
+        count = int(getattr(self.shell, "execution_count", 1))
+        self.cell_number = count - 1 if getattr(info, "store_history", False) else count
 
     # --- helpers ---------------------------------------------------------------------------
     def _ns(self) -> dict[str, Any]:
@@ -341,7 +350,13 @@ class HoraMagics(Magics):
         shown = list(range(cluster.size)) if shown_all else [0 if rank is None else rank]
         sink = DisplaySink(prefix=shown_all)
         try:
-            cluster.run(code, sink=sink, shown=shown, timeout=timeout)
+            cluster.run(
+                code,
+                sink=sink,
+                shown=shown,
+                timeout=timeout,
+                cell_number=self.cell_number,
+            )
         finally:
             sink.flush()
         if out:
@@ -368,6 +383,7 @@ def load_ipython_extension(ipython: Any) -> None:
         return
     _MAGICS = HoraMagics(ipython)
     ipython.register_magics(_MAGICS)
+    ipython.events.register("pre_run_cell", _MAGICS.pre_run_cell)
 
 
 def unload_ipython_extension(ipython: Any) -> None:
@@ -379,4 +395,8 @@ def unload_ipython_extension(ipython: Any) -> None:
     global _MAGICS
     if _MAGICS is not None:
         _MAGICS.stop()
+        try:
+            ipython.events.unregister("pre_run_cell", _MAGICS.pre_run_cell)
+        except ValueError:  # registered by another shell
+            pass
         _MAGICS = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -137,13 +138,54 @@ def test_interrupt_reaches_every_rank_and_engines_stay_usable(kernel):
     assert time.monotonic() - started < 60
     assert reply["status"] == "error"
     assert reply["ename"] == "EnginesInterrupted"
-    assert "still usable" in error_text(msgs)
+    # one line, no hora frames around it
+    assert error_text(msgs) == "interrupted on ranks 0-1; engines usable, variables kept"
     text = "".join(m["content"]["text"] for m in msgs if m["msg_type"] == "stream")
     assert "[rank 0] interrupted" in text and "[rank 1] interrupted" in text, text
     reply, out, _ = kernel.run(
         "%%distributed\nprint(hvd.allreduce(torch.ones(1), op=hvd.Sum).item())"
     )
     assert reply["status"] == "ok" and out == "2.0\n"
+
+
+def test_interrupt_releases_a_rank_blocked_in_a_collective(kernel):
+    # rank 0 waits in an allreduce while rank 1 computes alone: the interrupt stops rank 1, and
+    # rank 0 (deaf to SIGINT inside the collective) is released; the variables stay
+    reply, _, msgs = kernel.run("%%distributed\nkept = 10 + hvd.rank()")
+    assert reply["status"] == "ok", error_text(msgs)
+    pids = kernel.pids()
+    msg_id = kernel.send(
+        "%%distributed --all\nimport time\nprint('started', flush=True)\n"
+        "if hvd.rank() == 0:\n    hvd.allreduce(torch.ones(1))\nelse:\n    time.sleep(120)"
+    )
+    sent: list[bool] = []
+
+    def on_msg(msg: dict) -> None:
+        if msg["msg_type"] == "stream" and "[rank 1] started" in msg["content"]["text"]:
+            if not sent:
+                sent.append(True)
+                time.sleep(0.5)  # let rank 0 reach the allreduce
+                kernel.km.interrupt_kernel()
+
+    reply, msgs = kernel.collect(msg_id, timeout=60, on_msg=on_msg)
+    assert reply["ename"] == "EnginesInterrupted"
+    assert error_text(msgs).splitlines() == [
+        "interrupted on ranks 0-1",
+        "rank 0 blocked in a collective: released",
+        "process group rebuilt; engines usable, variables kept",
+    ]
+    assert kernel.pids() == pids
+    reply, out, _ = kernel.run(
+        "%%distributed --all\nprint(kept, hvd.allreduce(torch.ones(1), op=hvd.Sum).item())"
+    )
+    assert reply["status"] == "ok"
+    assert sorted(out.splitlines()) == ["[rank 0] 10 2.0", "[rank 1] 11 2.0"]
+
+
+def test_engine_traceback_shows_the_notebook_cell_number(kernel):
+    reply, _, msgs = kernel.run("%%distributed\nx = 1\nraise KeyError('k')")
+    text = re.sub(r"\x1b\[[0-9;]*m", "", error_text(msgs))
+    assert f"Cell In[{reply['execution_count']}], line 2" in text, text
 
 
 def test_interrupt_restarts_engines_that_ignore_it(kernel):
@@ -166,7 +208,7 @@ def test_interrupt_restarts_engines_that_ignore_it(kernel):
     reply, msgs = kernel.collect(msg_id, timeout=90, on_msg=on_msg)
     assert reply["status"] == "error"
     text = error_text(msgs)
-    assert "ranks [1] did not stop" in text and "restarted" in text
+    assert "rank 1 did not stop" in text and "restarted (their variables are lost)" in text
     assert wait_gone(old) == []
     reply, out, _ = kernel.run("%%distributed\nprint(hvd.size())")
     assert reply["status"] == "ok" and out == "2\n"

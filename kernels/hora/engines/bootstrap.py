@@ -110,6 +110,41 @@ def _init_engine(backend: str, timeout_s: float, threads: int) -> dict[str, Any]
     }
 
 
+def abort_group() -> None:
+    """Abort this engine's process group, so peers blocked in a collective with it fail now."""
+    from hora.torch import _state
+
+    _state.abort()
+
+
+def rebuild_group(master_port: int) -> int:
+    """Make a new process group in this engine (every rank calls it with the same port).
+
+    The engine's variables are untouched; see :func:`hora.torch._state.rebuild`.
+
+    Returns:
+        This engine's rank.
+    """
+    from hora.torch import _state
+
+    _state.rebuild(master_port)
+    return _state.require_init("rebuild").rank
+
+
+def collective_count() -> int:
+    """Return how many collectives this engine's rank has entered (0 before init)."""
+    from hora.torch import _state
+
+    return _state._STATE.seq if _state._STATE is not None else 0
+
+
+def user_names() -> list[str]:
+    """Return the names of the variables the user defined in this engine (sorted)."""
+    ns = _user_ns()
+    hidden = {"In", "Out", "exit", "quit", "get_ipython", "hvd", "torch"}
+    return sorted(n for n in ns if not n.startswith("_") and n not in hidden)
+
+
 def _map_tensors(obj: Any, fn: Any) -> Any:
     import torch
 

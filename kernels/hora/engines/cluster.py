@@ -7,7 +7,9 @@ started by hora so their pids and exit codes are known), connects a client, and 
 move variables; ``status`` reports liveness and memory; ``stop`` leaves no process behind.
 
 States form a small lifecycle: STOPPED -> STARTING -> READY, and READY -> BROKEN after a rank
-died or stalled (the process group can no longer be trusted; ``restart`` is the way out).
+died (``restart`` is the way out). A stall, an interrupt or a collective that failed on some
+ranks does not break the cluster: the blocked ranks are released, the process group is rebuilt
+in the same engine processes (a fresh store on a new port), and the variables stay.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from typing import IO, Any
 
 from hora.engines import bootstrap, plan
 from hora.engines.errors import (
+    RECOVER,
+    CellFailedError,
     ClusterBrokenError,
     ClusterNotRunningError,
     EngineStartError,
@@ -41,7 +45,9 @@ from hora.engines.execute import (
     Engine,
     EnginesInterrupted,
     OutputSink,
+    in_collective,
     log_tail,
+    rank_ranges,
     run_cell,
 )
 
@@ -137,6 +143,7 @@ class Cluster:
         self.broken_reason = ""
         self.start_s = 0.0
         self.backend = ""
+        self.rebuilds = 0
         self._pending: list[tuple[int, subprocess.Popen[bytes]]] = []
         self._controller: subprocess.Popen[bytes] | None = None
         self._procs: list[subprocess.Popen[bytes]] = []
@@ -369,6 +376,7 @@ class Cluster:
         sink: OutputSink | None = None,
         shown: Sequence[int] = (0,),
         timeout: float | None = None,
+        cell_number: int | None = None,
     ) -> CellResult:
         """Run ``code`` on every rank; see :func:`hora.engines.execute.run_cell`.
 
@@ -377,6 +385,7 @@ class Cluster:
             sink: receives live output of ``shown`` ranks.
             shown: ranks whose output is shown.
             timeout: stall timeout (default: the cluster's ``timeout_s``).
+            cell_number: the notebook's cell number, for the engines' tracebacks.
 
         Returns:
             Every rank's output.
@@ -386,47 +395,81 @@ class Cluster:
             ClusterBrokenError: an earlier death or stall broke the process group.
             CellFailedError: the cell raised.
             RankDiedError: an engine died (the cluster becomes BROKEN).
-            StallError: ranks stalled (the cluster becomes BROKEN).
-            KeyboardInterrupt: interrupted; engines that did not stop are restarted.
+            StallError: ranks stalled; they were released and the process group rebuilt
+                (``outcome`` says so; engines that did not stop are restarted).
+            KeyboardInterrupt: interrupted; as for a stall, the group is rebuilt when needed.
         """
         self._require_ready()
         stall = self.options.timeout_s if timeout is None else timeout
         try:
             return run_cell(
-                self.client, self.engines, code, sink=sink, shown=shown, stall_timeout_s=stall
+                self.client,
+                self.engines,
+                code,
+                sink=sink,
+                shown=shown,
+                stall_timeout_s=stall,
+                cell_number=cell_number,
             )
-        except (RankDiedError, StallError) as e:
+        except RankDiedError as e:
             self.state, self.broken_reason = State.BROKEN, str(e).split(";")[0]
             raise
+        except StallError as e:
+            e.outcome = self._recover(e.still_running, forced=True)
+            raise
+        except CellFailedError as e:
+            in_op = any(in_collective("\n".join(err.traceback)) for err in e.errors)
+            e.outcome = self._recover(e.still_running, forced=bool(e.released) or in_op)
+            raise
         except EnginesInterrupted as e:
-            self._after_interrupt(e)
+            e.outcome = self._recover(e.stuck, forced=bool(e.released)) or e.outcome
             raise
 
-    def _after_interrupt(self, e: EnginesInterrupted) -> None:
-        reason = self._interrupt_damage(e)
-        if reason is None:
-            e.args = ("interrupted on every rank; the engines are still usable",)
-            return
-        log.warning("%s; restarting the engines", reason)
-        e.args = (f"{reason}; the engines were restarted (their variables are lost)",)
-        self.restart()
+    def _recover(self, stuck: Sequence[int], forced: bool) -> str:
+        """Make the engines usable after a failed cell; say what was done ("" if nothing).
 
-    def _interrupt_damage(self, e: EnginesInterrupted) -> str | None:
-        """Say why the engines cannot be trusted after an interrupt, or None if they can."""
-        if e.stuck:
-            return f"ranks {e.stuck} did not stop within a few seconds of the interrupt"
+        Ranks that never ended the cell cannot be reached: the engines are restarted (their
+        variables are lost). Otherwise the process group is rebuilt in the same engines when
+        the cell broke it (a collective failed, ranks were released from one, or ranks left
+        the cell at different collectives); the variables stay.
+        """
+        if stuck:
+            return self._restart_after(f"{rank_ranges(stuck)} did not stop")
+        if not forced:
+            try:
+                counts = self._collective_counts()
+            except Exception as exc:  # an engine that cannot answer cannot be trusted
+                return self._restart_after(f"the engines did not answer ({exc})")
+            if len(set(counts.values())) <= 1:
+                return ""
         try:
-            seqs = self._collective_counts()
-        except Exception as exc:  # any failure to answer means the engines are not usable
-            return f"the engines did not answer after the interrupt ({exc})"
-        if len(set(seqs.values())) > 1:
-            # ranks left at different collectives would pair up wrong collectives from now on
-            return f"the interrupt stopped ranks at different collectives (counts by rank: {seqs})"
-        return None
+            self._rebuild()
+        except Exception as exc:  # any failure here leaves a full restart as the way out
+            return self._restart_after(f"rebuilding the process group failed ({exc})")
+        return "process group rebuilt; engines usable, variables kept"
+
+    def _restart_after(self, reason: str) -> str:
+        log.warning("%s; restarting the engines", reason)
+        try:
+            self.restart()
+        except Exception as exc:  # the cell's own error stays the one raised
+            self.state, self.broken_reason = State.BROKEN, f"{reason}; restart failed: {exc}"
+            return f"{reason}; restarting the engines failed ({exc}): {RECOVER}"
+        return f"{reason}; the engines were restarted (their variables are lost)"
+
+    def _rebuild(self) -> None:
+        """Abort the process group on every rank and make a new one on a fresh store."""
+        t0 = time.perf_counter()
+        port = free_port()
+        self._view(None).apply_async(bootstrap.rebuild_group, port).get(
+            timeout=self.options.start_timeout_s
+        )
+        self.rebuilds += 1
+        log.info("process group rebuilt in %.2fs (store port %d)", time.perf_counter() - t0, port)
 
     def _collective_counts(self) -> dict[int, int]:
         view = self.client[[e.engine_id for e in self.engines]]
-        counts = view.apply_async(_collective_count).get(timeout=10)
+        counts = view.apply_async(bootstrap.collective_count).get(timeout=10)
         return {e.rank: c for e, c in zip(self.engines, counts, strict=True)}
 
     def push(self, values: dict[str, Any], ranks: Sequence[int] | None = None) -> None:
@@ -526,12 +569,6 @@ def _init_error(errors: dict[int, str]) -> EngineStartError:
     also = f"\n(also failed on ranks {', '.join(map(str, others))})" if others else ""
     last = first.splitlines()[-1] if first else ""
     return EngineStartError(f"hora.torch.init() failed on rank {ranks[0]}: {last}\n{first}{also}")
-
-
-def _collective_count() -> int:
-    from hora.torch import _state
-
-    return _state._STATE.seq if _state._STATE is not None else 0
 
 
 def _signal_group(p: subprocess.Popen[bytes], sig: int) -> None:

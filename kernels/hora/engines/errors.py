@@ -80,6 +80,26 @@ class RankError:
         return f"{self.ename}: {first}" if first else self.ename
 
 
+def rank_ranges(ranks: Sequence[int]) -> str:
+    """Name ranks compactly.
+
+    Example:
+        >>> rank_ranges([0, 1, 2, 5])
+        'ranks 0-2, 5'
+        >>> rank_ranges([3])
+        'rank 3'
+    """
+    ordered = sorted(set(ranks))
+    spans: list[list[int]] = []
+    for r in ordered:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+    return ("rank " if len(ordered) == 1 else "ranks ") + text
+
+
 def exit_status(code: int | None) -> str:
     """Describe a process exit code the way a user reads it.
 
@@ -123,12 +143,19 @@ def _others_line(first: RankError, others: Sequence[RankError]) -> str:
 class CellFailedError(RankFailedError, EngineError):
     """The cell raised on one or more ranks; the first failure is shown whole, the rest counted."""
 
-    def __init__(self, errors: Sequence[RankError]) -> None:
-        ordered = sorted(errors, key=lambda e: e.rank)
+    def __init__(self, errors: Sequence[RankError], released: Sequence[int] = ()) -> None:
+        # ranks released from a collective failed because of the others: they come last
+        ordered = sorted(errors, key=lambda e: (e.rank in released, e.rank))
         first, rest = ordered[0], ordered[1:]
         super().__init__(first.rank, detail=first.summary, others=[e.rank for e in rest])
         self.errors = ordered
-        self.others_line = _others_line(first, rest)
+        self.others_line = _others_line(first, [e for e in rest if e.rank not in released])
+        if released:
+            what = f"{rank_ranges(released)} blocked in a collective: released"
+            self.others_line = "\n".join(filter(None, [self.others_line, what]))
+        self.released = list(released)
+        self.still_running: list[int] = []
+        self.outcome = ""
 
     def _render_traceback_(self) -> list[str]:
         first = self.errors[0]
@@ -136,6 +163,8 @@ class CellFailedError(RankFailedError, EngineError):
         lines += list(first.traceback) or [first.summary]
         if self.others_line:
             lines.append(self.others_line)
+        if self.outcome:
+            lines.append(self.outcome)
         return lines
 
 
@@ -203,13 +232,15 @@ class StallError(CollectiveTimeout, EngineError):
         super().__init__("cell", missing, timeout_s)
         self.finished = list(finished)
         self.stacks = dict(stacks)
+        self.still_running: list[int] = []
+        self.outcome = RECOVER
 
     def __str__(self) -> str:
         missing = ", ".join(map(str, self.missing_ranks))
         done = ", ".join(map(str, self.finished)) or "none"
         return (
             f"stall: ranks {missing} still running {self.timeout_s:g}s after ranks {done} finished "
-            f"the cell (a collective the others never entered?); {RECOVER}"
+            f"the cell (a collective the others never entered?); {self.outcome}"
         )
 
     def _render_traceback_(self) -> list[str]:

@@ -18,22 +18,34 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import re
 import signal
 import subprocess
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
-from hora.engines.errors import CellFailedError, RankDiedError, RankError, StallError
+from hora.engines.bootstrap import abort_group
+from hora.engines.errors import (
+    CellFailedError,
+    RankDiedError,
+    RankError,
+    StallError,
+    rank_ranges,
+)
 
 log = logging.getLogger("hora.engines")
 
 POLL_S = 0.2
 DEATH_GRACE_S = 5.0
 INTERRUPT_GRACE_S = 3.0
+# how soon ranks still running are checked for a collective once another rank failed
+ERROR_STALL_S = 2.0
+# how long ranks released from a collective may take to end their cell
+RELEASE_GRACE_S = 10.0
 
 
 @dataclass
@@ -113,12 +125,61 @@ class CellResult:
 
 
 class EnginesInterrupted(KeyboardInterrupt):
-    """The cell was interrupted; ``stuck`` lists ranks that did not stop within the grace period."""
+    """The cell was interrupted.
 
-    def __init__(self, interrupted: Sequence[int], stuck: Sequence[int]) -> None:
+    Attributes:
+        interrupted: ranks that were running the cell when the interrupt came.
+        stuck: ranks that did not stop within the grace period.
+        released: ranks that were blocked in a collective and were freed by aborting the
+            process group (it is rebuilt before the next cell).
+        outcome: what became of the engines, set by the cluster ("engines usable, variables
+            kept", or why they were restarted).
+    """
+
+    def __init__(
+        self, interrupted: Sequence[int], stuck: Sequence[int], released: Sequence[int] = ()
+    ) -> None:
         super().__init__(f"interrupted ranks {list(interrupted)}; still running: {list(stuck)}")
         self.interrupted = list(interrupted)
         self.stuck = list(stuck)
+        self.released = list(released)
+        self.outcome = "engines usable, variables kept"
+
+    def __str__(self) -> str:
+        return "; ".join(self.lines())
+
+    def lines(self) -> list[str]:
+        """Return one line per state the ranks ended in, then what became of the engines."""
+        out = []
+        stopped = [r for r in self.interrupted if r not in self.stuck]
+        if stopped:
+            out.append(f"interrupted on {rank_ranges(stopped)}")
+        if self.released:
+            out.append(f"{rank_ranges(self.released)} blocked in a collective: released")
+        if self.stuck:
+            out.append(f"{rank_ranges(self.stuck)} did not stop")
+        if not self.interrupted:
+            out.append("interrupted (no rank was running)")
+        return out + [self.outcome]
+
+    def _render_traceback_(self) -> list[str]:
+        lines = self.lines()
+        if len(lines) == 2:
+            return [f"{lines[0]}; {lines[1]}"]
+        return lines
+
+
+_CELL = re.compile(r"In\[\d+\]")
+
+
+def number_cells(lines: Sequence[str], number: int) -> list[str]:
+    """Give an engine traceback the notebook's cell number (the engine counts its own cells).
+
+    Example:
+        >>> number_cells(["Cell In[2], line 3", "x = 1"], 7)
+        ['Cell In[7], line 3', 'x = 1']
+    """
+    return [_CELL.sub(f"In[{number}]", line, count=1) if "Cell" in line else line for line in lines]
 
 
 def _to_rank_error(rank: int, reply: Any) -> RankError | None:
@@ -246,6 +307,7 @@ class CellRun:
         sink: receives the output of the ranks in ``shown``.
         shown: ranks whose output is displayed live.
         stall_timeout_s: how long ranks may still run after the first one finished.
+        cell_number: the notebook's number of the cell, put in the engines' tracebacks.
     """
 
     def __init__(
@@ -256,8 +318,10 @@ class CellRun:
         sink: OutputSink,
         shown: Sequence[int],
         stall_timeout_s: float,
+        cell_number: int | None = None,
     ) -> None:
         self.client, self.engines, self.code, self.sink = client, list(engines), code, sink
+        self.cell_number = cell_number
         self.shown = set(shown)
         self.stall_timeout_s = stall_timeout_s
         self.q: queue.SimpleQueue[tuple[str, int, Any]] = queue.SimpleQueue()
@@ -266,6 +330,8 @@ class CellRun:
         self.result = CellResult()
         self.first_done: float | None = None
         self.dead: dict[int, int | None] = {}
+        self.stall: StallError | None = None
+        self.released: list[int] = []
 
     # --- IO thread side: enqueue only -------------------------------------------------------
     def _hook(self, rank: int, fut: Any) -> None:
@@ -373,7 +439,7 @@ class CellRun:
     def _loop(self) -> None:
         death_deadline: float | None = None
         last_check = time.monotonic()
-        while self.pending():
+        while self.pending() and self.stall is None:
             self._drain(death_deadline)
             now = time.monotonic()
             if now - last_check >= POLL_S:
@@ -383,15 +449,17 @@ class CellRun:
                     death_deadline = now + DEATH_GRACE_S
             if death_deadline is not None and now >= death_deadline:
                 break
+            # a rank that failed will never join its peers' collective: look sooner
+            limit = min(self.stall_timeout_s, ERROR_STALL_S) if self._errors() else None
             if (
                 death_deadline is None
                 and self.first_done is not None
-                and now - self.first_done > self.stall_timeout_s
+                and now - self.first_done > (limit or self.stall_timeout_s)
             ):
                 self._stall()
 
     def _stall(self) -> None:
-        """Raise StallError if a still-running rank waits in a collective; else keep waiting.
+        """Release ranks that wait in a collective the others left; else keep waiting.
 
         A rank that computes alone (``if hvd.rank() == 0: evaluate()``) is not stalled: it is
         sampled again one timeout later.
@@ -403,27 +471,66 @@ class CellRun:
             self.first_done = time.monotonic()
             return
         finished = [e.rank for e in self.engines if e.rank not in missing]
-        raise StallError(missing, finished, self.stall_timeout_s, stacks)
+        self.stall = StallError(missing, finished, self.stall_timeout_s, stacks)
+        self.released = missing
+        self._release(missing)
 
-    def _interrupt(self) -> None:
-        running = self.pending()
+    def _release(self, blocked: Sequence[int]) -> None:
+        """Free ranks blocked in a collective: interrupt them, abort the free ranks' groups.
+
+        A rank waiting inside a collective does not see SIGINT until the collective returns;
+        aborting the process group in the ranks that are done closes their connections, so the
+        blocked ranks' collective fails at once and their cell ends (with the interrupt).
+        Ranks freed that way are aborted in turn (a ring waits on its neighbour). The caller
+        then builds a new process group in the same engines.
+        """
+        self._sigint(blocked)
+        aborted: set[int] = set()
+        deadline = time.monotonic() + RELEASE_GRACE_S
+        try:
+            while self.pending() and time.monotonic() < deadline:
+                running = set(self.pending()) | set(self.dead) | aborted
+                for e in self.engines:
+                    if e.rank not in running:
+                        self.client[e.engine_id].apply_async(abort_group)
+                        aborted.add(e.rank)
+                self._drain(deadline)
+        except KeyboardInterrupt:  # a second interrupt: stop waiting
+            pass
+
+    def _sigint(self, ranks: Sequence[int]) -> None:
         for e in self.engines:
-            if e.rank in running:
+            if e.rank in ranks:
                 try:
                     os.kill(e.pid, signal.SIGINT)
                 except OSError:
                     pass
+
+    def _interrupt(self) -> None:
+        running = self.pending()
+        self._sigint(running)
         deadline = time.monotonic() + INTERRUPT_GRACE_S
         try:
             while self.pending() and time.monotonic() < deadline:
                 self._drain(deadline)
+            by_rank = {e.rank: e for e in self.engines}
+            blocked = [r for r in self.pending() if in_collective(read_stack(by_rank[r]))]
+            if blocked:
+                self.released = blocked
+                self._release(blocked)
         except KeyboardInterrupt:  # a second interrupt: stop waiting
             pass
-        raise EnginesInterrupted(running, self.pending())
+        raise EnginesInterrupted(running, self.pending(), self.released)
 
     def _errors(self) -> list[RankError]:
         errs = [_to_rank_error(r, reply) for r, reply in sorted(self.replied.items())]
-        return [e for e in errs if e is not None]
+        if self.cell_number is None:
+            return [e for e in errs if e is not None]
+        return [
+            replace(e, traceback=number_cells(e.traceback, self.cell_number))
+            for e in errs
+            if e is not None
+        ]
 
     def _raise_errors(self) -> None:
         if self.dead:
@@ -432,8 +539,15 @@ class CellRun:
             errors = [e for e in self._errors() if e.rank not in self.dead]
             raise RankDiedError(self.dead, logs, errors, self.pending())
         errors = self._errors()
+        if self.stall is not None:
+            # ranks that failed before the others stalled: their error is the cause
+            if all(e.rank in self.stall.missing_ranks for e in errors):
+                self.stall.still_running = self.pending()
+                raise self.stall
         if errors:
-            raise CellFailedError(errors)
+            err = CellFailedError(errors, self.released)
+            err.still_running = self.pending()
+            raise err
 
 
 def run_cell(
@@ -444,6 +558,7 @@ def run_cell(
     sink: OutputSink | None = None,
     shown: Sequence[int] = (0,),
     stall_timeout_s: float = 60.0,
+    cell_number: int | None = None,
 ) -> CellResult:
     """Run ``code`` on every engine and wait, streaming the shown ranks' output to ``sink``.
 
@@ -454,6 +569,7 @@ def run_cell(
         sink: where live output goes (default: nowhere; it is in the result anyway).
         shown: ranks whose output goes to the sink.
         stall_timeout_s: seconds ranks may keep running after the first rank finished.
+        cell_number: the notebook's cell number, shown in tracebacks instead of the engine's.
 
     Returns:
         Every rank's output.
@@ -468,6 +584,6 @@ def run_cell(
         >>> run_cell(client, engines, "print(hvd.rank())").stdout[1]  # doctest: +SKIP
         '1' + chr(10)
     """
-    run = CellRun(client, engines, code, sink or NullSink(), shown, stall_timeout_s)
+    run = CellRun(client, engines, code, sink or NullSink(), shown, stall_timeout_s, cell_number)
     run.send()
     return run.wait()

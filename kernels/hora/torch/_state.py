@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import logging
 import os
 import socket
@@ -312,6 +313,13 @@ def _start_heartbeat(state: State) -> None:
 
 
 def _start(world: World, backend: str, start_s: float, timeout_s: float) -> State:
+    state = _connect(world, backend, start_s, timeout_s)
+    _start_heartbeat(state)
+    return state
+
+
+def _connect(world: World, backend: str, start_s: float, timeout_s: float) -> State:
+    """Rendezvous, create (or adopt) the default group and the side group; no heartbeat yet."""
     from hora.torch._handles import check_mode
 
     adopted = dist.is_initialized()
@@ -339,7 +347,6 @@ def _start(world: World, backend: str, start_s: float, timeout_s: float) -> Stat
         rdzv_file=rdzv,
         check_mode=check_mode(),
     )
-    _start_heartbeat(state)
     return state
 
 
@@ -449,6 +456,64 @@ def shutdown() -> None:
         dist.destroy_process_group()
     if state.rdzv_file is not None:
         state.rdzv_file.unlink(missing_ok=True)
+
+
+def rebuild(master_port: int) -> None:
+    """Replace the process group after a failed or stalled collective, keeping this process.
+
+    The current group (and every group made from it) is aborted, which closes its connections:
+    a peer still blocked in a collective of the old group fails at once instead of waiting
+    for its timeout. Every rank then meets again at a fresh store on ``master_port`` (rank 0
+    hosts it) and creates a new default group. The :class:`State` object is updated in place,
+    so objects that hold it (``DistributedOptimizer``) keep working; collective counters start
+    again at 0 on every rank. A DDP module built before keeps the old group: wrap it again.
+
+    Args:
+        master_port: the port of the new store, the same on every rank.
+
+    Raises:
+        NotInitializedError: before ``init()``.
+        CollectiveTimeout: when not every rank arrives at the new store in time.
+
+    Example:
+        >>> _state.rebuild(29517)  # on every rank, with the same port  # doctest: +SKIP
+    """
+    state = require_init("rebuild")
+    abort()
+    _stop_heartbeat(state)
+    world = World(
+        rank=state.rank,
+        size=state.size,
+        local_rank=state.local_rank,
+        local_size=state.local_size,
+        cross_rank=state.cross_rank,
+        cross_size=state.cross_size,
+        launcher=state.launcher,
+        master_addr=detect_world(dict(os.environ)).master_addr or "127.0.0.1",
+        master_port=master_port,
+    )
+    fresh = _connect(world, state.backend, state.timeout_s, state.timeout_s)
+    for name in ("group", "side_group", "store", "owns_group", "check_mode"):
+        setattr(state, name, getattr(fresh, name))
+    state.seq, state.join_epoch, state.last_op, state.last_sig = 0, 0, "", 0
+    state.verified_sig = None
+    state._hb_stop = threading.Event()
+    _start_heartbeat(state)
+
+
+def abort() -> None:
+    """Abort the default process group and its subgroups (their connections close at once).
+
+    Harmless when no group exists. Collectives of the aborted group fail from then on, here
+    and on every peer waiting for this rank; :func:`rebuild` makes a new group.
+    """
+    if dist.is_initialized():
+        dist.distributed_c10d._abort_process_group()
+    if _STATE is not None:
+        # gloo closes a group's connections only when the group is freed: drop hora's
+        # references (a DDP module built on the group still holds one)
+        _STATE.group = _STATE.side_group = None
+        gc.collect()
 
 
 def is_initialized() -> bool:
