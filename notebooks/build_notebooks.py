@@ -14,7 +14,8 @@ import nbformat
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 HERE = Path(__file__).resolve().parent
-KERNELSPEC = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+# the hora kernel (``hora kernel install``; ``hora up`` installs it): the notebooks open on it
+KERNELSPEC = {"name": "hora", "display_name": "Python 3 (hora)", "language": "python"}
 Cell = tuple[str, str]  # ("md" | "code", source)
 
 

@@ -5,8 +5,9 @@ Data plane: a thin layer over :class:`hora.client.Client` (parse arguments into 
 ``--url``/``--token``, else ``HORA_URL``/``HORA_TOKEN``, else ``~/.hora/config``.
 
 ``hora submit --wait`` prints state changes on stderr and rank 0's log on stdout until the job
-ends, then exits 0 (succeeded), 1 (failed) or 130 (cancelled). Errors exit 1 with one line on
-stderr; usage errors exit 2.
+ends, then exits 0 (succeeded), 1 (failed) or 130 (cancelled). ``hora logs`` of a rank that
+wrote nothing prints nothing on stdout, says so on stderr, and exits 0. Errors exit 1 with one
+line on stderr; usage errors exit 2. On a service without GPUs, workers hold "slots".
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     Example:
         >>> build_parser().parse_args(["cancel", "7"]).job_id
-        7
+        [7]
     """
     parser = argparse.ArgumentParser(prog="hora", description="Use the hora job service.")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -176,8 +177,8 @@ def age(when: datetime | None, now: datetime | None = None) -> str:
     return f"{secs}s"
 
 
-def jobs_table(jobs: Sequence[JobInfo], now: datetime | None = None) -> str:
-    """The ``hora jobs`` table."""
+def jobs_table(jobs: Sequence[JobInfo], now: datetime | None = None, unit: str = "GPU") -> str:
+    """The ``hora jobs`` table (``unit``: "GPU", or "slot" on a service without GPUs)."""
     rows = [
         [
             j.id,
@@ -192,19 +193,25 @@ def jobs_table(jobs: Sequence[JobInfo], now: datetime | None = None) -> str:
         for j in jobs
     ]
     return format_table(
-        ["ID", "NAME", "USER", "STATE", "WORKERSxGPUS", "ATTEMPT", "AGE", "REASON"], rows
+        ["ID", "NAME", "USER", "STATE", f"WORKERSx{unit.upper()}S", "ATTEMPT", "AGE", "REASON"],
+        rows,
     )
 
 
-def status_text(job: JobInfo) -> str:
-    """The ``hora status`` view: spec, state, per-rank exit codes and transition times."""
+def status_text(job: JobInfo, unit: str = "GPU") -> str:
+    """The ``hora status`` view: spec, state, per-rank exit codes and transition times.
+
+    Args:
+        job: the job.
+        unit: what a worker holds: "GPU", or "slot" on a service without GPUs.
+    """
     s = job.spec
     lines = [
         f"job {job.id}  {s.name}  ({job.user})",
         f"state:    {job.state.value}" + (f"  reason: {job.reason}" if job.reason else ""),
         f"attempt:  {job.attempt} (max retries {s.max_retries})",
         f"command:  {' '.join(s.command)}",
-        f"workers:  {s.workers} x {s.gpus_per_worker} GPU  priority {s.priority.value}"
+        f"workers:  {s.workers} x {s.gpus_per_worker} {unit}  priority {s.priority.value}"
         + (f"  timeout {s.timeout_s:g}s" if s.timeout_s else ""),
         f"slots:    {', '.join(map(str, job.slots)) or '-'}",
     ]
@@ -215,6 +222,16 @@ def status_text(job: JobInfo) -> str:
         rows = [[t.get("state"), t.get("at"), t.get("reason") or ""] for t in job.transitions]
         lines += ["", format_table(["STATE", "AT", "REASON"], rows)]
     return "\n".join(lines)
+
+
+def slot_unit(slots: Sequence[dict[str, Any]]) -> str:
+    """Name what the service schedules: "GPU", or "slot" where it has only CPU slots.
+
+    Example:
+        >>> slot_unit([{"index": 0, "kind": "cpu"}])
+        'slot'
+    """
+    return "GPU" if any(s.get("kind") == "gpu" for s in slots) else "slot"
 
 
 def gpus_table(slots: Sequence[dict[str, Any]]) -> str:
@@ -280,12 +297,13 @@ def cmd_jobs(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     with _client(args) as client:
         page = 500 if args.all else max(1, min(args.limit, 500))
         jobs, total = client.jobs(args.state, limit=page)
+        unit = slot_unit(client.gpus())
         while args.all and len(jobs) < total:
             more, total = client.jobs(args.state, limit=page, offset=len(jobs))
             if not more:
                 break
             jobs += more
-    _out(out, jobs_table(jobs) + "\n")
+    _out(out, jobs_table(jobs, unit=unit) + "\n")
     if len(jobs) < total:
         _out(err, f"({len(jobs)} of {total} jobs; --all shows every one)\n")
     return 0
@@ -295,10 +313,10 @@ def cmd_status(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """``hora status ID``: one job in detail."""
     with _client(args) as client:
         info = client.get_job(args.job_id)
-    if args.json:
-        _out(out, json.dumps(info.model_dump(mode="json"), indent=2) + "\n")
-    else:
-        _out(out, status_text(info) + "\n")
+        if args.json:
+            _out(out, json.dumps(info.model_dump(mode="json"), indent=2) + "\n")
+        else:
+            _out(out, status_text(info, slot_unit(client.gpus())) + "\n")
     return 0
 
 
@@ -307,17 +325,40 @@ def cmd_logs(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     with _client(args) as client:
         job = client.job(args.job_id)
         if not args.follow:
-            _out(out, job.logs(args.rank, attempt=args.attempt))
-            return 0
-        try:
-            if args.attempt is not None:
-                for text in job.follow(args.rank, args.attempt):
-                    _out(out, text)
-                return 0
-            follow_job(job, args.rank, out, io.StringIO())
-        except KeyboardInterrupt:
-            return EXIT_INTERRUPTED
+            text = job.logs(args.rank, attempt=args.attempt)
+            _out(out, text)
+        else:
+            try:
+                if args.attempt is not None:
+                    for text in job.follow(args.rank, args.attempt):
+                        _out(out, text)
+                else:
+                    follow_job(job, args.rank, out, io.StringIO())
+            except KeyboardInterrupt:
+                return EXIT_INTERRUPTED
+            text = job.logs(args.rank, attempt=args.attempt)
+        if not text:
+            _out(err, empty_log_note(job.status(), args.rank, args.attempt) + "\n")
     return 0
+
+
+def empty_log_note(info: JobInfo, rank: int, attempt: int | None) -> str:
+    """What ``hora logs`` says on stderr when a rank's log is empty (it still exits 0).
+
+    Example:
+        >>> from hora.client import JobInfo
+        >>> spec = {"command": ["x"]}
+        >>> info = JobInfo.model_validate(
+        ...     {"id": 7, "user": "a", "state": "succeeded", "attempt": 1, "spec": spec}
+        ... )
+        >>> empty_log_note(info, 1, None)
+        'hora logs: rank 1 of job 7 wrote nothing (attempt 1; job succeeded)'
+    """
+    which = attempt if attempt is not None else info.attempt
+    return (
+        f"hora logs: rank {rank} of job {info.id} wrote nothing "
+        f"(attempt {which}; job {info.state.value})"
+    )
 
 
 def cmd_cancel(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:

@@ -159,11 +159,19 @@ def test_jobs_status_and_gpus_tables(
     with Client(server.url, server.tokens["ann"]) as c:
         c.job(job_id).wait(60)
     jobs = hora_cmd(server, tmp_path, "jobs", "--state", "failed")
-    assert jobs.returncode == 0 and jobs.stdout.split()[:4] == ["ID", "NAME", "USER", "STATE"]
+    # this service has CPU slots only: what a worker holds is called a slot, not a GPU
+    assert jobs.returncode == 0 and jobs.stdout.split()[:5] == [
+        "ID",
+        "NAME",
+        "USER",
+        "STATE",
+        "WORKERSxSLOTS",
+    ]
     row = next(line for line in jobs.stdout.splitlines() if line.split()[0] == str(job_id))
     assert row.split()[1:5] == ["tabled", "ann", "failed", "2x1"]
     status = hora_cmd(server, tmp_path, "status", str(job_id))
     assert status.returncode == 0 and "state:    failed" in status.stdout
+    assert "workers:  2 x 1 slot " in status.stdout and "GPU" not in status.stdout
     assert any(line.split() == ["1", "3"] for line in status.stdout.splitlines())  # rank 1 exit 3
     gpus = hora_cmd(server, tmp_path, "gpus")
     assert gpus.returncode == 0 and gpus.stdout.split()[:5] == [
@@ -191,6 +199,26 @@ def test_logs_and_logs_follow(
     assert plain.stdout == followed.stdout
     bad = hora_cmd(server, tmp_path, "logs", "--rank", "7", str(job_id))
     assert bad.returncode == 1 and "rank" in bad.stderr
+
+
+@pytest.mark.parametrize("follow", [[], ["-f"]], ids=["plain", "follow"])
+def test_logs_of_a_rank_that_wrote_nothing_say_so(
+    server: ServiceServer, tmp_path: Path, follow: list[str]
+) -> None:
+    quiet = tmp_path / "quiet.py"
+    quiet.write_text("import os\nif os.environ['RANK'] == '0':\n    print('only rank 0 talks')\n")
+    sub = hora_cmd(server, tmp_path, "submit", "-w", "2", "--", PY, str(quiet))
+    job_id = job_id_of(sub.stdout)
+    with Client(server.url, server.tokens["ann"]) as c:
+        assert c.job(job_id).wait(60).state.value == "succeeded"
+    out = hora_cmd(server, tmp_path, "logs", *follow, "--rank", "1", str(job_id))
+    assert out.returncode == 0 and out.stdout == ""
+    assert (
+        out.stderr
+        == f"hora logs: rank 1 of job {job_id} wrote nothing (attempt 1; job succeeded)\n"
+    )
+    talk = hora_cmd(server, tmp_path, "logs", *follow, "--rank", "0", str(job_id))
+    assert talk.stdout == "only rank 0 talks\n" and talk.stderr == ""
 
 
 @pytest.mark.parametrize(

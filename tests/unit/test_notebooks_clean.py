@@ -48,6 +48,14 @@ def test_loads_the_extension_itself(name: str) -> None:
     assert first.source.splitlines()[0] == "%load_ext hora"
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_opens_on_the_hora_kernel(name: str) -> None:
+    from hora.engines.kernelspec import DEFAULT_DISPLAY_NAME, DEFAULT_NAME
+
+    spec = nbformat.read(NOTEBOOKS / name, as_version=4).metadata.kernelspec
+    assert (spec.name, spec.display_name) == (DEFAULT_NAME, DEFAULT_DISPLAY_NAME)
+
+
 def test_files_match_the_generator(tmp_path: Path) -> None:
     gen = _generator()
     assert sorted(gen.NOTEBOOKS) == NAMES
