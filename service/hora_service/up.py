@@ -5,24 +5,34 @@ Control plane entry point. It builds the :class:`Settings`, makes sure an admin 
 ``~/.hora/config`` so that ``hora submit`` and ``hora.Client()`` work at once), installs the
 "Python 3 (hora)" kernel under ``DATA_DIR/jupyter`` (visible to this JupyterLab only), starts
 JupyterLab as a child process on 127.0.0.1 with a random token, and runs the service with
-uvicorn in this process. Ctrl-C or SIGTERM stops uvicorn, cancels the jobs still running
-(``--keep-jobs`` leaves them for the next start to re-adopt), and stops JupyterLab's whole
-process group (SIGTERM, then SIGKILL after a grace period), so nothing is left behind.
+uvicorn in this process. JupyterLab serves a notebook directory of the user's (default
+``~/hora-work``), not the repository: on start the example notebooks are copied into its
+``notebooks/`` folder where missing (a user's copy is never overwritten), so edits and saved
+outputs never touch the repository's files. Once JupyterLab answers and the service has
+started, the URLs and the token are printed last, after JupyterLab's start-up log, and saved
+to ``DATA_DIR/up.json`` (mode 0600) for ``hora up --print-urls``. Ctrl-C or SIGTERM stops
+uvicorn, cancels the jobs still running (``--keep-jobs`` leaves them for the next start to
+re-adopt), and stops JupyterLab's whole process group (SIGTERM, then SIGKILL after a grace
+period), so nothing is left behind.
 """
 
 from __future__ import annotations
 
 import argparse
 import getpass
+import json
 import logging
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +41,12 @@ from hora.client import load_config, save_config
 log = logging.getLogger(__name__)
 
 LAB_STOP_GRACE_S = 10.0
+LAB_READY_TIMEOUT_S = 180.0
+LAB_QUIET_S = 1.0
+DEFAULT_NOTEBOOK_DIR = Path("~/hora-work")
+# the repository's example notebooks (present in a checkout; a wheel install has none)
+EXAMPLES = Path(__file__).resolve().parents[2] / "notebooks"
+STATE_FILE = "up.json"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +66,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-slots", type=int, default=None, help="schedulable slots without GPUs")
     p.add_argument(
         "--work-root", type=Path, default=None, help="jobs run under it (default: this directory)"
+    )
+    p.add_argument(
+        "--notebook-dir",
+        type=Path,
+        default=None,
+        help="directory JupyterLab serves; the examples are copied into it (default ~/hora-work)",
+    )
+    p.add_argument(
+        "--print-urls",
+        action="store_true",
+        help="print the URLs and token of the running hora up, then exit",
     )
     p.add_argument("--no-lab", action="store_true", help="start only the service")
     p.add_argument("--keep-jobs", action="store_true", help="leave running jobs alive on exit")
@@ -144,6 +171,28 @@ def install_kernel(data_dir: Path) -> Path | None:
     return prefix / "share" / "jupyter"
 
 
+def seed_notebooks(root: Path, examples: Path = EXAMPLES) -> list[Path]:
+    """Copy the example notebooks into ``root/notebooks`` where missing; return those copied.
+
+    A notebook already there (the user's copy, maybe edited) is never overwritten.
+
+    Example:
+        >>> seed_notebooks(Path("/tmp/w"), Path("/nonexistent"))
+        []
+    """
+    if not examples.is_dir():
+        return []
+    dest = root / "notebooks"
+    dest.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for src in sorted(examples.glob("*.ipynb")):
+        target = dest / src.name
+        if not target.exists():
+            shutil.copyfile(src, target)
+            copied.append(target)
+    return copied
+
+
 def lab_argv(port: int, token: str, root: Path) -> list[str]:
     """The JupyterLab command line (an argument list; no shell).
 
@@ -179,17 +228,39 @@ def lab_env(url: str, token: str | None, jupyter_path: Path | None) -> dict[str,
 
 
 def start_lab(
-    port: int, url: str, token: str | None, jupyter_path: Path | None
+    port: int, url: str, token: str | None, jupyter_path: Path | None, root: Path
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """Start JupyterLab in its own process group; return it and its token."""
+    """Start JupyterLab in its own process group, serving ``root``; return it and its token."""
     lab_token = secrets.token_urlsafe(24)
     proc = subprocess.Popen(
-        lab_argv(port, lab_token, Path.cwd()),
+        lab_argv(port, lab_token, root),
         env=lab_env(url, token, jupyter_path),
         start_new_session=True,
         stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
+    threading.Thread(target=_pump, args=(proc,), name="hora-up-lab-log", daemon=True).start()
     return proc, lab_token
+
+
+# when JupyterLab last wrote a line (its log is passed through, so hora up knows when it is quiet)
+_LAB_LAST_LINE = [0.0]
+
+
+def _pump(proc: subprocess.Popen[bytes]) -> None:
+    assert proc.stdout is not None
+    for line in iter(proc.stdout.readline, b""):
+        _LAB_LAST_LINE[0] = time.monotonic()
+        sys.stdout.buffer.write(line)
+        sys.stdout.flush()
+
+
+def wait_quiet(quiet_s: float = LAB_QUIET_S, timeout: float = 10.0) -> None:
+    """Wait until JupyterLab has logged nothing for ``quiet_s`` (at most ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and time.monotonic() - _LAB_LAST_LINE[0] < quiet_s:
+        time.sleep(0.1)
 
 
 def stop_group(proc: subprocess.Popen[bytes], grace_s: float = LAB_STOP_GRACE_S) -> None:
@@ -236,6 +307,103 @@ def _say(text: str) -> None:
     sys.stdout.flush()
 
 
+def lab_ready(port: int, lab: subprocess.Popen[bytes], timeout: float) -> bool:
+    """Wait until JupyterLab answers HTTP on ``port``; False if it exits or does not in time."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and lab.poll() is None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/api", timeout=2):
+                return True
+        except urllib.error.HTTPError:
+            return True
+        except OSError:
+            time.sleep(0.3)
+    return False
+
+
+def summary(service: str, token: str, lab: str | None, notebooks: Path | None) -> str:
+    """The block ``hora up`` prints last (and ``--print-urls`` again).
+
+    Example:
+        >>> print(summary("http://h:1", "  token: t", None, None))
+        hora service: http://h:1  (docs: http://h:1/docs)
+          token: t
+        Press Ctrl-C to stop; `hora up --print-urls` prints this again.
+    """
+    lines = [f"hora service: {service}  (docs: {service}/docs)", token]
+    if lab is not None:
+        lines.append(f"JupyterLab:   {lab}")
+    if notebooks is not None:
+        lines.append(f"  notebooks:  {notebooks}")
+    lines.append("Press Ctrl-C to stop; `hora up --print-urls` prints this again.")
+    return "\n".join(lines)
+
+
+def write_state(data_dir: Path, state: dict[str, Any]) -> Path:
+    """Save what ``--print-urls`` needs (the lab URL holds its token: mode 0600)."""
+    path = data_dir / STATE_FILE
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(state, f)
+    os.replace(tmp, path)
+    return path
+
+
+def _drop_state(data_dir: Path) -> None:
+    # only this instance's: a second hora up that failed to start must not hide the first
+    path = data_dir / STATE_FILE
+    try:
+        if json.loads(path.read_text()).get("pid") == os.getpid():
+            path.unlink()
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def print_urls(data_dir: Path) -> int:
+    """``hora up --print-urls``: print the running instance's block; 1 if none runs."""
+    path = data_dir / STATE_FILE
+    try:
+        state = json.loads(path.read_text())
+        os.kill(int(state["pid"]), 0)
+    except (OSError, ValueError, KeyError, TypeError):
+        sys.stderr.write(f"hora up: not running (no live instance recorded in {path})\n")
+        return 1
+    token = load_config(url=state["service"]).token
+    line = f"  token: {token}" if token else token_line(None, False, data_dir)
+    notebooks = Path(state["notebooks"]) if state.get("notebooks") else None
+    _say(summary(state["service"], line, state.get("lab"), notebooks))
+    return 0
+
+
+def _announce(
+    args: argparse.Namespace,
+    server: Any,
+    lab: subprocess.Popen[bytes] | None,
+    block: dict[str, Any],
+    data_dir: Path,
+) -> None:
+    """Print the URLs and token once the service and JupyterLab are up (after their logs)."""
+
+    def wait_then_print() -> None:
+        deadline = time.monotonic() + LAB_READY_TIMEOUT_S
+        while not server.started and time.monotonic() < deadline and not server.should_exit:
+            time.sleep(0.1)
+        if lab is not None:
+            if not lab_ready(args.lab_port, lab, deadline - time.monotonic()):
+                log.warning("JupyterLab did not answer within %.0fs", LAB_READY_TIMEOUT_S)
+            wait_quiet()  # its start-up log ends a moment after it answers
+        if server.should_exit:
+            return
+        write_state(
+            data_dir, {k: v for k, v in block.items() if k != "token"} | {"pid": os.getpid()}
+        )
+        notebooks = Path(block["notebooks"]) if block.get("notebooks") else None
+        _say(summary(block["service"], block["token"], block.get("lab"), notebooks))
+
+    threading.Thread(target=wait_then_print, name="hora-up-announce", daemon=True).start()
+
+
 def run(args: argparse.Namespace) -> int:
     """Start everything, block until Ctrl-C/SIGTERM, stop everything; return the exit code."""
     import uvicorn
@@ -245,6 +413,9 @@ def run(args: argparse.Namespace) -> int:
     from hora_service.manager import JobManager
 
     settings = settings_from_args(args)
+    data_dir = Path(settings.data_dir)
+    if args.print_urls:
+        return print_urls(data_dir)
     url = service_url(args.host, args.port)
     manager = JobManager(settings)
     manager.start()
@@ -255,23 +426,25 @@ def run(args: argparse.Namespace) -> int:
         server = uvicorn.Server(
             uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
         )
+        block: dict[str, Any] = {"service": url, "token": token_line(token, new, data_dir)}
         if not args.no_lab:
-            lab, lab_token = start_lab(
-                args.lab_port, url, token, install_kernel(Path(settings.data_dir))
-            )
-        _say(f"hora service: {url}  (docs: {url}/docs)")
-        _say(token_line(token, new, Path(settings.data_dir)))
-        if lab is not None:
-            _say(f"JupyterLab:   http://127.0.0.1:{args.lab_port}/lab?token={lab_token}")
-        _say("Press Ctrl-C to stop.")
+            root = (args.notebook_dir or DEFAULT_NOTEBOOK_DIR).expanduser().resolve()
+            root.mkdir(parents=True, exist_ok=True)
+            seed_notebooks(root)
+            lab, lab_token = start_lab(args.lab_port, url, token, install_kernel(data_dir), root)
+            block["lab"] = f"http://127.0.0.1:{args.lab_port}/lab?token={lab_token}"
+            block["notebooks"] = str(root / "notebooks") if EXAMPLES.is_dir() else str(root)
+        _say("hora up: starting the service" + ("" if lab is None else " and JupyterLab") + "...")
         signal.signal(signal.SIGTERM, interrupt)
         if lab is not None:
             _watch(lab, server)
+        _announce(args, server, lab, block, data_dir)
         server.run()  # handles SIGINT/SIGTERM itself, then re-raises them after shutdown
         return 0 if server.started and (lab is None or lab.poll() is None) else 1
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not skip the cleanup
+        _drop_state(data_dir)
         if not args.keep_jobs and hasattr(manager, "shutdown_jobs"):
             manager.shutdown_jobs()
         manager.stop()

@@ -148,6 +148,11 @@ def lab(tmp_path: Path) -> Iterator[LabServer]:
         ("IPYTHONDIR", "ipython"),
     ]:
         env[var] = str(tmp_path / sub)
+    # the notebooks open on the "hora" kernel: install it for this server, as `hora up` does
+    from hora.engines.kernelspec import install_kernel_spec
+
+    install_kernel_spec(prefix=str(tmp_path / "jupyter"))
+    env["JUPYTER_PATH"] = str(tmp_path / "jupyter" / "share" / "jupyter")
     _write_lab_settings(tmp_path / "lab-settings")
     port, token = free_port(), secrets.token_hex(16)
     log = tmp_path / "jupyterlab.log"
@@ -227,6 +232,8 @@ def test_quickstart_runs_in_jupyterlab(lab: LabServer, tmp_path: Path) -> None:
             page.goto(f"{lab.url}/lab/tree/01-quickstart.ipynb?token={lab.token}")
             page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for()
             _wait_kernel_idle(page)
+            # the notebook opened on its own kernel, without asking
+            page.locator(".jp-StatusBar-Widget", has_text="Python 3 (hora) | Idle").first.wait_for()
             page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
             page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
             prompts = _wait_for_run(page, timeout=150)

@@ -17,6 +17,7 @@ import pytest
 from helpers.service_server import free_port
 
 PY = sys.executable
+REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(240)
 
 
@@ -73,8 +74,27 @@ def test_hora_up_starts_and_stops_both(tmp_path: Path, stop_signal: signal.Signa
     with out.open("wb") as log:
         proc = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
     try:
-        token = _wait_for(r"token: (\S+)", out, proc, 90).group(1)
-        lab_token = _wait_for(r"/lab\?token=(\S+)", out, proc, 90).group(1)
+        token = _wait_for(r"token: (\S+)", out, proc, 180).group(1)
+        lab_token = _wait_for(r"JupyterLab: +\S+/lab\?token=(\S+)", out, proc, 30).group(1)
+        # the URLs come last: after JupyterLab's start-up log, not scrolled away under it
+        log_lines = out.read_text().splitlines()
+        banner = max(i for i, line in enumerate(log_lines) if "is running at" in line)
+        first = next(i for i, line in enumerate(log_lines) if line.startswith("hora service:"))
+        assert first > banner, out.read_text()
+        again = subprocess.run(
+            [PY, "-m", "hora.cli", "up", "--print-urls", "--data-dir", str(tmp_path / "data")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert again.returncode == 0, again.stderr
+        assert f"token: {token}" in again.stdout and f"/lab?token={lab_token}" in again.stdout
+        # JupyterLab serves ~/hora-work with copies of the examples, not the repository
+        notebooks = home / "hora-work" / "notebooks"
+        assert (notebooks / "01-quickstart.ipynb").read_bytes() == (
+            REPO / "notebooks" / "01-quickstart.ipynb"
+        ).read_bytes()
         url = f"http://127.0.0.1:{port}"
         assert _answers(url + "/healthz", 90).status_code == 200
         jobs = httpx.get(url + "/v1/jobs", headers={"Authorization": f"Bearer {token}"}, timeout=10)
@@ -85,6 +105,12 @@ def test_hora_up_starts_and_stops_both(tmp_path: Path, stop_signal: signal.Signa
             f"http://127.0.0.1:{lab_port}/api/kernelspecs", 150, params={"token": lab_token}
         )
         assert lab.status_code == 200 and "hora" in lab.json()["kernelspecs"]
+        listed = httpx.get(
+            f"http://127.0.0.1:{lab_port}/api/contents/notebooks",
+            params={"token": lab_token},
+            timeout=10,
+        ).json()
+        assert "01-quickstart.ipynb" in {c["name"] for c in listed["content"]}
         family = [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
         assert len(family) >= 2  # hora up and JupyterLab
         proc.send_signal(stop_signal)
@@ -99,6 +125,14 @@ def test_hora_up_starts_and_stops_both(tmp_path: Path, stop_signal: signal.Signa
         for u in (url + "/healthz", f"http://127.0.0.1:{lab_port}/api"):
             with pytest.raises(httpx.TransportError):
                 httpx.get(u, timeout=3)
+        gone = subprocess.run(
+            [PY, "-m", "hora.cli", "up", "--print-urls", "--data-dir", str(tmp_path / "data")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert gone.returncode == 1 and "not running" in gone.stderr
     finally:
         if proc.poll() is None:
             for child in psutil.Process(proc.pid).children(recursive=True):
@@ -141,3 +175,22 @@ def test_hora_up_token_is_printed_once(tmp_path: Path) -> None:
     assert lines[1] == "saved in ~/.hora/config"
     assert lines[2].startswith("none saved") and "hora user add" in lines[2]
     assert not (tmp_path / "other-home" / ".hora" / "config").exists()
+
+
+def test_examples_are_copied_once_and_user_copies_kept(tmp_path: Path) -> None:
+    from hora_service.up import seed_notebooks
+
+    examples = tmp_path / "examples"
+    examples.mkdir()
+    (examples / "a.ipynb").write_text("example a")
+    (examples / "b.ipynb").write_text("example b")
+    root = tmp_path / "work"
+    assert seed_notebooks(root, examples) == [
+        root / "notebooks/a.ipynb",
+        root / "notebooks/b.ipynb",
+    ]
+    (root / "notebooks/a.ipynb").write_text("the user's edits and outputs")
+    (root / "notebooks/b.ipynb").unlink()
+    assert seed_notebooks(root, examples) == [root / "notebooks/b.ipynb"]
+    assert (root / "notebooks/a.ipynb").read_text() == "the user's edits and outputs"
+    assert (examples / "a.ipynb").read_text() == "example a"
