@@ -117,17 +117,21 @@ def abort_group() -> None:
     _state.abort()
 
 
-def rebuild_group(master_port: int) -> int:
+def rebuild_group(master_port: int, start_timeout_s: float | None = None) -> int:
     """Make a new process group in this engine (every rank calls it with the same port).
 
     The engine's variables are untouched; see :func:`hora.torch._state.rebuild`.
+
+    Args:
+        master_port: the new store's port.
+        start_timeout_s: how long to wait for every rank (new engines start slowly).
 
     Returns:
         This engine's rank.
     """
     from hora.torch import _state
 
-    _state.rebuild(master_port)
+    _state.rebuild(master_port, start_timeout_s)
     return _state.require_init("rebuild").rank
 
 
@@ -141,7 +145,7 @@ def collective_count() -> int:
 def user_names() -> list[str]:
     """Return the names of the variables the user defined in this engine (sorted)."""
     ns = _user_ns()
-    hidden = {"In", "Out", "exit", "quit", "get_ipython", "hvd", "torch"}
+    hidden = {"In", "Out", "exit", "quit", "get_ipython"}
     return sorted(n for n in ns if not n.startswith("_") and n not in hidden)
 
 

@@ -144,6 +144,9 @@ class Cluster:
         self.start_s = 0.0
         self.backend = ""
         self.rebuilds = 0
+        self.replaced = 0
+        self._devices: list[str | None] = []
+        self._logs_of: dict[int, Path] = {}
         self._pending: list[tuple[int, subprocess.Popen[bytes]]] = []
         self._controller: subprocess.Popen[bytes] | None = None
         self._procs: list[subprocess.Popen[bytes]] = []
@@ -210,28 +213,33 @@ class Cluster:
 
     def _launch(self, devices: list[str | None]) -> None:
         self._dir = Path(tempfile.mkdtemp(prefix="hora-engines-"))
-        backend = self.options.backend or ("nccl" if devices[0] is not None else "gloo")
-        self.backend = backend
+        self.backend = self.options.backend or ("nccl" if devices[0] is not None else "gloo")
+        self._devices = list(devices)
+        self._logs_of = {}
         base = {k: v for k, v in os.environ.items()}
         self._controller = self._spawn(plan.controller_argv(self._dir), base, "controller")
-        port, n = free_port(), len(devices)
-        self._pending = []
-        for rank, dev in enumerate(devices):
-            env = plan.engine_env(
-                base,
-                rank=rank,
-                size=n,
-                device=dev,
-                master_port=port,
-                backend=backend,
-                timeout_s=self.options.timeout_s,
-                threads=self.options.threads,
-            )
-            stack = self._dir / f"stack{rank}.txt"
-            stack.touch()
-            self._pending.append(
-                (rank, self._spawn(plan.engine_argv(self._dir, stack), env, f"engine{rank}"))
-            )
+        port = free_port()
+        self._pending = [(rank, self._spawn_engine(rank, port)) for rank in range(len(devices))]
+
+    def _spawn_engine(self, rank: int, port: int) -> subprocess.Popen[bytes]:
+        """Start the engine of ``rank``; it meets the others at the store on ``port``."""
+        assert self._dir is not None
+        env = plan.engine_env(
+            dict(os.environ),
+            rank=rank,
+            size=len(self._devices),
+            device=self._devices[rank],
+            master_port=port,
+            backend=self.backend,
+            timeout_s=self.options.timeout_s,
+            threads=self.options.threads,
+        )
+        stack = self._dir / f"stack{rank}.txt"
+        stack.touch()
+        # a replacement engine gets its own log: the dead one's explains the death
+        name = f"engine{rank}" + (f"-{self.replaced}" if rank in self._logs_of else "")
+        self._logs_of[rank] = self._dir / f"{name}.log"
+        return self._spawn(plan.engine_argv(self._dir, stack), env, name)
 
     def _check_alive(self, what: str) -> None:
         assert self._dir is not None
@@ -244,7 +252,7 @@ class Cluster:
             if proc.poll() is not None:
                 raise EngineStartError(
                     f"engine of rank {rank} exited ({proc.returncode}) while {what}:\n"
-                    + log_tail(self._dir / f"engine{rank}.log")
+                    + log_tail(self._logs_of[rank])
                 )
 
     def _wait(self, what: str, deadline: float, ready: Callable[[], bool]) -> None:
@@ -279,13 +287,13 @@ class Cluster:
         )
 
     def _init(self, deadline: float) -> None:
-        assert self._dir is not None
+        self.engines = self._init_engines(list(self.client.ids), deadline)
+
+    def _init_engines(self, ids: Sequence[int], deadline: float) -> list[Engine]:
+        """Initialise hora.torch in the pending engines (``ids``); return them by rank."""
         by_pid = {proc.pid: (rank, proc) for rank, proc in self._pending}
         args = (self.backend, self.options.timeout_s, self.options.threads)
-        ars = {
-            eid: self.client[eid].apply_async(bootstrap.init_engine, *args)
-            for eid in self.client.ids
-        }
+        ars = {eid: self.client[eid].apply_async(bootstrap.init_engine, *args) for eid in ids}
 
         def failed(ar: Any) -> bool:
             return bool(ar.ready() and (not ar.successful() or "error" in ar.get(0)))
@@ -300,7 +308,7 @@ class Cluster:
         if errors or len(infos) < len(ars):
             raise _init_error(errors)
         engines = [self._engine(eid, info, by_pid[info["pid"]]) for eid, info in infos.items()]
-        self.engines = sorted(engines, key=lambda e: e.rank)
+        return sorted(engines, key=lambda e: e.rank)
 
     def _engine(self, eid: int, info: dict[str, Any], placed: tuple[int, Any]) -> Engine:
         assert self._dir is not None
@@ -319,7 +327,7 @@ class Cluster:
             device=info["device"],
             gpu=info["gpu"],
             stack_file=self._dir / f"stack{rank}.txt",
-            log_file=self._dir / f"engine{rank}.log",
+            log_file=self._logs_of[rank],
             main_thread=info["main_thread"],
         )
 
@@ -412,7 +420,7 @@ class Cluster:
                 cell_number=cell_number,
             )
         except RankDiedError as e:
-            self.state, self.broken_reason = State.BROKEN, str(e).split(";")[0]
+            e.outcome = self._after_death(e)
             raise
         except StallError as e:
             e.outcome = self._recover(e.still_running, forced=True)
@@ -447,6 +455,51 @@ class Cluster:
         except Exception as exc:  # any failure here leaves a full restart as the way out
             return self._restart_after(f"rebuilding the process group failed ({exc})")
         return "process group rebuilt; engines usable, variables kept"
+
+    def _after_death(self, e: RankDiedError) -> str:
+        """Replace the dead engines and rebuild the group; say which variables were lost."""
+        reason = "; ".join(f"rank {r} died" for r in sorted(e.dead))
+        if e.running:  # a survivor never ended the cell: only a restart reaches it
+            self.state, self.broken_reason = State.BROKEN, reason
+            return RECOVER
+        try:
+            return self._replace(sorted(e.dead))
+        except Exception as exc:  # the death stays the error shown; the way out is a restart
+            log.warning("replacing the engines of %s failed: %s", rank_ranges(list(e.dead)), exc)
+            self.state, self.broken_reason = State.BROKEN, reason
+            return f"replacing the dead engines failed ({exc}); {RECOVER}"
+
+    def _replace(self, dead: Sequence[int]) -> str:
+        """Start new engines for the ``dead`` ranks; the others keep theirs and their variables.
+
+        The survivors rebuild the process group on a fresh store, and the new engines join it
+        as they start (their rank environment names that store).
+        """
+        survivors = [e for e in self.engines if e.rank not in dead]
+        view = self.client[[e.engine_id for e in survivors]]
+        names = sorted(set().union(*view.apply_async(bootstrap.user_names).get(timeout=10)))
+        deadline = time.perf_counter() + self.options.start_timeout_s
+        port, before = free_port(), set(self.client.ids)
+        self.replaced += 1
+        self._pending = [(r, self._spawn_engine(r, port)) for r in dead]
+        rebuilt = view.apply_async(bootstrap.rebuild_group, port, self.options.start_timeout_s)
+        self._wait(
+            f"waiting for {len(dead)} new engines to register",
+            deadline,
+            lambda: len(set(self.client.ids) - before) >= len(dead),
+        )
+        fresh = self._init_engines(sorted(set(self.client.ids) - before), deadline)
+        rebuilt.get(timeout=max(1.0, deadline - time.perf_counter()))
+        self.engines = sorted(survivors + fresh, key=lambda e: e.rank)
+        self._pending = []
+        # what a fresh engine defines by itself (hvd, torch) was not lost
+        own = set(self.client[fresh[0].engine_id].apply_sync(bootstrap.user_names))
+        lost = ", ".join(n for n in names if n not in own) or "none"
+        kept = rank_ranges([e.rank for e in survivors])
+        return (
+            f"engine replaced; variables lost on {rank_ranges(dead)}: {lost}; "
+            f"{kept} kept theirs; process group rebuilt"
+        )
 
     def _restart_after(self, reason: str) -> str:
         log.warning("%s; restarting the engines", reason)

@@ -194,10 +194,11 @@ class RankDiedError(RankFailedError, EngineError):
         self.logs = dict(logs or {})
         self.errors = list(errors)
         self.running = sorted(running)
+        self.outcome = RECOVER
 
     def __str__(self) -> str:
         parts = [f"rank {r} died ({exit_status(c)})" for r, c in sorted(self.dead.items())]
-        return "; ".join(parts) + f"; {RECOVER}"
+        return "; ".join(parts) + f"; {self.outcome}"
 
     def _render_traceback_(self) -> list[str]:
         lines = [f"RankDiedError: {self}"]

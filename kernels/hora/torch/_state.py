@@ -458,7 +458,7 @@ def shutdown() -> None:
         state.rdzv_file.unlink(missing_ok=True)
 
 
-def rebuild(master_port: int) -> None:
+def rebuild(master_port: int, start_timeout_s: float | None = None) -> None:
     """Replace the process group after a failed or stalled collective, keeping this process.
 
     The current group (and every group made from it) is aborted, which closes its connections:
@@ -470,6 +470,8 @@ def rebuild(master_port: int) -> None:
 
     Args:
         master_port: the port of the new store, the same on every rank.
+        start_timeout_s: how long to wait for every rank at the store (default: the
+            collective timeout).
 
     Raises:
         NotInitializedError: before ``init()``.
@@ -492,7 +494,7 @@ def rebuild(master_port: int) -> None:
         master_addr=detect_world(dict(os.environ)).master_addr or "127.0.0.1",
         master_port=master_port,
     )
-    fresh = _connect(world, state.backend, state.timeout_s, state.timeout_s)
+    fresh = _connect(world, state.backend, start_timeout_s or state.timeout_s, state.timeout_s)
     for name in ("group", "side_group", "store", "owns_group", "check_mode"):
         setattr(state, name, getattr(fresh, name))
     state.seq, state.join_epoch, state.last_op, state.last_sig = 0, 0, "", 0
