@@ -8,14 +8,20 @@ without importing torch or ipyparallel; those load when a magic first starts eng
 from __future__ import annotations
 
 import html
+import os
+import pickle
 import re
 import sys
+import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from hora.errors import HoraError
 
 _MAGICS: HoraMagics | None = None
 
@@ -135,6 +141,8 @@ class HoraMagics(Magics):
         super().__init__(shell)
         self.cluster: Any = None
         self.cell_number: int | None = None
+        # what the engines ran since they started, for %dist_submit
+        self.history: list[Any] = []
 
     def pre_run_cell(self, info: Any) -> None:
         """Note the number the notebook shows for the cell that starts (engines count apart).
@@ -170,6 +178,7 @@ class HoraMagics(Magics):
         from hora.engines import Cluster
 
         self.cluster = Cluster(options)
+        self.history = []
         rows = self.cluster.start()
         title = f"{len(rows)} engines ready in {self.cluster.start_s:.1f}s ({self.cluster.backend})"
         display(
@@ -269,7 +278,11 @@ class HoraMagics(Magics):
         cluster = self._running()
         self._check_rank(args.rank, cluster.size)
         ranks = None if args.rank is None else [args.rank]
-        cluster.push({n: self._ns()[n] for n in args.names}, ranks)
+        values = {n: self._ns()[n] for n in args.names}
+        cluster.push(values, ranks)
+        from hora.engines.script import record_push
+
+        self.history.append(record_push(self.cell_number, values, ranks))
 
     @magic_arguments()
     @argument("names", nargs="+", help="engine variables to fetch")
@@ -359,14 +372,89 @@ class HoraMagics(Magics):
             )
         finally:
             sink.flush()
+        from hora.engines.script import CellRecord
+
+        self.history.append(CellRecord(self.cell_number, code))
         if out:
             self._ns()[out] = cluster.pull(out)
+
+    @magic_arguments()
+    @argument("--workers", "-w", type=int, default=None, help="ranks (default: as many as engines)")
+    @argument("--name", default="notebook", help="job name (default notebook)")
+    @argument("--gpus", type=int, default=1, help="GPUs (or CPU slots) per worker, default 1")
+    @argument("--wait", action="store_true", help="wait for the job, showing rank 0's log")
+    @line_magic
+    def dist_submit(self, line: str) -> Any:
+        """Submit the %%distributed cells that ran, in order, as a job of the hora service.
+
+        The pushed values go with them. Returns the :class:`hora.Job`.
+
+        Example: ``job = %dist_submit --workers 2 --name digits --wait``
+        """
+        from hora.client import Client
+        from hora.engines.script import CellRecord, pushed_blobs, render_script
+        from hora.errors import SpecError
+
+        args = parse_argstring(self.dist_submit, line)
+        workers = args.workers or (self.cluster.size if self._is_up() else None)
+        if workers is None:
+            raise UsageError("%dist_submit: no engines are running; pass --workers N")
+        try:
+            text, blobs = render_script(self.history), pushed_blobs(self.history)
+        except SpecError as e:
+            raise UsageError(f"%dist_submit: {e}") from None
+        script, values = write_job_files(Path.cwd() / "hora-jobs", args.name, text, blobs)
+        n = sum(isinstance(r, CellRecord) for r in self.history)
+        # not closed here: the returned Job keeps using it (job.logs(), job.wait())
+        client = Client()
+        job = client.submit(
+            [sys.executable, str(script), str(values)],
+            workers=workers,
+            gpus=args.gpus,
+            name=args.name,
+        )
+        sys.stdout.write(
+            f"submitted job {job.id} ({args.name}): {n} cells of this notebook, {script}\n"
+            f"follow it: hora logs -f {job.id}  (hora status {job.id}, hora cancel {job.id})\n"
+        )
+        if args.wait:
+            _wait_for_job(job)
+        return job
 
     def stop(self) -> None:
         """Stop this kernel's engines (unload or shutdown)."""
         if self.cluster is not None:
             self.cluster.stop()
             self.cluster = None
+
+
+class JobEndedError(HoraError):
+    """A job submitted with ``%dist_submit --wait`` failed or was cancelled."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: {self}"]
+
+
+def write_job_files(folder: Path, name: str, text: str, blobs: list[bytes]) -> tuple[Path, Path]:
+    """Write the job's script and the pushed values next to it; return both paths."""
+    folder.mkdir(parents=True, exist_ok=True)
+    safe = re.sub(r"[^A-Za-z0-9._-]", "-", name).strip("-.") or "notebook"
+    stem = f"{safe}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    script, values = folder / f"{stem}.py", folder / f"{stem}.pushed.pkl"
+    script.write_text(text)
+    with values.open("wb") as f:
+        pickle.dump(blobs, f)
+    return script, values
+
+
+def _wait_for_job(job: Any) -> None:
+    for text in job.follow(0):
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    info = job.status()
+    sys.stdout.write(f"job {job.id}: {info.state.value}\n")
+    if info.state.value != "succeeded":
+        raise JobEndedError(f"job {job.id} {info.state.value}: {info.reason or 'see hora status'}")
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -178,6 +178,15 @@ def pull_value(name: str) -> Any:
     return _map_tensors(ns[name], lambda t: t.detach().cpu())
 
 
+def on_device(values: dict[str, Any]) -> dict[str, Any]:
+    """Return ``values`` with tensors (also inside lists/dicts) moved to this rank's device.
+
+    What a ``%dist_submit`` script does with the values the notebook pushed.
+    """
+    device = _device()
+    return {name: _map_tensors(value, lambda t: t.to(device)) for name, value in values.items()}
+
+
 def push_values(values: dict[str, Any]) -> list[str]:
     """Store ``values`` in the engine's namespace, with tensors moved to this engine's device.
 

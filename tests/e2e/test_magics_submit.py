@@ -1,0 +1,111 @@
+"""`%dist_submit`: the cells that trained on real engines run again as a job of a real service.
+
+Real ipyparallel engines (CPU, gloo), a real uvicorn service on 127.0.0.1 with 2 CPU slots, and
+the job's ranks started by its local runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from _magics_util import wait_gone
+from helpers.service_server import ServiceServer
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+from IPython.utils.capture import capture_output
+
+pytestmark = pytest.mark.timeout(240)
+
+SETUP = """%%distributed
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+opt = hvd.DistributedOptimizer(
+    torch.optim.SGD(model.parameters(), lr=lr), named_parameters=model.named_parameters()
+)
+g = torch.Generator().manual_seed(100 + hvd.rank())
+x = torch.randn(64, 4, generator=g)
+y = x.sum(1, keepdim=True) * scale
+"""
+TRAIN = """%%distributed
+for step in range(25):
+    opt.zero_grad()
+    loss = ((model(x) - y) ** 2).mean()
+    loss.backward()
+    opt.step()
+final = hvd.allreduce(loss.detach(), op=hvd.Average).item()
+print(f"final loss {final:.8f}")
+"""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceServer]:
+    with ServiceServer(tmp_path_factory.mktemp("svc-submit"), cpu_slots=2) as srv:
+        yield srv
+
+
+@pytest.fixture
+def ip(server: ServiceServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    # the magic finds the service like hora.Client() does: HORA_URL / HORA_TOKEN
+    monkeypatch.setenv("HORA_URL", server.url)
+    monkeypatch.setenv("HORA_TOKEN", server.tokens["ann"])
+    monkeypatch.setenv("HORA_CONFIG", str(tmp_path / "no-config"))
+    monkeypatch.chdir(tmp_path)
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "hora")
+    with capture_output():
+        shell.run_line_magic("dist_start", "-n 2 --timeout 30")
+    from hora import magics
+
+    pids = magics._MAGICS.cluster.pids
+    yield shell
+    shell.run_line_magic("unload_ext", "hora")
+    assert wait_gone(pids) == []
+
+
+def run(ip: InteractiveShell, cell: str):
+    with capture_output() as cap:
+        result = ip.run_cell(cell)
+    return result, cap
+
+
+def test_submitted_cells_reach_the_same_loss_as_in_the_notebook(ip, tmp_path: Path) -> None:
+    ip.run_cell("lr = 0.05\nscale = 3.0")
+    ip.run_line_magic("dist_push", "lr")
+    ip.run_line_magic("dist_push", "scale --rank 1")
+    ip.run_line_magic("dist_push", "scale --rank 0")
+    assert run(ip, SETUP)[0].success
+    failed, _ = run(ip, "%%distributed\nraise ValueError('a failed cell is not carried')")
+    assert not failed.success
+    result, cap = run(ip, TRAIN)
+    assert result.success, cap.stdout
+    in_notebook = cap.stdout.strip()
+    assert in_notebook.startswith("final loss ")
+    ip.run_cell("lr = 99.0")  # changed after the push: the job gets the pushed value
+    with capture_output() as sub:
+        job = ip.run_line_magic("dist_submit", "--name replay --wait")
+    assert f"submitted job {job.id} (replay): 2 cells of this notebook" in sub.stdout
+    assert f"hora logs -f {job.id}" in sub.stdout
+    assert sub.stdout.rstrip().endswith(f"job {job.id}: succeeded")
+    assert job.logs(rank=0).strip() == in_notebook
+    assert job.logs(rank=1).strip() == in_notebook
+    info = job.status()
+    assert info.spec.workers == 2 and info.spec.name == "replay"
+    script = next((tmp_path / "hora-jobs").glob("replay-*.py")).read_text()
+    assert "a failed cell is not carried" not in script
+
+
+def test_what_cannot_be_carried_is_named(ip) -> None:
+    assert run(ip, "%%distributed\n%time z = 1")[0].success  # fine on the engines
+    with pytest.raises(UsageError, match=r"cell \[\d+\] uses IPython syntax"):
+        ip.run_line_magic("dist_submit", "")
+    ip.run_line_magic("dist_restart", "")  # a fresh start forgets what the engines ran
+    with pytest.raises(UsageError, match="no %%distributed cell has run"):
+        ip.run_line_magic("dist_submit", "")
+    ip.run_cell("f = lambda v: v + 1")
+    ip.run_line_magic("dist_push", "f")  # ipyparallel carries a lambda; pickle does not
+    assert run(ip, "%%distributed\nprint(f(1))")[0].success
+    with pytest.raises(UsageError, match=r"%dist_push f in cell \[\d+\] cannot be carried"):
+        ip.run_line_magic("dist_submit", "")
