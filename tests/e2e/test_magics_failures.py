@@ -306,3 +306,22 @@ def test_start_timeout_is_reported_and_leaves_no_process():
     with pytest.raises(EngineStartError, match=r"timed out after 0.2s"):
         c.start()
     assert wait_gone(set(children_of(os.getpid())) - before, timeout=5) == []
+
+
+def test_tracebacks_and_stacks_name_the_notebook_cells(ip):
+    # the engines count their own cells; the report uses the numbers the notebook shows
+    ip.execution_count = 30
+    assert run(ip, "%%distributed\ndef step():\n    raise KeyError('deep')")[0].success
+    ip.execution_count = 31
+    result, cap = run(ip, "%%distributed\nstep()")
+    assert isinstance(result.error_in_exec, CellFailedError)
+    text = re.sub(r"\x1b\[[0-9;]*m", "", cap.stdout)
+    assert "Cell In[31], line 1" in text and "Cell In[30], line 2" in text, text
+    ip.execution_count = 32
+    assert run(ip, "%%distributed\ndef wait_here():\n    hvd.allreduce(torch.ones(1))")[0].success
+    ip.execution_count = 33
+    result, cap = run(ip, "%%distributed --timeout 2\nif hvd.rank() == 1:\n    wait_here()")
+    err = result.error_in_exec
+    assert isinstance(err, StallError), cap.stdout
+    assert "Cell In[32], line 2 in wait_here" in err.stacks[1], err.stacks[1]
+    assert "Cell In[33], line 2 in <module>" in err.stacks[1]

@@ -41,6 +41,7 @@ from hora.engines.errors import (
     StallError,
 )
 from hora.engines.execute import (
+    CellNumbers,
     CellResult,
     Engine,
     EnginesInterrupted,
@@ -145,6 +146,7 @@ class Cluster:
         self.backend = ""
         self.rebuilds = 0
         self.replaced = 0
+        self.numbers = CellNumbers()
         self._devices: list[str | None] = []
         self._logs_of: dict[int, Path] = {}
         self._pending: list[tuple[int, subprocess.Popen[bytes]]] = []
@@ -350,6 +352,7 @@ class Cluster:
         self._pending = []
         self._controller = None
         self.state, self.broken_reason = State.STOPPED, ""
+        self.numbers = CellNumbers()
         _LIVE.discard(self)
 
     def restart(self) -> list[dict[str, Any]]:
@@ -418,6 +421,7 @@ class Cluster:
                 shown=shown,
                 stall_timeout_s=stall,
                 cell_number=cell_number,
+                numbers=self.numbers,
             )
         except RankDiedError as e:
             e.outcome = self._after_death(e)
@@ -492,6 +496,8 @@ class Cluster:
         rebuilt.get(timeout=max(1.0, deadline - time.perf_counter()))
         self.engines = sorted(survivors + fresh, key=lambda e: e.rank)
         self._pending = []
+        for rank in dead:  # a new engine counts its cells from 1 again
+            self.numbers.by_count.pop(rank, None)
         # what a fresh engine defines by itself (hvd, torch) was not lost
         own = set(self.client[fresh[0].engine_id].apply_sync(bootstrap.user_names))
         lost = ", ".join(n for n in names if n not in own) or "none"

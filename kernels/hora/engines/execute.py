@@ -169,17 +169,62 @@ class EnginesInterrupted(KeyboardInterrupt):
         return lines
 
 
-_CELL = re.compile(r"In\[\d+\]")
+_CELL = re.compile(r"(Cell\S*\s*\S*In\[)(\d+)(\])")
+_CELL_FILE = re.compile(r'File "[^"]*ipykernel_\d+[/\\](\d+)\.py", line (\d+)')
 
 
-def number_cells(lines: Sequence[str], number: int) -> list[str]:
-    """Give an engine traceback the notebook's cell number (the engine counts its own cells).
+@dataclass
+class CellNumbers:
+    """The notebook's numbers of the cells the engines ran (each engine counts its own cells).
 
-    Example:
-        >>> number_cells(["Cell In[2], line 3", "x = 1"], 7)
-        ['Cell In[7], line 3', 'x = 1']
+    IPython names a cell in a traceback by the engine's count (``Cell In[2]``) and, in a raw
+    stack, by a file named after a hash of its source; both are mapped back to the number the
+    notebook shows.
+
+    Attributes:
+        by_count: rank -> engine execution count -> notebook number.
+        by_file: ipykernel's cell-file hash -> notebook number.
     """
-    return [_CELL.sub(f"In[{number}]", line, count=1) if "Cell" in line else line for line in lines]
+
+    by_count: dict[int, dict[int, int]] = field(default_factory=dict)
+    by_file: dict[str, int] = field(default_factory=dict)
+
+    def note_code(self, code: str, number: int) -> None:
+        """Remember the file name ipykernel gives ``code`` in the engines."""
+        try:
+            from ipykernel.compiler import get_tmp_hash_seed, murmur2_x86
+        except ImportError:  # pragma: no cover - engines run ipykernel
+            return
+        self.by_file[str(murmur2_x86(code, get_tmp_hash_seed()))] = number
+
+    def traceback(self, rank: int, lines: Sequence[str]) -> list[str]:
+        """Return ``lines`` with the engine's cell numbers replaced by the notebook's.
+
+        Example:
+            >>> CellNumbers({1: {2: 7}}).traceback(1, ["Cell In[2], line 3", "Cell In[9], x"])
+            ['Cell In[7], line 3', 'Cell In[9], x']
+        """
+        known = self.by_count.get(rank, {})
+
+        def sub(m: re.Match[str]) -> str:
+            return f"{m[1]}{known.get(int(m[2]), int(m[2]))}{m[3]}"
+
+        return [_CELL.sub(sub, line) for line in lines]
+
+    def stack(self, text: str) -> str:
+        """Return a stack dump with the cells' file names replaced by ``Cell In[N]``.
+
+        Example:
+            >>> n = CellNumbers(by_file={"42": 5})
+            >>> n.stack('  File "/tmp/ipykernel_9/42.py", line 3 in f')
+            '  Cell In[5], line 3 in f'
+        """
+
+        def sub(m: re.Match[str]) -> str:
+            number = self.by_file.get(m[1])
+            return m[0] if number is None else f"Cell In[{number}], line {m[2]}"
+
+        return _CELL_FILE.sub(sub, text)
 
 
 def _to_rank_error(rank: int, reply: Any) -> RankError | None:
@@ -308,6 +353,7 @@ class CellRun:
         shown: ranks whose output is displayed live.
         stall_timeout_s: how long ranks may still run after the first one finished.
         cell_number: the notebook's number of the cell, put in the engines' tracebacks.
+        numbers: what earlier cells were numbered (updated with this one).
     """
 
     def __init__(
@@ -319,9 +365,14 @@ class CellRun:
         shown: Sequence[int],
         stall_timeout_s: float,
         cell_number: int | None = None,
+        numbers: CellNumbers | None = None,
     ) -> None:
         self.client, self.engines, self.code, self.sink = client, list(engines), code, sink
         self.cell_number = cell_number
+        self.numbers = numbers if numbers is not None else CellNumbers()
+        self.engine_counts: dict[int, int] = {}
+        if cell_number is not None:
+            self.numbers.note_code(code, cell_number)
         self.shown = set(shown)
         self.stall_timeout_s = stall_timeout_s
         self.q: queue.SimpleQueue[tuple[str, int, Any]] = queue.SimpleQueue()
@@ -380,7 +431,11 @@ class CellRun:
 
     def _on_iopub(self, rank: int, msg: dict[str, Any]) -> None:
         kind, content = msg["header"]["msg_type"], msg["content"]
-        if kind == "stream":
+        if kind == "execute_input":
+            count = content.get("execution_count")
+            if isinstance(count, int) and self.cell_number is not None:
+                self.numbers.by_count.setdefault(rank, {})[count] = self.cell_number
+        elif kind == "stream":
             name = content.get("name", "stdout")
             text = content.get("text", "")
             store = self.result.stdout if name == "stdout" else self.result.stderr
@@ -466,7 +521,7 @@ class CellRun:
         """
         missing = self.pending()
         by_rank = {e.rank: e for e in self.engines}
-        stacks = {r: read_stack(by_rank[r]) for r in missing}
+        stacks = {r: self.numbers.stack(read_stack(by_rank[r])) for r in missing}
         if not any(in_collective(st) for st in stacks.values()):
             self.first_done = time.monotonic()
             return
@@ -524,10 +579,8 @@ class CellRun:
 
     def _errors(self) -> list[RankError]:
         errs = [_to_rank_error(r, reply) for r, reply in sorted(self.replied.items())]
-        if self.cell_number is None:
-            return [e for e in errs if e is not None]
         return [
-            replace(e, traceback=number_cells(e.traceback, self.cell_number))
+            replace(e, traceback=self.numbers.traceback(e.rank, e.traceback))
             for e in errs
             if e is not None
         ]
@@ -559,6 +612,7 @@ def run_cell(
     shown: Sequence[int] = (0,),
     stall_timeout_s: float = 60.0,
     cell_number: int | None = None,
+    numbers: CellNumbers | None = None,
 ) -> CellResult:
     """Run ``code`` on every engine and wait, streaming the shown ranks' output to ``sink``.
 
@@ -570,6 +624,7 @@ def run_cell(
         shown: ranks whose output goes to the sink.
         stall_timeout_s: seconds ranks may keep running after the first rank finished.
         cell_number: the notebook's cell number, shown in tracebacks instead of the engine's.
+        numbers: the numbers of the cells run before (updated with this one).
 
     Returns:
         Every rank's output.
@@ -584,6 +639,8 @@ def run_cell(
         >>> run_cell(client, engines, "print(hvd.rank())").stdout[1]  # doctest: +SKIP
         '1' + chr(10)
     """
-    run = CellRun(client, engines, code, sink or NullSink(), shown, stall_timeout_s, cell_number)
+    run = CellRun(
+        client, engines, code, sink or NullSink(), shown, stall_timeout_s, cell_number, numbers
+    )
     run.send()
     return run.wait()
