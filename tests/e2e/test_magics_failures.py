@@ -325,3 +325,13 @@ def test_tracebacks_and_stacks_name_the_notebook_cells(ip):
     assert isinstance(err, StallError), cap.stdout
     assert "Cell In[32], line 2 in wait_here" in err.stacks[1], err.stacks[1]
     assert "Cell In[33], line 2 in <module>" in err.stacks[1]
+
+
+def test_hora_frames_are_hidden_from_engine_tracebacks(ip):
+    result, cap = run(ip, "%%distributed\nhvd.allreduce(torch.ones(1 + hvd.rank()))")
+    assert isinstance(result.error_in_exec, CellFailedError)
+    text = re.sub(r"\x1b\[[0-9;]*m", "", cap.stdout)
+    assert "hvd.allreduce(torch.ones(1 + hvd.rank()))" in text  # the user's own line
+    assert "frames inside hora hidden" in text
+    assert "hora/torch/" not in text and "_handles.py" not in text
+    assert "also failed on rank 1 (same error)" in text

@@ -46,7 +46,6 @@ from hora.engines.execute import (
     Engine,
     EnginesInterrupted,
     OutputSink,
-    in_collective,
     log_tail,
     rank_ranges,
     run_cell,
@@ -430,8 +429,7 @@ class Cluster:
             e.outcome = self._recover(e.still_running, forced=True)
             raise
         except CellFailedError as e:
-            in_op = any(in_collective("\n".join(err.traceback)) for err in e.errors)
-            e.outcome = self._recover(e.still_running, forced=bool(e.released) or in_op)
+            e.outcome = self._recover(e.still_running, forced=bool(e.released or e.in_collective))
             raise
         except EnginesInterrupted as e:
             e.outcome = self._recover(e.stuck, forced=bool(e.released)) or e.outcome

@@ -155,6 +155,8 @@ class CellFailedError(RankFailedError, EngineError):
             self.others_line = "\n".join(filter(None, [self.others_line, what]))
         self.released = list(released)
         self.still_running: list[int] = []
+        # ranks whose error came out of a collective (set by the cell run)
+        self.in_collective: list[int] = []
         self.outcome = ""
 
     def _render_traceback_(self) -> list[str]:

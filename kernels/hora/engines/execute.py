@@ -227,6 +227,46 @@ class CellNumbers:
         return _CELL_FILE.sub(sub, text)
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+HORA_FRAMES = ("/hora/torch/", "/hora/engines/")
+
+
+def hide_hora_frames(lines: Sequence[str]) -> list[str]:
+    """Drop the frames inside hora from an IPython traceback; one line says how many.
+
+    The user's own frames and the exception stay; what hora.torch did below the user's call
+    (signature checks, waits) explains nothing the message does not say.
+
+    Example:
+        >>> tb = ["Cell In[1], line 1", "--> 1 f()", "", "File /x/hora/torch/a.py:3, in g", ""]
+        >>> hide_hora_frames(tb + ["KeyError: 1"])
+        ['Cell In[1], line 1', '--> 1 f()', '', '(1 frame inside hora hidden)', '', 'KeyError: 1']
+    """
+    out: list[str] = []
+    block: list[str] = []
+    hidden = 0
+
+    def flush() -> None:
+        nonlocal hidden
+        head = _ANSI.sub("", block[0]).strip() if block else ""
+        if head.startswith("File ") and any(m in head for m in HORA_FRAMES):
+            hidden += 1
+            return
+        if hidden:
+            out.extend([f"({hidden} frame{'s' if hidden > 1 else ''} inside hora hidden)", ""])
+            hidden = 0
+        out.extend(block)
+
+    for line in lines:
+        block.append(line)
+        if not _ANSI.sub("", line).strip():
+            flush()
+            block = []
+    if block:
+        flush()
+    return out
+
+
 def _to_rank_error(rank: int, reply: Any) -> RankError | None:
     """Turn an engine's reply into a RankError, or None when the cell succeeded there."""
     ename = getattr(reply, "ename", None)
@@ -370,7 +410,7 @@ class CellRun:
         self.client, self.engines, self.code, self.sink = client, list(engines), code, sink
         self.cell_number = cell_number
         self.numbers = numbers if numbers is not None else CellNumbers()
-        self.engine_counts: dict[int, int] = {}
+        self.failed_in_collective: list[int] = []
         if cell_number is not None:
             self.numbers.note_code(code, cell_number)
         self.shown = set(shown)
@@ -579,8 +619,17 @@ class CellRun:
 
     def _errors(self) -> list[RankError]:
         errs = [_to_rank_error(r, reply) for r, reply in sorted(self.replied.items())]
+        # a collective that failed may leave its group unusable (a shape mismatch is caught
+        # before any data moves, so it does not)
+        self.failed_in_collective = [
+            e.rank
+            for e in errs
+            if e is not None
+            and e.ename != "TensorMismatchError"
+            and in_collective("\n".join(e.traceback))
+        ]
         return [
-            replace(e, traceback=self.numbers.traceback(e.rank, e.traceback))
+            replace(e, traceback=hide_hora_frames(self.numbers.traceback(e.rank, e.traceback)))
             for e in errs
             if e is not None
         ]
@@ -600,6 +649,7 @@ class CellRun:
         if errors:
             err = CellFailedError(errors, self.released)
             err.still_running = self.pending()
+            err.in_collective = self.failed_in_collective
             raise err
 
 
