@@ -41,15 +41,14 @@ from hora.engines.errors import (
     StallError,
 )
 from hora.engines.execute import (
-    CellNumbers,
     CellResult,
     Engine,
     EnginesInterrupted,
     OutputSink,
-    log_tail,
     rank_ranges,
     run_cell,
 )
+from hora.engines.report import CellNumbers, log_tail
 
 log = logging.getLogger("hora.engines")
 
