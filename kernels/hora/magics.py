@@ -141,8 +141,10 @@ class HoraMagics(Magics):
         super().__init__(shell)
         self.cluster: Any = None
         self.cell_number: int | None = None
-        # what the engines ran since they started, for %dist_submit
+        # what the engines ran since they started, for %dist_submit (the cluster's start
+        # count tells when they were restarted, by %dist_restart or after a stuck interrupt)
         self.history: list[Any] = []
+        self._history_of = 0
 
     def pre_run_cell(self, info: Any) -> None:
         """Note the number the notebook shows for the cell that starts (engines count apart).
@@ -178,7 +180,7 @@ class HoraMagics(Magics):
         from hora.engines import Cluster
 
         self.cluster = Cluster(options)
-        self.history = []
+        self.history, self._history_of = [], 0
         rows = self.cluster.start()
         title = f"{len(rows)} engines ready in {self.cluster.start_s:.1f}s ({self.cluster.backend})"
         display(
@@ -190,6 +192,11 @@ class HoraMagics(Magics):
                 title,
             )
         )
+
+    def _record(self, record: Any) -> None:
+        if self.cluster.starts != self._history_of:  # fresh engines: earlier cells are gone
+            self.history, self._history_of = [], self.cluster.starts
+        self.history.append(record)
 
     def _running(self) -> Any:
         from hora.engines import ClusterNotRunningError
@@ -282,7 +289,7 @@ class HoraMagics(Magics):
         cluster.push(values, ranks)
         from hora.engines.script import record_push
 
-        self.history.append(record_push(self.cell_number, values, ranks))
+        self._record(record_push(self.cell_number, values, ranks))
 
     @magic_arguments()
     @argument("names", nargs="+", help="engine variables to fetch")
@@ -374,7 +381,7 @@ class HoraMagics(Magics):
             sink.flush()
         from hora.engines.script import CellRecord
 
-        self.history.append(CellRecord(self.cell_number, code))
+        self._record(CellRecord(self.cell_number, code))
         if out:
             self._ns()[out] = cluster.pull(out)
 
@@ -400,6 +407,8 @@ class HoraMagics(Magics):
         if workers is None:
             raise UsageError("%dist_submit: no engines are running; pass --workers N")
         try:
+            if self.cluster is None or self.cluster.starts != self._history_of:
+                self.history = []
             text, blobs = render_script(self.history), pushed_blobs(self.history)
         except SpecError as e:
             raise UsageError(f"%dist_submit: {e}") from None

@@ -109,3 +109,13 @@ def test_what_cannot_be_carried_is_named(ip) -> None:
     assert run(ip, "%%distributed\nprint(f(1))")[0].success
     with pytest.raises(UsageError, match=r"%dist_push f in cell \[\d+\] cannot be carried"):
         ip.run_line_magic("dist_submit", "")
+
+
+def test_cells_lost_to_an_engine_restart_are_not_replayed(ip) -> None:
+    from hora import magics
+
+    assert run(ip, "%%distributed\nbefore = 1")[0].success
+    magics._MAGICS.cluster.restart()  # what a stuck interrupt does: fresh engines
+    assert run(ip, "%%distributed\nafter = 2")[0].success
+    history = magics._MAGICS.history
+    assert [r.code.strip() for r in history] == ["after = 2"]

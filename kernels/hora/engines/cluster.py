@@ -144,6 +144,7 @@ class Cluster:
         self.backend = ""
         self.rebuilds = 0
         self.replaced = 0
+        self.starts = 0
         self.numbers = CellNumbers()
         self._devices: list[str | None] = []
         self._logs_of: dict[int, Path] = {}
@@ -191,6 +192,7 @@ class Cluster:
             raise
         self.start_s = time.perf_counter() - t0
         self.state = State.READY
+        self.starts += 1
         log.info("%d engines ready in %.2fs", self.size, self.start_s)
         return self.table()
 
