@@ -250,10 +250,16 @@ _LAB_LAST_LINE = [0.0]
 
 def _pump(proc: subprocess.Popen[bytes]) -> None:
     assert proc.stdout is not None
+    shown = True
     for line in iter(proc.stdout.readline, b""):
         _LAB_LAST_LINE[0] = time.monotonic()
-        sys.stdout.buffer.write(line)
-        sys.stdout.flush()
+        if not shown:
+            continue  # keep draining: a full pipe would stall JupyterLab
+        try:
+            sys.stdout.buffer.write(line)
+            sys.stdout.flush()
+        except (OSError, ValueError):  # our stdout went away (closed pipe)
+            shown = False
 
 
 def wait_quiet(quiet_s: float = LAB_QUIET_S, timeout: float = 10.0) -> None:
