@@ -15,13 +15,11 @@ in the same engine processes (a fresh store on a new port), and the variables st
 from __future__ import annotations
 
 import atexit
-import enum
 import json
 import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,7 +30,6 @@ from typing import IO, Any
 
 from hora.engines import bootstrap, plan
 from hora.engines.errors import (
-    RECOVER,
     CellFailedError,
     ClusterBrokenError,
     ClusterNotRunningError,
@@ -45,25 +42,18 @@ from hora.engines.execute import (
     Engine,
     EnginesInterrupted,
     OutputSink,
-    rank_ranges,
     run_cell,
 )
+from hora.engines.recovery import Recovery
 from hora.engines.report import CellNumbers, log_tail
+from hora.engines.state import State
+from hora.launch.config import free_port
 
 log = logging.getLogger("hora.engines")
 
 # started clusters, held strongly so that a dropped Cluster object is still stopped at exit
 _LIVE: set[Cluster] = set()
 _ATEXIT: list[bool] = []
-
-
-class State(enum.Enum):
-    """Lifecycle of a cluster."""
-
-    STOPPED = "stopped"
-    STARTING = "starting"
-    READY = "ready"
-    BROKEN = "broken"
 
 
 def kernel_cuda_initialized() -> bool:
@@ -106,14 +96,7 @@ def visible_gpus(environ: dict[str, str] | None = None) -> list[plan.GpuInfo]:
     return plan.parse_nvidia_smi(gpus, apps, env.get("CUDA_VISIBLE_DEVICES"))
 
 
-def free_port() -> int:
-    """Return a TCP port that is free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Cluster:
+class Cluster(Recovery):
     """N persistent engines, one rank each, with ``hora.torch`` initialised.
 
     Args:
@@ -435,100 +418,6 @@ class Cluster:
         except EnginesInterrupted as e:
             e.outcome = self._recover(e.stuck, forced=bool(e.released)) or e.outcome
             raise
-
-    def _recover(self, stuck: Sequence[int], forced: bool) -> str:
-        """Make the engines usable after a failed cell; say what was done ("" if nothing).
-
-        Ranks that never ended the cell cannot be reached: the engines are restarted (their
-        variables are lost). Otherwise the process group is rebuilt in the same engines when
-        the cell broke it (a collective failed, ranks were released from one, or ranks left
-        the cell at different collectives); the variables stay.
-        """
-        if stuck:
-            return self._restart_after(f"{rank_ranges(stuck)} did not stop")
-        if not forced:
-            try:
-                counts = self._collective_counts()
-            except Exception as exc:  # an engine that cannot answer cannot be trusted
-                return self._restart_after(f"the engines did not answer ({exc})")
-            if len(set(counts.values())) <= 1:
-                return ""
-        try:
-            self._rebuild()
-        except Exception as exc:  # any failure here leaves a full restart as the way out
-            return self._restart_after(f"rebuilding the process group failed ({exc})")
-        return "process group rebuilt; engines usable, variables kept"
-
-    def _after_death(self, e: RankDiedError) -> str:
-        """Replace the dead engines and rebuild the group; say which variables were lost."""
-        reason = "; ".join(f"rank {r} died" for r in sorted(e.dead))
-        if e.running:  # a survivor never ended the cell: only a restart reaches it
-            self.state, self.broken_reason = State.BROKEN, reason
-            return RECOVER
-        try:
-            return self._replace(sorted(e.dead))
-        except Exception as exc:  # the death stays the error shown; the way out is a restart
-            log.warning("replacing the engines of %s failed: %s", rank_ranges(list(e.dead)), exc)
-            self.state, self.broken_reason = State.BROKEN, reason
-            return f"replacing the dead engines failed ({exc}); {RECOVER}"
-
-    def _replace(self, dead: Sequence[int]) -> str:
-        """Start new engines for the ``dead`` ranks; the others keep theirs and their variables.
-
-        The survivors rebuild the process group on a fresh store, and the new engines join it
-        as they start (their rank environment names that store).
-        """
-        survivors = [e for e in self.engines if e.rank not in dead]
-        view = self.client[[e.engine_id for e in survivors]]
-        names = sorted(set().union(*view.apply_async(bootstrap.user_names).get(timeout=10)))
-        deadline = time.perf_counter() + self.options.start_timeout_s
-        port, before = free_port(), set(self.client.ids)
-        self.replaced += 1
-        self._pending = [(r, self._spawn_engine(r, port)) for r in dead]
-        rebuilt = view.apply_async(bootstrap.rebuild_group, port, self.options.start_timeout_s)
-        self._wait(
-            f"waiting for {len(dead)} new engines to register",
-            deadline,
-            lambda: len(set(self.client.ids) - before) >= len(dead),
-        )
-        fresh = self._init_engines(sorted(set(self.client.ids) - before), deadline)
-        rebuilt.get(timeout=max(1.0, deadline - time.perf_counter()))
-        self.engines = sorted(survivors + fresh, key=lambda e: e.rank)
-        self._pending = []
-        for rank in dead:  # a new engine counts its cells from 1 again
-            self.numbers.by_count.pop(rank, None)
-        # what a fresh engine defines by itself (hvd, torch) was not lost
-        own = set(self.client[fresh[0].engine_id].apply_sync(bootstrap.user_names))
-        lost = ", ".join(n for n in names if n not in own) or "none"
-        kept = rank_ranges([e.rank for e in survivors])
-        return (
-            f"engine replaced; variables lost on {rank_ranges(dead)}: {lost}; "
-            f"{kept} kept theirs; process group rebuilt"
-        )
-
-    def _restart_after(self, reason: str) -> str:
-        log.warning("%s; restarting the engines", reason)
-        try:
-            self.restart()
-        except Exception as exc:  # the cell's own error stays the one raised
-            self.state, self.broken_reason = State.BROKEN, f"{reason}; restart failed: {exc}"
-            return f"{reason}; restarting the engines failed ({exc}): {RECOVER}"
-        return f"{reason}; the engines were restarted (their variables are lost)"
-
-    def _rebuild(self) -> None:
-        """Abort the process group on every rank and make a new one on a fresh store."""
-        t0 = time.perf_counter()
-        port = free_port()
-        self._view(None).apply_async(bootstrap.rebuild_group, port).get(
-            timeout=self.options.start_timeout_s
-        )
-        self.rebuilds += 1
-        log.info("process group rebuilt in %.2fs (store port %d)", time.perf_counter() - t0, port)
-
-    def _collective_counts(self) -> dict[int, int]:
-        view = self.client[[e.engine_id for e in self.engines]]
-        counts = view.apply_async(bootstrap.collective_count).get(timeout=10)
-        return {e.rank: c for e, c in zip(self.engines, counts, strict=True)}
 
     def push(self, values: dict[str, Any], ranks: Sequence[int] | None = None) -> None:
         """Copy variables into the engines' namespaces (tensors go to each engine's device).

@@ -1,0 +1,18 @@
+"""The lifecycle states of a notebook cluster (data plane).
+
+STOPPED -> STARTING -> READY; READY -> BROKEN when a rank can be reached no more (it died
+while another was still inside the cell); ``restart`` leads back to READY.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class State(enum.Enum):
+    """Lifecycle of a cluster."""
+
+    STOPPED = "stopped"
+    STARTING = "starting"
+    READY = "ready"
+    BROKEN = "broken"
