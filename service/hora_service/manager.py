@@ -13,7 +13,11 @@ Durability: every transition is written to SQLite before and after processes sta
 each rank's shim leaves pid and exit files in its run directory. :meth:`JobManager.start`
 re-adopts ranks still alive from an earlier run of the service, records how finished ones
 ended, and fails (then retries per policy) attempts whose ranks vanished without a trace.
-A slot is held until every process of the attempt holding it is gone.
+A slot is held until every process of the attempt holding it is gone: when an attempt
+ends (success, failure, cancel, timeout), the runtime kills whatever is left in its process
+container (:meth:`Runtime.clear`), and the slots are freed only once it reports the container
+empty. Jobs run as their user's OS account in multi-user mode (:mod:`hora_service.identity`),
+with an environment built from an allow-list (:func:`~hora_service.runtimes.local.allowed_env`).
 """
 
 from __future__ import annotations
@@ -35,11 +39,13 @@ from hora.errors import HoraError, SpecError
 from hora.launch.config import free_port
 from hora.spec import PRIORITY_RANK, JobSpec, JobState
 
-from hora_service import runtimes
+from hora_service import identity, runtimes
 from hora_service.inventory import Slot, inventory
 from hora_service.models import JobRecord, MetricsSnapshot, SlotInfo, User
 from hora_service.runtimes import AttemptPlan, Exit, RankProcess, Runtime
 from hora_service.runtimes.base import RankStatus, first_failure
+from hora_service.runtimes.containment import Containment, detect
+from hora_service.runtimes.local import allowed_env
 from hora_service.scheduler import INF, Holding, Pending, schedule
 from hora_service.settings import Settings
 from hora_service.store import Store, token_hash
@@ -68,6 +74,8 @@ class Attempt:
     kill_at: float = INF
     retriable: bool = True
     codes: list[RankStatus] = field(default_factory=list)
+    clearing_since: float | None = None
+    stuck_reported: bool = False
 
     def stop(self, state: JobState, reason: str, now: float, grace: float, retry: bool) -> None:
         """Begin stopping every rank: SIGTERM now, SIGKILL at ``now + grace``."""
@@ -127,7 +135,9 @@ class JobManager:
         self._attempts: dict[int, Attempt] = {}
         self._dirty = True
         self._runtimes: dict[str, Runtime] = dict(runtimes or {})
-        self._base_env = dict(os.environ)
+        self._base_env = allowed_env(os.environ, settings.job_env_passthrough)
+        self.user_mode = identity.resolve_mode(settings.user_mode)
+        self._containment: Containment | None = None
         self._latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
         self._latency_sum = 0.0
         self._latency_count = 0
@@ -143,7 +153,9 @@ class JobManager:
     def open_store(self) -> Store:
         """Open (and migrate) the SQLite store if it is not open yet."""
         if self.store is None:
-            self.settings.data_dir.mkdir(parents=True, exist_ok=True)
+            for d in (self.settings.data_dir, self.settings.logs_dir):
+                d.mkdir(parents=True, exist_ok=True)
+                d.chmod(0o700)  # the service's alone: jobs never read the store or others' logs
             self.store = Store(self.settings.db_path)
         return self.store
 
@@ -203,21 +215,60 @@ class JobManager:
 
     # users ------------------------------------------------------------------------------
 
-    def create_user(self, name: str, admin: bool = False, quota: int | None = None) -> str:
+    def create_user(
+        self,
+        name: str,
+        admin: bool = False,
+        quota: int | None = None,
+        uid: int | None = None,
+        make_account: bool = False,
+    ) -> str:
         """Create a user and return their token (shown once; only its hash is stored).
+
+        Args:
+            name: the user's name.
+            admin: sees and acts on every job.
+            quota: most slots this user's running jobs may hold.
+            uid: in multi-user mode, the existing OS account their jobs run as.
+            make_account: in multi-user mode without ``uid``, create the account
+                ``hora-NAME`` (see :func:`hora_service.identity.create_account`).
 
         Raises:
             SpecError: the name is empty, too long, or has characters other than letters,
-                digits, ``.``, ``_`` and ``-``.
-            hora_service.store.StoreError: the name is taken.
+                digits, ``.``, ``_`` and ``-``; the account cannot be used or created; a
+                second user in single-user mode.
+            hora_service.store.StoreError: the name is taken, or the uid is another user's.
         """
         if not name or len(name) > 64 or not set(name) <= USER_NAME_CHARS or name[0] in ".-":
             raise SpecError("name", f"{name!r} is not a user name (letters, digits, . _ -)")
         if quota is not None and quota < 1:
             raise SpecError("quota", "a GPU quota must be at least 1")
+        store = self.open_store()
+        self._check_mode(store, name, uid)
+        if self.user_mode == "multi" and store.user_by_name(name) is None:
+            if uid is not None:
+                uid = identity.run_as(uid).uid
+            elif make_account:
+                uid = identity.create_account(name).uid
         token = secrets.token_urlsafe(32)
-        self.open_store().add_user(name, token_hash(token), admin, quota)
+        store.add_user(name, token_hash(token), admin, quota, os_uid=uid)
         return token
+
+    def _check_mode(self, store: Store, name: str, uid: int | None) -> None:
+        if uid is not None and self.user_mode != "multi":
+            raise identity.IdentityError(
+                "uid", f"--uid needs multi-user mode (this service is in {self.user_mode} mode)"
+            )
+        others = [u.name for u in store.users() if u.name != name]
+        if self.user_mode == "single" and others:
+            raise identity.IdentityError(
+                "name",
+                f"single-user mode: this service already has user {others[0]!r}. Jobs run as "
+                "the service's own OS account (it is not root, so it cannot run them as "
+                "anyone else), and a second user's jobs could read and change the first's "
+                "files and the service's. Run the service as root for multi-user mode, or "
+                "set HORA_USER_MODE=shared to accept that.",
+            )
 
     def remove_user(self, name: str) -> bool:
         """Delete a user; their token stops working. False if there was none."""
@@ -283,6 +334,8 @@ class JobManager:
         quota = self._quotas().get(user, self.settings.user_gpu_quota)
         if quota is not None and need > quota:
             raise SpecError(field, f"asks for {need} {unit}; your quota is {quota}")
+        if self.user_mode == "multi":
+            self._run_as(user)
         self._runtime(spec.runtime.value)
         if spec.image is not None and spec.runtime.value != "docker":
             raise SpecError("image", "an image is used only by the docker runtime")
@@ -480,16 +533,40 @@ class JobManager:
                 timeout = attempt.plan.spec.timeout_s or 0
                 attempt.stop(JobState.failed, f"timed out after {timeout:g}s", now, grace, False)
             elif all(c == 0 for c in attempt.codes):
-                self._finish(attempt, JobState.succeeded, None, now)
+                if self._cleared(attempt, now):
+                    self._finish(attempt, JobState.succeeded, None, now)
                 return
         if attempt.stop_state is None:
             return
         if all(c is not Exit.running for c in attempt.codes):
-            self._finish(attempt, attempt.stop_state, attempt.stop_reason, now)
+            if self._cleared(attempt, now):
+                self._finish(attempt, attempt.stop_state, attempt.stop_reason, now)
         elif now >= attempt.kill_at:
+            self._runtime(attempt.plan.spec.runtime.value).clear(attempt.plan)
             for rank, code in zip(attempt.ranks, attempt.codes, strict=True):
                 if code is Exit.running:
                     rank.signal(signal.SIGKILL)
+
+    def _cleared(self, attempt: Attempt, now: float) -> bool:
+        """Every rank has ended: kill what is left of the attempt; True once nothing is.
+
+        Until then the attempt keeps its slots (a leftover process may hold a GPU); one that
+        cannot be emptied within ``clear_timeout_s`` is logged as stuck, and still held.
+        """
+        if self._runtime(attempt.plan.spec.runtime.value).clear(attempt.plan):
+            return True
+        if attempt.clearing_since is None:
+            attempt.clearing_since = now
+        elif now - attempt.clearing_since > self.settings.clear_timeout_s:
+            if not attempt.stuck_reported:
+                attempt.stuck_reported = True
+                log.error(
+                    "job %d attempt %d: processes are left after %.0fs of killing; its slots "
+                    "%s stay held until they are gone",
+                    attempt.job_id, attempt.plan.attempt, now - attempt.clearing_since,
+                    list(attempt.plan.slots),
+                )  # fmt: skip
+        return False
 
     def _finish(self, attempt: Attempt, state: JobState, reason: str | None, now: float) -> None:
         """The attempt's processes are all gone: free its slots and record the outcome."""
@@ -547,13 +624,16 @@ class JobManager:
         )  # fmt: skip
         plan = self._plan(job, n, slots, self.settings.work_root, 0)
         try:
-            plan = self._plan(job, n, slots, self.workdir(job.spec), free_port())
+            who = self._run_as_id(job.user_id) if self.user_mode == "multi" else None
+            plan = self._plan(job, n, slots, self.workdir(job.spec), free_port(), who)
             ranks = self._runtime(job.spec.runtime.value).start(plan, self._base_env)
         except (OSError, HoraError) as e:
             reason = f"could not start the ranks: {e}"
             log.warning("job %d: %s", job_id, reason)
+            # whatever did start is killed and cleared before the slots are free
             self._attempts[job_id] = attempt = Attempt(job_id, job.user, plan, [], now, None)
-            self._finish(attempt, JobState.failed, reason, now)
+            attempt.stop(JobState.failed, reason, now, 0.0, retry=True)
+            self._poll(attempt, now)
             return
         running = time.time()
         timeout = job.spec.timeout_s
@@ -568,8 +648,17 @@ class JobManager:
             self._latency_count += 1
 
     def _plan(
-        self, job: JobRecord, attempt: int, slots: Sequence[int], workdir: Path, port: int
+        self,
+        job: JobRecord,
+        attempt: int,
+        slots: Sequence[int],
+        workdir: Path,
+        port: int,
+        run_as: identity.RunAs | None = None,
     ) -> AttemptPlan:
+        if self._containment is None:
+            self._containment = detect(self.settings.containment, self.settings.data_dir)
+            log.info("attempts are contained by %s", self._containment.kind)
         return AttemptPlan(
             job_id=job.id,
             attempt=attempt,
@@ -579,6 +668,9 @@ class JobManager:
             run_dir=self.settings.logs_dir / str(job.id) / str(attempt),
             workdir=workdir,
             master_port=port,
+            run_as=run_as,
+            container=self._containment.container(job.id, attempt),
+            log_bytes=self.settings.log_bytes_per_attempt,
         )
 
     # recovery ---------------------------------------------------------------------------
@@ -638,6 +730,25 @@ class JobManager:
     def _quotas(self) -> dict[str, int]:
         """User -> their own GPU quota, for the users that have one (one query a pass)."""
         return {u.name: u.gpu_quota for u in self.open_store().users() if u.gpu_quota is not None}
+
+    def _run_as(self, user: str) -> identity.RunAs:
+        """The OS account ``user``'s jobs run as (multi-user mode).
+
+        Raises:
+            SpecError: the user has none, or it cannot be used.
+        """
+        found = self.open_store().user_by_name(user)
+        return self._run_as_id(found.id if found is not None else None)
+
+    def _run_as_id(self, user_id: int | None) -> identity.RunAs:
+        found = self.open_store().user_by_id(user_id) if user_id is not None else None
+        if found is None or found.os_uid is None:
+            raise SpecError(
+                "user",
+                "this user has no OS account to run jobs as (multi-user mode); an admin "
+                "assigns one with `hora user add NAME --uid N` for a new user",
+            )
+        return identity.run_as(found.os_uid)
 
     def _runtime(self, name: str) -> Runtime:
         if name not in self._runtimes:

@@ -135,6 +135,9 @@ def server_env(
             "HORA_MONITOR_INTERVAL_S": "0.1",
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
+            "HORA_USER_MODE": os.environ.get("HORA_USER_MODE", "shared"),
+            # jobs get a clean environment; these let them import this checkout's code
+            "HORA_JOB_ENV_PASSTHROUGH": "PYTHONPATH,OMP_NUM_THREADS,PYTHONUNBUFFERED",
         }
     )
     env.update(extra or {})

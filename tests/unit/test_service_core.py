@@ -9,6 +9,7 @@ run in tests/e2e/test_service_runtime.py and the other service e2e tests.
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import sqlite3
 import time
@@ -21,7 +22,8 @@ from hora_service.inventory import detect_gpus, inventory, parse_nvidia_smi, tor
 from hora_service.manager import JobManager
 from hora_service.runtimes import AttemptPlan, Exit, RankProcess, Runtime
 from hora_service.runtimes.base import RankStatus
-from hora_service.runtimes.local import SHIM, rank_argv, rank_environment
+from hora_service.identity import RunAs
+from hora_service.runtimes.local import SHIM, allowed_env, rank_argv, rank_environment
 from hora_service.settings import Settings
 from hora_service.store import MIGRATIONS, SCHEMA_VERSION, Store, StoreError, token_hash
 
@@ -315,14 +317,22 @@ def plan(tmp_path: Path, kind: str = "gpu", **kw: object) -> AttemptPlan:
 def test_rank_argv_passes_hostile_arguments_verbatim(tmp_path: Path) -> None:
     argv = rank_argv(plan(tmp_path, workers=2, gpus_per_worker=2), 1, python="/py")
     run_dir = str(tmp_path / "run dir")
-    assert argv == ["/py", "-S", str(SHIM), run_dir, "1", "--", "python", *HOSTILE]
+    # -I: the shim ignores PYTHONPATH and user site dirs, so a job cannot replace its modules
+    assert argv == ["/py", "-I", "-S", str(SHIM), run_dir, "1", "--", "python", *HOSTILE]
 
 
 def test_rank_environment_contract(tmp_path: Path) -> None:
     p = plan(tmp_path, workers=2, gpus_per_worker=2, env={"RANK": "99", "SEED": "$(id)"})
-    base = {"PATH": "/bin", "HORA_TOKEN": "s", "HORA_DATA_DIR": "/x", "CUDA_VISIBLE_DEVICES": "0"}
+    service = {
+        "PATH": "/bin", "HOME": "/root", "LC_ALL": "C", "HORA_TOKEN": "s", "HORA_DATA_DIR": "/x",
+        "CUDA_VISIBLE_DEVICES": "0", "AWS_SECRET_ACCESS_KEY": "k", "PYTHONPATH": "/svc",
+        "LD_PRELOAD": "/x.so", "OMP_NUM_THREADS": "1",
+    }  # fmt: skip
+    base = allowed_env(service, passthrough=["OMP_NUM_THREADS"])
+    assert base == {"PATH": "/bin", "HOME": "/root", "LC_ALL": "C", "OMP_NUM_THREADS": "1"}
     env = rank_environment(p, 1, base)
     assert env["PATH"] == "/bin" and "HORA_TOKEN" not in env and "HORA_DATA_DIR" not in env
+    assert not {"AWS_SECRET_ACCESS_KEY", "PYTHONPATH", "LD_PRELOAD"} & set(env)
     assert env["SEED"] == "$(id)"  # the job's env, as given
     world = (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_SIZE"])
     assert world == ("1", "2", "1", "2")  # hora's contract wins over the job's RANK=99
@@ -330,6 +340,15 @@ def test_rank_environment_contract(tmp_path: Path) -> None:
     assert env["CUDA_VISIBLE_DEVICES"] == "6,7" and env["HORA_RESTART_COUNT"] == "1"
     assert env["HORA_JOB_ID"] == "7" and env["PYTHONUNBUFFERED"] == "1"
     assert rank_environment(plan(tmp_path, "cpu"), 0, {})["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_rank_environment_of_a_job_account(tmp_path: Path) -> None:
+    who = RunAs(uid=1234, gid=1234, home=Path("/home/hora-ann"), user="hora-ann")
+    p = dataclasses.replace(plan(tmp_path, env={"HOME": "/mine"}), run_as=who)
+    env = rank_environment(p, 0, {"HOME": "/root", "USER": "root", "PATH": "/bin"})
+    assert (env["USER"], env["LOGNAME"], env["PATH"]) == ("hora-ann", "hora-ann", "/bin")
+    assert env["HOME"] == "/mine"  # the job's own env may set its HOME; never the service's
+    assert rank_environment(dataclasses.replace(p, spec=spec()), 0, {})["HOME"] == str(who.home)
 
 
 # --- settings and inventory ------------------------------------------------------------
