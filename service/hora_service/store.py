@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -130,6 +131,7 @@ class Store:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        _owner_only(path)
         self.engine: Engine = create_engine(
             f"sqlite:///{path}",
             connect_args={"check_same_thread": False, "timeout": 30},
@@ -403,6 +405,17 @@ class Store:
         with self.engine.connect() as conn:
             rows = conn.execute(text("SELECT state, COUNT(*) FROM jobs GROUP BY state"))
             return {r[0]: int(r[1]) for r in rows}
+
+
+def _owner_only(path: Path) -> None:
+    """Create the database file readable and writable by the service's account only.
+
+    SQLite gives its ``-wal`` and ``-shm`` files the database file's mode.
+    """
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    for f in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        if f.exists():
+            f.chmod(0o600)
 
 
 def _user(row: Any) -> User:

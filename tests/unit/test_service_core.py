@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 from hora.errors import SpecError
 from hora.spec import JobSpec, JobState
+from hora_service.identity import RunAs
 from hora_service.inventory import detect_gpus, inventory, parse_nvidia_smi, torch_gpus
 from hora_service.manager import JobManager
 from hora_service.runtimes import AttemptPlan, Exit, RankProcess, Runtime
 from hora_service.runtimes.base import RankStatus
-from hora_service.identity import RunAs
 from hora_service.runtimes.local import SHIM, allowed_env, rank_argv, rank_environment
 from hora_service.settings import Settings
 from hora_service.store import MIGRATIONS, SCHEMA_VERSION, Store, StoreError, token_hash
@@ -50,6 +50,15 @@ class ScriptedRuntime(Runtime):
     def __init__(self) -> None:
         self.started: list[tuple[AttemptPlan, list[ScriptedRank]]] = []
         self.obeys_term = True
+        self.leftovers = 0  # passes for which processes are left in the attempt's container
+        self.clears = 0
+
+    def _clear(self, plan: AttemptPlan) -> bool:
+        self.clears += 1
+        if self.leftovers > 0:
+            self.leftovers -= 1
+            return False
+        return super()._clear(plan)
 
     def _start(self, plan: AttemptPlan, base_env: dict[str, str]) -> list[RankProcess]:
         ranks = [ScriptedRank(r, self.obeys_term) for r in range(plan.spec.workers)]
@@ -71,7 +80,7 @@ def rt() -> ScriptedRuntime:
 def mgr(tmp_path: Path, rt: ScriptedRuntime) -> JobManager:
     settings = Settings(
         data_dir=tmp_path / "data", work_root=tmp_path, gpus="0", cpu_slots=4,
-        kill_grace_s=5, retry_backoff_s=2,
+        kill_grace_s=5, retry_backoff_s=2, containment="tag",  # scripted ranks: no processes
     )  # fmt: skip
     m = JobManager(settings, runtimes={"local": rt})
     m.open_store()
@@ -152,6 +161,28 @@ def test_cancel_escalates_to_sigkill_and_holds_slots_until_gone(
     assert state(mgr, job.id) == JobState.cancelled
     assert state(mgr, blocked.id) == JobState.running  # the freed slots went to the next job
     assert mgr.cancel(job.id).state == JobState.cancelled  # a no-op now
+
+
+def test_slots_stay_held_until_no_process_of_the_attempt_is_left(
+    mgr: JobManager, rt: ScriptedRuntime, caplog: pytest.LogCaptureFixture
+) -> None:
+    job = mgr.submit("ann", spec(workers=2))
+    mgr.tick()
+    _, ranks = rt.started[0]
+    for r in ranks:
+        r.status = 0  # both ranks exited 0, but a daemon of theirs lives on
+    rt.leftovers = 10**6
+    t0 = time.time()
+    for dt in (0, 1, 31, 32):  # clear_timeout_s is 30
+        mgr.tick(now=t0 + dt)
+        assert state(mgr, job.id) == JobState.running
+        assert sum(s.job_id == job.id for s in mgr.slots()) == 2
+    assert "stay held until they are gone" in caplog.text
+    assert caplog.text.count("stay held") == 1  # reported once, not every pass
+    rt.leftovers = 0  # the kill worked at last
+    mgr.tick(now=t0 + 40)
+    assert state(mgr, job.id) == JobState.succeeded
+    assert all(s.job_id is None for s in mgr.slots())
 
 
 def test_retry_waits_for_backoff_then_starts_next_attempt(
@@ -444,7 +475,9 @@ def test_a_launch_that_fails_is_a_failed_attempt(mgr: JobManager, tmp_path: Path
 
 
 def test_restart_finishes_a_cancel_that_was_under_way(tmp_path: Path) -> None:
-    settings = Settings(data_dir=tmp_path / "d", work_root=tmp_path, gpus="0", cpu_slots=2)
+    settings = Settings(
+        data_dir=tmp_path / "d", work_root=tmp_path, gpus="0", cpu_slots=2, containment="tag"
+    )
     before = ScriptedRuntime()
     before.obeys_term = False
     first = JobManager(settings, runtimes={"local": before})

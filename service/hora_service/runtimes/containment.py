@@ -106,6 +106,8 @@ class Container:
                 if e.errno == errno.EBUSY:
                     return False
                 raise
+            with contextlib.suppress(OSError):  # the service's directory, once it is empty
+                d.parent.rmdir()
         return True
 
     def _freeze(self, on: bool) -> None:
@@ -167,7 +169,7 @@ def detect(preference: str, data_dir: Path, fs: Path = CGROUP_FS) -> Containment
     order = [("cgroup2", [fs])] if pure_v2 else []
     order += [("cgroup1", [fs / "freezer", fs / "pids"]), ("cgroup2", [fs / "unified"])]
     for kind, roots in order:
-        if preference in ("auto", kind) and _usable(kind, roots, instance):
+        if preference in ("auto", kind) and _usable(roots):
             return Containment(kind, instance, tuple(roots))
     if preference not in ("auto", "tag"):
         raise OSError(f"containment {preference!r} is not usable here (no writable cgroup)")
@@ -179,13 +181,15 @@ def detect(preference: str, data_dir: Path, fs: Path = CGROUP_FS) -> Containment
     return Containment("tag", instance)
 
 
-def _usable(kind: str, roots: list[Path], instance: str) -> bool:
+def _usable(roots: list[Path]) -> bool:
     for root in roots:
         if not (root / "cgroup.procs").exists():
             return False
         try:
-            (root / "hora" / instance).mkdir(parents=True, exist_ok=True)
+            (root / "hora").mkdir(exist_ok=True)
         except OSError:
+            return False
+        if not os.access(root / "hora", os.W_OK):
             return False
     return True
 
