@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from hora.errors import SpecError
 from hora.spec import JobSpec, JobState
+from hora_service import identity
 from hora_service.identity import RunAs
 from hora_service.inventory import detect_gpus, inventory, parse_nvidia_smi, torch_gpus
 from hora_service.manager import JobManager
@@ -287,6 +288,62 @@ def test_users_tokens_are_hashed(mgr: JobManager, tmp_path: Path) -> None:
     assert mgr.remove_user("ann") and mgr.user_for_token(token) is None
 
 
+def test_a_recreated_name_does_not_inherit_the_old_users_jobs(mgr: JobManager) -> None:
+    mgr.create_user("ann")
+    old = mgr.submit("ann", spec(submission_id="s1"))
+    first = mgr.user_for_token(mgr.create_user("bob"))
+    assert mgr.remove_user("ann")
+    token = mgr.create_user("ann")
+    new = mgr.user_for_token(token)
+    assert new is not None and first is not None and new.id > first.id  # ids are never reused
+    assert mgr.list_jobs("ann", None, 50, 0) == ([], 0)
+    again = mgr.submit("ann", spec(submission_id="s1"))  # the old submission id is free
+    assert again.id != old.id and again.user_id == new.id
+    assert mgr.get(old.id).user_id != new.id  # type: ignore[union-attr]
+
+
+def test_single_user_mode_refuses_a_second_user(tmp_path: Path) -> None:
+    single = JobManager(Settings(data_dir=tmp_path / "d", user_mode="single", gpus="0"))
+    single.create_user("ann")
+    with pytest.raises(SpecError, match="HORA_USER_MODE=shared") as e:
+        single.create_user("bob")
+    assert e.value.field == "name" and "single-user mode" in str(e.value)
+    with pytest.raises(SpecError, match="multi-user mode"):
+        single.create_user("ann2", uid=4321)
+    single.close_store()
+    shared = JobManager(Settings(data_dir=tmp_path / "d", user_mode="shared", gpus="0"))
+    shared.create_user("bob")  # the admin opted in
+    assert [u.name for u in shared.list_users()] == ["ann", "bob"]
+    shared.close_store()
+
+
+def test_multi_user_mode_needs_root_and_a_safe_account(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match="needs a service running as root"):
+        identity.resolve_mode("multi", euid=1000)
+    with pytest.raises(SpecError, match="root"):
+        identity.run_as(0)
+    with pytest.raises(SpecError, match="service's own account"):
+        identity.run_as(1000, service_uid=1000)
+    nobody = 65534
+    with pytest.raises(SpecError, match="unprivileged"):
+        identity.run_as(nobody, service_uid=nobody)
+    store = Store(tmp_path / "hora.db")
+    store.add_user("ann", "h1", os_uid=nobody)
+    with pytest.raises(StoreError, match="already runs the jobs of user 'ann'"):
+        store.add_user("bob", "h2", os_uid=nobody)
+    store.close()
+
+
+def test_multi_user_mode_refuses_jobs_of_a_user_without_an_account(tmp_path: Path) -> None:
+    mgr = JobManager(Settings(data_dir=tmp_path / "d", gpus="0", containment="tag"))
+    mgr.user_mode = "multi"  # what a root service resolves to; no account is created here
+    mgr.create_user("ann")
+    with pytest.raises(SpecError, match="no OS account") as e:
+        mgr.submit("ann", spec())
+    assert e.value.field == "user"
+    mgr.close_store()
+
+
 def test_metrics_count_latency_and_slots(mgr: JobManager, rt: ScriptedRuntime) -> None:
     mgr.submit("ann", spec(workers=3))
     mgr.submit("ann", spec(workers=3))
@@ -314,12 +371,18 @@ def test_old_database_is_migrated_in_place(tmp_path: Path) -> None:
         conn.execute(statement)
     conn.execute("PRAGMA user_version = 1")
     conn.execute("INSERT INTO users VALUES ('ann', 'h', 1, 0)")
+    conn.execute(
+        "INSERT INTO jobs (user, spec, state, priority, need, created_at) "
+        "VALUES ('ann', '{}', 'succeeded', 1, 1, 0)"
+    )
     conn.commit()
     conn.close()
     store = Store(db)
     assert store.migrate() == SCHEMA_VERSION  # already current on a second open
     (user,) = store.users()
     assert (user.name, user.is_admin, user.gpu_quota) == ("ann", True, None)
+    with sqlite3.connect(db) as c:  # v3: the job now belongs to ann's stable id
+        assert c.execute("SELECT user_id FROM jobs").fetchall() == [(user.id,)]
     with sqlite3.connect(db) as c:
         assert c.execute("PRAGMA journal_mode").fetchone() == ("wal",)
     store.close()
