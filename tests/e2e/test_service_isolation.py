@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -337,3 +338,57 @@ def test_each_containment_kills_a_setsid_daemon(root: None, tmp_path: Path, kind
         box.remove()
         proc.kill()
         proc.wait(timeout=10)
+
+
+def hora_user(data_dir: Path, mode: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HORA_")}
+    env["HORA_USER_MODE"] = mode
+    return subprocess.run(
+        [sys.executable, "-m", "hora.cli", "user", *args, "--data-dir", str(data_dir)],
+        env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def test_user_add_creates_and_guards_os_accounts(root: None, tmp_path: Path) -> None:
+    name = f"iso{secrets.token_hex(3)}c"
+    account = identity.account_name(name)
+    try:
+        done = hora_user(tmp_path, "multi", "add", name)
+        assert done.returncode == 0, done.stderr
+        uid = identity.run_as(int(re.search(r"uid (\d+)", done.stderr).group(1))).uid  # type: ignore[union-attr]
+        assert identity.run_as(uid).user == account
+        assert f"{name}  uid={uid}" in hora_user(tmp_path, "multi", "list").stdout
+        # the same uid for a second user would let one user touch the other's files
+        taken = hora_user(tmp_path, "multi", "add", name + "x", "--uid", str(uid))
+        assert taken.returncode == 1 and "already runs the jobs of user" in taken.stderr
+        for bad in ("0", str(os.geteuid())):
+            refused = hora_user(tmp_path, "multi", "add", name + "y", "--uid", bad)
+            assert refused.returncode == 1 and "unprivileged" in refused.stderr
+        assert hora_user(tmp_path, "multi", "remove", name).returncode == 0
+        # re-adding the name does not silently reuse the account (it may hold the old files)
+        again = hora_user(tmp_path, "multi", "add", name)
+        assert again.returncode == 1 and f"userdel -r {account}" in again.stderr
+        assert len(again.stderr.splitlines()) == 1, again.stderr
+    finally:
+        subprocess.run(["userdel", "-r", account], capture_output=True)
+
+
+def test_single_user_mode_refuses_a_second_user_with_the_reason(tmp_path: Path) -> None:
+    assert hora_user(tmp_path, "single", "add", "ann").returncode == 0
+    second = hora_user(tmp_path, "single", "add", "bob")
+    assert second.returncode == 1
+    assert "single-user mode" in second.stderr and "HORA_USER_MODE=shared" in second.stderr
+    assert hora_user(tmp_path, "shared", "add", "bob").returncode == 0
+
+
+def test_a_removed_users_token_stops_at_the_next_request(tmp_path: Path) -> None:
+    from hora_service.manager import JobManager
+    from hora_service.settings import Settings
+
+    with ServiceServer(tmp_path) as srv, srv.client("ann") as ann:
+        assert ann.get("/v1/jobs").status_code == 200
+        other = JobManager(Settings(data_dir=srv.data_dir))  # as `hora user remove` does
+        assert other.remove_user("ann")
+        other.close_store()
+        assert ann.get("/v1/jobs").status_code == 401
+        assert ann.post("/v1/jobs", json={"command": ["true"]}).status_code == 401
