@@ -392,3 +392,38 @@ def test_a_removed_users_token_stops_at_the_next_request(tmp_path: Path) -> None
         other.close_store()
         assert ann.get("/v1/jobs").status_code == 401
         assert ann.post("/v1/jobs", json={"command": ["true"]}).status_code == 401
+
+
+NOISY = """\
+import time
+for i in range(20000):
+    print(f"line {i:06d}", flush=True)
+    if i % 2000 == 0:
+        time.sleep(0.3)  # let the follower catch up, so that it is past the cut when it comes
+print("END", flush=True)
+"""
+
+
+def test_a_followed_log_past_its_limit_goes_on_after_the_marker(tmp_path: Path) -> None:
+    (tmp_path / "noisy.py").write_text(NOISY)
+    limit = 1 << 16
+    env = {"HORA_LOG_BYTES_PER_ATTEMPT": str(limit)}
+    with ServiceServer(tmp_path, env=env) as srv, srv.client("ann") as ann:
+        job_id = submit(ann, command=[sys.executable, str(tmp_path / "noisy.py")])
+        wait_state(ann, job_id, ("running", "succeeded"))
+        text, cur, end = "", "", None
+        params = {"follow": "true"}
+        with ann.stream("GET", f"/v1/jobs/{job_id}/logs", params=params, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("event: end"):
+                    end = line
+                elif line.startswith("data: ") and end is None:
+                    cur = json.loads(line[6:])
+                    text += cur
+                elif line.startswith("data: "):
+                    break
+        assert end is not None
+        assert "[hora: log truncated here" in text and text.endswith("line 019999\nEND\n")
+        stored = ann.get(f"/v1/jobs/{job_id}/logs", params={"rank": 0}).text
+        assert len(stored.encode()) <= limit and stored.endswith("END\n")
+        assert "line 000000" not in stored
