@@ -166,8 +166,21 @@ class JobManager:
             self.store = None
 
     def start(self) -> None:
-        """Open the store, recover jobs from an earlier run, start the monitor loop."""
-        self.open_store()
+        """Open the store, recover jobs from an earlier run, start the monitor loop.
+
+        Raises:
+            HoraError: single-user mode over a store with several users (their jobs would
+                all run as this service's account without anyone having opted in).
+        """
+        store = self.open_store()
+        users = [u.name for u in store.users()]
+        if self.user_mode == "single" and len(users) > 1:
+            raise HoraError(
+                f"single-user mode (the service is not root), but {self.settings.db_path} has "
+                f"{len(users)} users ({', '.join(users[:5])}): their jobs would all run as this "
+                "service's account. Run the service as root (multi-user mode), or set "
+                "HORA_USER_MODE=shared to accept that."
+            )
         with self._lock:
             self._recover()
         self._stopping.clear()

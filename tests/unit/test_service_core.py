@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from hora.errors import SpecError
+from hora.errors import HoraError, SpecError
 from hora.spec import JobSpec, JobState
 from hora_service import identity
 from hora_service.identity import RunAs
@@ -315,6 +315,10 @@ def test_single_user_mode_refuses_a_second_user(tmp_path: Path) -> None:
     shared.create_user("bob")  # the admin opted in
     assert [u.name for u in shared.list_users()] == ["ann", "bob"]
     shared.close_store()
+    later = JobManager(Settings(data_dir=tmp_path / "d", user_mode="single", gpus="0"))
+    with pytest.raises(HoraError, match="has 2 users"):  # no silent downgrade at start
+        later.start()
+    later.close_store()
 
 
 def test_multi_user_mode_needs_root_and_a_safe_account(tmp_path: Path) -> None:
