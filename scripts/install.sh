@@ -1,30 +1,77 @@
 #!/usr/bin/env bash
 # Install hora and what its tests need on a fresh machine (Debian/Ubuntu, Python >= 3.11).
 #   scripts/install.sh          runtime only (service, JupyterLab, examples)
-#   scripts/install.sh test     + test tools, Open MPI, Chromium (for the browser test)
-# On a machine without a GPU, constraints/cpu.txt pins the CPU build of torch; set
-# HORA_TORCH_CONSTRAINTS= (empty) on a GPU machine to get your CUDA build instead.
+#   scripts/install.sh test     + test tools, Open MPI, Chromium, Docker engine, debootstrap
+# Everything goes into a virtual environment: the active one ($VIRTUAL_ENV), else .venv in the
+# repository root (created here). Versions come from constraints/test.txt (the lock CI tests
+# with) and, on a machine without a GPU, constraints/cpu.txt (the CPU build of torch).
+#   HORA_TORCH_CONSTRAINTS=   (empty) keep or get your CUDA build of torch instead
+#   HORA_LOCK=                (empty) resolve freely instead of using the lock
 set -euo pipefail
 cd "$(dirname "$0")/.."
 want="${1:-run}"
-constraints="${HORA_TORCH_CONSTRAINTS-constraints/cpu.txt}"
-pip_c=()
-[ -n "$constraints" ] && pip_c=(-c "$constraints")
+t0=$(date +%s)
+say() { echo "install.sh [$(( $(date +%s) - t0 ))s] $*"; }
+
+venv="${VIRTUAL_ENV:-$PWD/.venv}"
+if [ ! -x "$venv/bin/python" ]; then
+  say "creating the virtual environment $venv"
+  python3 -m venv "$venv"
+fi
+py="$venv/bin/python"
 
 apt_pkgs=()
 if [ "$want" = test ]; then
   command -v mpirun >/dev/null || apt_pkgs+=(openmpi-bin)
   command -v chromium >/dev/null || apt_pkgs+=(chromium)
+  command -v dockerd >/dev/null || apt_pkgs+=(docker.io)
+  command -v debootstrap >/dev/null || apt_pkgs+=(debootstrap)
 fi
 if [ ${#apt_pkgs[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
+    say "apt: installing ${apt_pkgs[*]} (a minute or two)"
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${apt_pkgs[@]}" >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      "${apt_pkgs[@]}" >/dev/null
   else
     echo "install.sh: please install with apt: ${apt_pkgs[*]}" >&2
   fi
 fi
 
+pip_c=()
+torch_c="${HORA_TORCH_CONSTRAINTS-constraints/cpu.txt}"
+lock="${HORA_LOCK-constraints/test.txt}"
+[ -n "$torch_c" ] && pip_c+=(-c "$torch_c")
+[ -n "$lock" ] && pip_c+=(-c "$lock")
 extra=".[examples]"
 [ "$want" = test ] && extra=".[test]"
-python3 -m pip install -q --disable-pip-version-check "${pip_c[@]}" -e "$extra"
+
+say "pip: installing hora$([ "$want" = test ] && echo ' and its test tools') into $venv"
+# pip's own output goes to a log; a progress line every 25 packages shows it is moving
+log="$venv/pip-install.log"
+set +e
+"$py" -m pip install --disable-pip-version-check --progress-bar off "${pip_c[@]}" -e "$extra" \
+  >"$log" 2>&1 &
+pid=$!
+shown=0
+installing=no
+while kill -0 "$pid" 2>/dev/null; do
+  sleep 5
+  m=$(grep -c -E '^(Collecting|Requirement already satisfied)' "$log" || true)
+  if [ $(( m / 25 )) -gt $(( shown / 25 )) ]; then say "pip: $m packages resolved"; shown=$m; fi
+  if [ "$installing" = no ] && grep -q '^Installing collected' "$log"; then
+    say "pip: installing"; installing=yes
+  fi
+done
+wait "$pid"
+status=$?
+set -e
+if [ "$status" != 0 ]; then
+  echo "install.sh: pip failed (exit $status); the end of its log ($log):" >&2
+  grep -v '^WARNING: Location' "$log" | tail -20 >&2
+  exit "$status"
+fi
+say "done: $("$py" -c 'import hora, torch; print("hora", hora.__version__, "torch", torch.__version__)')"
+if [ -z "${VIRTUAL_ENV:-}" ]; then
+  say "commands are in $venv/bin (source $venv/bin/activate to put them on PATH)"
+fi
