@@ -148,7 +148,7 @@ def instance_id(data_dir: Path) -> str:
 
     Example:
         >>> instance_id(Path("/var/lib/hora"))
-        'd7b1ff5b0e2d'
+        '52917616a735'
     """
     return hashlib.sha256(str(data_dir).encode()).hexdigest()[:12]
 
