@@ -566,7 +566,18 @@ class JobManager:
         Until then the attempt keeps its slots (a leftover process may hold a GPU); one that
         cannot be emptied within ``clear_timeout_s`` is logged as stuck, and still held.
         """
-        if self._runtime(attempt.plan.spec.runtime.value).clear(attempt.plan):
+        try:
+            runtime = self._runtime(attempt.plan.spec.runtime.value)
+        except HoraError:  # it never started (no such runtime here): only its cgroup is left
+            box = attempt.plan.container
+            try:
+                empty = box is None or box.clear()
+            except OSError as e:
+                log.warning("job %d: cannot clear its cgroup: %s", attempt.job_id, e)
+                empty = False
+        else:
+            empty = runtime.clear(attempt.plan)
+        if empty:
             return True
         if attempt.clearing_since is None:
             attempt.clearing_since = now

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from hora.errors import HoraError, SpecError
 from hora.spec import JobSpec, JobState
-from hora_service import identity
+from hora_service import identity, runtimes
 from hora_service.identity import RunAs
 from hora_service.inventory import detect_gpus, inventory, parse_nvidia_smi, torch_gpus
 from hora_service.manager import JobManager
@@ -538,6 +538,19 @@ def test_a_launch_that_fails_is_a_failed_attempt(mgr: JobManager, tmp_path: Path
     done = mgr.get(job.id)
     assert done is not None and done.state == JobState.failed
     assert done.reason is not None and done.reason.startswith("could not start the ranks")
+    assert all(s.job_id is None for s in mgr.slots())
+
+
+def test_a_runtime_gone_at_launch_fails_the_attempt_and_frees_slots(
+    mgr: JobManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = mgr.submit("ann", spec(workers=2))
+    monkeypatch.setattr(mgr, "_runtimes", {})
+    monkeypatch.setattr(runtimes, "REGISTRY", {})  # e.g. a runtime removed by an upgrade
+    mgr.tick()
+    done = mgr.get(job.id)
+    assert done is not None and done.state == JobState.failed
+    assert "is not available here" in (done.reason or "")
     assert all(s.job_id is None for s in mgr.slots())
 
 
