@@ -145,7 +145,9 @@ def accounts(root: None) -> Iterator[dict[str, int]]:
         yield made
     finally:
         for name in made:
-            subprocess.run(["userdel", "-r", identity.account_name(name)], capture_output=True)
+            subprocess.run(
+                ["userdel", "--remove", "--force", identity.account_name(name)], capture_output=True
+            )
 
 
 def serve(base: Path, accounts: dict[str, int], **env: str) -> ServiceServer:
@@ -370,7 +372,7 @@ def test_user_add_creates_and_guards_os_accounts(root: None, tmp_path: Path) -> 
         assert again.returncode == 1 and f"userdel -r {account}" in again.stderr
         assert len(again.stderr.splitlines()) == 1, again.stderr
     finally:
-        subprocess.run(["userdel", "-r", account], capture_output=True)
+        subprocess.run(["userdel", "--remove", "--force", account], capture_output=True)
 
 
 def test_single_user_mode_refuses_a_second_user_with_the_reason(tmp_path: Path) -> None:
