@@ -22,7 +22,7 @@ from hora_service import identity, runtimes
 from hora_service.identity import RunAs
 from hora_service.inventory import detect_gpus, inventory, parse_nvidia_smi, torch_gpus
 from hora_service.manager import JobManager
-from hora_service.runtimes import AttemptPlan, Exit, RankProcess, Runtime
+from hora_service.runtimes import AttemptPlan, Exit, RankProcess, Runtime, shim
 from hora_service.runtimes.base import RankStatus
 from hora_service.runtimes.local import SHIM, allowed_env, rank_argv, rank_environment
 from hora_service.settings import Settings
@@ -576,3 +576,16 @@ def test_restart_finishes_a_cancel_that_was_under_way(tmp_path: Path) -> None:
     second.tick()
     done = second.get(job.id)
     assert done is not None and done.state == JobState.cancelled and done.attempt == 1
+
+
+def test_shim_log_keeps_the_newest_half_past_its_limit(tmp_path: Path) -> None:
+    path = tmp_path / "rank0.log"
+    log = shim.Log(str(path), 1 << 12)
+    log.write(b"a" * 100)
+    log.write(b"b" * 10_000)  # one write larger than the whole limit
+    body = path.read_bytes()
+    assert body == shim.MARK % (1 << 12) + b"b" * 2048 and log.size == len(body)
+    log.write(b"c" * 1000)
+    body = path.read_bytes()
+    assert len(body) <= 1 << 12 and body.endswith(b"b" * 1048 + b"c" * 1000)
+    assert body.count(b"[hora: log truncated") == 1 and log.size == len(body)

@@ -74,22 +74,24 @@ class Log:
         self.size += len(data)
 
     def _truncate(self, data: bytes) -> None:
-        keep = self.limit // 2
-        with open(self.path, "rb") as f:
-            f.seek(max(0, self.size - keep))
-            tail = (f.read() + data)[-keep:]
+        keep = self.limit // 2  # the newest bytes of the file and data together
         st = os.fstat(self.fd)
         tmp = f"{self.path}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
         os.fchown(fd, st.st_uid, st.st_gid)
         os.fchmod(fd, st.st_mode & 0o777)
-        body = MARK % self.limit + tail
-        os.write(fd, body)
+        mark = MARK % self.limit
+        os.write(fd, mark)
+        from_file = max(0, keep - len(data))
+        with open(self.path, "rb") as old:  # copied in chunks: the tail may be large
+            old.seek(max(0, self.size - from_file))
+            while chunk := old.read(CHUNK):
+                os.write(fd, chunk)
+        os.write(fd, data[-keep:])
         os.replace(tmp, self.path)
         os.close(self.fd)
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
-        self.size = len(body)
-
+        self.fd = fd
+        self.size = len(mark) + min(from_file, self.size) + min(len(data), keep)
 
 def _become(uid: object, gid: object, cgroups: list[str]) -> None:
     """In the command's process, before exec: join the cgroups, then drop privileges."""
