@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import secrets
 import shutil
 import signal
 import statistics
@@ -48,11 +47,11 @@ from hora_service.runtimes.containment import Containment, detect
 from hora_service.runtimes.local import allowed_env
 from hora_service.scheduler import INF, Holding, Pending, schedule
 from hora_service.settings import Settings
-from hora_service.store import Store, token_hash
+from hora_service.store import Store
+from hora_service.users import Users
 
 log = logging.getLogger(__name__)
 
-USER_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 LATENCY_WINDOW = 1000
 CACHE_MAX = 50_000
 PAGES_MAX = 1024
@@ -136,7 +135,7 @@ class JobManager:
         self._dirty = True
         self._runtimes: dict[str, Runtime] = dict(runtimes or {})
         self._base_env = allowed_env(os.environ, settings.job_env_passthrough)
-        self.user_mode = identity.resolve_mode(settings.user_mode)
+        self.users = Users(identity.resolve_mode(settings.user_mode), self.open_store)
         self._containment: Containment | None = None
         self._latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
         self._latency_sum = 0.0
@@ -172,14 +171,14 @@ class JobManager:
             HoraError: single-user mode over a store with several users (their jobs would
                 all run as this service's account without anyone having opted in).
         """
-        store = self.open_store()
-        users = [u.name for u in store.users()]
-        if self.user_mode == "single" and len(users) > 1:
-            raise HoraError(
-                f"single-user mode (the service is not root), but {self.settings.db_path} has "
-                f"{len(users)} users ({', '.join(users[:5])}): their jobs would all run as this "
-                "service's account. Run the service as root (multi-user mode), or set "
-                "HORA_USER_MODE=shared to accept that."
+        self.users.check_start(self.settings.db_path)
+        root = self.settings.work_root
+        if self.user_mode == "multi" and root.is_dir() and not root.stat().st_mode & 0o001:
+            log.warning(
+                "multi-user mode, but the work root %s cannot be entered by other accounts: "
+                "jobs (which run as their users' accounts) will not reach their working "
+                "directories; set HORA_WORK_ROOT to a directory they can enter",
+                root,
             )
         with self._lock:
             self._recover()
@@ -236,64 +235,25 @@ class JobManager:
         uid: int | None = None,
         make_account: bool = False,
     ) -> str:
-        """Create a user and return their token (shown once; only its hash is stored).
-
-        Args:
-            name: the user's name.
-            admin: sees and acts on every job.
-            quota: most slots this user's running jobs may hold.
-            uid: in multi-user mode, the existing OS account their jobs run as.
-            make_account: in multi-user mode without ``uid``, create the account
-                ``hora-NAME`` (see :func:`hora_service.identity.create_account`).
-
-        Raises:
-            SpecError: the name is empty, too long, or has characters other than letters,
-                digits, ``.``, ``_`` and ``-``; the account cannot be used or created; a
-                second user in single-user mode.
-            hora_service.store.StoreError: the name is taken, or the uid is another user's.
-        """
-        if not name or len(name) > 64 or not set(name) <= USER_NAME_CHARS or name[0] in ".-":
-            raise SpecError("name", f"{name!r} is not a user name (letters, digits, . _ -)")
-        if quota is not None and quota < 1:
-            raise SpecError("quota", "a GPU quota must be at least 1")
-        store = self.open_store()
-        self._check_mode(store, name, uid)
-        if self.user_mode == "multi" and store.user_by_name(name) is None:
-            if uid is not None:
-                uid = identity.run_as(uid).uid
-            elif make_account:
-                uid = identity.create_account(name).uid
-        token = secrets.token_urlsafe(32)
-        store.add_user(name, token_hash(token), admin, quota, os_uid=uid)
-        return token
-
-    def _check_mode(self, store: Store, name: str, uid: int | None) -> None:
-        if uid is not None and self.user_mode != "multi":
-            raise identity.IdentityError(
-                "uid", f"--uid needs multi-user mode (this service is in {self.user_mode} mode)"
-            )
-        others = [u.name for u in store.users() if u.name != name]
-        if self.user_mode == "single" and others:
-            raise identity.IdentityError(
-                "name",
-                f"single-user mode: this service already has user {others[0]!r}. Jobs run as "
-                "the service's own OS account (it is not root, so it cannot run them as "
-                "anyone else), and a second user's jobs could read and change the first's "
-                "files and the service's. Run the service as root for multi-user mode, or "
-                "set HORA_USER_MODE=shared to accept that.",
-            )
+        """Create a user and return their token (see :meth:`hora_service.users.Users.create`)."""
+        return self.users.create(name, admin, quota, uid, make_account)
 
     def remove_user(self, name: str) -> bool:
-        """Delete a user; their token stops working. False if there was none."""
-        return self.open_store().remove_user(name)
+        """Delete a user; their token stops working at once. False if there was none."""
+        return self.users.remove(name)
 
     def user_for_token(self, token: str) -> User | None:
         """The user a bearer token belongs to, or None."""
-        return self.open_store().user_by_digest(token_hash(token))
+        return self.users.for_token(token)
 
     def list_users(self) -> list[User]:
         """Every user."""
-        return self.open_store().users()
+        return self.users.all()
+
+    @property
+    def user_mode(self) -> str:
+        """The user mode in effect: ``multi``, ``single`` or ``shared``."""
+        return self.users.mode
 
     # jobs -------------------------------------------------------------------------------
 
@@ -348,7 +308,7 @@ class JobManager:
         if quota is not None and need > quota:
             raise SpecError(field, f"asks for {need} {unit}; your quota is {quota}")
         if self.user_mode == "multi":
-            self._run_as(user)
+            self.users.run_as_of(user)
         self._runtime(spec.runtime.value)
         if spec.image is not None and spec.runtime.value != "docker":
             raise SpecError("image", "an image is used only by the docker runtime")
@@ -648,7 +608,7 @@ class JobManager:
         )  # fmt: skip
         plan = self._plan(job, n, slots, self.settings.work_root, 0)
         try:
-            who = self._run_as_id(job.user_id) if self.user_mode == "multi" else None
+            who = self.users.run_as(job.user_id) if self.user_mode == "multi" else None
             plan = self._plan(job, n, slots, self.workdir(job.spec), free_port(), who)
             ranks = self._runtime(job.spec.runtime.value).start(plan, self._base_env)
         except (OSError, HoraError) as e:
@@ -754,25 +714,6 @@ class JobManager:
     def _quotas(self) -> dict[str, int]:
         """User -> their own GPU quota, for the users that have one (one query a pass)."""
         return {u.name: u.gpu_quota for u in self.open_store().users() if u.gpu_quota is not None}
-
-    def _run_as(self, user: str) -> identity.RunAs:
-        """The OS account ``user``'s jobs run as (multi-user mode).
-
-        Raises:
-            SpecError: the user has none, or it cannot be used.
-        """
-        found = self.open_store().user_by_name(user)
-        return self._run_as_id(found.id if found is not None else None)
-
-    def _run_as_id(self, user_id: int | None) -> identity.RunAs:
-        found = self.open_store().user_by_id(user_id) if user_id is not None else None
-        if found is None or found.os_uid is None:
-            raise SpecError(
-                "user",
-                "this user has no OS account to run jobs as (multi-user mode); an admin "
-                "assigns one with `hora user add NAME --uid N` for a new user",
-            )
-        return identity.run_as(found.os_uid)
 
     def _runtime(self, name: str) -> Runtime:
         if name not in self._runtimes:

@@ -340,7 +340,7 @@ def test_multi_user_mode_needs_root_and_a_safe_account(tmp_path: Path) -> None:
 
 def test_multi_user_mode_refuses_jobs_of_a_user_without_an_account(tmp_path: Path) -> None:
     mgr = JobManager(Settings(data_dir=tmp_path / "d", gpus="0", containment="tag"))
-    mgr.user_mode = "multi"  # what a root service resolves to; no account is created here
+    mgr.users.mode = "multi"  # what a root service resolves to; no account is created here
     mgr.create_user("ann")
     with pytest.raises(SpecError, match="no OS account") as e:
         mgr.submit("ann", spec())
