@@ -60,7 +60,8 @@ class Server:
         from hora_service.manager import JobManager
         from hora_service.settings import Settings
 
-        manager = JobManager(Settings(data_dir=data_dir))
+        # one user: single-user mode, jobs run as this process's account (even as root)
+        manager = JobManager(Settings(data_dir=data_dir, user_mode="single"))
         if hasattr(manager, "open_store"):
             manager.open_store()
         self.token = str(manager.create_user("bench", admin=True))
@@ -76,6 +77,8 @@ class Server:
                 "HORA_CPU_SLOTS": str(slots),
                 "OMP_NUM_THREADS": "1",
                 "HORA_KILL_GRACE_S": "2",
+                "HORA_USER_MODE": "single",
+                "HORA_JOB_ENV_PASSTHROUGH": "PYTHONPATH,OMP_NUM_THREADS",
             }
         )
         self.log = data_dir / "server.log"

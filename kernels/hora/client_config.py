@@ -2,7 +2,9 @@
 
 Resolution order: explicit arguments, then ``HORA_URL`` / ``HORA_TOKEN``, then the JSON file
 ``~/.hora/config`` (``{"url": ..., "token": ...}``, mode 0600; ``HORA_CONFIG`` names another
-file), then the default URL ``http://127.0.0.1:8000``. ``hora up`` writes the file.
+file), then the default URL ``http://127.0.0.1:8000``. ``hora up`` writes the file, in a
+``~/.hora`` of mode 0700. A config file that other users can read is refused: its token may
+have leaked (``chmod 600`` it, and consider a new token), as ssh refuses a readable key.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def load_config(
         The resolved config; the URL defaults to ``http://127.0.0.1:8000``.
 
     Raises:
-        SpecError: the config file exists but is not a JSON object.
+        SpecError: the config file exists but is not a JSON object, or other users can read it.
 
     Example:
         >>> load_config("http://h:1", "t", environ={}).url
@@ -73,6 +75,7 @@ def load_config(
     path = config_path(env)
     stored: dict[str, Any] = {}
     if (url is None or token is None) and path.is_file():
+        _check_private(path)
         try:
             stored = json.loads(path.read_text())
         except (OSError, ValueError) as e:
@@ -100,10 +103,26 @@ def save_config(url: str, token: str, path: Path | None = None) -> Path:
         PosixPath('/tmp/hora-doc-config')
     """
     target = path or config_path()
-    target.parent.mkdir(parents=True, exist_ok=True)
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if target.parent == Path.home() / ".hora":
+        target.parent.chmod(0o700)  # hora's own directory: nobody else looks in
     fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump({"url": url, "token": token}, f)
         f.write("\n")
     os.chmod(target, 0o600)
     return target
+
+
+def _check_private(path: Path) -> None:
+    """Refuse a config file that group or others may read (its token is a password)."""
+    try:
+        mode = path.stat().st_mode & 0o777
+    except OSError as e:
+        raise SpecError("config", f"cannot read {path}: {e}") from e
+    if mode & 0o077:
+        raise SpecError(
+            "config",
+            f"{path} is readable by other users (mode {mode:o}), so its token may have "
+            f"leaked: run `chmod 600 {path}` (and consider asking for a new token)",
+        )

@@ -5,9 +5,12 @@
 falls back to its ``HORA_*`` variable, then to the default. Stopping it (Ctrl-C, SIGTERM)
 leaves running jobs alive; the next start re-adopts them.
 
-``hora user add NAME [--admin] [--quota N] [--data-dir DIR]`` prints the new user's token
-once (only its hash is stored); ``hora user list`` and ``hora user remove NAME`` do what
-they say.
+``hora user add NAME [--admin] [--quota N] [--uid N] [--data-dir DIR]`` prints the new
+user's token once (only its hash is stored). In multi-user mode (the service runs as root)
+it also creates the OS account ``hora-NAME`` the user's jobs run as, or assigns the existing
+account ``--uid N``; in single-user mode it refuses a second user (see
+:mod:`hora_service.identity`). ``hora user list`` and ``hora user remove NAME`` do what they
+say; removing a user keeps their OS account (it may own their files).
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("name")
     add.add_argument("--admin", action="store_true", help="sees and acts on every job")
     add.add_argument("--quota", type=int, help="most GPUs this user's jobs may hold")
+    add.add_argument(
+        "--uid", type=int, help="multi-user mode: run this user's jobs as this existing OS account"
+    )
     _data_dir(add)
     _data_dir(verbs.add_parser("list", help="list users"))
     remove = verbs.add_parser("remove", help="delete a user (their token stops working)")
@@ -108,16 +114,21 @@ def user(args: argparse.Namespace) -> int:
     manager = JobManager(settings_from_args(args))
     try:
         if args.verb == "add":
-            token = manager.create_user(args.name, admin=args.admin, quota=args.quota)
+            token = manager.create_user(
+                args.name, admin=args.admin, quota=args.quota, uid=args.uid, make_account=True
+            )
             sys.stdout.write(f"{token}\n")
+            found = manager.open_store().user_by_name(args.name)
+            runs = f"; jobs run as uid {found.os_uid}" if found and found.os_uid else ""
             sys.stderr.write(
-                f"created {'admin ' if args.admin else ''}user {args.name}; "
+                f"created {'admin ' if args.admin else ''}user {args.name}{runs}; "
                 "the token above is shown only once\n"
             )
         elif args.verb == "list":
             for u in manager.list_users():
                 quota = "" if u.gpu_quota is None else f"  quota={u.gpu_quota}"
-                sys.stdout.write(f"{u.name}{'  (admin)' if u.is_admin else ''}{quota}\n")
+                uid = "" if u.os_uid is None else f"  uid={u.os_uid}"
+                sys.stdout.write(f"{u.name}{'  (admin)' if u.is_admin else ''}{quota}{uid}\n")
         elif not manager.remove_user(args.name):
             sys.stderr.write(f"hora user: no user {args.name!r}\n")
             return 1

@@ -13,7 +13,11 @@ Durability: every transition is written to SQLite before and after processes sta
 each rank's shim leaves pid and exit files in its run directory. :meth:`JobManager.start`
 re-adopts ranks still alive from an earlier run of the service, records how finished ones
 ended, and fails (then retries per policy) attempts whose ranks vanished without a trace.
-A slot is held until every process of the attempt holding it is gone.
+A slot is held until every process of the attempt holding it is gone: when an attempt
+ends (success, failure, cancel, timeout), the runtime kills whatever is left in its process
+container (:meth:`Runtime.clear`), and the slots are freed only once it reports the container
+empty. Jobs run as their user's OS account in multi-user mode (:mod:`hora_service.identity`),
+with an environment built from an allow-list (:func:`~hora_service.runtimes.local.allowed_env`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import secrets
 import shutil
 import signal
 import statistics
@@ -35,18 +38,20 @@ from hora.errors import HoraError, SpecError
 from hora.launch.config import free_port
 from hora.spec import PRIORITY_RANK, JobSpec, JobState
 
-from hora_service import runtimes
+from hora_service import identity, runtimes
 from hora_service.inventory import Slot, inventory
 from hora_service.models import JobRecord, MetricsSnapshot, SlotInfo, User
 from hora_service.runtimes import AttemptPlan, Exit, RankProcess, Runtime
 from hora_service.runtimes.base import RankStatus, first_failure
+from hora_service.runtimes.containment import Containment, detect
+from hora_service.runtimes.local import allowed_env
 from hora_service.scheduler import INF, Holding, Pending, schedule
 from hora_service.settings import Settings
-from hora_service.store import Store, token_hash
+from hora_service.store import Store
+from hora_service.users import Users
 
 log = logging.getLogger(__name__)
 
-USER_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 LATENCY_WINDOW = 1000
 CACHE_MAX = 50_000
 PAGES_MAX = 1024
@@ -68,6 +73,8 @@ class Attempt:
     kill_at: float = INF
     retriable: bool = True
     codes: list[RankStatus] = field(default_factory=list)
+    clearing_since: float | None = None
+    stuck_reported: bool = False
 
     def stop(self, state: JobState, reason: str, now: float, grace: float, retry: bool) -> None:
         """Begin stopping every rank: SIGTERM now, SIGKILL at ``now + grace``."""
@@ -127,7 +134,9 @@ class JobManager:
         self._attempts: dict[int, Attempt] = {}
         self._dirty = True
         self._runtimes: dict[str, Runtime] = dict(runtimes or {})
-        self._base_env = dict(os.environ)
+        self._base_env = allowed_env(os.environ, settings.job_env_passthrough)
+        self.users = Users(identity.resolve_mode(settings.user_mode), self.open_store)
+        self._containment: Containment | None = None
         self._latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
         self._latency_sum = 0.0
         self._latency_count = 0
@@ -143,7 +152,9 @@ class JobManager:
     def open_store(self) -> Store:
         """Open (and migrate) the SQLite store if it is not open yet."""
         if self.store is None:
-            self.settings.data_dir.mkdir(parents=True, exist_ok=True)
+            for d in (self.settings.data_dir, self.settings.logs_dir):
+                d.mkdir(parents=True, exist_ok=True)
+                d.chmod(0o700)  # the service's alone: jobs never read the store or others' logs
             self.store = Store(self.settings.db_path)
         return self.store
 
@@ -154,8 +165,21 @@ class JobManager:
             self.store = None
 
     def start(self) -> None:
-        """Open the store, recover jobs from an earlier run, start the monitor loop."""
-        self.open_store()
+        """Open the store, recover jobs from an earlier run, start the monitor loop.
+
+        Raises:
+            HoraError: single-user mode over a store with several users (their jobs would
+                all run as this service's account without anyone having opted in).
+        """
+        self.users.check_start(self.settings.db_path)
+        root = self.settings.work_root
+        if self.user_mode == "multi" and root.is_dir() and not root.stat().st_mode & 0o001:
+            log.warning(
+                "multi-user mode, but the work root %s cannot be entered by other accounts: "
+                "jobs (which run as their users' accounts) will not reach their working "
+                "directories; set HORA_WORK_ROOT to a directory they can enter",
+                root,
+            )
         with self._lock:
             self._recover()
         self._stopping.clear()
@@ -203,33 +227,33 @@ class JobManager:
 
     # users ------------------------------------------------------------------------------
 
-    def create_user(self, name: str, admin: bool = False, quota: int | None = None) -> str:
-        """Create a user and return their token (shown once; only its hash is stored).
-
-        Raises:
-            SpecError: the name is empty, too long, or has characters other than letters,
-                digits, ``.``, ``_`` and ``-``.
-            hora_service.store.StoreError: the name is taken.
-        """
-        if not name or len(name) > 64 or not set(name) <= USER_NAME_CHARS or name[0] in ".-":
-            raise SpecError("name", f"{name!r} is not a user name (letters, digits, . _ -)")
-        if quota is not None and quota < 1:
-            raise SpecError("quota", "a GPU quota must be at least 1")
-        token = secrets.token_urlsafe(32)
-        self.open_store().add_user(name, token_hash(token), admin, quota)
-        return token
+    def create_user(
+        self,
+        name: str,
+        admin: bool = False,
+        quota: int | None = None,
+        uid: int | None = None,
+        make_account: bool = False,
+    ) -> str:
+        """Create a user and return their token (see :meth:`hora_service.users.Users.create`)."""
+        return self.users.create(name, admin, quota, uid, make_account)
 
     def remove_user(self, name: str) -> bool:
-        """Delete a user; their token stops working. False if there was none."""
-        return self.open_store().remove_user(name)
+        """Delete a user; their token stops working at once. False if there was none."""
+        return self.users.remove(name)
 
     def user_for_token(self, token: str) -> User | None:
         """The user a bearer token belongs to, or None."""
-        return self.open_store().user_by_digest(token_hash(token))
+        return self.users.for_token(token)
 
     def list_users(self) -> list[User]:
         """Every user."""
-        return self.open_store().users()
+        return self.users.all()
+
+    @property
+    def user_mode(self) -> str:
+        """The user mode in effect: ``multi``, ``single`` or ``shared``."""
+        return self.users.mode
 
     # jobs -------------------------------------------------------------------------------
 
@@ -283,6 +307,8 @@ class JobManager:
         quota = self._quotas().get(user, self.settings.user_gpu_quota)
         if quota is not None and need > quota:
             raise SpecError(field, f"asks for {need} {unit}; your quota is {quota}")
+        if self.user_mode == "multi":
+            self.users.run_as_of(user)
         self._runtime(spec.runtime.value)
         if spec.image is not None and spec.runtime.value != "docker":
             raise SpecError("image", "an image is used only by the docker runtime")
@@ -480,16 +506,51 @@ class JobManager:
                 timeout = attempt.plan.spec.timeout_s or 0
                 attempt.stop(JobState.failed, f"timed out after {timeout:g}s", now, grace, False)
             elif all(c == 0 for c in attempt.codes):
-                self._finish(attempt, JobState.succeeded, None, now)
+                if self._cleared(attempt, now):
+                    self._finish(attempt, JobState.succeeded, None, now)
                 return
         if attempt.stop_state is None:
             return
         if all(c is not Exit.running for c in attempt.codes):
-            self._finish(attempt, attempt.stop_state, attempt.stop_reason, now)
+            if self._cleared(attempt, now):
+                self._finish(attempt, attempt.stop_state, attempt.stop_reason, now)
         elif now >= attempt.kill_at:
+            self._runtime(attempt.plan.spec.runtime.value).clear(attempt.plan)
             for rank, code in zip(attempt.ranks, attempt.codes, strict=True):
                 if code is Exit.running:
                     rank.signal(signal.SIGKILL)
+
+    def _cleared(self, attempt: Attempt, now: float) -> bool:
+        """Every rank has ended: kill what is left of the attempt; True once nothing is.
+
+        Until then the attempt keeps its slots (a leftover process may hold a GPU); one that
+        cannot be emptied within ``clear_timeout_s`` is logged as stuck, and still held.
+        """
+        try:
+            runtime = self._runtime(attempt.plan.spec.runtime.value)
+        except HoraError:  # it never started (no such runtime here): only its cgroup is left
+            box = attempt.plan.container
+            try:
+                empty = box is None or box.clear()
+            except OSError as e:
+                log.warning("job %d: cannot clear its cgroup: %s", attempt.job_id, e)
+                empty = False
+        else:
+            empty = runtime.clear(attempt.plan)
+        if empty:
+            return True
+        if attempt.clearing_since is None:
+            attempt.clearing_since = now
+        elif now - attempt.clearing_since > self.settings.clear_timeout_s:
+            if not attempt.stuck_reported:
+                attempt.stuck_reported = True
+                log.error(
+                    "job %d attempt %d: processes are left after %.0fs of killing; its slots "
+                    "%s stay held until they are gone",
+                    attempt.job_id, attempt.plan.attempt, now - attempt.clearing_since,
+                    list(attempt.plan.slots),
+                )  # fmt: skip
+        return False
 
     def _finish(self, attempt: Attempt, state: JobState, reason: str | None, now: float) -> None:
         """The attempt's processes are all gone: free its slots and record the outcome."""
@@ -547,13 +608,16 @@ class JobManager:
         )  # fmt: skip
         plan = self._plan(job, n, slots, self.settings.work_root, 0)
         try:
-            plan = self._plan(job, n, slots, self.workdir(job.spec), free_port())
+            who = self.users.run_as(job.user_id) if self.user_mode == "multi" else None
+            plan = self._plan(job, n, slots, self.workdir(job.spec), free_port(), who)
             ranks = self._runtime(job.spec.runtime.value).start(plan, self._base_env)
         except (OSError, HoraError) as e:
             reason = f"could not start the ranks: {e}"
             log.warning("job %d: %s", job_id, reason)
+            # whatever did start is killed and cleared before the slots are free
             self._attempts[job_id] = attempt = Attempt(job_id, job.user, plan, [], now, None)
-            self._finish(attempt, JobState.failed, reason, now)
+            attempt.stop(JobState.failed, reason, now, 0.0, retry=True)
+            self._poll(attempt, now)
             return
         running = time.time()
         timeout = job.spec.timeout_s
@@ -568,8 +632,17 @@ class JobManager:
             self._latency_count += 1
 
     def _plan(
-        self, job: JobRecord, attempt: int, slots: Sequence[int], workdir: Path, port: int
+        self,
+        job: JobRecord,
+        attempt: int,
+        slots: Sequence[int],
+        workdir: Path,
+        port: int,
+        run_as: identity.RunAs | None = None,
     ) -> AttemptPlan:
+        if self._containment is None:
+            self._containment = detect(self.settings.containment, self.settings.data_dir)
+            log.info("attempts are contained by %s", self._containment.kind)
         return AttemptPlan(
             job_id=job.id,
             attempt=attempt,
@@ -579,6 +652,9 @@ class JobManager:
             run_dir=self.settings.logs_dir / str(job.id) / str(attempt),
             workdir=workdir,
             master_port=port,
+            run_as=run_as,
+            container=self._containment.container(job.id, attempt),
+            log_bytes=self.settings.log_bytes_per_attempt,
         )
 
     # recovery ---------------------------------------------------------------------------

@@ -13,13 +13,24 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class User(BaseModel):
-    """A user of the service; tokens are stored only as SHA-256 hashes."""
+    """A user of the service; tokens are stored only as SHA-256 hashes.
+
+    Attributes:
+        id: stable and never reused: jobs belong to it, so a later user who takes a removed
+            user's name does not inherit their jobs.
+        name: the login name, unique among current users.
+        is_admin: sees and acts on every job.
+        gpu_quota: most slots this user's running jobs may hold; None: the default.
+        os_uid: the OS account this user's jobs run as (multi-user mode).
+    """
 
     model_config = ConfigDict(frozen=True)
 
+    id: int = 0
     name: str
     is_admin: bool = False
     gpu_quota: int | None = None
+    os_uid: int | None = None
 
 
 class Transition(BaseModel):
@@ -48,6 +59,7 @@ class JobRecord(BaseModel):
         started_at: when the current attempt started running.
         finished_at: when it reached a terminal state.
         transitions: every state change, oldest first.
+        user_id: the stable id of the user who submitted it.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -64,6 +76,7 @@ class JobRecord(BaseModel):
     started_at: datetime | None = None
     finished_at: datetime | None = None
     transitions: list[Transition] = Field(default_factory=list)
+    user_id: int | None = None
 
 
 class SlotInfo(BaseModel):

@@ -12,10 +12,10 @@ Example:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 class Settings(BaseSettings):
@@ -36,6 +36,20 @@ class Settings(BaseSettings):
         dev_mode: relax the startup safety checks (never authentication).
         max_request_bytes: largest request body accepted.
         max_log_request_bytes: most log bytes one plain log request returns.
+        user_mode: ``auto`` (``multi`` when the service runs as root, else ``single``),
+            ``multi`` (each user's jobs run as that user's own OS account), ``single`` (one
+            user; jobs run as the service's account) or ``shared`` (several users whose jobs
+            all run as the service's account: only for users who trust each other and the
+            service). See the README's "Security model".
+        containment: how the processes of an attempt are held and killed: ``auto`` (cgroup
+            v2 where it is the mounted hierarchy, else cgroup v1 ``freezer`` + ``pids``, else
+            the environment tag), ``cgroup2``, ``cgroup1`` or ``tag``.
+        job_env_passthrough: names of the service's environment variables jobs inherit (by
+            default none: a job's environment is built from an allow-list).
+        log_bytes_per_attempt: most log bytes one attempt keeps, split evenly over its
+            ranks; past it a rank's log keeps its newest half after a truncation marker.
+        clear_timeout_s: how long the monitor tries to empty an ended attempt's processes
+            before it reports the attempt stuck (its slots stay held either way).
     """
 
     model_config = SettingsConfigDict(env_prefix="HORA_", extra="ignore")
@@ -53,11 +67,21 @@ class Settings(BaseSettings):
     dev_mode: bool = False
     max_request_bytes: int = 1 << 20
     max_log_request_bytes: Annotated[int, Field(ge=1)] = 1 << 20
+    user_mode: Literal["auto", "multi", "single", "shared"] = "auto"
+    containment: Literal["auto", "cgroup2", "cgroup1", "tag"] = "auto"
+    job_env_passthrough: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    log_bytes_per_attempt: Annotated[int, Field(ge=1 << 16)] = 256 << 20
+    clear_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
 
     @field_validator("data_dir", "work_root")
     @classmethod
     def _absolute(cls, v: Path) -> Path:
         return v.expanduser().resolve()
+
+    @field_validator("job_env_passthrough", mode="before")
+    @classmethod
+    def _names(cls, v: object) -> object:
+        return [n.strip() for n in v.split(",") if n.strip()] if isinstance(v, str) else v
 
     @field_validator("gpus")
     @classmethod

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -65,12 +66,38 @@ MIGRATIONS: list[list[str]] = [
         "ALTER TABLE jobs ADD COLUMN retry_at REAL",
         "ALTER TABLE jobs ADD COLUMN cancel_requested INTEGER NOT NULL DEFAULT 0",
     ],
+    [
+        # v3: users get a stable id that is never reused (jobs belong to it, not to a name
+        # a later user may take) and the OS account their jobs run as in multi-user mode
+        """CREATE TABLE users_v3 (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            name TEXT NOT NULL UNIQUE,
+            token_hash TEXT NOT NULL UNIQUE,
+            is_admin INTEGER NOT NULL DEFAULT 0,
+            created_at REAL NOT NULL,
+            gpu_quota INTEGER,
+            os_uid INTEGER UNIQUE)""",
+        """INSERT INTO users_v3 (name, token_hash, is_admin, created_at, gpu_quota)
+            SELECT name, token_hash, is_admin, created_at, gpu_quota FROM users
+            ORDER BY created_at""",
+        "DROP TABLE users",
+        "ALTER TABLE users_v3 RENAME TO users",
+        "ALTER TABLE jobs ADD COLUMN user_id INTEGER",
+        "UPDATE jobs SET user_id = (SELECT id FROM users WHERE users.name = jobs.user)",
+        "CREATE INDEX jobs_by_user_id ON jobs (user_id, id)",
+    ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 ACTIVE = (JobState.starting, JobState.running)
 JOB_COLUMNS = (
-    "id, user, spec, state, attempt, reason, exit_codes, slots, created_at, started_at, finished_at"
+    "id, user, spec, state, attempt, reason, exit_codes, slots, created_at, started_at, "
+    "finished_at, user_id"
 )
+USER_COLUMNS = "id, name, is_admin, gpu_quota, os_uid"
+# the id of the user who has this name now (jobs belong to ids, requests come with names)
+USER_ID = "(SELECT id FROM users WHERE name = :u)"
+# jobs of the user who has the name :u now (NULL-safe: jobs of a name no user has, in tests)
+OWNED_BY = f"user = :u AND user_id IS {USER_ID}"
 
 
 class StoreError(HoraError):
@@ -104,6 +131,7 @@ class Store:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        _owner_only(path)
         self.engine: Engine = create_engine(
             f"sqlite:///{path}",
             connect_args={"check_same_thread": False, "timeout": 30},
@@ -147,46 +175,73 @@ class Store:
     # users ------------------------------------------------------------------------------
 
     def add_user(
-        self, name: str, digest: str, admin: bool = False, quota: int | None = None
+        self,
+        name: str,
+        digest: str,
+        admin: bool = False,
+        quota: int | None = None,
+        os_uid: int | None = None,
     ) -> User:
-        """Create a user with a token digest.
+        """Create a user with a token digest (and the OS account their jobs run as).
 
         Raises:
-            StoreError: the name is taken.
+            StoreError: the name is taken, or the OS account is another user's.
         """
         with self.tx() as conn:
             if conn.execute(text("SELECT 1 FROM users WHERE name = :n"), {"n": name}).first():
                 raise StoreError(f"user {name!r} exists already")
-            conn.execute(
+            if os_uid is not None:
+                other = conn.execute(
+                    text("SELECT name FROM users WHERE os_uid = :o"), {"o": os_uid}
+                ).first()
+                if other is not None:
+                    raise StoreError(f"uid {os_uid} already runs the jobs of user {other[0]!r}")
+            row = conn.execute(
                 text(
-                    "INSERT INTO users (name, token_hash, is_admin, gpu_quota, created_at) "
-                    "VALUES (:n, :h, :a, :q, :t)"
+                    "INSERT INTO users (name, token_hash, is_admin, gpu_quota, os_uid, created_at) "
+                    "VALUES (:n, :h, :a, :q, :o, :t) RETURNING id"
                 ),
-                {"n": name, "h": digest, "a": int(admin), "q": quota, "t": _now()},
-            )
-        return User(name=name, is_admin=admin, gpu_quota=quota)
+                {"n": name, "h": digest, "a": int(admin), "q": quota, "o": os_uid, "t": _now()},
+            ).one()
+        return User(id=int(row[0]), name=name, is_admin=admin, gpu_quota=quota, os_uid=os_uid)
 
     def remove_user(self, name: str) -> bool:
-        """Delete a user (their jobs stay); False if there was none."""
+        """Delete a user; False if there was none.
+
+        Their jobs stay, owned by the old user's id, which no later user gets (a new user
+        of the same name does not see them); their submission ids are released.
+        """
         with self.tx() as conn:
+            conn.execute(
+                text(f"UPDATE jobs SET submission_id = NULL WHERE {OWNED_BY}"), {"u": name}
+            )
             return bool(
                 conn.execute(text("DELETE FROM users WHERE name = :n"), {"n": name}).rowcount
             )
 
     def user_by_digest(self, digest: str) -> User | None:
         """The user whose token has this digest."""
-        with self.engine.connect() as conn:
-            row = conn.execute(
-                text("SELECT name, is_admin, gpu_quota FROM users WHERE token_hash = :h"),
-                {"h": digest},
-            ).first()
-        return None if row is None else User(name=row[0], is_admin=bool(row[1]), gpu_quota=row[2])
+        return self._user("token_hash = :h", {"h": digest})
+
+    def user_by_id(self, user_id: int) -> User | None:
+        """The user with this id (None once removed)."""
+        return self._user("id = :i", {"i": user_id})
+
+    def user_by_name(self, name: str) -> User | None:
+        """The user who has this name now."""
+        return self._user("name = :n", {"n": name})
 
     def users(self) -> list[User]:
         """Every user, by name."""
         with self.engine.connect() as conn:
-            rows = conn.execute(text("SELECT name, is_admin, gpu_quota FROM users ORDER BY name"))
-            return [User(name=r[0], is_admin=bool(r[1]), gpu_quota=r[2]) for r in rows]
+            rows = conn.execute(text(f"SELECT {USER_COLUMNS} FROM users ORDER BY name"))
+            return [_user(r) for r in rows]
+
+    def _user(self, where: str, params: dict[str, object]) -> User | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(text(f"SELECT {USER_COLUMNS} FROM users WHERE {where}"), params)
+            found = row.first()
+        return None if found is None else _user(found)
 
     # jobs -------------------------------------------------------------------------------
 
@@ -194,8 +249,9 @@ class Store:
         """Insert a queued job with its first transition; return its id."""
         row = conn.execute(
             text(
-                "INSERT INTO jobs (user, submission_id, spec, state, priority, need, created_at) "
-                "VALUES (:u, :sid, :spec, :st, :p, :need, :t) RETURNING id"
+                "INSERT INTO jobs "
+                "(user, user_id, submission_id, spec, state, priority, need, created_at) "
+                f"VALUES (:u, {USER_ID}, :sid, :spec, :st, :p, :need, :t) RETURNING id"
             ),
             {
                 "u": user,
@@ -214,7 +270,7 @@ class Store:
     def job_by_submission(self, conn: Connection, user: str, submission_id: str) -> int | None:
         """The id of ``user``'s job with this submission id, if any."""
         row = conn.execute(
-            text("SELECT id FROM jobs WHERE user = :u AND submission_id = :s"),
+            text(f"SELECT id FROM jobs WHERE {OWNED_BY} AND submission_id = :s"),
             {"u": user, "s": submission_id},
         ).first()
         return None if row is None else int(row[0])
@@ -262,7 +318,7 @@ class Store:
         where: list[str] = []
         params: dict[str, object] = {"lim": limit, "off": offset}
         if user is not None:
-            where.append("user = :u")
+            where.append(OWNED_BY)
             params["u"] = user
         if state is not None:
             where.append("state = :s")
@@ -311,6 +367,7 @@ class Store:
                 started_at=_utc(r[9]),
                 finished_at=_utc(r[10]),
                 transitions=moves[r[0]],
+                user_id=r[11],
             )
             for r in rows
         ]
@@ -348,6 +405,21 @@ class Store:
         with self.engine.connect() as conn:
             rows = conn.execute(text("SELECT state, COUNT(*) FROM jobs GROUP BY state"))
             return {r[0]: int(r[1]) for r in rows}
+
+
+def _owner_only(path: Path) -> None:
+    """Create the database file readable and writable by the service's account only.
+
+    SQLite gives its ``-wal`` and ``-shm`` files the database file's mode.
+    """
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    for f in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        if f.exists():
+            f.chmod(0o600)
+
+
+def _user(row: Any) -> User:
+    return User(id=row[0], name=row[1], is_admin=bool(row[2]), gpu_quota=row[3], os_uid=row[4])
 
 
 def _now() -> float:

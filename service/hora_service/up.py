@@ -1,6 +1,8 @@
 """``hora up``: the job service and JupyterLab with the hora kernel, in one command.
 
-Control plane entry point. It builds the :class:`Settings`, makes sure an admin user exists
+Control plane entry point. It builds the :class:`Settings` (single-user mode unless
+``HORA_USER_MODE`` says otherwise: jobs run as the account that ran ``hora up``), makes sure
+an admin user exists
 (the first time it creates one, prints its token once and saves URL and token to
 ``~/.hora/config`` so that ``hora submit`` and ``hora.Client()`` work at once), installs the
 "Python 3 (hora)" kernel under ``DATA_DIR/jupyter`` (visible to this JupyterLab only), starts
@@ -98,6 +100,10 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         overrides["work_root"] = Path.cwd()  # the directory JupyterLab shows
     if args.dev:
         overrides["dev_mode"] = True
+    if "HORA_USER_MODE" not in os.environ:
+        # one person's service and notebooks: jobs run as whoever ran `hora up`, even root
+        # (multi-user mode is `hora serve` as root, with `hora user add` per user)
+        overrides["user_mode"] = "single"
     return Settings(**overrides)
 
 

@@ -3,6 +3,7 @@ by a new manager, and recovery of an attempt the service left half started."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -146,3 +147,32 @@ def test_crash_while_starting_is_failed_then_retried(tmp_path: Path) -> None:
     second.shutdown_jobs()
     assert second.get(job.id).state == JobState.cancelled  # type: ignore[union-attr]
     second.close_store()
+
+
+def test_shim_ignores_the_jobs_pythonpath(tmp_path: Path) -> None:
+    # modules the shim imports, shadowed where the job's PYTHONPATH points: had the shim
+    # loaded them, the job would have recorded its own exit code
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    forge = "import os, sys\nopen(sys.argv[1] + '/rank0.exit', 'w').write('0')\nos._exit(0)\n"
+    for name in ("subprocess", "select", "json"):
+        (shadow / f"{name}.py").write_text(forge)
+    code = "import sys; sys.exit(3)"
+    p = plan(tmp_path, [PY, "-I", "-c", code])
+    p = dataclasses.replace(
+        p, spec=JobSpec(command=p.spec.command, env={"PYTHONPATH": str(shadow)})
+    )
+    (rank,) = LocalRuntime().start(p, dict(os.environ))
+    assert wait_done(rank) == 3
+    assert (p.run_dir / "rank0.exit").read_text() == "3"
+
+
+def test_log_past_its_limit_keeps_the_tail_after_a_marker(tmp_path: Path) -> None:
+    code = "for i in range(20000): print(f'line {i:06d}', flush=i % 1000 == 0)\nprint('END')"
+    p = dataclasses.replace(plan(tmp_path, [PY, "-c", code]), log_bytes=1 << 16)
+    (rank,) = LocalRuntime().start(p, dict(os.environ))
+    assert wait_done(rank) == 0
+    text = p.log_path(0).read_bytes()
+    assert 0 < len(text) <= 1 << 16  # 20000 lines are 240 kB
+    assert text.startswith(b"\n[hora: log truncated here") and text.endswith(b"line 019999\nEND\n")
+    assert b"line 000000" not in text

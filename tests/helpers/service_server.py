@@ -93,18 +93,26 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def make_users(data_dir: Path, users: dict[str, bool]) -> dict[str, str]:
-    """Create users in the store of data_dir; return name -> token."""
+def make_users(
+    data_dir: Path, users: dict[str, bool], accounts: dict[str, int] | None = None
+) -> dict[str, str]:
+    """Create users in the store of data_dir; return name -> token.
+
+    With ``accounts`` (name -> uid), the store is set up for multi-user mode and each user's
+    jobs run as that uid.
+    """
     from hora_service.manager import JobManager
     from hora_service.settings import Settings
 
-    manager = JobManager(Settings(data_dir=data_dir))
+    mode = "multi" if accounts else os.environ.get("HORA_USER_MODE", "shared")
+    manager = JobManager(Settings(data_dir=data_dir, user_mode=mode))
     tokens = {}
     open_users = getattr(manager, "open_store", None)
     if open_users is not None:
         open_users()
     for name, admin in users.items():
-        tokens[name] = str(manager.create_user(name, admin=admin))
+        uid = (accounts or {}).get(name)
+        tokens[name] = str(manager.create_user(name, admin=admin, uid=uid))
     close = getattr(manager, "close_store", None)
     if close is not None:
         close()
@@ -135,6 +143,9 @@ def server_env(
             "HORA_MONITOR_INTERVAL_S": "0.1",
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
+            "HORA_USER_MODE": os.environ.get("HORA_USER_MODE", "shared"),
+            # jobs get a clean environment; these let them import this checkout's code
+            "HORA_JOB_ENV_PASSTHROUGH": "PYTHONPATH,OMP_NUM_THREADS,PYTHONUNBUFFERED",
         }
     )
     env.update(extra or {})
@@ -151,16 +162,18 @@ class ServiceServer:
         cpu_slots: int = 4,
         env: dict[str, str] | None = None,
         startup_timeout: float = 60.0,
+        accounts: dict[str, int] | None = None,
     ) -> None:
         self.data_dir = tmp / "data"
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.tokens = make_users(
-            self.data_dir, users if users is not None else {"ann": False, "root": True}
+            self.data_dir, users if users is not None else {"ann": False, "root": True}, accounts
         )
         self.log_file = tmp / f"server-{self.port}.log"
-        self.env = server_env(self.data_dir, self.port, cpu_slots, env)
+        multi = {"HORA_USER_MODE": "multi"} if accounts else {}
+        self.env = server_env(self.data_dir, self.port, cpu_slots, {**multi, **(env or {})})
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen[bytes] | None = None
         self.seen: set[int] = set()

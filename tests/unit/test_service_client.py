@@ -79,6 +79,7 @@ def test_config_precedence(tmp_path: Path, args, env, file, want) -> None:
     cfg = tmp_path / "config"
     if file is not None:
         cfg.write_text(json.dumps(file))
+        cfg.chmod(0o600)
     got = load_config(*args, environ={**env, "HORA_CONFIG": str(cfg)})
     assert (got.url, got.token) == want
 
@@ -87,9 +88,27 @@ def test_config_precedence(tmp_path: Path, args, env, file, want) -> None:
 def test_bad_config_file_names_it(tmp_path: Path, content: str) -> None:
     cfg = tmp_path / "config"
     cfg.write_text(content)
+    cfg.chmod(0o600)
     with pytest.raises(SpecError) as e:
         load_config(environ={"HORA_CONFIG": str(cfg)})
     assert e.value.field == "config" and str(cfg) in str(e.value)
+
+
+def test_config_readable_by_others_is_refused(tmp_path: Path) -> None:
+    cfg = save_config("http://127.0.0.1:9", "secret", tmp_path / "config")
+    cfg.chmod(0o644)
+    with pytest.raises(SpecError) as e:
+        load_config(environ={"HORA_CONFIG": str(cfg)})
+    assert e.value.field == "config" and "chmod 600" in str(e.value)
+    got = load_config("http://a:1", "t", environ={"HORA_CONFIG": str(cfg)})
+    assert got.token == "t"  # not read at all when both are given
+
+
+def test_default_config_dir_is_private(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".hora").mkdir(mode=0o755)
+    path = save_config("http://127.0.0.1:9", "secret", tmp_path / ".hora" / "config")
+    assert stat.S_IMODE(os.stat(path.parent).st_mode) == 0o700
 
 
 def test_save_config_is_private(tmp_path: Path) -> None:

@@ -9,19 +9,22 @@ run in tests/e2e/test_service_runtime.py and the other service e2e tests.
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import sqlite3
 import time
 from pathlib import Path
 
 import pytest
-from hora.errors import SpecError
+from hora.errors import HoraError, SpecError
 from hora.spec import JobSpec, JobState
+from hora_service import identity, runtimes
+from hora_service.identity import RunAs
 from hora_service.inventory import detect_gpus, inventory, parse_nvidia_smi, torch_gpus
 from hora_service.manager import JobManager
-from hora_service.runtimes import AttemptPlan, Exit, RankProcess, Runtime
+from hora_service.runtimes import AttemptPlan, Exit, RankProcess, Runtime, shim
 from hora_service.runtimes.base import RankStatus
-from hora_service.runtimes.local import SHIM, rank_argv, rank_environment
+from hora_service.runtimes.local import SHIM, allowed_env, rank_argv, rank_environment
 from hora_service.settings import Settings
 from hora_service.store import MIGRATIONS, SCHEMA_VERSION, Store, StoreError, token_hash
 
@@ -48,6 +51,15 @@ class ScriptedRuntime(Runtime):
     def __init__(self) -> None:
         self.started: list[tuple[AttemptPlan, list[ScriptedRank]]] = []
         self.obeys_term = True
+        self.leftovers = 0  # passes for which processes are left in the attempt's container
+        self.clears = 0
+
+    def _clear(self, plan: AttemptPlan) -> bool:
+        self.clears += 1
+        if self.leftovers > 0:
+            self.leftovers -= 1
+            return False
+        return super()._clear(plan)
 
     def _start(self, plan: AttemptPlan, base_env: dict[str, str]) -> list[RankProcess]:
         ranks = [ScriptedRank(r, self.obeys_term) for r in range(plan.spec.workers)]
@@ -69,7 +81,7 @@ def rt() -> ScriptedRuntime:
 def mgr(tmp_path: Path, rt: ScriptedRuntime) -> JobManager:
     settings = Settings(
         data_dir=tmp_path / "data", work_root=tmp_path, gpus="0", cpu_slots=4,
-        kill_grace_s=5, retry_backoff_s=2,
+        kill_grace_s=5, retry_backoff_s=2, containment="tag",  # scripted ranks: no processes
     )  # fmt: skip
     m = JobManager(settings, runtimes={"local": rt})
     m.open_store()
@@ -150,6 +162,28 @@ def test_cancel_escalates_to_sigkill_and_holds_slots_until_gone(
     assert state(mgr, job.id) == JobState.cancelled
     assert state(mgr, blocked.id) == JobState.running  # the freed slots went to the next job
     assert mgr.cancel(job.id).state == JobState.cancelled  # a no-op now
+
+
+def test_slots_stay_held_until_no_process_of_the_attempt_is_left(
+    mgr: JobManager, rt: ScriptedRuntime, caplog: pytest.LogCaptureFixture
+) -> None:
+    job = mgr.submit("ann", spec(workers=2))
+    mgr.tick()
+    _, ranks = rt.started[0]
+    for r in ranks:
+        r.status = 0  # both ranks exited 0, but a daemon of theirs lives on
+    rt.leftovers = 10**6
+    t0 = time.time()
+    for dt in (0, 1, 31, 32):  # clear_timeout_s is 30
+        mgr.tick(now=t0 + dt)
+        assert state(mgr, job.id) == JobState.running
+        assert sum(s.job_id == job.id for s in mgr.slots()) == 2
+    assert "stay held until they are gone" in caplog.text
+    assert caplog.text.count("stay held") == 1  # reported once, not every pass
+    rt.leftovers = 0  # the kill worked at last
+    mgr.tick(now=t0 + 40)
+    assert state(mgr, job.id) == JobState.succeeded
+    assert all(s.job_id is None for s in mgr.slots())
 
 
 def test_retry_waits_for_backoff_then_starts_next_attempt(
@@ -254,6 +288,66 @@ def test_users_tokens_are_hashed(mgr: JobManager, tmp_path: Path) -> None:
     assert mgr.remove_user("ann") and mgr.user_for_token(token) is None
 
 
+def test_a_recreated_name_does_not_inherit_the_old_users_jobs(mgr: JobManager) -> None:
+    mgr.create_user("ann")
+    old = mgr.submit("ann", spec(submission_id="s1"))
+    first = mgr.user_for_token(mgr.create_user("bob"))
+    assert mgr.remove_user("ann")
+    token = mgr.create_user("ann")
+    new = mgr.user_for_token(token)
+    assert new is not None and first is not None and new.id > first.id  # ids are never reused
+    assert mgr.list_jobs("ann", None, 50, 0) == ([], 0)
+    again = mgr.submit("ann", spec(submission_id="s1"))  # the old submission id is free
+    assert again.id != old.id and again.user_id == new.id
+    assert mgr.get(old.id).user_id != new.id  # type: ignore[union-attr]
+
+
+def test_single_user_mode_refuses_a_second_user(tmp_path: Path) -> None:
+    single = JobManager(Settings(data_dir=tmp_path / "d", user_mode="single", gpus="0"))
+    single.create_user("ann")
+    with pytest.raises(SpecError, match="HORA_USER_MODE=shared") as e:
+        single.create_user("bob")
+    assert e.value.field == "name" and "single-user mode" in str(e.value)
+    with pytest.raises(SpecError, match="multi-user mode"):
+        single.create_user("ann2", uid=4321)
+    single.close_store()
+    shared = JobManager(Settings(data_dir=tmp_path / "d", user_mode="shared", gpus="0"))
+    shared.create_user("bob")  # the admin opted in
+    assert [u.name for u in shared.list_users()] == ["ann", "bob"]
+    shared.close_store()
+    later = JobManager(Settings(data_dir=tmp_path / "d", user_mode="single", gpus="0"))
+    with pytest.raises(HoraError, match="has 2 users"):  # no silent downgrade at start
+        later.start()
+    later.close_store()
+
+
+def test_multi_user_mode_needs_root_and_a_safe_account(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match="needs a service running as root"):
+        identity.resolve_mode("multi", euid=1000)
+    with pytest.raises(SpecError, match="root"):
+        identity.run_as(0)
+    with pytest.raises(SpecError, match="service's own account"):
+        identity.run_as(1000, service_uid=1000)
+    nobody = 65534
+    with pytest.raises(SpecError, match="unprivileged"):
+        identity.run_as(nobody, service_uid=nobody)
+    store = Store(tmp_path / "hora.db")
+    store.add_user("ann", "h1", os_uid=nobody)
+    with pytest.raises(StoreError, match="already runs the jobs of user 'ann'"):
+        store.add_user("bob", "h2", os_uid=nobody)
+    store.close()
+
+
+def test_multi_user_mode_refuses_jobs_of_a_user_without_an_account(tmp_path: Path) -> None:
+    mgr = JobManager(Settings(data_dir=tmp_path / "d", gpus="0", containment="tag"))
+    mgr.users.mode = "multi"  # what a root service resolves to; no account is created here
+    mgr.create_user("ann")
+    with pytest.raises(SpecError, match="no OS account") as e:
+        mgr.submit("ann", spec())
+    assert e.value.field == "user"
+    mgr.close_store()
+
+
 def test_metrics_count_latency_and_slots(mgr: JobManager, rt: ScriptedRuntime) -> None:
     mgr.submit("ann", spec(workers=3))
     mgr.submit("ann", spec(workers=3))
@@ -281,12 +375,18 @@ def test_old_database_is_migrated_in_place(tmp_path: Path) -> None:
         conn.execute(statement)
     conn.execute("PRAGMA user_version = 1")
     conn.execute("INSERT INTO users VALUES ('ann', 'h', 1, 0)")
+    conn.execute(
+        "INSERT INTO jobs (user, spec, state, priority, need, created_at) "
+        "VALUES ('ann', '{}', 'succeeded', 1, 1, 0)"
+    )
     conn.commit()
     conn.close()
     store = Store(db)
     assert store.migrate() == SCHEMA_VERSION  # already current on a second open
     (user,) = store.users()
     assert (user.name, user.is_admin, user.gpu_quota) == ("ann", True, None)
+    with sqlite3.connect(db) as c:  # v3: the job now belongs to ann's stable id
+        assert c.execute("SELECT user_id FROM jobs").fetchall() == [(user.id,)]
     with sqlite3.connect(db) as c:
         assert c.execute("PRAGMA journal_mode").fetchone() == ("wal",)
     store.close()
@@ -315,14 +415,22 @@ def plan(tmp_path: Path, kind: str = "gpu", **kw: object) -> AttemptPlan:
 def test_rank_argv_passes_hostile_arguments_verbatim(tmp_path: Path) -> None:
     argv = rank_argv(plan(tmp_path, workers=2, gpus_per_worker=2), 1, python="/py")
     run_dir = str(tmp_path / "run dir")
-    assert argv == ["/py", "-S", str(SHIM), run_dir, "1", "--", "python", *HOSTILE]
+    # -I: the shim ignores PYTHONPATH and user site dirs, so a job cannot replace its modules
+    assert argv == ["/py", "-I", "-S", str(SHIM), run_dir, "1", "--", "python", *HOSTILE]
 
 
 def test_rank_environment_contract(tmp_path: Path) -> None:
     p = plan(tmp_path, workers=2, gpus_per_worker=2, env={"RANK": "99", "SEED": "$(id)"})
-    base = {"PATH": "/bin", "HORA_TOKEN": "s", "HORA_DATA_DIR": "/x", "CUDA_VISIBLE_DEVICES": "0"}
+    service = {
+        "PATH": "/bin", "HOME": "/root", "LC_ALL": "C", "HORA_TOKEN": "s", "HORA_DATA_DIR": "/x",
+        "CUDA_VISIBLE_DEVICES": "0", "AWS_SECRET_ACCESS_KEY": "k", "PYTHONPATH": "/svc",
+        "LD_PRELOAD": "/x.so", "OMP_NUM_THREADS": "1",
+    }  # fmt: skip
+    base = allowed_env(service, passthrough=["OMP_NUM_THREADS"])
+    assert base == {"PATH": "/bin", "HOME": "/root", "LC_ALL": "C", "OMP_NUM_THREADS": "1"}
     env = rank_environment(p, 1, base)
     assert env["PATH"] == "/bin" and "HORA_TOKEN" not in env and "HORA_DATA_DIR" not in env
+    assert not {"AWS_SECRET_ACCESS_KEY", "PYTHONPATH", "LD_PRELOAD"} & set(env)
     assert env["SEED"] == "$(id)"  # the job's env, as given
     world = (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_SIZE"])
     assert world == ("1", "2", "1", "2")  # hora's contract wins over the job's RANK=99
@@ -330,6 +438,15 @@ def test_rank_environment_contract(tmp_path: Path) -> None:
     assert env["CUDA_VISIBLE_DEVICES"] == "6,7" and env["HORA_RESTART_COUNT"] == "1"
     assert env["HORA_JOB_ID"] == "7" and env["PYTHONUNBUFFERED"] == "1"
     assert rank_environment(plan(tmp_path, "cpu"), 0, {})["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_rank_environment_of_a_job_account(tmp_path: Path) -> None:
+    who = RunAs(uid=1234, gid=1234, home=Path("/home/hora-ann"), user="hora-ann")
+    p = dataclasses.replace(plan(tmp_path, env={"HOME": "/mine"}), run_as=who)
+    env = rank_environment(p, 0, {"HOME": "/root", "USER": "root", "PATH": "/bin"})
+    assert (env["USER"], env["LOGNAME"], env["PATH"]) == ("hora-ann", "hora-ann", "/bin")
+    assert env["HOME"] == "/mine"  # the job's own env may set its HOME; never the service's
+    assert rank_environment(dataclasses.replace(p, spec=spec()), 0, {})["HOME"] == str(who.home)
 
 
 # --- settings and inventory ------------------------------------------------------------
@@ -424,8 +541,23 @@ def test_a_launch_that_fails_is_a_failed_attempt(mgr: JobManager, tmp_path: Path
     assert all(s.job_id is None for s in mgr.slots())
 
 
+def test_a_runtime_gone_at_launch_fails_the_attempt_and_frees_slots(
+    mgr: JobManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = mgr.submit("ann", spec(workers=2))
+    monkeypatch.setattr(mgr, "_runtimes", {})
+    monkeypatch.setattr(runtimes, "REGISTRY", {})  # e.g. a runtime removed by an upgrade
+    mgr.tick()
+    done = mgr.get(job.id)
+    assert done is not None and done.state == JobState.failed
+    assert "is not available here" in (done.reason or "")
+    assert all(s.job_id is None for s in mgr.slots())
+
+
 def test_restart_finishes_a_cancel_that_was_under_way(tmp_path: Path) -> None:
-    settings = Settings(data_dir=tmp_path / "d", work_root=tmp_path, gpus="0", cpu_slots=2)
+    settings = Settings(
+        data_dir=tmp_path / "d", work_root=tmp_path, gpus="0", cpu_slots=2, containment="tag"
+    )
     before = ScriptedRuntime()
     before.obeys_term = False
     first = JobManager(settings, runtimes={"local": before})
@@ -444,3 +576,16 @@ def test_restart_finishes_a_cancel_that_was_under_way(tmp_path: Path) -> None:
     second.tick()
     done = second.get(job.id)
     assert done is not None and done.state == JobState.cancelled and done.attempt == 1
+
+
+def test_shim_log_keeps_the_newest_half_past_its_limit(tmp_path: Path) -> None:
+    path = tmp_path / "rank0.log"
+    log = shim.Log(str(path), 1 << 12)
+    log.write(b"a" * 100)
+    log.write(b"b" * 10_000)  # one write larger than the whole limit
+    body = path.read_bytes()
+    assert body == shim.MARK % (1 << 12) + b"b" * 2048 and log.size == len(body)
+    log.write(b"c" * 1000)
+    body = path.read_bytes()
+    assert len(body) <= 1 << 12 and body.endswith(b"b" * 1048 + b"c" * 1000)
+    assert body.count(b"[hora: log truncated") == 1 and log.size == len(body)

@@ -55,13 +55,15 @@ def unauthorized(detail: str) -> HTTPException:
 
 
 class TokenCache:
-    """Known tokens -> user for a few seconds, so that a busy client costs no store lookup.
+    """Known tokens -> user for ``ttl_s`` seconds, so that a busy client costs no store lookup.
 
     Only tokens the store accepted are kept (keyed by their SHA-256, never in clear), for
-    ``ttl_s`` seconds: a user removed from the store loses access within that time.
+    ``ttl_s`` seconds: a user removed from the store loses access within that time. The
+    default, 0, asks the store on every request (one indexed read), so that removing a user
+    (``hora user remove``, from another process) revokes their token on the next request.
     """
 
-    def __init__(self, ttl_s: float = 5.0, max_entries: int = 1024) -> None:
+    def __init__(self, ttl_s: float = 0.0, max_entries: int = 1024) -> None:
         self.ttl_s = ttl_s
         self.max_entries = max_entries
         self._entries: dict[str, tuple[float, User]] = {}
@@ -69,6 +71,8 @@ class TokenCache:
 
     def lookup(self, token: str, load: Callable[[str], User | None]) -> User | None:
         """The user of ``token``, from the cache or from ``load`` (the store)."""
+        if self.ttl_s <= 0:
+            return load(token)
         key = hashlib.sha256(token.encode()).hexdigest()
         now = time.monotonic()
         with self._lock:
@@ -120,7 +124,8 @@ async def owned_job(
         HTTPException: 404 when the job does not exist or belongs to someone else.
     """
     job = manager.get(job_id)
-    if job is None or not (user.is_admin or job.user == user.name):
+    # by the user's stable id: a new user who took a removed user's name owns none of theirs
+    if job is None or not (user.is_admin or job.user_id == user.id):
         raise HTTPException(status_code=404, detail=f"job {job_id} not found")
     return job
 

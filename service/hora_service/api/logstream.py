@@ -128,6 +128,7 @@ async def follow_log(
         Encoded SSE events: log chunks (``id`` = offset after the chunk), then ``event: end``.
     """
     last_sent = time.monotonic()
+    start = offset
     while True:
         state = await run_in_threadpool(poll_state)
         data = await run_in_threadpool(read_chunk, path, offset, SSE_CHUNK_BYTES)
@@ -136,6 +137,9 @@ async def follow_log(
             offset += used
             last_sent = time.monotonic()
             yield sse_event(text, event_id=offset)
+            continue
+        if not data and offset > start and await run_in_threadpool(file_size, path) < offset:
+            offset = start = 0  # the log passed its limit and was cut: go on from its marker
             continue
         if state.done:
             yield sse_event({**state.info, "offset": offset}, event="end", event_id=offset)

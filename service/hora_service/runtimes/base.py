@@ -3,13 +3,16 @@
 A runtime turns an :class:`AttemptPlan` (pure data: the spec, the slots, the run directory)
 into running ranks. :meth:`Runtime.start` and :meth:`Runtime.adopt` do the logging and
 timing and call the ``_start`` / ``_adopt`` hooks that local, docker and slurm implement.
-Each rank is a :class:`RankProcess` the manager polls and signals.
+Each rank is a :class:`RankProcess` the manager polls and signals; :meth:`Runtime.clear`
+kills whatever is left of an attempt (descendants, ``setsid()`` daemons) and says when
+nothing is: only then are its slots free.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -17,6 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hora.spec import JobSpec
+
+from hora_service.identity import RunAs
+from hora_service.runtimes.containment import Container
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +40,11 @@ class AttemptPlan:
         run_dir: ``DATA_DIR/logs/<job>/<attempt>``: logs and the ranks' pid/exit files.
         workdir: the ranks' working directory (already confined to the work root).
         master_port: rendezvous port for rank 0.
+        run_as: the OS account the ranks run as; None: the service's own (single-user and
+            shared modes).
+        container: the attempt's process container (cgroup); None: no containment beyond
+            the ranks' process groups (only tests that drive a runtime directly).
+        log_bytes: most log bytes the attempt keeps, split evenly over its ranks.
     """
 
     job_id: int
@@ -44,6 +55,9 @@ class AttemptPlan:
     run_dir: Path
     workdir: Path
     master_port: int
+    run_as: RunAs | None = None
+    container: Container | None = None
+    log_bytes: int = 256 << 20
 
     def rank_slots(self, rank: int) -> tuple[int, ...]:
         """The slots of one rank: ``gpus_per_worker`` consecutive ones of the job's."""
@@ -53,6 +67,11 @@ class AttemptPlan:
     def log_path(self, rank: int) -> Path:
         """Where rank ``rank`` writes its output."""
         return self.run_dir / f"rank{rank}.log"
+
+    @property
+    def rank_log_bytes(self) -> int:
+        """Most bytes one rank's log keeps."""
+        return max(1 << 12, self.log_bytes // self.spec.workers)
 
 
 class Exit(enum.Enum):
@@ -96,7 +115,9 @@ class Runtime(ABC):
             One process per rank, by rank.
         """
         t0 = time.perf_counter()
-        plan.run_dir.mkdir(parents=True, exist_ok=True)
+        prepare_run_dir(plan)
+        if plan.container is not None:
+            plan.container.create()
         ranks = self._start(plan, base_env)
         log.info(
             "job %d attempt %d: %d rank(s) started by %s in %.1f ms",
@@ -114,11 +135,43 @@ class Runtime(ABC):
         log.info("job %d attempt %d: re-adopted %d rank(s)", plan.job_id, plan.attempt, len(ranks))
         return ranks
 
+    def clear(self, plan: AttemptPlan) -> bool:
+        """Kill every process left of an ended attempt; True once none is left.
+
+        The manager calls it until it answers True and frees the attempt's slots only then.
+        """
+        try:
+            empty = self._clear(plan)
+        except OSError as e:
+            log.warning("job %d attempt %d: cannot clear: %s", plan.job_id, plan.attempt, e)
+            return False
+        if not empty:
+            log.info("job %d attempt %d: processes left; killing", plan.job_id, plan.attempt)
+        return empty
+
+    def _clear(self, plan: AttemptPlan) -> bool:
+        return plan.container.clear() if plan.container is not None else True
+
     @abstractmethod
     def _start(self, plan: AttemptPlan, base_env: dict[str, str]) -> list[RankProcess]: ...
 
     @abstractmethod
     def _adopt(self, plan: AttemptPlan) -> list[RankProcess]: ...
+
+
+def prepare_run_dir(plan: AttemptPlan) -> None:
+    """Create the attempt's run directory: the service's, readable by the job's group only.
+
+    ``logs/<job>`` and ``logs/<job>/<attempt>`` are mode 0750 with the job account's primary
+    group (the service's own without one), so the service reads and writes everything and
+    the job's owner can only read; no other account gets in.
+    """
+    gid = plan.run_as.gid if plan.run_as is not None else os.getegid()
+    for d in (plan.run_dir.parent, plan.run_dir):
+        d.mkdir(parents=True, exist_ok=True)
+        if os.geteuid() == 0 or gid == os.getegid():
+            os.chown(d, -1, gid)
+        d.chmod(0o750)
 
 
 def first_failure(codes: Sequence[RankStatus]) -> tuple[int, RankStatus] | None:

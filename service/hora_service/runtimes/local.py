@@ -2,29 +2,34 @@
 
 Each rank runs under the rank shim (:mod:`hora_service.runtimes.shim`) in a session of its
 own, so signals reach its whole process group and it outlives a crash of the service. The
-argument list and the environment are built by pure functions (:func:`rank_argv`,
-:func:`rank_environment`); nothing passes through a shell.
+shim starts with an empty environment and reads the rank's from a launch file; the rank's
+command runs in the attempt's cgroup as the job's account (``plan.run_as``). The argument
+list and the environment are built by pure functions (:func:`rank_argv`,
+:func:`allowed_env`, :func:`rank_environment`); nothing passes through a shell.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import psutil
 from hora.env import rank_env
 
 from hora_service.runtimes.base import AttemptPlan, Exit, RankProcess, RankStatus, Runtime
+from hora_service.runtimes.containment import TAG_VAR
 
 SHIM = Path(__file__).with_name("shim.py")
 PID_WAIT_S = 5.0
-# settings of the service itself; a job never inherits them
-PRIVATE_PREFIXES = ("HORA_",)
+# what a job inherits from the service's environment (besides what the admin adds)
+ALLOWED = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ")
+ALLOWED_PREFIXES = ("LC_",)
 
 
 def rank_argv(plan: AttemptPlan, rank: int, python: str = sys.executable) -> list[str]:
@@ -34,19 +39,41 @@ def rank_argv(plan: AttemptPlan, rank: int, python: str = sys.executable) -> lis
         >>> rank_argv(plan, 0)[-2:]  # doctest: +SKIP
         ['python', 'train.py']
     """
-    return [python, "-S", str(SHIM), str(plan.run_dir), str(rank), "--", *plan.spec.command]
+    return [
+        python, "-I", "-S", str(SHIM), str(plan.run_dir), str(rank), "--", *plan.spec.command
+    ]  # fmt: skip
+
+
+def allowed_env(service_env: Mapping[str, str], passthrough: Sequence[str] = ()) -> dict[str, str]:
+    """What a job inherits from the service's environment: an allow-list, never the rest.
+
+    ``PATH``, ``HOME``, ``USER``, ``LOGNAME``, ``LANG``, ``LANGUAGE``, ``LC_*`` and ``TZ``,
+    plus the names the admin lists in ``job_env_passthrough``.
+
+    Example:
+        >>> allowed_env({"PATH": "/bin", "AWS_SECRET_ACCESS_KEY": "s", "LC_ALL": "C"})
+        {'PATH': '/bin', 'LC_ALL': 'C'}
+    """
+    return {
+        k: v
+        for k, v in service_env.items()
+        if k in ALLOWED or k.startswith(ALLOWED_PREFIXES) or k in passthrough
+    }
 
 
 def rank_environment(plan: AttemptPlan, rank: int, base: Mapping[str, str]) -> dict[str, str]:
     """The environment of rank ``rank``.
 
-    The service's environment minus its own ``HORA_*`` settings, then the job's ``env``,
-    then what hora sets (which wins): the rank variables of the ``hora.torch`` contract,
-    ``CUDA_VISIBLE_DEVICES`` of exactly this rank's GPUs (empty on CPU slots),
-    ``HORA_JOB_ID``, ``HORA_RESTART_COUNT`` (0 on the first attempt) and
-    ``PYTHONUNBUFFERED=1`` so that logs stream as they are written.
+    ``base`` (the service's :func:`allowed_env`), then the job account's ``HOME``, ``USER``
+    and ``LOGNAME`` in multi-user mode, then the job's ``env``, then what hora sets (which
+    wins): the rank variables of the ``hora.torch`` contract, ``CUDA_VISIBLE_DEVICES`` of
+    exactly this rank's GPUs (empty on CPU slots), ``HORA_SLOTS``, ``HORA_JOB_ID``,
+    ``HORA_RESTART_COUNT`` (0 on the first attempt), ``HORA_ATTEMPT`` (the attempt's
+    containment tag) and ``PYTHONUNBUFFERED=1`` so that logs stream as they are written.
     """
-    env = {k: v for k, v in base.items() if not k.startswith(PRIVATE_PREFIXES)}
+    env = dict(base)
+    if plan.run_as is not None:
+        env.update(HOME=str(plan.run_as.home), USER=plan.run_as.user, LOGNAME=plan.run_as.user)
     env.update(plan.spec.env)
     n = plan.spec.workers
     env.update(
@@ -65,7 +92,33 @@ def rank_environment(plan: AttemptPlan, rank: int, base: Mapping[str, str]) -> d
     env["HORA_JOB_ID"] = str(plan.job_id)
     env["HORA_RESTART_COUNT"] = str(plan.attempt - 1)
     env["PYTHONUNBUFFERED"] = "1"
+    if plan.container is not None:
+        env[TAG_VAR] = plan.container.tag
     return env
+
+
+def launch_file(plan: AttemptPlan, rank: int, base: Mapping[str, str]) -> dict[str, object]:
+    """What the shim reads from ``rank<R>.launch`` (see :mod:`hora_service.runtimes.shim`)."""
+    who = plan.run_as
+    return {
+        "env": rank_environment(plan, rank, base),
+        "uid": who.uid if who is not None else None,
+        "gid": who.gid if who is not None else None,
+        "cgroups": [str(d) for d in plan.container.dirs] if plan.container is not None else [],
+        "log_limit": plan.rank_log_bytes,
+    }
+
+
+def _private_file(path: Path, gid: int, mode: int, text: str = "") -> None:
+    """Create ``path`` as the service's, with group ``gid`` and ``mode`` (from the start)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
+    try:
+        os.fchmod(fd, mode)
+        if os.geteuid() == 0 or gid == os.getegid():
+            os.fchown(fd, -1, gid)
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
 
 
 def read_exit(run_dir: Path, rank: int) -> int | None:
@@ -181,11 +234,15 @@ class LocalRuntime(Runtime):
     def _start(self, plan: AttemptPlan, base_env: dict[str, str]) -> list[RankProcess]:
         ranks: list[RankProcess] = []
         try:
+            gid = plan.run_as.gid if plan.run_as is not None else os.getegid()
             for rank in range(plan.spec.workers):
+                launch = json.dumps(launch_file(plan, rank, base_env))
+                _private_file(plan.run_dir / f"rank{rank}.launch", os.getegid(), 0o600, launch)
+                _private_file(plan.log_path(rank), gid, 0o640)
                 with plan.log_path(rank).open("ab") as log:
                     proc = subprocess.Popen(
                         rank_argv(plan, rank),
-                        env=rank_environment(plan, rank, base_env),
+                        env={},
                         cwd=plan.workdir,
                         stdin=subprocess.DEVNULL,
                         stdout=log,

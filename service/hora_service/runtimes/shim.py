@@ -1,27 +1,46 @@
-"""Rank shim: runs one rank's command and records its pid and exit status in files.
+"""Rank shim: runs one rank's command as the job's user and records its pid, output and exit.
 
 Control plane helper, started by the local runtime as
-``python -S shim.py RUN_DIR RANK -- COMMAND...`` in the rank's own session, with the rank's
-log file as stdout and stderr. It writes ``RUN_DIR/rank<R>.pid`` first, starts the command
-(which inherits the log, environment, working directory and process group), waits, and
-writes ``RUN_DIR/rank<R>.exit`` (the exit code; minus the signal number when killed) before
-exiting with the same status. The files let a restarted service re-adopt a running rank and
-learn how a finished one ended even though it is no longer the rank's parent.
+``python -I -S shim.py RUN_DIR RANK -- COMMAND...`` in the rank's own session. ``-I -S``
+(isolated, no ``site``) makes it ignore ``PYTHON*`` variables and user site directories, so
+nothing a job controls can replace its modules; it is started with an empty environment and
+reads everything else from ``RUN_DIR/rank<R>.launch``, a JSON file the service wrote and only
+the service's account can read:
 
-Standard library only and no ``site`` import: this must start in milliseconds. Its signal
-handlers are its first statements; a signal in the few milliseconds before them ends the
-shim before it starts the command (the monitor then sees the rank gone).
+``env`` (the command's whole environment), ``uid`` / ``gid`` (the account to run as, or null
+for the shim's own), ``cgroups`` (directories whose ``cgroup.procs`` the command joins) and
+``log_limit`` (most bytes ``RUN_DIR/rank<R>.log`` keeps).
+
+It writes ``rank<R>.pid``, starts the command (which joins the cgroups, clears its
+supplementary groups, and sets its gid then its uid before ``exec``), copies the command's
+output into the log (past ``log_limit`` the log keeps its newest half after a truncation
+marker), waits for the command, and writes ``rank<R>.exit`` (the exit code; minus the signal
+number when killed) before exiting with the same status. Every file it writes belongs to the
+service's account and is not writable by the job's, so a job cannot forge its outcome. The
+files let a restarted service re-adopt a running rank and learn how a finished one ended.
+
+Standard library only: this must start in milliseconds. Its signal handlers are its first
+statements; a signal in the few milliseconds before them ends the shim before it starts the
+command (the monitor then sees the rank gone).
 """
 
+import json
 import os
+import select
 import signal
 import subprocess
 import sys
+import time
+
+CHUNK = 1 << 16
+DRAIN_S = 0.5  # after the command ends, how long output still in flight is copied
+MARK = b"\n[hora: log truncated here: it passed %d bytes; the newest half is kept]\n"
 
 
-def _write(path: str, text: str) -> None:
+def _write(path: str, text: str, mode: int = 0o640) -> None:
     tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w") as f:
         f.write(text)
     os.replace(tmp, path)
 
@@ -38,6 +57,76 @@ def _on_signal(signum: int, frame: object) -> None:
         _early.append(signum)
 
 
+class Log:
+    """The rank's log file, kept under ``limit`` bytes by dropping its oldest half."""
+
+    def __init__(self, path: str, limit: int) -> None:
+        self.path, self.limit = path, limit
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+        self.size = os.fstat(self.fd).st_size
+
+    def write(self, data: bytes) -> None:
+        """Append ``data``; truncate first when the file would pass the limit."""
+        if self.size + len(data) > self.limit:
+            self._truncate(data)
+            return
+        os.write(self.fd, data)
+        self.size += len(data)
+
+    def _truncate(self, data: bytes) -> None:
+        keep = self.limit // 2  # the newest bytes of the file and data together
+        st = os.fstat(self.fd)
+        tmp = f"{self.path}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
+        os.fchown(fd, st.st_uid, st.st_gid)
+        os.fchmod(fd, st.st_mode & 0o777)
+        mark = MARK % self.limit
+        os.write(fd, mark)
+        from_file = max(0, keep - len(data))
+        with open(self.path, "rb") as old:  # copied in chunks: the tail may be large
+            old.seek(max(0, self.size - from_file))
+            while chunk := old.read(CHUNK):
+                os.write(fd, chunk)
+        os.write(fd, data[-keep:])
+        os.replace(tmp, self.path)
+        os.close(self.fd)
+        self.fd = fd
+        self.size = len(mark) + min(from_file, self.size) + min(len(data), keep)
+
+def _become(uid: object, gid: object, cgroups: list[str]) -> None:
+    """In the command's process, before exec: join the cgroups, then drop privileges."""
+    pid = str(os.getpid())
+    for d in cgroups:
+        with open(os.path.join(d, "cgroup.procs"), "w") as f:
+            f.write(pid)
+    if isinstance(uid, int) and isinstance(gid, int):
+        os.setgroups([])
+        os.setgid(gid)
+        os.setuid(uid)
+
+
+def _pump(child: "subprocess.Popen[bytes]", out: int, log: Log) -> int:
+    """Copy the command's output into the log until it has exited (and a moment more)."""
+    code = None
+    drain_until = 0.0
+    while True:
+        ready, _, _ = select.select([out], [], [], 0.2)
+        if ready:
+            data = os.read(out, CHUNK)
+            if data:
+                log.write(data)
+                continue
+            if code is None:
+                code = child.wait()
+            return code
+        if code is None:
+            code = child.poll()
+            if code is not None:
+                drain_until = time.monotonic() + DRAIN_S
+        elif time.monotonic() > drain_until:
+            return code  # a descendant keeps the pipe open; the service kills it
+
+
 def main(argv: list[str]) -> int:
     """Run ``argv = [RUN_DIR, RANK, "--", COMMAND...]``; return the command's status."""
     global _started
@@ -49,16 +138,30 @@ def main(argv: list[str]) -> int:
         return 2
     base = os.path.join(run_dir, f"rank{rank}")
     _write(base + ".pid", str(os.getpid()))
+    with open(base + ".launch") as f:
+        launch = json.load(f)
+    log = Log(base + ".log", int(launch["log_limit"]))
+    read_end, write_end = os.pipe()
     try:
-        child = subprocess.Popen(command)
+        child = subprocess.Popen(
+            command,
+            env=launch["env"],
+            stdin=subprocess.DEVNULL,
+            stdout=write_end,
+            stderr=write_end,
+            preexec_fn=lambda: _become(launch["uid"], launch["gid"], launch["cgroups"]),
+        )
         _started = True
         for sig in _early:
             child.send_signal(sig)
-    except OSError as e:
-        sys.stderr.write(f"hora: cannot start {command[0]!r}: {e.strerror or e}\n")
+    except (OSError, subprocess.SubprocessError) as e:
+        why = getattr(e, "strerror", None) or e
+        log.write(f"hora: cannot start {command[0]!r}: {why}\n".encode())
         _write(base + ".exit", "127")
         return 127
-    code = child.wait()
+    finally:
+        os.close(write_end)
+    code = _pump(child, read_end, log)
     _write(base + ".exit", str(code))
     return code if code >= 0 else 128 - code
 

@@ -1,0 +1,140 @@
+"""The service's users under its user mode: creation, tokens, OS accounts (control plane).
+
+:class:`Users` applies the rules of :mod:`hora_service.identity` to the store: who may be
+created in which mode, which OS account a user's jobs run as, and the check at start-up that
+a store set up for several users is not quietly served in single-user mode. The job manager
+holds one and hands out its answers; nothing here touches jobs.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+
+from hora.errors import HoraError, SpecError
+
+from hora_service import identity
+from hora_service.models import User
+from hora_service.store import Store, token_hash
+
+USER_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+class Users:
+    """Users and their OS accounts (see the module docstring).
+
+    Args:
+        mode: the user mode in effect (``multi``, ``single`` or ``shared``).
+        store: opens (or returns) the store.
+
+    Example:
+        >>> users = Users("shared", lambda: Store(tmp_path / "hora.db"))  # doctest: +SKIP
+        >>> token = users.create("ann")  # doctest: +SKIP
+    """
+
+    def __init__(self, mode: str, store: Callable[[], Store]) -> None:
+        self.mode = mode
+        self._store = store
+
+    def create(
+        self,
+        name: str,
+        admin: bool = False,
+        quota: int | None = None,
+        uid: int | None = None,
+        make_account: bool = False,
+    ) -> str:
+        """Create a user and return their token (shown once; only its hash is stored).
+
+        Args:
+            name: the user's name.
+            admin: sees and acts on every job.
+            quota: most slots this user's running jobs may hold.
+            uid: in multi-user mode, the existing OS account their jobs run as.
+            make_account: in multi-user mode without ``uid``, create the account
+                ``hora-NAME`` (see :func:`hora_service.identity.create_account`).
+
+        Raises:
+            SpecError: the name is empty, too long, or has characters other than letters,
+                digits, ``.``, ``_`` and ``-``; the account cannot be used or created; a
+                second user in single-user mode.
+            hora_service.store.StoreError: the name is taken, or the uid is another user's.
+        """
+        if not name or len(name) > 64 or not set(name) <= USER_NAME_CHARS or name[0] in ".-":
+            raise SpecError("name", f"{name!r} is not a user name (letters, digits, . _ -)")
+        if quota is not None and quota < 1:
+            raise SpecError("quota", "a GPU quota must be at least 1")
+        store = self._store()
+        self._check_mode(store, name, uid)
+        if self.mode == "multi" and store.user_by_name(name) is None:
+            if uid is not None:
+                uid = identity.run_as(uid).uid
+            elif make_account:
+                uid = identity.create_account(name).uid
+        token = secrets.token_urlsafe(32)
+        store.add_user(name, token_hash(token), admin, quota, os_uid=uid)
+        return token
+
+    def _check_mode(self, store: Store, name: str, uid: int | None) -> None:
+        if uid is not None and self.mode != "multi":
+            raise identity.IdentityError(
+                "uid", f"--uid needs multi-user mode (this service is in {self.mode} mode)"
+            )
+        others = [u.name for u in store.users() if u.name != name]
+        if self.mode == "single" and others:
+            raise identity.IdentityError(
+                "name",
+                f"single-user mode: this service already has user {others[0]!r}. Jobs run as "
+                "the service's own OS account (it is not root, so it cannot run them as "
+                "anyone else), and a second user's jobs could read and change the first's "
+                "files and the service's. Run the service as root for multi-user mode, or "
+                "set HORA_USER_MODE=shared to accept that.",
+            )
+
+    def remove(self, name: str) -> bool:
+        """Delete a user; their token stops working at once. False if there was none."""
+        return self._store().remove_user(name)
+
+    def for_token(self, token: str) -> User | None:
+        """The user a bearer token belongs to, or None."""
+        return self._store().user_by_digest(token_hash(token))
+
+    def all(self) -> list[User]:
+        """Every user, by name."""
+        return self._store().users()
+
+    def run_as_of(self, name: str) -> identity.RunAs:
+        """The OS account the jobs of the user called ``name`` run as (multi-user mode).
+
+        Raises:
+            SpecError: the user has none, or it cannot be used (field ``user``/``uid``).
+        """
+        found = self._store().user_by_name(name)
+        return self.run_as(found.id if found is not None else None)
+
+    def run_as(self, user_id: int | None) -> identity.RunAs:
+        """The OS account the jobs of the user with this id run as (see :meth:`run_as_of`)."""
+        found = self._store().user_by_id(user_id) if user_id is not None else None
+        if found is None or found.os_uid is None:
+            raise SpecError(
+                "user",
+                "this user has no OS account to run jobs as (multi-user mode); an admin "
+                "assigns one with `hora user add NAME --uid N` for a new user",
+            )
+        return identity.run_as(found.os_uid)
+
+    def check_start(self, db_path: Path) -> None:
+        """Refuse single-user mode over a store with several users (a silent downgrade).
+
+        Raises:
+            HoraError: it has more than one user.
+        """
+        names = [u.name for u in self.all()]
+        if self.mode == "single" and len(names) > 1:
+            raise HoraError(
+                f"single-user mode, but {db_path} has {len(names)} users "
+                f"({', '.join(names[:5])}): their jobs would all run as this service's "
+                "account. Run the service as root (multi-user mode), or set "
+                "HORA_USER_MODE=shared to accept that."
+            )
