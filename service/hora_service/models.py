@@ -60,6 +60,8 @@ class JobRecord(BaseModel):
         finished_at: when it reached a terminal state.
         transitions: every state change, oldest first.
         user_id: the stable id of the user who submitted it.
+        kind: ``job``, or ``session`` for a notebook's interactive engines (see
+            :mod:`hora_service.sessions`).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -77,6 +79,7 @@ class JobRecord(BaseModel):
     finished_at: datetime | None = None
     transitions: list[Transition] = Field(default_factory=list)
     user_id: int | None = None
+    kind: str = "job"
 
 
 class SlotInfo(BaseModel):
@@ -87,6 +90,7 @@ class SlotInfo(BaseModel):
     name: str
     job_id: int | None = None
     user: str | None = None
+    holder_kind: str | None = Field(default=None, description="job or session")
 
 
 class MetricsSnapshot(BaseModel):

@@ -50,6 +50,12 @@ class Settings(BaseSettings):
             ranks; past it a rank's log keeps its newest half after a truncation marker.
         clear_timeout_s: how long the monitor tries to empty an ended attempt's processes
             before it reports the attempt stuck (its slots stay held either way).
+        session_lease_s: a session whose kernel sent no heartbeat for this long is ended and
+            its slots freed (a kernel killed with -9).
+        session_idle_timeout_s: a running session whose engines ran nothing for this long is
+            stopped (None: never); a session may ask for another value.
+        session_idle_timeout_max_s: the longest idle timeout a session may ask for (None: any).
+        session_idle_warn_s: how long before the idle timeout the notebook is warned.
     """
 
     model_config = SettingsConfigDict(env_prefix="HORA_", extra="ignore")
@@ -72,6 +78,10 @@ class Settings(BaseSettings):
     job_env_passthrough: Annotated[list[str], NoDecode] = Field(default_factory=list)
     log_bytes_per_attempt: Annotated[int, Field(ge=1 << 16)] = 256 << 20
     clear_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    session_lease_s: Annotated[float, Field(gt=0, le=24 * 3600)] = 30.0
+    session_idle_timeout_s: Annotated[float | None, Field(gt=0)] = 3600.0
+    session_idle_timeout_max_s: Annotated[float | None, Field(gt=0)] = None
+    session_idle_warn_s: Annotated[float, Field(ge=0)] = 300.0
 
     @field_validator("data_dir", "work_root")
     @classmethod

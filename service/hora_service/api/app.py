@@ -23,12 +23,13 @@ from hora.errors import HoraError, SpecError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from hora_service.api import jobs, logs, system
+from hora_service.api import jobs, logs, sessions, system
 from hora_service.api.deps import TokenCache
 from hora_service.api.errors import spec_error_detail
 from hora_service.api.limits import BodySizeLimit
 from hora_service.api.safety import check_safe
 from hora_service.manager import JobManager
+from hora_service.sessions import SessionManager
 from hora_service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -72,10 +73,12 @@ def create_app(settings: Settings | None = None, manager: JobManager | None = No
     )
     app.state.settings = settings
     app.state.manager = mgr
+    app.state.sessions = SessionManager(mgr, settings)
     app.state.token_cache = TokenCache()
     app.add_middleware(BodySizeLimit, max_bytes=max(1, int(settings.max_request_bytes)))
     app.include_router(jobs.router)
     app.include_router(logs.router)
+    app.include_router(sessions.router)
     app.include_router(system.router)
     _add_handlers(app)
     return app
