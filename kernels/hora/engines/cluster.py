@@ -64,37 +64,17 @@ def kernel_cuda_initialized() -> bool:
 
 
 def visible_gpus(environ: dict[str, str] | None = None) -> list[plan.GpuInfo]:
-    """List the GPUs the kernel may hand to engines (nvidia-smi; never initialises CUDA here).
+    """List the GPUs the kernel may hand to engines (see :func:`hora.inventory.visible_gpus`).
 
     Args:
         environ: the kernel's environment (default ``os.environ``), for ``CUDA_VISIBLE_DEVICES``.
 
     Returns:
-        The visible GPUs with the pids using them; empty without nvidia-smi.
+        The visible GPUs with the pids using them; empty on a machine without GPUs.
     """
-    env = dict(os.environ if environ is None else environ)
-    smi = shutil.which("nvidia-smi")
-    if smi is None or env.get("CUDA_VISIBLE_DEVICES") == "":
-        return []
-    try:
-        gpus = subprocess.run(
-            [smi, "--query-gpu=index,uuid", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=15,
-            check=True,
-        ).stdout
-        apps = subprocess.run(
-            [smi, "--query-compute-apps=gpu_uuid,pid", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=15,
-            check=False,
-        ).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        log.warning("nvidia-smi failed (%s); starting CPU engines", e)
-        return []
-    return plan.parse_nvidia_smi(gpus, apps, env.get("CUDA_VISIBLE_DEVICES"))
+    from hora.inventory import visible_gpus as found
+
+    return found(environ)
 
 
 class Cluster(Recovery):

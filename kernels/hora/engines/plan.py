@@ -17,6 +17,11 @@ from pathlib import Path
 from hora.engines.errors import CudaInitializedError, NotEnoughGpusError
 from hora.env import rank_env
 from hora.errors import SpecError
+from hora.inventory import GpuInfo, parse_gpu_apps
+
+# the names this module had before the one inventory module (tests and users import them here)
+parse_nvidia_smi = parse_gpu_apps
+__all__ = ["GpuInfo", "parse_nvidia_smi"]
 
 DEFAULT_CPU_ENGINES = 2
 DEFAULT_TIMEOUT_S = 60.0
@@ -75,19 +80,6 @@ class ClusterOptions:
             raise SpecError("start_timeout", f"must be > 0 seconds, got {self.start_timeout_s:g}")
         if self.gpus is not None and self.n is not None and len(self.gpus) != self.n:
             raise SpecError("gpus", f"{len(self.gpus)} GPUs listed for {self.n} engines")
-
-
-@dataclass(frozen=True)
-class GpuInfo:
-    """One GPU as the kernel sees it without touching CUDA (from nvidia-smi).
-
-    Attributes:
-        id: the id to put in an engine's ``CUDA_VISIBLE_DEVICES`` (index or UUID).
-        busy_pids: processes that hold a CUDA context on it.
-    """
-
-    id: str
-    busy_pids: tuple[int, ...] = ()
 
 
 def check_cuda_free(is_initialized: Callable[[], bool]) -> None:
@@ -157,35 +149,6 @@ def plan_devices(
         hint = f"pass -n {len(free)}" if free else "free a GPU"
         raise NotEnoughGpusError(want or 1, ids, free, hint + (f" ({busy})" if busy else ""))
     return list(free[:want])
-
-
-def parse_nvidia_smi(gpus_csv: str, apps_csv: str, cuda_visible: str | None) -> list[GpuInfo]:
-    """Read ``nvidia-smi`` CSV output into the GPUs this kernel may use.
-
-    Args:
-        gpus_csv: output of ``nvidia-smi --query-gpu=index,uuid --format=csv,noheader``.
-        apps_csv: output of ``nvidia-smi --query-compute-apps=gpu_uuid,pid --format=csv,noheader``.
-        cuda_visible: the kernel's ``CUDA_VISIBLE_DEVICES`` (restricts and orders), or None.
-
-    Returns:
-        The visible GPUs, each with the pids that use it.
-
-    Example:
-        >>> parse_nvidia_smi("0, GPU-a", "GPU-a, 42", "0")
-        [GpuInfo(id='0', busy_pids=(42,))]
-    """
-    rows = [[c.strip() for c in line.split(",")] for line in gpus_csv.splitlines() if line.strip()]
-    busy: dict[str, list[int]] = {}
-    for line in apps_csv.splitlines():
-        cols = [c.strip() for c in line.split(",")]
-        if len(cols) >= 2 and cols[1].isdigit():
-            busy.setdefault(cols[0], []).append(int(cols[1]))
-    by_key = {key: (idx, uuid) for idx, uuid in rows for key in (idx, uuid)}
-    if cuda_visible is None:
-        chosen = [idx for idx, _ in rows]
-    else:
-        chosen = [v.strip() for v in cuda_visible.split(",") if v.strip() and v.strip() in by_key]
-    return [GpuInfo(v, tuple(busy.get(by_key[v][1], ()))) for v in chosen]
 
 
 def engine_env(

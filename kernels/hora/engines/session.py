@@ -32,7 +32,7 @@ from hora.client import Client
 from hora.client_config import config_path
 from hora.engines import plan
 from hora.engines.cluster import Cluster, _track, kernel_cuda_initialized
-from hora.engines.errors import EngineStartError
+from hora.engines.errors import RECOVER, EngineError, EngineStartError, RankDiedError, rank_ranges
 from hora.engines.execute import CellResult
 from hora.engines.state import State
 from hora.errors import HoraError, SpecError
@@ -93,8 +93,51 @@ class SessionInfo(BaseModel):
         return self.state in TERMINAL
 
 
-class SessionWithdrawn(HoraError):
+class SessionWithdrawn(EngineError):
     """``%dist_start`` was interrupted while queued; the request left the queue."""
+
+
+def _ago(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def render_queue(info: SessionInfo, now: datetime, waited_s: float = 0.0) -> str:
+    """What a queued ``%dist_start`` shows: place, who holds the slots, an estimate.
+
+    Example:
+        >>> print(render_queue(info, now))  # doctest: +SKIP
+        session 7 queued: position 1; waiting for 2 slot(s); 0 free (waited 3s; Ctrl-C withdraws)
+          job 5 (bob) holds slots 0,1 since 12:00:01 (5 min)
+          no estimate: what holds the slots has no time limit
+    """
+    q = info.queue
+    if q is None:
+        return f"session {info.id} {info.state}"
+    lines = [
+        f"session {info.id} queued: position {q.position}; {q.reason} "
+        f"(waited {_ago(waited_s)}; Ctrl-C withdraws)"
+    ]
+    for h in q.holders:
+        since = h.since.astimezone().strftime("%H:%M:%S")
+        held = _ago(max(0.0, (now - h.since).total_seconds()))
+        idle = f", idle {_ago(h.idle_s)}" if h.idle_s is not None else ""
+        ends = f", ends by {h.ends_at.astimezone():%H:%M:%S}" if h.ends_at else ""
+        slots = ",".join(map(str, h.slots))
+        lines.append(
+            f"  {h.kind} {h.id} ({h.user}) holds slots {slots} since {since} ({held}{idle}{ends})"
+        )
+    if q.estimate_at is not None:
+        left = max(0.0, (q.estimate_at - now).total_seconds())
+        lines.append(
+            f"  estimate: slots free by {q.estimate_at.astimezone():%H:%M:%S} (~{_ago(left)})"
+        )
+    elif q.holders:
+        lines.append("  no estimate: what holds the slots has no time limit")
+    return "\n".join(lines)
 
 
 def service_configured(environ: Mapping[str, str] | None = None) -> bool:
@@ -382,14 +425,36 @@ class ServiceCluster(Cluster):
             "service ends the session"
         )
 
+    def _session_over(self) -> SessionInfo | None:
+        """The session as it ended, if the service ended it (asked now if an engine is gone)."""
+        beat = self.heartbeat
+        if beat is None:
+            return None
+        if beat.ended is None and any(e.proc.poll() is not None for e in self.engines):
+            try:
+                beat.beat()  # why are the engines gone? (the thread may not have asked yet)
+            except HoraError as e:
+                log.debug("asking about session %d: %s", beat.session_id, e)
+        return beat.ended
+
+    def _ended_reason(self, ended: SessionInfo) -> str:
+        return f"the hora service ended session {ended.id}: {ended.reason or ended.state}"
+
     def _require_ready(self) -> None:
-        ended = self.heartbeat.ended if self.heartbeat is not None else None
+        ended = self._session_over()
         if ended is not None and self.state is not State.BROKEN:
-            self.state = State.BROKEN
-            self.broken_reason = (
-                f"the hora service ended session {ended.id}: {ended.reason or ended.state}"
-            )
+            self.state, self.broken_reason = State.BROKEN, self._ended_reason(ended)
         super()._require_ready()
+
+    def _after_death(self, e: RankDiedError) -> str:
+        """A session's engine died: the service ends the whole session, so say why."""
+        ended = self._session_over()
+        if ended is not None:
+            reason = self._ended_reason(ended)
+        else:
+            reason = f"{rank_ranges(sorted(e.dead))} died; the hora service ends the session"
+        self.state, self.broken_reason = State.BROKEN, reason
+        return f"{reason}; {RECOVER}"
 
     def run(self, code: str, **kwargs: Any) -> CellResult:
         """Run ``code`` on every rank (see :meth:`Cluster.run`); the time counts as activity."""
