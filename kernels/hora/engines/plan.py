@@ -216,8 +216,55 @@ def engine_env(
     return env
 
 
-def controller_argv(profile_dir: Path, python: str = sys.executable) -> list[str]:
-    """Return the controller's command line (schedulers in threads, fast heartbeat, loopback)."""
+ENGINE_CHANNELS = ("control", "mux", "task", "iopub", "hb_ping", "hb_pong")
+CLIENT_CHANNELS = ("control", "mux", "task", "iopub", "notification", "broadcast")
+LEAF_SCHEDULERS = 2  # ipyparallel's broadcast tree of depth 1 has two leaves
+CONNECTION_PORTS = 1 + len(ENGINE_CHANNELS) + LEAF_SCHEDULERS + len(CLIENT_CHANNELS)
+
+
+def connection_files(
+    ports: Sequence[int], key: str, location: str
+) -> tuple[dict[str, object], dict[str, object]]:
+    """The controller's engine and client connection files, chosen before it starts.
+
+    The controller started with ``--reuse`` binds what they say, so engines started elsewhere
+    (by the hora service) can be told where to connect while the controller is still starting.
+
+    Args:
+        ports: :data:`CONNECTION_PORTS` distinct free ports on 127.0.0.1.
+        key: the session key that signs messages.
+        location: this host's name.
+
+    Returns:
+        ``(engine, client)`` as ipyparallel writes them to ``ipcontroller-*-{engine,client}.json``.
+
+    Example:
+        >>> engine, client = connection_files(range(1, 16), "k", "vm")
+        >>> engine["registration"] == client["registration"], engine["broadcast"]
+        (True, [8, 9])
+    """
+    if len(set(ports)) != CONNECTION_PORTS:
+        raise SpecError("ports", f"need {CONNECTION_PORTS} distinct ports, got {list(ports)}")
+    it = iter(ports)
+    common = {"ssh": "", "interface": "tcp://127.0.0.1", "registration": next(it)}
+    tail = {
+        "key": key, "curve_serverkey": None, "location": location, "pack": "json",
+        "unpack": "json", "signature_scheme": "hmac-sha256",
+    }  # fmt: skip
+    engine: dict[str, object] = {**common, **{c: next(it) for c in ENGINE_CHANNELS}}
+    engine["broadcast"] = [next(it) for _ in range(LEAF_SCHEDULERS)]
+    client: dict[str, object] = {**common, **{c: next(it) for c in CLIENT_CHANNELS}}
+    client["task_scheme"] = "leastload"
+    return {**engine, **tail}, {**client, **tail}
+
+
+def controller_argv(
+    profile_dir: Path, python: str = sys.executable, reuse: bool = False
+) -> list[str]:
+    """Return the controller's command line (schedulers in threads, fast heartbeat, loopback).
+
+    With ``reuse`` it binds the connection files already in ``profile_dir``.
+    """
     return [
         python,
         "-m",
@@ -230,6 +277,7 @@ def controller_argv(profile_dir: Path, python: str = sys.executable) -> list[str
         "--log-level=WARN",
         f"--HeartMonitor.period={HEARTBEAT_MS}",
         f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
+        *(["--reuse"] if reuse else []),
     ]
 
 

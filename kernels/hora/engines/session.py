@@ -16,11 +16,14 @@ ended the session the next ``%%distributed`` cell says why and how to get engine
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import socket
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from datetime import datetime
 from pathlib import Path
@@ -36,6 +39,7 @@ from hora.engines.errors import RECOVER, EngineError, EngineStartError, RankDied
 from hora.engines.execute import CellResult
 from hora.engines.state import State
 from hora.errors import HoraError, SpecError
+from hora.launch.config import free_port
 
 log = logging.getLogger("hora.engines")
 
@@ -341,25 +345,28 @@ class ServiceCluster(Cluster):
         return self.table()
 
     def _start_controller(self, deadline: float) -> dict[str, Any]:
-        import json
+        """Start the controller on connection files chosen here; return the engines' file.
 
+        The engines need not wait for the controller: the service starts them while it
+        comes up (``--reuse`` makes it bind the ports the files name).
+        """
         self._dir = Path(tempfile.mkdtemp(prefix="hora-engines-"))
         self.backend = self.options.backend or "gloo"  # the engines' own init already chose
-        self._controller = self._spawn(
-            plan.controller_argv(self._dir), dict(os.environ), "controller"
+        ports: set[int] = set()
+        while len(ports) < plan.CONNECTION_PORTS:
+            ports.add(free_port())
+        engine, client = plan.connection_files(
+            sorted(ports), str(uuid.uuid4()), socket.gethostname()
         )
-        path = self._dir / "security" / f"ipcontroller-{plan.CLUSTER_ID}-engine.json"
-        info: dict[str, Any] = {}
-
-        def have_file() -> bool:
-            try:
-                info.update(json.loads(path.read_text()))
-            except (OSError, ValueError):
-                return False
-            return True
-
-        self._wait("waiting for the controller", deadline, have_file)
-        return info
+        security = self._dir / "security"
+        security.mkdir(mode=0o700)
+        for name, info in (("engine", engine), ("client", client)):
+            path = security / f"ipcontroller-{plan.CLUSTER_ID}-{name}.json"
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+                json.dump(info, f)
+        argv = plan.controller_argv(self._dir, reuse=True)
+        self._controller = self._spawn(argv, dict(os.environ), "controller")
+        return engine
 
     def _ask(self, n: int, connection: dict[str, Any]) -> None:
         body = {
