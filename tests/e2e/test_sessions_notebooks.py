@@ -215,3 +215,35 @@ def test_idle_engines_are_warned_then_stopped_and_the_next_cell_says_so(
     failed = ann.run("%%distributed\nprint(x)")
     assert "ended session" in failed and "idle for" in failed, failed
     assert "%dist_restart" in failed
+
+
+def test_ctrl_c_while_queued_withdraws_the_request(
+    server: ServiceServer, notebooks, tmp_path: Path
+) -> None:
+    gate = tmp_path / "gate"
+    script = tmp_path / "gate.py"
+    script.write_text(GATE)
+    with server.client("root") as root, server.client("ann") as c:
+        job = root.post(
+            "/v1/jobs", json={"command": [sys.executable, str(script), str(gate)], "workers": 2}
+        ).json()
+        try:
+            ann = notebooks.open("ann")
+            out: dict[str, str] = {}
+            thread = threading.Thread(target=lambda: out.update(text=ann.run("%dist_start -n 1")))
+            thread.start()
+            (queued,) = wait_for(
+                "ann's session to queue",
+                lambda: [
+                    s for s in c.get("/v1/sessions").json()["items"] if s["state"] == "queued"
+                ],
+            )
+            os.kill(ann.pid, signal.SIGINT)  # what Jupyter's interrupt sends to a local kernel
+            thread.join(timeout=60)
+            assert not thread.is_alive()
+            assert "withdrawn from the queue" in out["text"], out["text"]
+            gone = c.get(f"/v1/sessions/{queued['id']}").json()
+            assert (gone["state"], gone["reason"]) == ("cancelled", "withdrawn by the user")
+        finally:
+            gate.write_text("go")
+        assert root.get(f"/v1/jobs/{job['id']}").json()["state"] in ("running", "succeeded")
