@@ -50,6 +50,10 @@ class Settings(BaseSettings):
             ranks; past it a rank's log keeps its newest half after a truncation marker.
         clear_timeout_s: how long the monitor tries to empty an ended attempt's processes
             before it reports the attempt stuck (its slots stay held either way).
+        store_write_timeout_s: how long a request that writes (a submit) waits for the
+            store's write lock before it answers 503 with ``Retry-After``.
+        health_interval_s: seconds between two background checks of the store behind
+            ``/healthz``.
     """
 
     model_config = SettingsConfigDict(env_prefix="HORA_", extra="ignore")
@@ -72,6 +76,8 @@ class Settings(BaseSettings):
     job_env_passthrough: Annotated[list[str], NoDecode] = Field(default_factory=list)
     log_bytes_per_attempt: Annotated[int, Field(ge=1 << 16)] = 256 << 20
     clear_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    store_write_timeout_s: Annotated[float, Field(gt=0, le=600)] = 5.0
+    health_interval_s: Annotated[float, Field(gt=0, le=600)] = 2.0
 
     @field_validator("data_dir", "work_root")
     @classmethod

@@ -32,7 +32,9 @@ def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceSer
 
 @pytest.fixture(scope="module")
 def api_schema(fuzz_server: ServiceServer) -> Any:
-    return schemathesis.openapi.from_url(fuzz_server.url + "/openapi.json")
+    return schemathesis.openapi.from_url(
+        fuzz_server.url + "/openapi.json", headers=fuzz_server.auth("fuzz")
+    )
 
 
 schema = schemathesis.pytest.from_fixture("api_schema")

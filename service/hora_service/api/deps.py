@@ -4,9 +4,9 @@ The ownership rule lives here and only here (:func:`owned_job`): a user sees onl
 own jobs, another user's job answers 404 exactly like a job that does not exist, and an
 admin sees every job.
 
-The dependencies are ``async``: they are in-memory lookups (a token cache, the manager's
-job cache; a miss is one short SQLite read), and an ``async`` dependency costs no
-thread-pool hop per request.
+The dependencies are ``async``, and every SQLite read they make (a token look-up, a job
+that is not cached) runs in the thread pool: a store that another process blocks must not
+freeze the event loop (``/healthz`` and every other request would wait with it).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Annotated
 
 from fastapi import Depends, HTTPException, Path, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.concurrency import run_in_threadpool
 
 from hora_service.manager import JobManager
 from hora_service.models import JobRecord, User
@@ -104,7 +105,10 @@ async def current_user(
     if len(token) > MAX_TOKEN_CHARS:
         raise unauthorized("invalid token")
     cache: TokenCache | None = getattr(request.app.state, "token_cache", None)
-    user = cache.lookup(token, manager.user_for_token) if cache else manager.user_for_token(token)
+    if cache is not None:
+        user = await run_in_threadpool(cache.lookup, token, manager.user_for_token)
+    else:
+        user = await run_in_threadpool(manager.user_for_token, token)
     if user is None:
         raise unauthorized("invalid token")
     return user
@@ -123,7 +127,7 @@ async def owned_job(
     Raises:
         HTTPException: 404 when the job does not exist or belongs to someone else.
     """
-    job = manager.get(job_id)
+    job = await run_in_threadpool(manager.get, job_id)
     # by the user's stable id: a new user who took a removed user's name owns none of theirs
     if job is None or not (user.is_admin or job.user_id == user.id):
         raise HTTPException(status_code=404, detail=f"job {job_id} not found")
