@@ -340,10 +340,15 @@ class JobManager:
         root = self.settings.work_root
         if spec.working_dir is None:
             return root
-        path = (root / spec.working_dir).resolve()
+        try:
+            path = (root / spec.working_dir).resolve()
+            is_dir = path.is_dir()
+        except (OSError, RuntimeError, ValueError) as e:  # a symlink loop, a name too long
+            why = getattr(e, "strerror", None) or str(e)
+            raise SpecError("working_dir", f"{spec.working_dir!r} cannot be used: {why}") from None
         if not path.is_relative_to(root):
             raise SpecError("working_dir", f"{spec.working_dir!r} is outside the work root {root}")
-        if not path.is_dir():
+        if not is_dir:
             raise SpecError("working_dir", f"{spec.working_dir!r} is not an existing directory")
         return path
 

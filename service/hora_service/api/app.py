@@ -16,8 +16,9 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import hora
-from fastapi import FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Request, Response
 from fastapi.exception_handlers import http_exception_handler
+from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 from hora.errors import HoraError, SpecError
@@ -26,8 +27,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from hora_service.api import jobs, logs, system
-from hora_service.api.deps import CurrentUser, TokenCache
-from hora_service.api.errors import spec_error_detail
+from hora_service.api.deps import CurrentUser, TokenCache, known_query
+from hora_service.api.errors import spec_error_detail, validation_detail
 from hora_service.api.limits import BodySizeLimit
 from hora_service.api.safety import check_safe
 from hora_service.health import StoreProbe
@@ -77,6 +78,7 @@ def create_app(settings: Settings | None = None, manager: JobManager | None = No
         version=hora.__version__,
         description="Submit, watch and cancel data-parallel PyTorch jobs on this machine.",
         lifespan=lifespan,
+        dependencies=[Depends(known_query)],
         # the schema and its pages need a token like every route but /healthz (_add_docs)
         docs_url=None,
         redoc_url=None,
@@ -141,6 +143,10 @@ def _add_handlers(app: FastAPI) -> None:
             allow = ", ".join(allowed_methods(app, dict(request.scope)))
             exc = StarletteHTTPException(405, exc.detail, headers={"Allow": allow})
         return await http_exception_handler(request, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse({"detail": validation_detail(exc.errors())}, status_code=422)
 
     @app.exception_handler(SpecError)
     async def _spec_error(request: Request, exc: SpecError) -> JSONResponse:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Path, Request
+from fastapi.dependencies.models import Dependant
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
@@ -115,6 +116,32 @@ async def current_user(
 
 
 CurrentUser = Annotated[User, Depends(current_user)]
+
+
+def _query_names(dependant: Dependant) -> set[str]:
+    names = {p.alias for p in dependant.query_params}
+    for sub in dependant.dependencies:
+        names |= _query_names(sub)
+    return names
+
+
+async def known_query(request: Request) -> None:
+    """Refuse query parameters the route does not take (a typo is a 422, not ignored).
+
+    Raises:
+        HTTPException: 422 naming the first unknown parameter.
+    """
+    dependant = getattr(request.scope.get("route"), "dependant", None)
+    if dependant is None or not request.query_params:
+        return
+    known = _query_names(dependant)
+    unknown = sorted(set(request.query_params) - known)
+    if unknown:
+        name = unknown[0].encode("utf-8", "backslashreplace").decode()
+        detail = [
+            {"loc": ["query", name], "msg": "unknown query parameter", "type": "extra_forbidden"}
+        ]
+        raise HTTPException(status_code=422, detail=detail)
 
 
 async def owned_job(
