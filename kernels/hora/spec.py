@@ -19,7 +19,7 @@ NAME_MAX = 255  # bytes in one path component (Linux)
 
 
 def _utf8(value: str, what: str) -> str:
-    """``value`` if it is text a process can receive: encodable UTF-8 without NUL bytes.
+    r"""``value`` if it is text a process can receive: encodable UTF-8 without NUL bytes.
 
     Example:
         >>> _utf8("\ud800", "command[0]")

@@ -153,3 +153,13 @@ def main(argv: list[str]) -> int:
     except (HoraError, ValueError) as e:
         sys.stderr.write(f"hora {args.cmd}: error: {e}\n")
         return 1
+    except Exception as e:
+        from hora_service.store import is_unavailable
+
+        if not is_unavailable(e):
+            raise
+        # a full disk, a locked or broken store: one line that says so, not a traceback
+        why = str(getattr(e, "orig", None) or e).splitlines()[0]
+        data_dir = getattr(args, "data_dir", None) or "the data directory"
+        sys.stderr.write(f"hora {args.cmd}: error: cannot use the store in {data_dir}: {why}\n")
+        return 1

@@ -42,6 +42,7 @@ from hora_service import identity, runtimes
 from hora_service.inventory import Slot, inventory
 from hora_service.journal import Journal, Write
 from hora_service.models import JobRecord, MetricsSnapshot, SlotInfo, User
+from hora_service.quotas import OverLimit, spec_bytes, within_running_limit
 from hora_service.runtimes import AttemptPlan, Exit, RankProcess, Runtime
 from hora_service.runtimes.base import RankStatus, first_failure
 from hora_service.runtimes.containment import Containment, detect
@@ -288,11 +289,14 @@ class JobManager:
             SpecError: the job can never run here (more slots than exist or than the user's
                 quota, an unavailable runtime, an image without the docker runtime, a working
                 directory outside the work root); ``field`` names the field.
+            OverLimit: the spec is larger than ``max_spec_bytes`` (413) or the user has
+                ``max_queued_jobs_per_user`` jobs waiting already (429).
             StoreUnavailable: the store could not take the write in time (busy, full).
             sqlalchemy.exc.OperationalError: the same, as SQLite reported it.
         """
         store = self.open_store()
         self.check(user, spec)
+        self._check_limits(user, spec)
         # the check and the insert are one write transaction; a store that cannot take it
         # within the timeout answers StoreUnavailable (a 503 with Retry-After), never a hang
         with store.tx(self.settings.store_write_timeout_s) as conn:
@@ -309,6 +313,21 @@ class JobManager:
         self._forget(job_id)  # a new job changes every page it belongs to
         self._enqueue(job_id, user, spec, None)
         return record, True
+
+    def _check_limits(self, user: str, spec: JobSpec) -> None:
+        size, most = spec_bytes(spec), self.settings.max_spec_bytes
+        if size > most:
+            raise OverLimit("spec", f"the job spec is {size} bytes; the limit is {most}", 413)
+        queued = self.settings.max_queued_jobs_per_user
+        if queued is not None:
+            with self._lock:
+                waiting = sum(1 for p, _ in self._pending.values() if p.user == user)
+            if waiting >= queued:
+                raise OverLimit(
+                    "queued_jobs",
+                    f"you have {waiting} jobs waiting in the queue; the limit is {queued}",
+                    429,
+                )
 
     def check(self, user: str, spec: JobSpec) -> None:
         """Refuse a spec that can never run on this service (see :meth:`submit`)."""
@@ -371,12 +390,22 @@ class JobManager:
 
         Each job's JSON is serialised once and cached until the job changes, and a page's ids
         and total are reused until the next write, so a busy list endpoint costs dictionary
-        lookups and a join of bytes.
+        lookups and a join of bytes. A page ends early when it would pass
+        ``max_page_bytes``; ``next_offset`` is where the next page starts (null at the end).
         """
         page, total = self._page(user, state, limit, offset)
-        items = b",".join(body for _, body in page)
-        tail = f'],"total":{total},"limit":{limit},"offset":{offset}}}'.encode()
-        return b'{"items":[' + items + tail
+        bodies: list[bytes] = []
+        size = 0
+        for _, body in page:  # a page stops before max_page_bytes (always one job at least)
+            if bodies and size + len(body) + 1 > self.settings.max_page_bytes:
+                break
+            bodies.append(body)
+            size += len(body) + 1
+        after = offset + len(bodies)
+        more = "null" if after >= total else str(after)
+        items = b",".join(bodies)
+        tail = f'],"total":{total},"limit":{limit},"offset":{offset},"next_offset":{more}}}'
+        return b'{"items":[' + items + tail.encode()
 
     def _page(
         self, user: str | None, state: JobState | None, limit: int, offset: int
@@ -605,6 +634,8 @@ class JobManager:
     def _schedule(self, now: float) -> None:
         t0 = time.perf_counter()
         ready = [p for p, due in self._pending.values() if due is None or due <= now]
+        running = collections.Counter(a.user for a in self._attempts.values())
+        ready = within_running_limit(ready, running, self.settings.max_running_jobs_per_user)
         held = {s for a in self._attempts.values() for s in a.plan.slots}
         free = [s.index for s in self.inventory if s.index not in held]
         holding = [

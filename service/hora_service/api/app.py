@@ -33,6 +33,7 @@ from hora_service.api.limits import BodySizeLimit
 from hora_service.api.safety import check_safe
 from hora_service.health import StoreProbe
 from hora_service.manager import JobManager
+from hora_service.quotas import OverLimit, StreamCounter
 from hora_service.settings import Settings
 from hora_service.store import StoreUnavailable, is_unavailable
 
@@ -87,6 +88,7 @@ def create_app(settings: Settings | None = None, manager: JobManager | None = No
     app.state.settings = settings
     app.state.manager = mgr
     app.state.health = probe
+    app.state.log_streams = StreamCounter(settings.max_log_streams_per_user)
     app.state.token_cache = TokenCache()
     app.add_middleware(BodySizeLimit, max_bytes=max(1, int(settings.max_request_bytes)))
     app.include_router(jobs.router)
@@ -151,6 +153,12 @@ def _add_handlers(app: FastAPI) -> None:
     @app.exception_handler(SpecError)
     async def _spec_error(request: Request, exc: SpecError) -> JSONResponse:
         return JSONResponse({"detail": spec_error_detail(exc)}, status_code=422)
+
+    @app.exception_handler(OverLimit)
+    async def _over_limit(request: Request, exc: OverLimit) -> JSONResponse:
+        headers = {"Retry-After": "10"} if exc.status_code == 429 else {}
+        detail = [{"loc": ["limits", exc.field], "msg": str(exc), "type": "over_limit"}]
+        return JSONResponse({"detail": detail}, status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(StoreUnavailable)
     async def _store_busy(request: Request, exc: StoreUnavailable) -> JSONResponse:

@@ -14,7 +14,7 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Query, Response
 from hora.errors import HoraError, SpecError
 from hora.spec import JobSpec, JobState
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from hora_service.api.deps import CurrentUser, ManagerDep, OwnedJob
@@ -35,6 +35,11 @@ class JobList(BaseModel):
     total: int
     limit: int
     offset: int
+    next_offset: int | None = Field(
+        default=None,
+        description="where the next page starts (null after the last); a page may hold "
+        "fewer than limit jobs when it reaches the service's max_page_bytes",
+    )
 
 
 @router.post(
@@ -46,7 +51,9 @@ class JobList(BaseModel):
         **AUTH_RESPONSES,
         200: {"model": JobRecord, "description": "submission_id matched an existing job"},
         400: {"description": "The body could not be read (not UTF-8)"},
-        413: {"description": "Request body too large"},
+        413: {"description": "Request body or job spec too large"},
+        429: {"description": "Too many of your jobs wait in the queue already"},
+        503: {"description": "The job store cannot take the job now; retry after Retry-After"},
     },
 )
 def submit_job(
