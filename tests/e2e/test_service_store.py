@@ -75,7 +75,8 @@ def holding(script: str, db: Path, seconds: float) -> Iterator[subprocess.Popen[
 
 def submit(c: httpx.Client, release: Path) -> int:
     script = release.parent / "wait_for_file.py"
-    script.write_text(WAIT_FOR_FILE)
+    if not script.exists():  # rewriting it could truncate it under a job that is reading it
+        script.write_text(WAIT_FOR_FILE)
     r = c.post("/v1/jobs", json={"command": [PY, str(script), str(release)]})
     assert r.status_code == 201, r.text
     return int(r.json()["id"])
