@@ -10,6 +10,8 @@ would refuse to write most of them.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from collections.abc import Iterator
 
@@ -129,3 +131,18 @@ def test_service_is_intact_after_bad_input(srv: ServiceServer, ann: httpx.Client
     assert httpx.get(srv.url + "/healthz").json()["status"] == "ok"
     assert "Traceback" not in srv.output()  # no request ended in an unhandled error
     assert len(ann.get("/v1/gpus").json()) == 2
+
+
+def test_token_from_stdin_keeps_it_out_of_the_command_line(srv: ServiceServer) -> None:
+    def jobs(token_arg: str, stdin: str) -> subprocess.CompletedProcess[str]:
+        argv = [PY, "-m", "hora.cli", "jobs", "--url", srv.url, "--token", token_arg]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HORA_")}
+        env["HORA_CONFIG"] = str(srv.data_dir / "no-such-config")
+        return subprocess.run(
+            argv, input=stdin, env=env, capture_output=True, text=True, timeout=60
+        )
+
+    ok = jobs("-", srv.tokens["ann"] + "\n")
+    assert ok.returncode == 0, ok.stderr
+    empty = jobs("-", "")
+    assert empty.returncode == 2 and "token" in empty.stderr and "Traceback" not in empty.stderr

@@ -230,3 +230,27 @@ def _full_disk(tmp_path: Path, data: Path) -> None:
         until(lambda: not holders(c), 20, "every slot free")
         for j in c.get("/v1/jobs", params={"limit": 500}).json()["items"]:
             assert j["state"] in ("succeeded", "failed", "cancelled"), j
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root (CI runs as root)")
+def test_user_add_on_a_full_disk_says_so_in_one_line(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(data)], check=True)
+    try:
+        env = {**os.environ, "HORA_USER_MODE": "shared"}
+
+        def add(name: str) -> subprocess.CompletedProcess[str]:
+            argv = [PY, "-m", "hora.cli", "user", "add", name, "--data-dir", str(data)]
+            return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+
+        assert add("ann").returncode == 0
+        filler = fill(data)
+        full = add("bob")
+        print("hora user add on a full disk:", full.stderr.strip())
+        assert full.returncode == 1 and "Traceback" not in full.stderr
+        assert len(full.stderr.strip().splitlines()) == 1 and "error" in full.stderr
+        filler.unlink()
+        assert add("bob").returncode == 0
+    finally:
+        subprocess.run(["umount", "-l", str(data)], check=False)
