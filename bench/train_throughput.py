@@ -16,17 +16,21 @@ Rows, per shape:
   moves a ratio on this machine (not part of the target)
 * ``hora_fp16``: hvd.DistributedOptimizer(compression=hvd.Compression.fp16)
 * ``ddp_fp16``:  DDP with torch's ``fp16_compress_hook`` (hora_fp16's fair baseline)
+* ``hora_before`` (with ``--before GIT_REF``): the DistributedOptimizer of that commit, loaded
+  next to the current one, for before/after comparisons in the same processes
 
-Correctness first: each row trains ``--check-steps`` steps from the same weights and must end with
-DDP's parameters (1e-5 relative for fp32, 2e-3 for the fp16 rows). Then one warm-up round and
-``--pairs`` timed rounds; a round runs every row of every shape once, the row order reversed in
-every other round. Ratio = row samples/s / ddp samples/s of the same round and shape; the table
-gives the median, min and max over rounds.
+All rows of a shape are built first and stay alive side by side. Correctness first: every row
+trains ``--check-steps`` steps from the same weights and must end with DDP's parameters (1e-5
+relative for fp32, 2e-3 for the fp16 rows). Then one warm-up round and ``--pairs`` timed rounds;
+a round trains every row ``--steps`` steps, the row order reversed in every other round, so a
+slow spell of a noisy machine hits the rows alike. Ratio = ddp time / row time in the same
+round; the table gives its median, min and max over rounds, samples/s, and the same median
+ratio of CPU time (rank 0, all its threads), which other processes on the machine disturb less.
 
 Target: hora >= 1.0x DDP (median ratio) on every shape.
 
-Usage: python bench/train_throughput.py [--quick] [--np 2] [--pairs 9] [--steps 6]
-                                       [--shapes large,small,cnn]
+Usage: python bench/train_throughput.py [--quick] [--np 2] [--pairs 30] [--steps 2]
+                                       [--shapes large,small,cnn] [--before GIT_REF]
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ import argparse
 import gc
 import json
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -85,19 +91,22 @@ def make_batch(torch: Any, shape: str, batch: int, rank: int) -> tuple[Any, Any]
 
 
 class Runner:
-    """Builds one row's model and optimizer for one shape, trains N steps, frees everything."""
+    """Holds every row of one shape (models alive side by side) and trains them in turn."""
 
-    def __init__(self, torch: Any, dist: Any, hvd: Any, batches: dict[str, int]) -> None:
-        self.torch, self.dist, self.hvd = torch, dist, hvd
+    def __init__(self, torch: Any, dist: Any, hvd: Any, shape: str, rows: list[str],
+                 before: Any = None) -> None:
+        self.torch, self.dist, self.hvd, self.shape = torch, dist, hvd, shape
+        self.before = before
         self.loss = torch.nn.CrossEntropyLoss()
-        rank = dist.get_rank()
-        self.data = {s: make_batch(torch, s, b, rank) for s, b in batches.items()}
-        self.init = {s: make_model(torch, s).state_dict() for s in batches}
+        self.x, self.y = make_batch(torch, shape, SHAPES[shape], dist.get_rank())
+        init = make_model(torch, shape).state_dict()
+        self.rows = {kind: self.build(kind, init) for kind in rows}
 
-    def build(self, shape: str, kind: str) -> tuple[Any, Any, Any]:
+    def build(self, kind: str, init: dict[str, Any]) -> tuple[Any, Any, Any]:
+        """Return (model, forward module, optimizer) for one row, from the weights ``init``."""
         torch, hvd = self.torch, self.hvd
-        model = make_model(torch, shape)
-        model.load_state_dict(self.init[shape])
+        model = make_model(torch, self.shape)
+        model.load_state_dict(init)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         fwd = model
         if kind.startswith("ddp"):
@@ -107,42 +116,57 @@ class Runner:
 
                 fwd.register_comm_hook(None, default_hooks.fp16_compress_hook)
         else:
+            wrap = self.before.DistributedOptimizer if kind == "hora_before" else (
+                hvd.DistributedOptimizer)
             comp = hvd.Compression.fp16 if kind == "hora_fp16" else hvd.Compression.none
-            opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                           compression=comp)
+            opt = wrap(opt, named_parameters=model.named_parameters(), compression=comp)
         return model, fwd, opt
 
-    def run(self, shape: str, kind: str, steps: int) -> tuple[float, Any]:
-        model, fwd, opt = self.build(shape, kind)
-        x, y = self.data[shape]
+    def run(self, kind: str, steps: int) -> tuple[float, float]:
+        """Train ``steps`` steps of one row; return (wall seconds, CPU seconds of this process)."""
+        model, fwd, opt = self.rows[kind]
         self.dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(steps):
             opt.zero_grad()
-            self.loss(fwd(x), y).backward()
+            self.loss(fwd(self.x), self.y).backward()
             opt.step()
+        cpu = time.process_time() - c0
         self.dist.barrier()
-        elapsed = time.perf_counter() - t0
-        flat = self.torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        del model, fwd, opt
-        gc.collect()
-        return elapsed, flat
+        return time.perf_counter() - t0, cpu
+
+    def params(self, kind: str) -> Any:
+        return self.torch.cat([p.detach().reshape(-1) for p in self.rows[kind][0].parameters()])
 
 
-def _check(runner: Runner, shapes: list[str], steps: int) -> dict[str, dict[str, float]]:
-    out: dict[str, dict[str, float]] = {}
-    for shape in shapes:
-        ref = runner.run(shape, "ddp", steps)[1]
-        out[shape] = {}
-        for kind in ROWS[1:]:
-            got = runner.run(shape, kind, steps)[1]
-            rel = float((got - ref).abs().max() / ref.abs().max())
-            tol = FP16_TOL if kind.endswith("fp16") else FP32_TOL
-            if rel > tol:
-                raise SystemExit(f"correctness check failed: {shape} {kind} vs ddp: relative "
-                                 f"diff {rel:.2e} > {tol}")
-            out[shape][kind] = rel
+def _check(runner: Runner, steps: int) -> dict[str, float]:
+    """Train every row ``steps`` steps; each must end with DDP's parameters."""
+    for kind in runner.rows:
+        runner.run(kind, steps)
+    ref = runner.params("ddp")
+    out = {}
+    for kind in runner.rows:
+        if kind == "ddp":
+            continue
+        rel = float((runner.params(kind) - ref).abs().max() / ref.abs().max())
+        tol = FP16_TOL if kind.endswith("fp16") else FP32_TOL
+        if rel > tol:
+            raise SystemExit(f"correctness check failed: {runner.shape} {kind} vs ddp: relative "
+                             f"diff {rel:.2e} > {tol}")
+        out[kind] = rel
     return out
+
+
+def _load_before(path: str | None) -> Any:
+    if not path:
+        return None
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hora_optimizer_before", path)
+    assert spec is not None and spec.loader is not None  # noqa: S101  (a file we just wrote)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -152,20 +176,24 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     hvd.init()
-    runner = Runner(torch, dist, hvd, {s: SHAPES[s] for s in args.shapes})
-    check = _check(runner, args.shapes, args.check_steps)
-    rounds = []
-    for r in range(args.pairs + 1):
-        order = ROWS if r % 2 == 0 else ROWS[::-1]
-        rounds.append({s: {k: runner.run(s, k, args.steps)[0] for k in order}
-                       for s in args.shapes})
+    before = _load_before(args.before_file)
+    rows = ROWS + (["hora_before"] if before else [])
+    result: dict[str, Any] = {"np": hvd.size(), "threads": torch.get_num_threads(),
+                              "torch": torch.__version__, "steps": args.steps,
+                              "check_steps": args.check_steps, "rows": rows, "shapes": {}}
+    for shape in args.shapes:
+        runner = Runner(torch, dist, hvd, shape, rows, before)
+        check = _check(runner, args.check_steps)
+        rounds = []
+        for r in range(args.pairs + 1):
+            order = rows if r % 2 == 0 else rows[::-1]
+            rounds.append({k: runner.run(k, args.steps) for k in order})
+        result["shapes"][shape] = {"batch": SHAPES[shape], "params": _count(torch, shape),
+                                   "check": check, "rounds": rounds[1:]}
+        del runner
+        gc.collect()
     if hvd.rank() == 0:
-        Path(args.out).write_text(json.dumps({
-            "np": hvd.size(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "shapes": {s: {"batch": SHAPES[s], "params": _count(torch, s)} for s in args.shapes},
-            "steps": args.steps, "check": check, "check_steps": args.check_steps,
-            "rounds": rounds[1:],
-        }))
+        Path(args.out).write_text(json.dumps(result))
     hvd.shutdown()
 
 
@@ -177,35 +205,53 @@ def _count(torch: Any, shape: str) -> tuple[int, int]:
 def launch(args: argparse.Namespace) -> dict[str, Any]:
     worker = ["--pairs", str(args.pairs), "--steps", str(args.steps)]
     worker += ["--check-steps", str(args.check_steps), "--shapes", ",".join(args.shapes)]
-    return run_ranks(__file__, args.np, worker)
+    if not args.before:
+        return run_ranks(__file__, args.np, worker)
+    # the optimizer as it was at a git commit, loaded next to the current one (same processes)
+    root = Path(__file__).resolve().parent.parent
+    src = subprocess.run(["git", "show", f"{args.before}:kernels/hora/torch/optimizer.py"],
+                         cwd=root, capture_output=True, text=True, check=True).stdout
+    with tempfile.TemporaryDirectory(prefix="hora-before-") as tmp:
+        path = Path(tmp, "optimizer_before.py")
+        path.write_text(src)
+        return run_ranks(__file__, args.np, [*worker, "--before-file", str(path)])
+
+
+def _median_ratios(rounds: list[dict[str, Any]], kind: str, base: str, i: int) -> dict[str, float]:
+    ratios = [r[base][i] / r[kind][i] for r in rounds]
+    return {"ratio": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
 
 
 def report(data: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
-    """Print the table; return shape -> row -> {sps, ratio, min, max}."""
+    """Print the table; return shape -> row -> {sps, ratio, min, max, cpu}."""
     n, steps = data["np"], data["steps"]
+    some = next(iter(data["shapes"].values()))
     print(f"training throughput, {n} processes, gloo, {data['threads']} thread(s) each, torch "
-          f"{data['torch']}, SGD momentum, {steps} steps/run, {len(data['rounds'])} rounds")
+          f"{data['torch']}, SGD momentum, {steps} steps/run, {len(some['rounds'])} rounds")
+    print("ratio = ddp time / row time in the same round (> 1: faster than DDP); cpu = the same "
+          "ratio of CPU time (all threads of the process, rank 0)")
     out: dict[str, dict[str, dict[str, float]]] = {}
-    print(f"{'shape':>6} {'row':>10} {'samples/s med':>14} {'ratio vs ddp med':>17} "
-          f"{'min':>6} {'max':>6}")
+    print(f"{'shape':>6} {'row':>11} {'samples/s med':>14} {'ratio med':>10} {'min':>6} "
+          f"{'max':>6} {'cpu ratio':>10}")
     for shape, info in data["shapes"].items():
         samples = n * info["batch"] * steps
-        times = [r[shape] for r in data["rounds"]]
+        rounds = info["rounds"]
         out[shape] = {}
-        for kind in ROWS:
-            ratios = [r["ddp"] / r[kind] for r in times]
-            row = {"sps": statistics.median(samples / r[kind] for r in times),
-                   "ratio": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+        for kind in data["rows"]:
+            row = _median_ratios(rounds, kind, "ddp", 0)
+            row["sps"] = statistics.median(samples / r[kind][0] for r in rounds)
+            row["cpu"] = _median_ratios(rounds, kind, "ddp", 1)["ratio"]
             out[shape][kind] = row
-            print(f"{shape:>6} {kind:>10} {row['sps']:14.1f} {row['ratio']:17.3f} "
-                  f"{row['min']:6.3f} {row['max']:6.3f}")
-        fp16 = [r["ddp_fp16"] / r["hora_fp16"] for r in times]
-        out[shape]["fp16_vs_ddp_fp16"] = {"ratio": statistics.median(fp16)}
+            print(f"{shape:>6} {kind:>11} {row['sps']:14.1f} {row['ratio']:10.3f} "
+                  f"{row['min']:6.3f} {row['max']:6.3f} {row['cpu']:10.3f}")
+        fp16 = _median_ratios(rounds, "hora_fp16", "ddp_fp16", 0)
+        out[shape]["fp16_vs_ddp_fp16"] = fp16
         params, tensors = info["params"]
-        check = ", ".join(f"{k} {v:.1e}" for k, v in data["check"][shape].items())
+        check = ", ".join(f"{k} {v:.1e}" for k, v in info["check"].items())
         print(f"{shape:>6}   {params:,} params in {tensors} tensors, batch {info['batch']}/"
-              f"process; hora_fp16 / ddp_fp16 median {statistics.median(fp16):.3f}; "
-              f"max rel param diff vs ddp after {data['check_steps']} steps: {check}")
+              f"process; hora_fp16 vs ddp_fp16: median {fp16['ratio']:.3f} "
+              f"[{fp16['min']:.3f}, {fp16['max']:.3f}]; max relative param diff vs ddp after "
+              f"{data['check_steps']} steps: {check}")
     return out
 
 
@@ -221,10 +267,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer steps and rounds, under 60 s")
     p.add_argument("--np", type=int, default=2)
-    p.add_argument("--pairs", type=int, default=9)
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--pairs", type=int, default=30)
+    p.add_argument("--steps", type=int, default=2)
     p.add_argument("--check-steps", type=int, default=3)
     p.add_argument("--shapes", type=_shapes, default=list(SHAPES))
+    p.add_argument("--before", metavar="GIT_REF",
+                   help="add a row hora_before: the DistributedOptimizer of this commit")
+    p.add_argument("--before-file", help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -232,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         worker(args)
         return 0
     if args.quick:
-        args.steps, args.pairs, args.check_steps = 2, 2, 2
+        args.steps, args.pairs, args.check_steps = 1, 3, 2
     t0 = time.monotonic()
     rows = report(launch(args))
     ratios = {s: round(r["hora"]["ratio"], 4) for s, r in rows.items()}
@@ -244,10 +293,13 @@ def main(argv: list[str] | None = None) -> int:
         "hora": round(rows[worst]["hora"]["sps"], 2),
         "baseline": round(rows[worst]["ddp"]["sps"], 2), "ratio": ratios[worst],
         "target": TARGET, "pass": ok, "ratios": ratios,
+        "cpu_ratios": {s: round(r["hora"]["cpu"], 4) for s, r in rows.items()},
         "aa_ratios": {s: round(r["ddp_aa"]["ratio"], 4) for s, r in rows.items()},
         "fp16_ratios": {s: round(r["hora_fp16"]["ratio"], 4) for s, r in rows.items()},
         "fp16_vs_ddp_fp16": {s: round(r["fp16_vs_ddp_fp16"]["ratio"], 4)
-                             for s, r in rows.items()}}))
+                             for s, r in rows.items()},
+        **({"before_ratios": {s: round(r["hora_before"]["ratio"], 4) for s, r in rows.items()}}
+           if args.before else {})}))
     return 0 if ok else 1
 
 
