@@ -414,14 +414,41 @@ def _stop_heartbeat(state: State) -> None:
         state._hb_thread.join(timeout=2 * HEARTBEAT_S + 1)
 
 
-def _at_exit() -> None:
-    """Stop the heartbeat and timeline, drop the rendezvous file, if ``shutdown()`` never ran.
+def _release(state: State, *, graceful: bool) -> None:
+    """Free the groups init() made, the store and its connections, while Python is alive.
 
-    Python kills daemon threads at exit; one caught inside a C++ store call is unwound
-    through C++ frames and aborts the process ("terminate called without an active
-    exception", exit code 134 instead of the script's own). The process group is left to
-    the interpreter: destroying it could wait for a peer's collective that never comes.
+    gloo's worker threads drop the last reference to a finished Work (and the tensors it
+    holds) after the Python side saw it complete. If that happens while the interpreter is
+    finalizing, the thread's GIL request ends it with ``pthread_exit``, whose unwinding
+    through C++ calls ``std::terminate``: the process dies with "terminate called without an
+    active exception" (SIGABRT, exit 134) instead of its own exit code. Destroying the groups
+    first joins those threads (pybind releases the GIL for it).
+
+    Args:
+        state: the state being released (already detached from ``_STATE``).
+        graceful: destroy the groups (in-flight work completes or times out) rather than
+            abort them (their connections close at once; in-flight work fails).
     """
+    if state.owns_group and dist.is_initialized():
+        try:
+            if graceful:
+                dist.destroy_process_group()
+            else:
+                dist.distributed_c10d._abort_process_group()
+        except Exception as e:  # a group already aborted by a failure: nothing left to free
+            log.debug("releasing the process group: %s", e)
+    state.group = state.side_group = state.store = state.hb_store = None
+    gc.collect()  # the groups are in reference cycles with their Works and stores
+
+
+def _at_exit() -> None:
+    """Release everything ``shutdown()`` would, when the script exits without it.
+
+    The groups are aborted rather than destroyed: an exiting rank must not wait for a
+    collective its peers never join (a failing rank would otherwise hold everyone until the
+    timeout). Finished work is unaffected.
+    """
+    global _STATE
     state = _STATE
     if state is None:
         return
@@ -430,6 +457,8 @@ def _at_exit() -> None:
     if timeline.enabled():
         timeline.stop_timeline(_wait_s=_EXIT_TIMELINE_WAIT_S)
     _stop_heartbeat(state)
+    _STATE = None
+    _release(state, graceful=False)
     if state.rdzv_file is not None:  # every rank found the store long ago
         state.rdzv_file.unlink(missing_ok=True)
 
@@ -452,8 +481,7 @@ def shutdown() -> None:
         timeline.stop_timeline()
     _stop_heartbeat(state)
     _STATE = None
-    if state.owns_group and dist.is_initialized():
-        dist.destroy_process_group()
+    _release(state, graceful=True)
     if state.rdzv_file is not None:
         state.rdzv_file.unlink(missing_ok=True)
 
