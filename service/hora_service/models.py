@@ -7,9 +7,15 @@ the spec inside it is the frozen :class:`hora.spec.JobSpec` validated at the edg
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 from hora.spec import JobSpec, JobState
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_serializer
+
+# environment values the API never shows: a session's engine connection key would let whoever
+# reads it (an admin, a log) run code in the owner's engines
+SECRET_ENV = ("HORA_ENGINE_CONNECTION",)
+HIDDEN = "(hidden)"
 
 
 class User(BaseModel):
@@ -80,6 +86,14 @@ class JobRecord(BaseModel):
     transitions: list[Transition] = Field(default_factory=list)
     user_id: int | None = None
     kind: str = "job"
+
+    @field_serializer("spec")
+    def _hide_secrets(self, spec: JobSpec) -> dict[str, Any]:
+        data = spec.model_dump(mode="json")
+        for name in SECRET_ENV:
+            if name in data["env"]:
+                data["env"][name] = HIDDEN
+        return data
 
 
 class SlotInfo(BaseModel):

@@ -107,6 +107,10 @@ def check_running_session(
     assert holders == {(sid, "session", "ann")}
     kinds = {j["id"]: j["kind"] for j in ann.get("/v1/jobs").json()["items"]}
     assert kinds[sid] == "session"
+    # the engines' connection key is never shown, not even to the owner or an admin
+    for c in (ann, root):
+        for text in (c.get(f"/v1/jobs/{sid}").text, c.get("/v1/jobs").text):
+            assert CONN["key"] not in text and '"HORA_ENGINE_CONNECTION":"(hidden)"' in text
     # another user's session is a 404, like one that does not exist; an admin sees it
     assert bob.get(f"/v1/sessions/{sid}").status_code == 404
     assert beat(bob, sid).status_code == 404
