@@ -182,24 +182,34 @@ class HoraMagics(Magics):
     def _start(self, options: Any) -> None:
         from IPython.display import display
 
+        from hora.client import ServiceUnavailable
         from hora.engines import Cluster
         from hora.engines.session import ServiceCluster, service_configured
 
         local, idle = self._mode
         queue = QueueDisplay()
+        why = "--local" if local else "no hora service configured"
+        self.history, self._history_of = [], 0
+        rows = None
         if not local and service_configured():
             self.cluster = ServiceCluster(
                 options, progress=queue.update, notify=_notify, idle_timeout_s=idle
             )
-        else:
+            try:
+                rows = self.cluster.start()
+            except ServiceUnavailable as e:
+                if self.cluster.asked is not None:  # it went away while we waited: say so
+                    raise
+                # configured but not running (hora up stopped): the notebook still works, and
+                # kernel-local engines still leave alone the GPUs other processes use
+                why = f"the configured hora service did not answer: {e.cause}"
+        if rows is None:
             self.cluster = Cluster(options)
-        self.history, self._history_of = [], 0
-        rows = self.cluster.start()
+            rows = self.cluster.start()
         queue.done(self.cluster)
         if isinstance(self.cluster, ServiceCluster):
             where = f"from {self.cluster.where}"
         else:
-            why = "--local" if local else "no hora service configured"
             where = f"kernel-local engines ({why})"
         took = f"{self.cluster.start_s:.1f}s"
         title = f"{len(rows)} engines ready in {took} ({self.cluster.backend}); {where}"

@@ -247,3 +247,25 @@ def test_ctrl_c_while_queued_withdraws_the_request(
         finally:
             gate.write_text("go")
         assert root.get(f"/v1/jobs/{job['id']}").json()["state"] in ("running", "succeeded")
+
+
+def test_a_configured_service_that_is_down_falls_back_to_kernel_local_engines(
+    tmp_path: Path,
+) -> None:
+    from e2e._notebooks_procs import free_port
+
+    tag = new_tag()
+    env = tagged_env(tag)
+    env.update(HORA_URL=f"http://127.0.0.1:{free_port()}", HORA_TOKEN="t")
+    nb = Notebook(env, tmp_path)
+    try:
+        nb.run("%load_ext hora")
+        out = nb.run("%dist_start -n 2 --timeout 30")
+        assert "2 engines ready" in out, out
+        assert "kernel-local engines (the configured hora service did not answer" in out, out
+        assert "rank 0 of 2" in nb.run("%%distributed\nprint('rank', hvd.rank(), 'of', hvd.size())")
+    finally:
+        nb.close()
+        left = wait_gone(tag, timeout=30)
+        kill_tagged(tag)
+    assert left == [], describe(left)

@@ -291,6 +291,7 @@ class ServiceCluster(Cluster):
         self.progress, self.notify = progress, notify
         self.idle_timeout_s = idle_timeout_s
         self.session: SessionInfo | None = None
+        self.asked: int | None = None  # the id of the last session asked for (kept after stop)
         self.heartbeat: Heartbeat | None = None
         self.queued_s = 0.0
         self.busy = False
@@ -380,6 +381,7 @@ class ServiceCluster(Cluster):
         self.session = SessionInfo.model_validate(
             self.service.request("POST", "/v1/sessions", json=body).json()
         )
+        self.asked = self.session.id
         beat = Client(self.service.url, self.service.token)
         period = max(0.2, self.session.lease_s / 3)
         self.heartbeat = Heartbeat(beat, self.session.id, period, self._idle, self.notify)
