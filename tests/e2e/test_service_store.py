@@ -254,3 +254,25 @@ def test_user_add_on_a_full_disk_says_so_in_one_line(tmp_path: Path) -> None:
         assert add("bob").returncode == 0
     finally:
         subprocess.run(["umount", "-l", str(data)], check=False)
+
+
+def test_a_corrupted_store_is_degraded_never_a_500(tmp_path: Path) -> None:
+    with ServiceServer(tmp_path, cpu_slots=1, env=SETTINGS) as srv, srv.client("ann") as c:
+        assert c.post("/v1/jobs", json={"command": [PY, "-c", "pass"]}).status_code == 201
+        db = srv.data_dir / "hora.db"
+        with db.open("r+b") as f:
+            header = f.read(100)
+            f.seek(0)
+            f.write(b"this is not a database" + bytes(78))
+        try:
+            sick = until(lambda: (r := health(srv.url)).status_code == 503 and r, 10, "degraded")
+            print("corrupted store:", sick.json())
+            assert "not a database" in sick.json()["reason"]
+            for path in ("/v1/jobs", "/v1/jobs/1", "/v1/gpus", "/metrics"):
+                assert c.get(path).status_code in (200, 503), path  # never a 500
+            r = c.post("/v1/jobs", json={"command": [PY, "-c", "pass"]})
+            assert r.status_code in (201, 503), r.text
+        finally:
+            with db.open("r+b") as f:
+                f.write(header)
+        until(lambda: health(srv.url).status_code == 200, 20, "healthz ok again")
