@@ -7,7 +7,10 @@ the default process group, so communication overlaps the rest of backward. Bucke
 in reverse registration order (the order backward produces gradients, like DDP) up to the
 fusion threshold (``HORA_FUSION_THRESHOLD`` / ``HOROVOD_FUSION_THRESHOLD`` bytes) and are always
 launched in bucket order, so every rank issues the same collectives in the same order even
-when some parameters got no gradient on some ranks. ``synchronize()`` (called by ``step()``)
+when some parameters got no gradient on some ranks. A gradient of ``SOLO_BYTES`` or more gets a
+bucket of its own and is scaled and reduced in place, in its own ``.grad``: no copy into a
+fusion buffer and out again. With fp16/bf16 compression, gradients are cast straight into a
+wire buffer kept across steps and cast straight back. ``synchronize()`` (called by ``step()``)
 fills the slots whose hooks did not fire (with the existing gradient, or zeros), launches what
 is left, waits, and points each ``param.grad`` at its slot of the reduced bucket (no copy back).
 """
@@ -538,7 +541,7 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's name: a factory that looks l
     The returned object is an instance of a subclass of ``type(optimizer)`` sharing its state
     (use it instead of the original). Gradient allreduces start during ``backward()``, fused
     into buckets of ``HORA_FUSION_THRESHOLD`` (or ``HOROVOD_FUSION_THRESHOLD``) bytes, default
-    25 MiB; ``step()`` waits for them.
+    25 MiB (a gradient of 4 MiB or more is reduced alone, in place); ``step()`` waits for them.
 
     Args:
         optimizer: the torch optimizer to wrap.
