@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from hora.errors import HoraError
 from hora.torch import _state, timeline
+from hora.torch._handles import hold_works
 from hora.torch._process_sets import check_process_set, global_process_set
 from hora.torch._stall import wait_work
 from hora.torch.compression import Compression, cast_dtype
@@ -256,6 +257,12 @@ class _Reducer:
         # one bound hook per gradient: the hot path looks nothing up
         self.handles = [p.register_post_accumulate_grad_hook(functools.partial(self.on_grad, b, k))
                         for b in self.buckets for k, p in enumerate(b.params)]
+        hold_works(self)
+
+    def release_works(self) -> None:
+        """Drop the allreduces in flight (at ``shutdown()``: they hold the rendezvous port)."""
+        for b in self.buckets:
+            b.work = None
 
     def _plan(self, params: list[torch.Tensor], cfg: dict[str, Any]) -> list[list[int]]:
         groups = cfg.get("groups")
