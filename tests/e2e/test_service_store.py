@@ -203,12 +203,16 @@ def _full_disk(tmp_path: Path, data: Path) -> None:
         first, second = submit(c, tmp_path / "a"), submit(c, tmp_path / "b")
         for job_id in (first, second):
             wait_state(c, job_id, ("running",))
+            # the shim sets aside its exit file's space as it starts: the disk fills after that
+            reserve = data / "logs" / str(job_id) / "1" / "rank0.exit.reserve"
+            until(reserve.exists, 10, "the exit file's space reserved")
         filler = fill(data)
         sick = until(lambda: (r := health(srv.url)).status_code == 503 and r, 10, "degraded")
         print("full disk:", sick.json())
         assert "full" in sick.json()["reason"]
         (tmp_path / "a").touch()
-        assert wait_state(c, first, ("succeeded", "failed"), timeout=20)["state"] == "succeeded"
+        ended = wait_state(c, first, ("succeeded", "failed"), timeout=20)
+        assert ended["state"] == "succeeded", (ended["reason"], ended["exit_codes"])
         maybe = c.post("/v1/jobs", json={"command": [PY, "-c", "pass"], "name": "on-full"})
         assert maybe.status_code in (201, 503), maybe.text  # never a 500
         if maybe.status_code == 503:
@@ -219,7 +223,10 @@ def _full_disk(tmp_path: Path, data: Path) -> None:
         time.sleep(1.0)
         srv.restart()
         ended = wait_state(c, second, ("succeeded", "failed"), timeout=30)
-        assert ended["state"] == "succeeded", ended  # from the exit file, not "ended while down"
+        run_dir = data / "logs" / str(second) / "1"
+        files = {f.name: f.read_bytes()[:40] for f in run_dir.iterdir() if f.is_file()}
+        # from the exit file, not "ended while the service was down"
+        assert ended["state"] == "succeeded", (ended["reason"], files, srv.output()[-3000:])
         filler.unlink()
         until(lambda: health(srv.url).status_code == 200, 20, "healthz ok again")
         for job_id in (first, second):
@@ -276,3 +283,4 @@ def test_a_corrupted_store_is_degraded_never_a_500(tmp_path: Path) -> None:
             with db.open("r+b") as f:
                 f.write(header)
         until(lambda: health(srv.url).status_code == 200, 20, "healthz ok again")
+        until(lambda: (r := c.get("/v1/jobs")).status_code == 200 or print(r.text), 20, "reads")
