@@ -184,10 +184,14 @@ def age(when: datetime | None, now: datetime | None = None) -> str:
 
 
 def jobs_table(jobs: Sequence[JobInfo], now: datetime | None = None, unit: str = "GPU") -> str:
-    """The ``hora jobs`` table (``unit``: "GPU", or "slot" on a service without GPUs)."""
+    """The ``hora jobs`` table (``unit``: "GPU", or "slot" on a service without GPUs).
+
+    KIND is ``job``, or ``session`` for a notebook's engines (they share the slots).
+    """
     rows = [
         [
             j.id,
+            j.kind,
             j.spec.name,
             j.user,
             j.state.value,
@@ -199,7 +203,10 @@ def jobs_table(jobs: Sequence[JobInfo], now: datetime | None = None, unit: str =
         for j in jobs
     ]
     return format_table(
-        ["ID", "NAME", "USER", "STATE", f"WORKERSx{unit.upper()}S", "ATTEMPT", "AGE", "REASON"],
+        [
+            "ID", "KIND", "NAME", "USER", "STATE", f"WORKERSx{unit.upper()}S", "ATTEMPT", "AGE",
+            "REASON",
+        ],  # fmt: skip
         rows,
     )
 
@@ -241,12 +248,15 @@ def slot_unit(slots: Sequence[dict[str, Any]]) -> str:
 
 
 def gpus_table(slots: Sequence[dict[str, Any]]) -> str:
-    """The ``hora gpus`` table."""
+    """The ``hora gpus`` table; HOLDER says whether a job or a notebook's session holds it."""
     rows = [
-        [s.get("index"), s.get("kind"), s.get("name"), s.get("job_id") or "-", s.get("user") or "-"]
+        [
+            s.get("index"), s.get("kind"), s.get("name"), s.get("job_id") or "-",
+            s.get("user") or "-", s.get("holder_kind") or "-",
+        ]  # fmt: skip
         for s in slots
     ]
-    return format_table(["SLOT", "KIND", "NAME", "JOB", "USER"], rows)
+    return format_table(["SLOT", "KIND", "NAME", "JOB", "USER", "HOLDER"], rows)
 
 
 def _short(text: str, width: int = 60) -> str:

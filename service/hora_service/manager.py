@@ -30,13 +30,14 @@ import signal
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hora.errors import HoraError, SpecError
 from hora.launch.config import free_port
 from hora.spec import PRIORITY_RANK, JobSpec, JobState
+from sqlalchemy import Connection
 
 from hora_service import identity, runtimes
 from hora_service.inventory import Slot, inventory
@@ -47,7 +48,7 @@ from hora_service.runtimes import AttemptPlan, Exit, RankProcess, Runtime
 from hora_service.runtimes.base import RankStatus, first_failure
 from hora_service.runtimes.containment import Containment, detect
 from hora_service.runtimes.local import allowed_env
-from hora_service.scheduler import INF, Holding, Pending, schedule
+from hora_service.scheduler import INF, Holding, Pending, queue_order, reserve, schedule
 from hora_service.settings import Settings
 from hora_service.store import Store, StoreUnavailable, is_unavailable
 from hora_service.users import Users
@@ -78,6 +79,7 @@ class Attempt:
     codes: list[RankStatus] = field(default_factory=list)
     clearing_since: float | None = None
     stuck_reported: bool = False
+    kind: str = "job"
 
     def stop(self, state: JobState, reason: str, now: float, grace: float, retry: bool) -> None:
         """Begin stopping every rank: SIGTERM now, SIGKILL at ``now + grace``."""
@@ -89,6 +91,39 @@ class Attempt:
         self.kill_at = min(self.kill_at, now + grace)
         for rank in self.ranks:
             rank.signal(signal.SIGTERM)
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds slots now, as a queued request is shown it."""
+
+    id: int
+    kind: str
+    user: str
+    slots: tuple[int, ...]
+    since: float
+    ends_at: float | None
+
+
+@dataclass(frozen=True)
+class QueueView:
+    """Where a queued job or session stands: its place, the slots, who holds them, when.
+
+    Attributes:
+        position: 1 for the next to be considered (priority, then age); 0 once it left.
+        need: slots it asks for; free: slots free now.
+        holders: the jobs and sessions holding slots, oldest first.
+        estimate: when enough slots should be free (UNIX time); None when nothing holding
+            them has a time limit.
+        over_quota: it waits for its user's own jobs and sessions to end.
+    """
+
+    position: int
+    need: int
+    free: int
+    holders: tuple[Holder, ...]
+    estimate: float | None
+    over_quota: bool
 
 
 def describe(rank: int, status: RankStatus) -> str:
@@ -151,6 +186,8 @@ class JobManager:
         self._pages: dict[tuple[object, ...], tuple[int, list[int], int]] = {}
         self.journal = Journal()  # state changes the store has not taken yet
         self._quota_memo: dict[str, int] = {}
+        # called with the time at the end of every monitor pass (sessions' leases, idle culling)
+        self.hooks: list[Callable[[float], None]] = []
 
     # lifecycle --------------------------------------------------------------------------
 
@@ -279,8 +316,17 @@ class JobManager:
         """
         return self.submit_or_find(user, spec)[0]
 
-    def submit_or_find(self, user: str, spec: JobSpec) -> tuple[JobRecord, bool]:
+    def submit_or_find(
+        self,
+        user: str,
+        spec: JobSpec,
+        kind: str = "job",
+        also: Callable[[Store, Connection, int], None] | None = None,
+    ) -> tuple[JobRecord, bool]:
         """Queue a job; with a submission id this user used before, find that job instead.
+
+        ``kind`` is ``session`` for a notebook's engines (:mod:`hora_service.sessions`);
+        ``also`` writes what goes with the new row, in the same transaction.
 
         Returns:
             The job, and True when it was created by this call.
@@ -307,7 +353,9 @@ class JobManager:
                     assert found is not None
                     return found, False
             now = time.time()
-            job_id = store.insert_job(conn, user, spec, now)
+            job_id = store.insert_job(conn, user, spec, now, kind)
+            if also is not None:
+                also(store, conn, job_id)
             record = store.get(job_id, conn)
             assert record is not None
         self._forget(job_id)  # a new job changes every page it belongs to
@@ -514,9 +562,35 @@ class JobManager:
                 name=s.name,
                 job_id=held[s.index].job_id if s.index in held else None,
                 user=held[s.index].user if s.index in held else None,
+                holder_kind=held[s.index].kind if s.index in held else None,
             )
             for s in self.inventory
         ]
+
+    def queue_view(self, job_id: int, now: float | None = None) -> QueueView:
+        """Where queued ``job_id`` stands (position 0 when it is not queued)."""
+        now = time.time() if now is None else now
+        with self._lock:
+            order = sorted((p for p, _ in self._pending.values()), key=queue_order)
+            mine = [i for i, p in enumerate(order) if p.id == job_id]
+            attempts = sorted(self._attempts.values(), key=lambda a: a.started)
+            held = sum(len(a.plan.slots) for a in attempts)
+            owner = order[mine[0]].user if mine else None
+            used = sum(len(a.plan.slots) for a in attempts if a.user == owner)
+        free = len(self.inventory) - held
+        holders = tuple(
+            Holder(a.job_id, a.kind, a.user, a.plan.slots, a.started, a.deadline) for a in attempts
+        )
+        if not mine:
+            return QueueView(0, 0, free, holders, None, False)
+        job = order[mine[0]]
+        quota = self._quotas().get(job.user, self.settings.user_gpu_quota)
+        slots = [Holding(h.id, h.user, h.slots, h.ends_at or INF) for h in holders]
+        shadow = reserve(job, free, slots, now).shadow
+        return QueueView(
+            mine[0] + 1, job.need, free, holders, shadow if shadow < INF else None,
+            quota is not None and used + job.need > quota,
+        )  # fmt: skip
 
     def metrics(self) -> MetricsSnapshot:
         """Jobs by state, queue length, slots, and submit-to-running latency."""
@@ -551,6 +625,8 @@ class JobManager:
             if self._dirty or any(t is not None and t <= now for _, t in self._pending.values()):
                 self._dirty = False
                 self._schedule(now)
+            for hook in self.hooks:
+                hook(now)
 
     def _poll(self, attempt: Attempt, now: float) -> None:
         grace = self.settings.kill_grace_s
@@ -680,15 +756,18 @@ class JobManager:
             reason = f"could not start the ranks: {e}"
             log.warning("job %d: %s", job_id, reason)
             # whatever did start is killed and cleared before the slots are free
-            self._attempts[job_id] = attempt = Attempt(job_id, job.user, plan, [], now, None)
+            self._attempts[job_id] = attempt = Attempt(
+                job_id, job.user, plan, [], now, None, kind=job.kind
+            )
             attempt.stop(JobState.failed, reason, now, 0.0, retry=True)
             self._poll(attempt, now)
             return
         running = time.time()
         timeout = job.spec.timeout_s
         self._attempts[job_id] = Attempt(
-            job_id, job.user, plan, ranks, running, running + timeout if timeout else None
-        )
+            job_id, job.user, plan, ranks, running, running + timeout if timeout else None,
+            kind=job.kind,
+        )  # fmt: skip
         self._set_state(job_id, JobState.running, running, None, started_at=running)
         if n == 1:
             latency = running - job.created_at.timestamp()
@@ -736,8 +815,9 @@ class JobManager:
             started = job.started_at.timestamp() if job.started_at else now
             timeout = job.spec.timeout_s
             attempt = Attempt(
-                job.id, job.user, plan, ranks, started, started + timeout if timeout else None
-            )
+                job.id, job.user, plan, ranks, started, started + timeout if timeout else None,
+                kind=job.kind,
+            )  # fmt: skip
             self._attempts[job.id] = attempt
             if job.id in cancelling:
                 attempt.stop(JobState.cancelled, "cancelled by the user", now, grace, False)

@@ -63,6 +63,12 @@ class Settings(BaseSettings):
             it answers 429); None: no limit.
         max_log_streams_per_user: most log streams (``follow=true``) one user keeps open at
             once (429 past it).
+        session_lease_s: a session whose kernel sent no heartbeat for this long is ended and
+            its slots freed (a kernel killed with -9).
+        session_idle_timeout_s: a running session whose engines ran nothing for this long is
+            stopped (None: never); a session may ask for another value.
+        session_idle_timeout_max_s: the longest idle timeout a session may ask for (None: any).
+        session_idle_warn_s: how long before the idle timeout the notebook is warned.
     """
 
     model_config = SettingsConfigDict(env_prefix="HORA_", extra="ignore")
@@ -92,6 +98,10 @@ class Settings(BaseSettings):
     max_running_jobs_per_user: Annotated[int | None, Field(ge=1)] = 64
     max_queued_jobs_per_user: Annotated[int | None, Field(ge=1)] = 10_000
     max_log_streams_per_user: Annotated[int, Field(ge=1)] = 16
+    session_lease_s: Annotated[float, Field(gt=0, le=24 * 3600)] = 30.0
+    session_idle_timeout_s: Annotated[float | None, Field(gt=0)] = 3600.0
+    session_idle_timeout_max_s: Annotated[float | None, Field(gt=0)] = None
+    session_idle_warn_s: Annotated[float, Field(ge=0)] = 300.0
 
     @field_validator("data_dir", "work_root")
     @classmethod

@@ -94,13 +94,22 @@ MIGRATIONS: list[list[str]] = [
         "UPDATE jobs SET user_id = (SELECT id FROM users WHERE users.name = jobs.user)",
         "CREATE INDEX jobs_by_user_id ON jobs (user_id, id)",
     ],
+    [
+        # v4: sessions (interactive engines of a notebook) are jobs of kind 'session' with
+        # their lease and idle timeout beside them
+        "ALTER TABLE jobs ADD COLUMN kind TEXT NOT NULL DEFAULT 'job'",
+        """CREATE TABLE sessions (
+            job_id INTEGER PRIMARY KEY REFERENCES jobs (id) ON DELETE CASCADE,
+            lease_s REAL NOT NULL,
+            idle_timeout_s REAL)""",
+    ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 BUSY_TIMEOUT_MS = 30_000
 ACTIVE = (JobState.starting, JobState.running)
 JOB_COLUMNS = (
     "id, user, spec, state, attempt, reason, exit_codes, slots, created_at, started_at, "
-    "finished_at, user_id"
+    "finished_at, user_id, kind"
 )
 USER_COLUMNS = "id, name, is_admin, gpu_quota, os_uid"
 # the id of the user who has this name now (jobs belong to ids, requests come with names)
@@ -309,15 +318,18 @@ class Store:
 
     # jobs -------------------------------------------------------------------------------
 
-    def insert_job(self, conn: Connection, user: str, spec: JobSpec, at: float) -> int:
-        """Insert a queued job with its first transition; return its id."""
+    def insert_job(
+        self, conn: Connection, user: str, spec: JobSpec, at: float, kind: str = "job"
+    ) -> int:
+        """Insert a queued job (or session) with its first transition; return its id."""
         row = conn.execute(
             text(
                 "INSERT INTO jobs "
-                "(user, user_id, submission_id, spec, state, priority, need, created_at) "
-                f"VALUES (:u, {USER_ID}, :sid, :spec, :st, :p, :need, :t) RETURNING id"
+                "(user, user_id, submission_id, spec, state, priority, need, created_at, kind) "
+                f"VALUES (:u, {USER_ID}, :sid, :spec, :st, :p, :need, :t, :kind) RETURNING id"
             ),
             {
+                "kind": kind,
                 "u": user,
                 "sid": spec.submission_id,
                 "spec": spec.model_dump_json(),
@@ -432,6 +444,7 @@ class Store:
                 finished_at=_utc(r[10]),
                 transitions=moves[r[0]],
                 user_id=r[11],
+                kind=r[12],
             )
             for r in rows
         ]
@@ -463,6 +476,27 @@ class Store:
         with self.engine.connect() as conn:
             rows = conn.execute(text("SELECT id FROM jobs WHERE cancel_requested = 1"))
             return {int(r[0]) for r in rows}
+
+    def add_session(
+        self, conn: Connection, job_id: int, lease_s: float, idle_timeout_s: float | None
+    ) -> None:
+        """Record a session's lease and idle timeout (its job row is inserted in ``conn``)."""
+        conn.execute(
+            text("INSERT INTO sessions (job_id, lease_s, idle_timeout_s) VALUES (:j, :l, :i)"),
+            {"j": job_id, "l": lease_s, "i": idle_timeout_s},
+        )
+
+    def session_terms(self) -> dict[int, tuple[float, float | None]]:
+        """Job id -> (lease, idle timeout) of every session not finished yet."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                text(
+                    "SELECT s.job_id, s.lease_s, s.idle_timeout_s FROM sessions s "
+                    "JOIN jobs j ON j.id = s.job_id "
+                    "WHERE j.state NOT IN ('succeeded', 'failed', 'cancelled')"
+                )
+            ).all()
+        return {int(r[0]): (float(r[1]), r[2]) for r in rows}
 
     def count_by_state(self) -> dict[str, int]:
         """Number of jobs in each state that has any."""

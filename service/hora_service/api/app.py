@@ -26,7 +26,7 @@ from sqlalchemy.exc import DBAPIError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from hora_service.api import jobs, logs, system
+from hora_service.api import jobs, logs, sessions, system
 from hora_service.api.deps import CurrentUser, TokenCache, known_query
 from hora_service.api.errors import spec_error_detail, validation_detail
 from hora_service.api.limits import BodySizeLimit
@@ -34,6 +34,7 @@ from hora_service.api.safety import check_safe
 from hora_service.health import StoreProbe
 from hora_service.manager import JobManager
 from hora_service.quotas import OverLimit, StreamCounter
+from hora_service.sessions import SessionManager
 from hora_service.settings import Settings
 from hora_service.store import StoreUnavailable, is_unavailable
 
@@ -87,12 +88,14 @@ def create_app(settings: Settings | None = None, manager: JobManager | None = No
     )
     app.state.settings = settings
     app.state.manager = mgr
+    app.state.sessions = SessionManager(mgr, settings)
     app.state.health = probe
     app.state.log_streams = StreamCounter(settings.max_log_streams_per_user)
     app.state.token_cache = TokenCache()
     app.add_middleware(BodySizeLimit, max_bytes=max(1, int(settings.max_request_bytes)))
     app.include_router(jobs.router)
     app.include_router(logs.router)
+    app.include_router(sessions.router)
     app.include_router(system.router)
     _add_docs(app)
     _add_handlers(app)
