@@ -620,9 +620,9 @@ class JobManager:
                 self._flush(RETRY_WRITE_S)
             for attempt in list(self._attempts.values()):
                 self._poll(attempt, now)
-            if len(self.journal):
-                return  # nothing new starts until the store has taken what already happened
-            if self._dirty or any(t is not None and t <= now for _, t in self._pending.values()):
+            # nothing new starts until the store has taken what already happened
+            due = any(t is not None and t <= now for _, t in self._pending.values())
+            if (self._dirty or due) and not len(self.journal):
                 self._dirty = False
                 self._schedule(now)
             for hook in self.hooks:

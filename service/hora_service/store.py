@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sqlite3
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -25,10 +26,10 @@ from hora.spec import PRIORITY_RANK, JobSpec, JobState
 from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.exc import (
     DatabaseError,
-    DBAPIError,
     IntegrityError,
     OperationalError,
     ProgrammingError,
+    SQLAlchemyError,
 )
 
 from hora_service.models import JobRecord, Transition, User
@@ -187,6 +188,7 @@ class Store:
             pool_timeout=30,
         )
         event.listen(self.engine, "connect", _pragmas)
+        event.listen(self.engine, "handle_error", _drop_broken)
         self._write = threading.Lock()
         self.migrate()
 
@@ -217,7 +219,9 @@ class Store:
                 try:
                     yield conn
                 finally:
-                    with suppress(DBAPIError):  # a connection-level setting: it cannot fail
+                    # a connection-level setting; on a connection already dropped there is
+                    # nothing to set (and the first error is the one to report)
+                    with suppress(SQLAlchemyError):
                         conn.exec_driver_sql(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
         finally:
             self._write.release()
@@ -518,6 +522,17 @@ def _user(row: Any) -> User:
 
 def _now() -> float:
     return datetime.now(UTC).timestamp()
+
+
+def _drop_broken(ctx: Any) -> None:
+    """A connection that met a damaged file is dropped (with the pool), not reused.
+
+    SQLite keeps answering "file is not a database" on a connection that once read a damaged
+    header, even after the file is repaired; new connections read it afresh.
+    """
+    orig = ctx.original_exception
+    if isinstance(orig, sqlite3.DatabaseError) and type(orig) is sqlite3.DatabaseError:
+        ctx.is_disconnect = True
 
 
 def _pragmas(dbapi_conn: Any, record: Any) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from hora.spec import JobSpec, JobState
+from hora_service.health import StoreProbe
 from hora_service.journal import Journal, Write
 from hora_service.manager import JobManager
 from hora_service.runtimes import AttemptPlan, Exit, RankProcess, Runtime
@@ -164,3 +165,22 @@ def test_journal_keeps_order_and_overlays() -> None:
     assert j.flush(seen.append, now=6.0) == [1, 2]
     assert [w.state for w in seen[0]] == [JobState.starting, JobState.running, None]
     assert len(j) == 0 and j.error is None and not j.pending(1)
+
+
+def test_health_probe_says_why_the_store_is_not_usable(mgr: JobManager) -> None:
+    probe = StoreProbe(mgr.settings.db_path, mgr.journal, interval_s=60)
+    assert probe.check().status == "ok"
+    with write_locked(mgr):
+        sick = probe.check()
+    assert (
+        sick.status == "degraded"
+        and sick.reason == "the store cannot take writes: database is locked"
+    )
+    mgr.journal.add(Write(1, JobState.failed, 1.0, None))
+    mgr.journal.error = "OperationalError: database or disk is full"
+    assert "1 job state change(s) have waited" in str(probe.check().reason)
+    mgr.journal.discard(Write(1, JobState.failed, 1.0, None))
+    mgr.close_store()
+    with mgr.settings.db_path.open("r+b") as f:
+        f.write(b"garbage" * 10)
+    assert probe.check().reason == "the store cannot be read: file is not a database"

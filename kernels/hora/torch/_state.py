@@ -27,7 +27,13 @@ import torch
 import torch.distributed as dist
 
 from hora.env import World, detect_world
-from hora.errors import CollectiveTimeout, LauncherEnvError, NotInitializedError, UnsupportedError
+from hora.errors import (
+    CollectiveTimeout,
+    LauncherEnvError,
+    NotInitializedError,
+    RendezvousError,
+    UnsupportedError,
+)
 
 log = logging.getLogger("hora.torch")
 
@@ -204,24 +210,51 @@ def _make_store(world: World, timeout_s: float) -> tuple[Any, Path | None]:
         return dist.TCPStore("127.0.0.1", 0, 1, True, timeout=td, wait_for_workers=False), None
     if world.master_addr is None or world.master_port is None:
         return _file_rendezvous(world, timeout_s)
+    if world.rank == 0:
+        return _host_store(world.master_addr, world.master_port, world.size, td), None
     try:
         store = dist.TCPStore(
-            world.master_addr,
-            world.master_port,
-            world.size,
-            world.rank == 0,
-            timeout=td,
-            wait_for_workers=False,
+            world.master_addr, world.master_port, world.size, False, timeout=td
         )
     except (RuntimeError, dist.DistError) as e:
-        who = "rank 0 (the rendezvous host)" if world.rank else "this rank"
         raise CollectiveTimeout(
             "init",
-            [0] if world.rank else [],
+            [0],
             timeout_s,
-            name=f"rendezvous {world.master_addr}:{world.master_port}: {who}: {e}",
+            name=f"rendezvous {world.master_addr}:{world.master_port}: "
+            f"rank 0 (the rendezvous host): {e}",
         ) from None
     return store, None
+
+
+# A store this process hosted before shutdown() may hold the port a moment longer: the
+# gloo Works that kept it alive are freed by gloo's threads once they finish.
+_PORT_FREE_WAIT_S = 5.0
+
+
+def _host_store(addr: str, port: int, size: int, td: datetime.timedelta) -> Any:
+    """Open the rendezvous store on rank 0; an address in use is said as such, not a timeout.
+
+    Raises:
+        RendezvousError: when the port stays in use (another process, or a Work of the
+            previous ``init()`` that the script still holds).
+    """
+    deadline = time.monotonic() + _PORT_FREE_WAIT_S
+    while True:
+        try:
+            return dist.TCPStore(addr, port, size, True, timeout=td, wait_for_workers=False)
+        except (RuntimeError, dist.DistError) as e:
+            if "EADDRINUSE" not in str(e) and "address already in use" not in str(e).lower():
+                raise RendezvousError(f"{addr}:{port}", f"rank 0 could not open it: {e}") from None
+            if time.monotonic() > deadline:
+                raise RendezvousError(
+                    f"{addr}:{port}",
+                    "address in use: another process listens on this port, or this process "
+                    "still holds a handle or optimizer of a previous init() with work in "
+                    "flight (synchronize or drop it before shutdown())",
+                ) from None
+            gc.collect()
+            time.sleep(0.05)
 
 
 def _world_from_group(world: World) -> World:
@@ -241,14 +274,14 @@ def _world_from_group(world: World) -> World:
 
 
 def _own_client(store: Any) -> Any:
-    """A second connection to the store, so a blocking wait elsewhere never delays heartbeats."""
-    base = store
-    while hasattr(base, "underlying_store"):
-        base = base.underlying_store
+    """A second connection to the store, so a blocking wait elsewhere never delays heartbeats.
+
+    A PrefixStore's clone keeps its prefix over a new connection to the same server.
+    """
     try:
-        return base.clone()
+        return store.clone()
     except Exception:  # FileStore/HashStore: no connection to block on
-        return base
+        return store
 
 
 def _init_group(world: World, backend: str, store: Any, start_s: float, timeout_s: float) -> None:
@@ -289,18 +322,45 @@ def _heartbeat(state: State) -> None:
             return
 
 
+_GENERATION = 0  # init() calls that created a group; prefixes every rendezvous key
+
+
 def _group(
     world: World, backend: str, start_s: float, timeout_s: float
 ) -> tuple[World, str, Any, Path | None]:
-    """Adopt the user's default group, or rendezvous and create it."""
+    """Adopt the user's default group, or rendezvous and create it.
+
+    Every key of a rendezvous is prefixed by the number of this init() (the same on every
+    rank, as every rank calls init() and shutdown() alike), so a key left by an earlier
+    init() never answers a later one. A rank other than 0 that reached rank 0's store of
+    the previous init() just before it closed connects again.
+    """
+    global _GENERATION
     if dist.is_initialized():
         store = dist.distributed_c10d._get_default_store()
         return _world_from_group(world), str(dist.get_backend()), store, None
-    store, rdzv = _make_store(world, start_s)
-    if backend == "nccl":
-        torch.cuda.set_device(world.local_rank)
-    _init_group(world, backend, store, start_s, timeout_s)
-    return world, backend, store, rdzv
+    _GENERATION += 1
+    prefix = f"hora/g{_GENERATION}"
+    deadline = time.monotonic() + start_s
+    while True:
+        raw, rdzv = _make_store(world, start_s)
+        store = dist.PrefixStore(prefix, raw)
+        if backend == "nccl":
+            torch.cuda.set_device(world.local_rank)
+        try:
+            _init_group(world, backend, store, start_s, timeout_s)
+            return world, backend, store, rdzv
+        except CollectiveTimeout as e:
+            if world.rank == 0 or time.monotonic() > deadline or not _reset(e):
+                raise
+            log.debug("rendezvous store went away during init (%s); connecting again", e)
+            time.sleep(0.1)
+
+
+def _reset(e: BaseException) -> bool:
+    """Whether an init failure means the store's host closed the connection (retry)."""
+    text = str(e).lower()
+    return any(w in text for w in ("reset by peer", "broken pipe", "closed", "got 0 bytes"))
 
 
 def _start_heartbeat(state: State) -> None:
@@ -481,6 +541,9 @@ def shutdown() -> None:
         timeline.stop_timeline()
     _stop_heartbeat(state)
     _STATE = None
+    from hora.torch._handles import release_all
+
+    release_all()
     _release(state, graceful=True)
     if state.rdzv_file is not None:
         state.rdzv_file.unlink(missing_ok=True)

@@ -7,7 +7,10 @@ the default process group, so communication overlaps the rest of backward. Bucke
 in reverse registration order (the order backward produces gradients, like DDP) up to the
 fusion threshold (``HORA_FUSION_THRESHOLD`` / ``HOROVOD_FUSION_THRESHOLD`` bytes) and are always
 launched in bucket order, so every rank issues the same collectives in the same order even
-when some parameters got no gradient on some ranks. ``synchronize()`` (called by ``step()``)
+when some parameters got no gradient on some ranks. A gradient of ``SOLO_BYTES`` or more gets a
+bucket of its own and is scaled and reduced in place, in its own ``.grad``: no copy into a
+fusion buffer and out again. With fp16/bf16 compression, gradients are cast straight into a
+wire buffer kept across steps and cast straight back. ``synchronize()`` (called by ``step()``)
 fills the slots whose hooks did not fire (with the existing gradient, or zeros), launches what
 is left, waits, and points each ``param.grad`` at its slot of the reduced bucket (no copy back).
 """
@@ -26,6 +29,7 @@ import torch.distributed as dist
 
 from hora.errors import HoraError
 from hora.torch import _state, timeline
+from hora.torch._handles import hold_works
 from hora.torch._process_sets import check_process_set, global_process_set
 from hora.torch._stall import wait_work
 from hora.torch.compression import Compression, cast_dtype
@@ -253,6 +257,12 @@ class _Reducer:
         # one bound hook per gradient: the hot path looks nothing up
         self.handles = [p.register_post_accumulate_grad_hook(functools.partial(self.on_grad, b, k))
                         for b in self.buckets for k, p in enumerate(b.params)]
+        hold_works(self)
+
+    def release_works(self) -> None:
+        """Drop the allreduces in flight (at ``shutdown()``: they hold the rendezvous port)."""
+        for b in self.buckets:
+            b.work = None
 
     def _plan(self, params: list[torch.Tensor], cfg: dict[str, Any]) -> list[list[int]]:
         groups = cfg.get("groups")
@@ -531,7 +541,7 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's name: a factory that looks l
     The returned object is an instance of a subclass of ``type(optimizer)`` sharing its state
     (use it instead of the original). Gradient allreduces start during ``backward()``, fused
     into buckets of ``HORA_FUSION_THRESHOLD`` (or ``HOROVOD_FUSION_THRESHOLD``) bytes, default
-    25 MiB; ``step()`` waits for them.
+    25 MiB (a gradient of 4 MiB or more is reduced alone, in place); ``step()`` waits for them.
 
     Args:
         optimizer: the torch optimizer to wrap.

@@ -99,7 +99,38 @@ def create_app(settings: Settings | None = None, manager: JobManager | None = No
     app.include_router(system.router)
     _add_docs(app)
     _add_handlers(app)
+    _document_common_answers(app)
     return app
+
+
+COMMON_ANSWERS: dict[str, dict[str, str]] = {
+    "400": {"description": "The body could not be parsed (not JSON, not UTF-8)"},
+    "413": {"description": "Request body larger than max_request_bytes"},
+    "503": {"description": "The job store is unavailable now; retry after Retry-After"},
+}
+
+
+def _document_common_answers(app: FastAPI) -> None:
+    """Add to the schema the answers any route may give, so that it says what happens.
+
+    Every route with a body may answer 400 (unparsable) and 413 (too large); every route
+    that needs a token may answer 503 (the token is looked up in the store).
+    """
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            for item in schema.get("paths", {}).values():
+                for op in item.values():
+                    answers = op.setdefault("responses", {})
+                    codes = ["400", "413"] if "requestBody" in op else []
+                    codes += ["503"] if op.get("security") else []
+                    for code in codes:
+                        answers.setdefault(code, COMMON_ANSWERS[code])
+        return app.openapi_schema or build()
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _add_docs(app: FastAPI) -> None:

@@ -28,6 +28,7 @@ statements; a signal in the few milliseconds before them ends the shim before it
 command (the monitor then sees the rank gone).
 """
 
+import contextlib
 import json
 import os
 import select
@@ -80,7 +81,9 @@ def _record_exit(base: str, code: int, reserved: str | None) -> None:
         try:
             fd = os.open(reserved, os.O_WRONLY)
             try:
-                os.write(fd, str(code).ljust(RESERVE).encode())
+                text = str(code).encode()
+                os.write(fd, text)
+                os.ftruncate(fd, len(text))  # shrinking needs no space
             finally:
                 os.close(fd)
             os.replace(reserved, base + ".exit")
@@ -90,7 +93,8 @@ def _record_exit(base: str, code: int, reserved: str | None) -> None:
     try:
         _write(base + ".exit", str(code))
     except OSError as e:  # the service falls back on the shim's own exit status
-        sys.stderr.write(f"hora shim: cannot record exit code {code}: {e}\n")
+        with contextlib.suppress(OSError):  # unbuffered: nothing is left to fail at exit
+            os.write(2, f"hora shim: cannot record exit code {code}: {e}\n".encode())
 
 
 class Log:
