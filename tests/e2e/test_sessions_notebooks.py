@@ -250,22 +250,31 @@ def test_ctrl_c_while_queued_withdraws_the_request(
 
 
 def test_a_configured_service_that_is_down_falls_back_to_kernel_local_engines(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # in this process's IPython shell (as the magics tests do): the fallback is the magic's
+    from _magics_util import wait_gone as pids_gone
     from e2e._notebooks_procs import free_port
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
 
-    tag = new_tag()
-    env = tagged_env(tag)
-    env.update(HORA_URL=f"http://127.0.0.1:{free_port()}", HORA_TOKEN="t")
-    nb = Notebook(env, tmp_path)
+    monkeypatch.setenv("HORA_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens
+    monkeypatch.setenv("HORA_TOKEN", "t")
+    monkeypatch.setenv("HORA_CONFIG", str(tmp_path / "no-config"))
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "hora")
     try:
-        nb.run("%load_ext hora")
-        out = nb.run("%dist_start -n 2 --timeout 30")
+        with capture_output() as cap:
+            shell.run_line_magic("dist_start", "-n 2 --timeout 30")
+        from hora import magics
+
+        pids = magics._MAGICS.cluster.pids
+        out = "\n".join(o.data["text/plain"] for o in cap.outputs)
         assert "2 engines ready" in out, out
         assert "kernel-local engines (the configured hora service did not answer" in out, out
-        assert "rank 0 of 2" in nb.run("%%distributed\nprint('rank', hvd.rank(), 'of', hvd.size())")
+        with capture_output() as cap:
+            shell.run_cell("%%distributed\nprint('rank', hvd.rank(), 'of', hvd.size())")
+        assert "rank 0 of 2" in cap.stdout
     finally:
-        nb.close()
-        left = wait_gone(tag, timeout=30)
-        kill_tagged(tag)
-    assert left == [], describe(left)
+        shell.run_line_magic("unload_ext", "hora")
+    assert pids_gone(pids) == []
