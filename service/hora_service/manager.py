@@ -608,6 +608,7 @@ class JobManager:
             schedule_latency_sum_s=self._latency_sum,
             schedule_latency_count=self._latency_count,
             schedule_pass_seconds=self._last_pass_s,
+            store_pending_writes=len(self.journal),
         )
 
     # the monitor loop -------------------------------------------------------------------

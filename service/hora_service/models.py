@@ -119,3 +119,6 @@ class MetricsSnapshot(BaseModel):
     schedule_latency_sum_s: float = 0.0
     schedule_latency_count: int = 0
     schedule_pass_seconds: float = 0.0
+    store_pending_writes: int = Field(
+        default=0, description="job state changes waiting for the store to take them"
+    )
