@@ -6,7 +6,7 @@ user's session answers 404 exactly like one that does not exist; a job's id is n
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from hora.errors import SpecError
@@ -14,11 +14,19 @@ from hora.spec import JobState
 from pydantic import BaseModel
 
 from hora_service.api.deps import CurrentUser, ManagerDep, OwnedJob
-from hora_service.api.errors import AUTH_RESPONSES, JOB_RESPONSES, unprocessable
+from hora_service.api.errors import AUTH_RESPONSES, unprocessable
 from hora_service.models import JobRecord
 from hora_service.sessions import Heartbeat, SessionManager, SessionRecord, SessionRequest
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
+
+Responses = dict[int | str, dict[str, Any]]
+BODY: Responses = {400: {"description": "The body could not be read (not UTF-8, not JSON)"}}
+BUSY: Responses = {503: {"description": "The store cannot take it now; retry after Retry-After"}}
+SESSION_RESPONSES: Responses = {
+    **AUTH_RESPONSES,
+    404: {"description": "No such session, it belongs to another user, or the id is a job's"},
+}
 
 
 class SessionList(BaseModel):
@@ -52,7 +60,13 @@ OwnedSession = Annotated[JobRecord, Depends(owned_session)]
     status_code=201,
     response_model=SessionRecord,
     summary="Ask for engines",
-    responses=AUTH_RESPONSES,
+    responses={
+        **AUTH_RESPONSES,
+        **BODY,
+        **BUSY,
+        413: {"description": "Request body or session too large"},
+        429: {"description": "Too many of your jobs and sessions wait in the queue already"},
+    },  # fmt: skip
 )
 def create_session(req: SessionRequest, user: CurrentUser, sessions: SessionsDep) -> SessionRecord:
     """Queue a session of ``workers`` engines that connect to the kernel's controller.
@@ -81,7 +95,7 @@ def list_sessions(
 
 
 @router.get(
-    "/{job_id}", response_model=SessionRecord, summary="Get a session", responses=JOB_RESPONSES
+    "/{job_id}", response_model=SessionRecord, summary="Get a session", responses=SESSION_RESPONSES
 )
 def get_session(job: OwnedSession, sessions: SessionsDep) -> SessionRecord:
     """State, slots, queue place (while queued), idle time and warning of one session."""
@@ -92,7 +106,7 @@ def get_session(job: OwnedSession, sessions: SessionsDep) -> SessionRecord:
     "/{job_id}/heartbeat",
     response_model=SessionRecord,
     summary="Renew a session's lease",
-    responses=JOB_RESPONSES,
+    responses={**SESSION_RESPONSES, **BODY},
 )
 def heartbeat(job: OwnedSession, beat: Heartbeat, sessions: SessionsDep) -> SessionRecord:
     """The kernel is alive; its engines have been idle ``idle_s`` seconds.
@@ -107,7 +121,7 @@ def heartbeat(job: OwnedSession, beat: Heartbeat, sessions: SessionsDep) -> Sess
     "/{job_id}",
     response_model=SessionRecord,
     summary="Stop or withdraw a session",
-    responses=JOB_RESPONSES,
+    responses={**SESSION_RESPONSES, **BUSY},
 )
 def delete_session(job: OwnedSession, sessions: SessionsDep) -> SessionRecord:
     """Withdraw a queued session or stop a running one's engines; its slots are freed."""
