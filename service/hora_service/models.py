@@ -60,6 +60,7 @@ class JobRecord(BaseModel):
         finished_at: when it reached a terminal state.
         transitions: every state change, oldest first.
         user_id: the stable id of the user who submitted it.
+        container_id: the container of the current attempt (docker runtime), else None.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -77,6 +78,7 @@ class JobRecord(BaseModel):
     finished_at: datetime | None = None
     transitions: list[Transition] = Field(default_factory=list)
     user_id: int | None = None
+    container_id: str | None = None
 
 
 class SlotInfo(BaseModel):

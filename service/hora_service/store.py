@@ -86,12 +86,16 @@ MIGRATIONS: list[list[str]] = [
         "UPDATE jobs SET user_id = (SELECT id FROM users WHERE users.name = jobs.user)",
         "CREATE INDEX jobs_by_user_id ON jobs (user_id, id)",
     ],
+    [
+        # v4: the container of a docker job's current attempt
+        "ALTER TABLE jobs ADD COLUMN container_id TEXT",
+    ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 ACTIVE = (JobState.starting, JobState.running)
 JOB_COLUMNS = (
     "id, user, spec, state, attempt, reason, exit_codes, slots, created_at, started_at, "
-    "finished_at, user_id"
+    "finished_at, user_id, container_id"
 )
 USER_COLUMNS = "id, name, is_admin, gpu_quota, os_uid"
 # the id of the user who has this name now (jobs belong to ids, requests come with names)
@@ -368,6 +372,7 @@ class Store:
                 finished_at=_utc(r[10]),
                 transitions=moves[r[0]],
                 user_id=r[11],
+                container_id=r[12],
             )
             for r in rows
         ]

@@ -231,6 +231,11 @@ class LocalRuntime(Runtime):
 
     name = "local"
 
+    @classmethod
+    def from_settings(cls, settings: object = None) -> LocalRuntime:
+        """The local runtime (it has no settings of its own)."""
+        return cls()
+
     def _start(self, plan: AttemptPlan, base_env: dict[str, str]) -> list[RankProcess]:
         ranks: list[RankProcess] = []
         try:
