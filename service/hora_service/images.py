@@ -4,12 +4,13 @@
 from the repository's ``docker/`` folder through the Docker Engine API and prints its tag
 last:
 
-* ``--cpu`` (``hora:cpu``, ``docker/cpu.Dockerfile``): hora and the CPU build of torch on a
-  minimal Debian. Its context is the Dockerfile and ``wheels/``: hora and every dependency at
-  the versions of ``constraints/``, made on this machine with ``pip wheel`` (and its pip
-  settings), so the build downloads nothing. Without ``--base`` it uses ``hora-base:bookworm``
-  and, when the engine lacks it, makes it: ``debootstrap --variant=minbase`` from this
-  machine's Debian mirror into a cached directory, imported as a one-layer image.
+* ``--cpu`` (``hora:cpu``, ``docker/cpu.Dockerfile``): what jobs need to run hora's examples
+  (hora, the CPU build of torch, numpy, scikit-learn) on a minimal Debian. Its context is the
+  Dockerfile and ``wheels/``: those packages at the versions of ``constraints/``, made on this
+  machine with ``pip wheel`` (and its pip settings), so the build downloads nothing. Without
+  ``--base`` it uses ``hora-base:bookworm`` and, when the engine lacks it, makes it with
+  ``debootstrap --variant=minbase`` from this machine's Debian mirror into a cached directory,
+  imported as a one-layer image.
 * ``--gpu`` (``hora:gpu``, ``docker/Dockerfile``): CUDA PyTorch + hora, from the repository.
 * ``--notebook`` (``hora:notebook``, ``docker/notebook.Dockerfile``): JupyterLab with the hora
   kernel and engines, on the GPU image (``--base``, default ``hora:gpu``).
@@ -20,6 +21,7 @@ Every process is built from an argument list (``debootstrap``, ``tar``, ``pip``)
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import os
 import re
@@ -45,6 +47,8 @@ KINDS = {  # kind -> (default tag, Dockerfile under docker/)
     "notebook": ("hora:notebook", "notebook.Dockerfile"),
 }
 STEP_TIMEOUT_S = 1800
+CPU_PACKAGES = ("torch", "numpy", "scikit-learn")
+SOURCE_LABEL = "hora.source"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,25 +112,46 @@ def debootstrap_argv(target: Path, mirror: str) -> list[str]:
     ]  # fmt: skip
 
 
-def wheel_argv(repo: Path, into: Path, python: str = sys.executable) -> list[str]:
-    """The ``pip wheel`` command that gathers hora and its dependencies at the lock's versions.
+def wheel_argvs(
+    repo: Path, wheels: Path, hora: Path, python: str = sys.executable
+) -> list[list[str]]:
+    """The ``pip wheel`` commands that gather the CPU image's packages at the lock's versions.
+
+    hora itself without its dependencies into ``hora`` (jobs use only its data plane), then
+    torch, numpy and scikit-learn with theirs into ``wheels``.
 
     Example:
-        >>> wheel_argv(Path("/r"), Path("/w"), "py")[-1]
-        '/r[examples]'
+        >>> [argv[-1] for argv in wheel_argvs(Path("/r"), Path("/w"), Path("/h"), "py")]
+        ['/r', 'scikit-learn']
     """
     constraints = [
         arg for name in ("cpu.txt", "test.txt") if (repo / "constraints" / name).exists()
         for arg in ("-c", str(repo / "constraints" / name))
     ]  # fmt: skip
+    pip = [python, "-m", "pip", "wheel", "--disable-pip-version-check", "--progress-bar", "off"]
     return [
-        python, "-m", "pip", "wheel", "--disable-pip-version-check", "--progress-bar", "off",
-        *constraints, "--find-links", str(into), "-w", str(into), f"{repo}[examples]",
-    ]  # fmt: skip
+        [*pip, "--no-deps", "-w", str(hora), str(repo)],
+        [*pip, *constraints, "--find-links", str(wheels), "-w", str(wheels), *CPU_PACKAGES],
+    ]
+
+
+def source_digest(repo: Path) -> str:
+    """A digest of hora's sources (``kernels/``, ``service/``, ``pyproject.toml``).
+
+    Images carry it as the label ``hora.source``, so a test can tell whether an image holds
+    the hora of this checkout.
+    """
+    h = hashlib.sha256()
+    files = [repo / "pyproject.toml"] + sorted(
+        p for root in ("kernels", "service") for p in (repo / root).rglob("*.py")
+    )
+    for path in files:
+        h.update(str(path.relative_to(repo)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
 
 
 def find_repo(start: Path) -> Path:
-    """The repository of hora: ``start`` or a parent with ``docker/cpu.Dockerfile``, else this file's.
+    """The repository: ``start`` or a parent with ``docker/cpu.Dockerfile``, else this file's.
 
     Raises:
         HoraError: none found (pass ``--repo``).
@@ -185,13 +210,12 @@ def ensure_base(client: Any, cache: Path, mirror: str | None) -> str:
 
 
 def cpu_context(repo: Path, cache: Path, into: Path) -> None:
-    """Assemble the CPU image's build context: its Dockerfile and ``wheels/``."""
-    wheels = cache / "wheels"
+    """Assemble the CPU image's build context: its Dockerfile, ``wheels/`` and ``hora/``."""
+    wheels = cache / "wheels-cpu"
     wheels.mkdir(parents=True, exist_ok=True)
-    for old in wheels.glob("hora-*.whl"):  # hora itself is rebuilt from the source every time
-        old.unlink()
-    _say("gathering wheels with pip (hora and its dependencies from constraints/)")
-    _run(wheel_argv(repo, wheels), "pip wheel")
+    _say("gathering wheels with pip (hora, torch, numpy, scikit-learn; versions of constraints/)")
+    for argv in wheel_argvs(repo, wheels, into / "hora"):
+        _run(argv, "pip wheel")
     shutil.copy(repo / "docker" / "cpu.Dockerfile", into / "Dockerfile")
     (into / "wheels").mkdir()
     for whl in wheels.glob("*.whl"):
@@ -201,7 +225,9 @@ def cpu_context(repo: Path, cache: Path, into: Path) -> None:
             shutil.copy(whl, into / "wheels" / whl.name)
 
 
-def build(client: Any, context: Path, dockerfile: str, tag: str, base: str | None) -> None:
+def build(
+    client: Any, context: Path, dockerfile: str, tag: str, base: str | None, digest: str
+) -> None:
     """Build ``context`` with ``dockerfile`` on the engine as ``tag``; progress on stderr.
 
     Raises:
@@ -210,7 +236,7 @@ def build(client: Any, context: Path, dockerfile: str, tag: str, base: str | Non
     args = {"BASE": base} if base else {}
     stream = client.api.build(
         path=str(context), dockerfile=dockerfile, tag=tag, buildargs=args,
-        rm=True, forcerm=True, decode=True,
+        rm=True, forcerm=True, decode=True, labels={SOURCE_LABEL: digest},
     )  # fmt: skip
     for chunk in stream:
         if "error" in chunk:
@@ -225,15 +251,16 @@ def build_image(kind: str, client: Any, repo: Path, cache: Path, base: str | Non
     """Build the ``kind`` image (see the module docstring); return its tag."""
     tag = tag or KINDS[kind][0]
     dockerfile = KINDS[kind][1]
+    digest = source_digest(repo)
     if kind == "cpu":
         base = base or ensure_base(client, cache, mirror)
         with tempfile.TemporaryDirectory(dir=_mkdir(cache)) as ctx:
             cpu_context(repo, cache, Path(ctx))
-            build(client, Path(ctx), "Dockerfile", tag, base)
+            build(client, Path(ctx), "Dockerfile", tag, base, digest)
     elif kind == "gpu":
-        build(client, repo, f"docker/{dockerfile}", tag, base)
+        build(client, repo, f"docker/{dockerfile}", tag, base, digest)
     else:
-        build(client, repo / "docker", dockerfile, tag, base)
+        build(client, repo / "docker", dockerfile, tag, base, digest)
     return tag
 
 

@@ -1,7 +1,7 @@
 """Init process of a docker job's container: starts its ranks under the rank shim (control plane).
 
-The docker runtime starts each container as
-``python -I -m hora_service.runtimes.container_init RUN_DIR``; it runs as the container's
+The docker runtime starts each container with this file as ``python -I container_init.py
+RUN_DIR`` (found by its path, so only the standard library is imported); it runs as the container's
 PID 1 (as the job's account) and reads ``RUN_DIR/container.json``, which the service wrote:
 
 ``ranks`` (the ranks this container runs) and ``command`` (the user's argument list).

@@ -44,7 +44,12 @@ from hora_service.settings import Settings
 
 log = logging.getLogger(__name__)
 
-INIT_MODULE = "hora_service.runtimes.container_init"
+# the container's init, found next to hora_service in the image and run by its path: importing
+# hora_service.runtimes would load the service's dependencies, which a job image may lack
+INIT = (
+    "import os, runpy, hora_service; runpy.run_path(os.path.join(os.path.dirname("
+    "hora_service.__file__), 'runtimes', 'container_init.py'), run_name='__main__')"
+)
 LABEL = "hora"
 STATE_TTL_S = 0.2  # how long one answer of the engine about a container is reused
 ENGINE_GRACE_S = 15.0  # an engine that does not answer for this long has lost its ranks
@@ -220,7 +225,7 @@ def container_config(plan: AttemptPlan, config: DockerConfig, who: RunAs) -> dic
     gpus = [str(s) for s in plan.slots] if plan.slot_kind == "gpu" else []
     return {
         "image": plan.spec.image,
-        "entrypoint": ["python", "-I", "-m", INIT_MODULE],
+        "entrypoint": ["python", "-I", "-c", INIT],
         "command": [run_dir],
         "name": container_name(config, plan.job_id, plan.attempt),
         "labels": {**labels(config, plan.job_id, plan.attempt), **config.labels},
