@@ -348,7 +348,7 @@ class DockerRuntime(Runtime):
         self.config = config
         self.service_env = dict(os.environ if service_env is None else service_env)
         self._client: docker.DockerClient | None = None
-        self._unremoved: set[AttemptPlan] = set()
+        self._unremoved: dict[tuple[int, int], AttemptPlan] = {}
 
     @classmethod
     def from_settings(cls, settings: Settings) -> DockerRuntime:
@@ -466,14 +466,14 @@ class DockerRuntime(Runtime):
                 "cannot run without it and is removed once the engine is back",
                 plan.job_id, plan.attempt, _short(e),
             )  # fmt: skip
-            self._unremoved.add(plan)
+            self._unremoved[(plan.job_id, plan.attempt)] = plan
             return True
 
     def _sweep(self) -> None:
         """Remove the containers left while the engine was down."""
-        for plan in list(self._unremoved):
+        for key, plan in list(self._unremoved.items()):
             if self._remove(plan):
-                self._unremoved.discard(plan)
+                del self._unremoved[key]
 
     def _remove(self, plan: AttemptPlan) -> bool:
         """Kill and remove the attempt's container; True once there is none."""
