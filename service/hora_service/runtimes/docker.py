@@ -321,8 +321,8 @@ class DockerRank(RankProcess):
         run_dir = self.box.plan.run_dir
         recorded = read_exit(run_dir, self.rank)
         if recorded is not None:
-            if recorded < 0 and self.box.state() != "running":
-                self.note = self.box.why  # killed: by the engine going away?
+            if recorded < 0 and self.box.state() == "unknown":
+                self.note = self.box.why  # killed, and the engine is gone
             return recorded
         state = self.box.state()
         self.container_id = self.box.id
