@@ -105,7 +105,7 @@ def _init_engine(backend: str, timeout_s: float, threads: int) -> dict[str, Any]
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "device": str(_device()),
-        "gpu": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+        "gpu": os.environ.get("HORA_GPU", ""),
         "main_thread": threading.main_thread().ident,
     }
 
