@@ -14,7 +14,7 @@ after one warm-up pair:
 Needs a Docker engine in ``DOCKER_HOST`` (``scripts/dockerd.sh start DIR``) with ``hora:cpu``
 (``hora image build --cpu``), and root (the containers run as ``nobody``).
 
-Usage: python bench/docker_vs_local.py [--pairs 5] [--epochs 8] [--quick]
+Usage: python bench/docker_vs_local.py [--pairs 5] [--epochs 20] [--quick]
 """
 
 from __future__ import annotations
@@ -141,11 +141,11 @@ def pairs(n: int) -> list[tuple[str, str]]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pairs", type=int, default=5)
-    p.add_argument("--epochs", type=int, default=8)
-    p.add_argument("--quick", action="store_true", help="3 pairs, 2 epochs (under a minute)")
+    p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--quick", action="store_true", help="3 pairs, 4 epochs (about two minutes)")
     args = p.parse_args()
     if args.quick:
-        args.pairs, args.epochs = 3, 2
+        args.pairs, args.epochs = 3, 4
     tmp = Path(tempfile.mkdtemp(prefix="hora-bench-docker-"))
     work = tmp / "work"
     (work / "examples").mkdir(parents=True)
