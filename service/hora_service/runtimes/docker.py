@@ -52,6 +52,7 @@ INIT = (
 )
 LABEL = "hora"
 STATE_TTL_S = 0.2  # how long one answer of the engine about a container is reused
+UNKNOWN_TTL_S = 2.0  # an engine that does not answer is asked again only this often
 ENGINE_GRACE_S = 15.0  # an engine that does not answer for this long has lost its ranks
 API_TIMEOUT_S = 30
 CONTAINER_HOME = "/tmp"  # the account's home on the host is not mounted
@@ -263,13 +264,16 @@ class Box:
     def state(self) -> str:
         """``running``, ``exited`` (or gone), or ``unknown`` while the engine does not answer."""
         now = time.monotonic()
-        if now - self._state[0] < STATE_TTL_S and self._state[1] is not None:
-            return self._state[1]
+        last, known = self._state
+        ttl = UNKNOWN_TTL_S if known == "unknown" else STATE_TTL_S
+        if known is not None and now - last < ttl:
+            return known
         try:
             found = self.runtime.find(self.plan)
         except UNREACHABLE as e:
             self._unreachable_since = self._unreachable_since or now
             self.why = f"the Docker engine stopped answering ({_short(e)})"
+            self._state = (now, "unknown")
             return "unknown"
         self._unreachable_since = None
         if found is None:
