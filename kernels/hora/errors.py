@@ -37,6 +37,15 @@ class LauncherEnvError(HoraError):
     """The environment set by a launcher (torchrun, mpirun, srun, hora run) is inconsistent."""
 
 
+class RendezvousError(HoraError):
+    """The rendezvous store could not be opened or reached at ``address`` (host:port)."""
+
+    def __init__(self, address: str, detail: str) -> None:
+        super().__init__(f"rendezvous at {address}: {detail}")
+        self.address = address
+        self.detail = detail
+
+
 class RankFailedError(HoraError):
     """A rank exited or raised; ``others`` counts further failed ranks not shown in full."""
 

@@ -128,7 +128,7 @@ def test_digits_two_ranks_from_the_cli(docker_engine: Engine, tmp_path: Path, wo
             assert "epoch 2/2" in log_of(c, job_id, 0)
         run_dir = srv.data_dir / "logs" / str(job_id) / "1"
         assert (run_dir / "rank1.log").exists()  # each rank has a log of its own (rank 1: quiet)
-        assert [(run_dir / f"rank{r}.exit").read_text() for r in (0, 1)] == ["0", "0"]
+        assert [(run_dir / f"rank{r}.exit").read_text().strip() for r in (0, 1)] == ["0", "0"]
         wait_no_container(docker_engine, job_id)
 
 

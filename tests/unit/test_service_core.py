@@ -436,7 +436,8 @@ def test_rank_environment_contract(tmp_path: Path) -> None:
     assert world == ("1", "2", "1", "2")  # hora's contract wins over the job's RANK=99
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "29999")
     # every rank sees all the job's GPUs (NCCL's CUDA IPC needs that); HORA_SLOTS are its own
-    assert env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7" and env["HORA_SLOTS"] == "6,7"
+    assert env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    assert env["HORA_SLOTS"] == env["HORA_GPU"] == "6,7"
     assert rank_environment(p, 0, base)["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
     assert env["HORA_RESTART_COUNT"] == "1"
     assert env["HORA_JOB_ID"] == "7" and env["PYTHONUNBUFFERED"] == "1"
@@ -592,3 +593,23 @@ def test_shim_log_keeps_the_newest_half_past_its_limit(tmp_path: Path) -> None:
     body = path.read_bytes()
     assert len(body) <= 1 << 12 and body.endswith(b"b" * 1048 + b"c" * 1000)
     assert body.count(b"[hora: log truncated") == 1 and log.size == len(body)
+
+
+def test_engines_and_service_find_the_same_gpus_without_nvidia_smi(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hora.inventory import GpuInfo, visible_gpus
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 2\n")  # stands in for torch on a GPU machine
+    fake.chmod(0o755)
+    env = {"PATH": str(tmp_path)}
+    assert visible_gpus(env, dev=tmp_path, python=str(fake)) == []  # no /dev/nvidia*
+    (tmp_path / "nvidia0").touch()
+    assert visible_gpus(env, dev=tmp_path, python=str(fake)) == [GpuInfo("0"), GpuInfo("1")]
+    assert [s.index for s in detect_gpus(str(fake), dev=tmp_path)] == [0, 1]  # the service's
+    env["CUDA_VISIBLE_DEVICES"] = "1"
+    assert visible_gpus(env, dev=tmp_path, python=str(fake)) == [GpuInfo("1")]
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    assert visible_gpus(env, dev=tmp_path, python=str(fake)) == []

@@ -9,6 +9,7 @@ the same op, dtype and shape (one small all_gather on the gloo side group).
 from __future__ import annotations
 
 import os
+import weakref
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hora.errors import TensorMismatchError
+from hora.errors import NotInitializedError, TensorMismatchError
 from hora.torch import _stall, _state, timeline
 
 _DTYPES = [
@@ -107,7 +108,9 @@ class Handle:
     timeline's QUEUED phase; both are 0 when no timeline is recording.
     """
 
-    __slots__ = ("done", "finish", "name", "nbytes", "op", "result", "t0", "tq", "works")
+    __slots__ = (
+        "__weakref__", "done", "finish", "name", "nbytes", "op", "result", "t0", "tq", "works"
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -123,6 +126,7 @@ class Handle:
         self.nbytes, self.t0, self.tq = nbytes, t0, tq
         self.done = False
         self.result: Any = None
+        _LIVE.add(self)
 
     def poll(self) -> bool:
         """Return True when the communication finished (``synchronize`` will not block)."""
@@ -145,6 +149,38 @@ class Handle:
         tq = self.tq or self.t0
         timeline.record(self.name, "QUEUED", self.t0, tq, self.nbytes)
         timeline.record(self.name, self.op.upper(), tq, timeline.now_ns(), self.nbytes)
+
+
+_LIVE: weakref.WeakSet[Handle] = weakref.WeakSet()
+_HOLDERS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def hold_works(holder: Any) -> None:
+    """Register an object whose ``release_works()`` drops the Works it keeps in flight.
+
+    ``shutdown()`` calls it, as it invalidates handles (the optimizer's buckets use it).
+    """
+    _HOLDERS.add(holder)
+
+
+def _after_shutdown(op: str) -> Callable[[], Any]:
+    def fail() -> Any:
+        raise NotInitializedError(f"synchronize (of a {op} started before shutdown())")
+
+    return fail
+
+
+def release_all() -> None:
+    """Drop the Works of every handle not synchronized yet (``shutdown()`` calls it).
+
+    A Work keeps its process group's store, and so the rendezvous port, alive; Horovod's
+    handles are invalid after shutdown too: ``synchronize`` then raises NotInitializedError.
+    """
+    for h in list(_LIVE):
+        if not h.done:
+            h.works, h.finish = [], _after_shutdown(h.op)
+    for holder in list(_HOLDERS):
+        holder.release_works()
 
 
 def begin(op: str, name: str | None) -> tuple[_state.State, str]:

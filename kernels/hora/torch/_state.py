@@ -27,7 +27,13 @@ import torch
 import torch.distributed as dist
 
 from hora.env import World, detect_world
-from hora.errors import CollectiveTimeout, LauncherEnvError, NotInitializedError, UnsupportedError
+from hora.errors import (
+    CollectiveTimeout,
+    LauncherEnvError,
+    NotInitializedError,
+    RendezvousError,
+    UnsupportedError,
+)
 
 log = logging.getLogger("hora.torch")
 
@@ -204,24 +210,51 @@ def _make_store(world: World, timeout_s: float) -> tuple[Any, Path | None]:
         return dist.TCPStore("127.0.0.1", 0, 1, True, timeout=td, wait_for_workers=False), None
     if world.master_addr is None or world.master_port is None:
         return _file_rendezvous(world, timeout_s)
+    if world.rank == 0:
+        return _host_store(world.master_addr, world.master_port, world.size, td), None
     try:
         store = dist.TCPStore(
-            world.master_addr,
-            world.master_port,
-            world.size,
-            world.rank == 0,
-            timeout=td,
-            wait_for_workers=False,
+            world.master_addr, world.master_port, world.size, False, timeout=td
         )
     except (RuntimeError, dist.DistError) as e:
-        who = "rank 0 (the rendezvous host)" if world.rank else "this rank"
         raise CollectiveTimeout(
             "init",
-            [0] if world.rank else [],
+            [0],
             timeout_s,
-            name=f"rendezvous {world.master_addr}:{world.master_port}: {who}: {e}",
+            name=f"rendezvous {world.master_addr}:{world.master_port}: "
+            f"rank 0 (the rendezvous host): {e}",
         ) from None
     return store, None
+
+
+# A store this process hosted before shutdown() may hold the port a moment longer: the
+# gloo Works that kept it alive are freed by gloo's threads once they finish.
+_PORT_FREE_WAIT_S = 5.0
+
+
+def _host_store(addr: str, port: int, size: int, td: datetime.timedelta) -> Any:
+    """Open the rendezvous store on rank 0; an address in use is said as such, not a timeout.
+
+    Raises:
+        RendezvousError: when the port stays in use (another process, or a Work of the
+            previous ``init()`` that the script still holds).
+    """
+    deadline = time.monotonic() + _PORT_FREE_WAIT_S
+    while True:
+        try:
+            return dist.TCPStore(addr, port, size, True, timeout=td, wait_for_workers=False)
+        except (RuntimeError, dist.DistError) as e:
+            if "EADDRINUSE" not in str(e) and "address already in use" not in str(e).lower():
+                raise RendezvousError(f"{addr}:{port}", f"rank 0 could not open it: {e}") from None
+            if time.monotonic() > deadline:
+                raise RendezvousError(
+                    f"{addr}:{port}",
+                    "address in use: another process listens on this port, or this process "
+                    "still holds a handle or optimizer of a previous init() with work in "
+                    "flight (synchronize or drop it before shutdown())",
+                ) from None
+            gc.collect()
+            time.sleep(0.05)
 
 
 def _world_from_group(world: World) -> World:
@@ -241,14 +274,14 @@ def _world_from_group(world: World) -> World:
 
 
 def _own_client(store: Any) -> Any:
-    """A second connection to the store, so a blocking wait elsewhere never delays heartbeats."""
-    base = store
-    while hasattr(base, "underlying_store"):
-        base = base.underlying_store
+    """A second connection to the store, so a blocking wait elsewhere never delays heartbeats.
+
+    A PrefixStore's clone keeps its prefix over a new connection to the same server.
+    """
     try:
-        return base.clone()
+        return store.clone()
     except Exception:  # FileStore/HashStore: no connection to block on
-        return base
+        return store
 
 
 def _init_group(world: World, backend: str, store: Any, start_s: float, timeout_s: float) -> None:
@@ -312,18 +345,45 @@ def _heartbeat(state: State) -> None:
             return
 
 
+_GENERATION = 0  # init() calls that created a group; prefixes every rendezvous key
+
+
 def _group(
     world: World, backend: str, start_s: float, timeout_s: float
 ) -> tuple[World, str, Any, Path | None]:
-    """Adopt the user's default group, or rendezvous and create it."""
+    """Adopt the user's default group, or rendezvous and create it.
+
+    Every key of a rendezvous is prefixed by the number of this init() (the same on every
+    rank, as every rank calls init() and shutdown() alike), so a key left by an earlier
+    init() never answers a later one. A rank other than 0 that reached rank 0's store of
+    the previous init() just before it closed connects again.
+    """
+    global _GENERATION
     if dist.is_initialized():
         store = dist.distributed_c10d._get_default_store()
         return _world_from_group(world), str(dist.get_backend()), store, None
-    store, rdzv = _make_store(world, start_s)
-    if backend == "nccl":
-        torch.cuda.set_device(_device_index(world))
-    _init_group(world, backend, store, start_s, timeout_s)
-    return world, backend, store, rdzv
+    _GENERATION += 1
+    prefix = f"hora/g{_GENERATION}"
+    deadline = time.monotonic() + start_s
+    while True:
+        raw, rdzv = _make_store(world, start_s)
+        store = dist.PrefixStore(prefix, raw)
+        if backend == "nccl":
+            torch.cuda.set_device(_device_index(world))
+        try:
+            _init_group(world, backend, store, start_s, timeout_s)
+            return world, backend, store, rdzv
+        except CollectiveTimeout as e:
+            if world.rank == 0 or time.monotonic() > deadline or not _reset(e):
+                raise
+            log.debug("rendezvous store went away during init (%s); connecting again", e)
+            time.sleep(0.1)
+
+
+def _reset(e: BaseException) -> bool:
+    """Whether an init failure means the store's host closed the connection (retry)."""
+    text = str(e).lower()
+    return any(w in text for w in ("reset by peer", "broken pipe", "closed", "got 0 bytes"))
 
 
 def _start_heartbeat(state: State) -> None:
@@ -437,14 +497,41 @@ def _stop_heartbeat(state: State) -> None:
         state._hb_thread.join(timeout=2 * HEARTBEAT_S + 1)
 
 
-def _at_exit() -> None:
-    """Stop the heartbeat and timeline, drop the rendezvous file, if ``shutdown()`` never ran.
+def _release(state: State, *, graceful: bool) -> None:
+    """Free the groups init() made, the store and its connections, while Python is alive.
 
-    Python kills daemon threads at exit; one caught inside a C++ store call is unwound
-    through C++ frames and aborts the process ("terminate called without an active
-    exception", exit code 134 instead of the script's own). The process group is left to
-    the interpreter: destroying it could wait for a peer's collective that never comes.
+    gloo's worker threads drop the last reference to a finished Work (and the tensors it
+    holds) after the Python side saw it complete. If that happens while the interpreter is
+    finalizing, the thread's GIL request ends it with ``pthread_exit``, whose unwinding
+    through C++ calls ``std::terminate``: the process dies with "terminate called without an
+    active exception" (SIGABRT, exit 134) instead of its own exit code. Destroying the groups
+    first joins those threads (pybind releases the GIL for it).
+
+    Args:
+        state: the state being released (already detached from ``_STATE``).
+        graceful: destroy the groups (in-flight work completes or times out) rather than
+            abort them (their connections close at once; in-flight work fails).
     """
+    if state.owns_group and dist.is_initialized():
+        try:
+            if graceful:
+                dist.destroy_process_group()
+            else:
+                dist.distributed_c10d._abort_process_group()
+        except Exception as e:  # a group already aborted by a failure: nothing left to free
+            log.debug("releasing the process group: %s", e)
+    state.group = state.side_group = state.store = state.hb_store = None
+    gc.collect()  # the groups are in reference cycles with their Works and stores
+
+
+def _at_exit() -> None:
+    """Release everything ``shutdown()`` would, when the script exits without it.
+
+    The groups are aborted rather than destroyed: an exiting rank must not wait for a
+    collective its peers never join (a failing rank would otherwise hold everyone until the
+    timeout). Finished work is unaffected.
+    """
+    global _STATE
     state = _STATE
     if state is None:
         return
@@ -453,6 +540,8 @@ def _at_exit() -> None:
     if timeline.enabled():
         timeline.stop_timeline(_wait_s=_EXIT_TIMELINE_WAIT_S)
     _stop_heartbeat(state)
+    _STATE = None
+    _release(state, graceful=False)
     if state.rdzv_file is not None:  # every rank found the store long ago
         state.rdzv_file.unlink(missing_ok=True)
 
@@ -475,8 +564,10 @@ def shutdown() -> None:
         timeline.stop_timeline()
     _stop_heartbeat(state)
     _STATE = None
-    if state.owns_group and dist.is_initialized():
-        dist.destroy_process_group()
+    from hora.torch._handles import release_all
+
+    release_all()
+    _release(state, graceful=True)
     if state.rdzv_file is not None:
         state.rdzv_file.unlink(missing_ok=True)
 

@@ -69,7 +69,8 @@ def rank_environment(plan: AttemptPlan, rank: int, base: Mapping[str, str]) -> d
     wins): the rank variables of the ``hora.torch`` contract, ``CUDA_VISIBLE_DEVICES`` of
     **all** the job's GPUs on this host (empty on CPU slots; every rank sees every GPU of
     the job, so NCCL can use CUDA IPC / NVLink between them, and ``hora.torch.init()``
-    pins each rank to ``cuda:LOCAL_RANK``), ``HORA_SLOTS`` (this rank's own), ``HORA_JOB_ID``,
+    pins each rank to ``cuda:LOCAL_RANK``), ``HORA_SLOTS`` (this rank's own; ``HORA_GPU`` too on
+    GPU slots), ``HORA_JOB_ID``,
     ``HORA_RESTART_COUNT`` (0 on the first attempt), ``HORA_ATTEMPT`` (the attempt's
     containment tag) and ``PYTHONUNBUFFERED=1`` so that logs stream as they are written.
     """
@@ -91,6 +92,8 @@ def rank_environment(plan: AttemptPlan, rank: int, base: Mapping[str, str]) -> d
     gpus = ",".join(map(str, plan.slots)) if plan.slot_kind == "gpu" else ""
     env["CUDA_VISIBLE_DEVICES"] = gpus
     env["HORA_SLOTS"] = ",".join(map(str, plan.rank_slots(rank)))
+    if plan.slot_kind == "gpu":
+        env["HORA_GPU"] = env["HORA_SLOTS"]  # this rank's own, as for notebook engines
     env["HORA_JOB_ID"] = str(plan.job_id)
     env["HORA_RESTART_COUNT"] = str(plan.attempt - 1)
     env["PYTHONUNBUFFERED"] = "1"
