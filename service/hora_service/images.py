@@ -281,7 +281,14 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
         repo = args.repo.resolve() if args.repo else find_repo(Path.cwd())
-        client = docker.from_env(timeout=600)
+        try:
+            client = docker.from_env(timeout=600)
+        except docker.errors.DockerException as e:
+            where = os.environ.get("DOCKER_HOST") or "the default socket"
+            raise HoraError(
+                f"cannot reach the Docker engine at {where} (set DOCKER_HOST; "
+                f"scripts/dockerd.sh start DIR starts one): {e}"
+            ) from None
         tag = build_image(args.kind, client, repo, args.cache, args.base, args.tag, args.mirror)
     except (HoraError, docker.errors.DockerException, OSError) as e:
         sys.stderr.write(f"hora image: {e}\n")

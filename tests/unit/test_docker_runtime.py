@@ -160,3 +160,14 @@ def test_run_files_are_for_the_jobs_group(tmp_path: Path) -> None:
     assert launch["env"]["PATH"] == "/img"
     assert (p.run_dir / "rank1.launch").stat().st_mode & 0o777 == 0o640
     assert p.run_dir.stat().st_mode & 0o777 == 0o770
+
+
+def test_image_build_without_an_engine_says_where_it_looked(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from hora_service.images import main
+
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-engine.sock")
+    assert main(["image", "build", "--cpu", "--cache", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot reach the Docker engine at unix://{tmp_path}/no-engine.sock" in err
