@@ -191,9 +191,11 @@ def session_spec(req: SessionRequest, backend: str, python: str = sys.executable
         "OMP_NUM_THREADS": str(req.threads),
         "MPLBACKEND": INLINE_MPL,
     }
+    # in a container the image's own python runs the engine (the image must have hora)
+    exe = "python" if req.runtime == RuntimeName.docker else python
     return JobSpec(
         name=req.name,
-        command=[python, "-m", "hora.engines._child", "session-engine"],
+        command=[exe, "-m", "hora.engines._child", "session-engine"],
         workers=req.workers,
         gpus_per_worker=req.gpus_per_worker,
         env=env,
