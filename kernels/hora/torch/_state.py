@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import gc
+import importlib
 import logging
 import os
 import socket
@@ -213,9 +214,7 @@ def _make_store(world: World, timeout_s: float) -> tuple[Any, Path | None]:
     if world.rank == 0:
         return _host_store(world.master_addr, world.master_port, world.size, td), None
     try:
-        store = dist.TCPStore(
-            world.master_addr, world.master_port, world.size, False, timeout=td
-        )
+        store = dist.TCPStore(world.master_addr, world.master_port, world.size, False, timeout=td)
     except (RuntimeError, dist.DistError) as e:
         raise CollectiveTimeout(
             "init",
@@ -339,6 +338,11 @@ def _group(
     if dist.is_initialized():
         store = dist.distributed_c10d._get_default_store()
         return _world_from_group(world), str(dist.get_backend()), store, None
+    # Importing this torch package while a group exists keeps that group alive for good (its
+    # threads and rank 0's store, hence the port, survive destroy_process_group). torch
+    # imports it lazily, e.g. with torch._dynamo at the first optimizer built after init():
+    # import it first, while no group exists (about 0.05 s).
+    importlib.import_module("torch.distributed._shard.sharded_tensor")
     _GENERATION += 1
     prefix = f"hora/g{_GENERATION}"
     deadline = time.monotonic() + start_s
