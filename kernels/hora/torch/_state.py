@@ -461,7 +461,7 @@ def init(
     )
     atexit.register(_at_exit)  # once per process: register() of a registered function is a no-op
     path = environ.get("HORA_TIMELINE") or environ.get("HOROVOD_TIMELINE")
-    if path:
+    if path and path != "DYNAMIC":  # Horovod's DYNAMIC: started later by start_timeline()
         from hora.torch import timeline
 
         timeline.start_timeline(path)

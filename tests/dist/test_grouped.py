@@ -1,0 +1,45 @@
+"""grouped_allgather, grouped_reducescatter and sparse_allreduce_async on 2 real ranks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+def _grouped(rank: int, size: int) -> dict[str, Any]:
+    import hora.torch as hvd
+    import torch
+
+    hvd.init()
+    gathered = hvd.grouped_allgather([torch.full((rank + 1,), float(rank)), torch.ones(2, 1)])
+    blocks = hvd.grouped_reducescatter([torch.arange(6.0) + rank, torch.ones(5, 2)], op=hvd.Sum)
+    dense = torch.zeros(4, 3)
+    dense[rank, rank] = rank + 1.0
+    wait = hvd.sparse_allreduce_async(dense.to_sparse(), name="emb", op=hvd.Average)
+    averaged = wait().to_dense()
+    try:
+        hvd.grouped_reducescatter([torch.tensor(1.0)])
+        scalar = "no error"
+    except (ValueError, RuntimeError) as e:
+        scalar = type(e).__name__
+    after = hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist()  # the world is still in step
+    hvd.shutdown()
+    return {
+        "gathered": [g.tolist() for g in gathered],
+        "blocks": [b.tolist() for b in blocks],
+        "averaged": averaged.tolist(),
+        "scalar": scalar,
+        "after": after,
+    }
+
+
+def test_grouped_forms_and_sparse_allreduce(run_world: Callable[..., list[Any]]) -> None:
+    r0, r1 = run_world(__file__, "_grouped", 2)
+    for r in (r0, r1):
+        assert r["gathered"] == [[0.0, 1.0, 1.0], [[1.0]] * 4]
+        assert r["averaged"] == [[0.5, 0, 0], [0, 1.0, 0], [0, 0, 0], [0, 0, 0]]
+        assert r["scalar"] == "ValueError"
+        assert r["after"] == [2.0, 2.0]
+    # sum of arange(6) + rank over 2 ranks = 2*arange(6) + 1, split 3 / 3 rows
+    assert r0["blocks"][0] == [1.0, 3.0, 5.0] and r1["blocks"][0] == [7.0, 9.0, 11.0]
+    assert r0["blocks"][1] == [[2.0, 2.0]] * 3 and r1["blocks"][1] == [[2.0, 2.0]] * 2
