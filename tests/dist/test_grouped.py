@@ -1,4 +1,8 @@
-"""grouped_allgather, grouped_reducescatter and sparse_allreduce_async on 2 real ranks."""
+"""grouped_allgather, grouped_reducescatter, sparse_allreduce_async and int16 on 2 real ranks.
+
+gloo has no int16 kernels (a collective of int16 tensors used to hang until the timeout on
+every rank; Horovod's suite uses ``torch.ShortTensor``): hora carries them as int32.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +26,13 @@ def _grouped(rank: int, size: int) -> dict[str, Any]:
         scalar = "no error"
     except (ValueError, RuntimeError) as e:
         scalar = type(e).__name__
+    short = torch.full((3,), rank + 1, dtype=torch.int16)
+    int16 = {
+        "allreduce": hvd.allreduce(short, op=hvd.Sum),
+        "allgather": hvd.allgather(short),
+        "broadcast": hvd.broadcast(short, root_rank=1),
+        "reducescatter": hvd.reducescatter(torch.ones(4, dtype=torch.int16), op=hvd.Sum),
+    }
     after = hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist()  # the world is still in step
     hvd.shutdown()
     return {
@@ -30,6 +41,7 @@ def _grouped(rank: int, size: int) -> dict[str, Any]:
         "averaged": averaged.tolist(),
         "scalar": scalar,
         "after": after,
+        "int16": {k: (str(v.dtype), v.tolist()) for k, v in int16.items()},
     }
 
 
@@ -40,6 +52,12 @@ def test_grouped_forms_and_sparse_allreduce(run_world: Callable[..., list[Any]])
         assert r["averaged"] == [[0.5, 0, 0], [0, 1.0, 0], [0, 0, 0], [0, 0, 0]]
         assert r["scalar"] == "ValueError"
         assert r["after"] == [2.0, 2.0]
+        assert r["int16"] == {
+            "allreduce": ("torch.int16", [3, 3, 3]),
+            "allgather": ("torch.int16", [1, 1, 1, 2, 2, 2]),
+            "broadcast": ("torch.int16", [2, 2, 2]),
+            "reducescatter": ("torch.int16", [2, 2]),
+        }
     # sum of arange(6) + rank over 2 ranks = 2*arange(6) + 1, split 3 / 3 rows
     assert r0["blocks"][0] == [1.0, 3.0, 5.0] and r1["blocks"][0] == [7.0, 9.0, 11.0]
     assert r0["blocks"][1] == [[2.0, 2.0]] * 3 and r1["blocks"][1] == [[2.0, 2.0]] * 2
