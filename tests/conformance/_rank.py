@@ -27,8 +27,18 @@ def main() -> int:
     )
     sys.path.insert(0, shim)
     os.environ["PYTHONPATH"] = os.pathsep.join([shim, os.environ.get("PYTHONPATH", "")])
-    args = [suite, "-q", "-p", "no:cacheprovider", "-c", os.path.join(shim, "pytest.ini"),
-            "--rootdir", shim, f"--junitxml={os.path.join(out, f'rank{rank}.xml')}", *extra]
+    args = [
+        suite,
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-c",
+        os.path.join(shim, "pytest.ini"),
+        "--rootdir",
+        shim,
+        f"--junitxml={os.path.join(out, f'rank{rank}.xml')}",
+        *extra,
+    ]
     return int(pytest.main(args))
 
 
