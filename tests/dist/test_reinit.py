@@ -90,3 +90,34 @@ def test_a_port_in_use_is_reported_as_address_in_use(
     out = run_world(__file__, "_init_on_a_taken_port", 1, timeout=60)
     assert "address in use" in out[0]
     assert "timed out" not in out[0]
+
+
+def _recover_after_a_skipped_collective(rank: int, size: int) -> dict[str, Any]:
+    import torch
+
+    import hora.torch as hvd
+
+    hvd.init()
+    try:
+        if rank == 0:  # rank 1 skipped this one (an exception between its collectives)
+            hvd.allreduce(torch.ones(2), name="only.rank0")
+        hvd.barrier()
+        first = "no error"
+    except hvd.HoraError as e:
+        first = type(e).__name__
+    hvd.init()  # the failed world is dropped; every rank that saw the failure starts anew
+    total = hvd.allreduce(torch.ones(2), op=hvd.Sum, name="after").tolist()
+    hvd.barrier()
+    hvd.shutdown()
+    return {"first": first, "after": total}
+
+
+def test_init_after_a_failed_collective_starts_a_world_in_step(
+    run_world: Callable[..., list[Any]],
+) -> None:
+    results = run_world(
+        __file__, "_recover_after_a_skipped_collective", 2, env={"HORA_TIMEOUT": "4"}
+    )
+    for r in results:
+        assert r["first"] in ("CollectiveTimeout", "RankFailedError", "TensorMismatchError")
+        assert r["after"] == [2.0, 2.0]

@@ -90,6 +90,7 @@ class State:
     last_sig: int = 0
     verified_sig: tuple[int, ...] | None = None
     check_mode: str = "changed"
+    broken: bool = False
     rdzv_file: Path | None = None
     hb_store: Any = None
     timeout_td: datetime.timedelta = field(init=False)
@@ -450,7 +451,9 @@ def init(
     if process_sets not in (None, [], ()):
         raise UnsupportedError("hvd.init(process_sets=...) is not supported; use the global set")
     if _STATE is not None:
-        return
+        if not _STATE.broken:
+            return
+        _drop_broken()
     environ = dict(os.environ)
     world = detect_world(environ)
     timeout_s = _timeout(timeout, environ)
@@ -527,6 +530,28 @@ def _at_exit() -> None:
         state.rdzv_file.unlink(missing_ok=True)
 
 
+def _drop_broken() -> None:
+    """Abort and free a world whose collective timed out or lost a rank, so init() starts anew.
+
+    After such a failure the ranks may disagree on which collectives ran; a script (or
+    Horovod's test suite, whose ``tearDown`` barrier then fails before its ``shutdown()``)
+    calls ``init()`` again, and every rank that saw the failure re-initialises.
+    """
+    global _STATE
+    state = _STATE
+    if state is None:
+        return
+    log.warning("hora.torch: the last collective failed; init() starts a new world")
+    from hora.torch._handles import release_all
+
+    _stop_heartbeat(state)
+    _STATE = None
+    release_all()
+    _release(state, graceful=False)
+    if state.rdzv_file is not None:
+        state.rdzv_file.unlink(missing_ok=True)
+
+
 def shutdown() -> None:
     """Stop hora.torch: flush the timeline, stop the heartbeat, destroy the group init() made.
 
@@ -548,7 +573,7 @@ def shutdown() -> None:
     from hora.torch._handles import release_all
 
     release_all()
-    _release(state, graceful=True)
+    _release(state, graceful=not state.broken)  # a failed world may never finish its work
     if state.rdzv_file is not None:
         state.rdzv_file.unlink(missing_ok=True)
 
