@@ -126,6 +126,7 @@ class JobInfo(BaseModel):
     started_at: datetime | None = None
     finished_at: datetime | None = None
     transitions: list[dict[str, Any]] = []
+    kind: str = "job"  # or "session": a notebook's engines, scheduled with the jobs
 
     @field_validator("exit_codes", mode="before")
     @classmethod

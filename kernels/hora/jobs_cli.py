@@ -2,7 +2,9 @@
 
 Data plane: a thin layer over :class:`hora.client.Client` (parse arguments into a
 :class:`hora.spec.JobSpec`, call the service, print a readable table). URL and token come from
-``--url``/``--token``, else ``HORA_URL``/``HORA_TOKEN``, else ``~/.hora/config``.
+``--url``/``--token``, else ``HORA_URL``/``HORA_TOKEN``, else ``~/.hora/config``. A token
+on the command line shows in ``ps`` to every user of the machine: prefer the config file or
+``HORA_TOKEN``, or ``--token -``, which reads it from the first line of stdin.
 
 ``hora submit --wait`` prints state changes on stderr and rank 0's log on stdout until the job
 ends, then exits 0 (succeeded), 1 (failed) or 130 (cancelled). ``hora logs`` of a rank that
@@ -30,7 +32,11 @@ EXIT_INTERRUPTED = 130
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", help="service URL (default: HORA_URL or ~/.hora/config)")
-    p.add_argument("--token", help="bearer token (default: HORA_TOKEN or ~/.hora/config)")
+    p.add_argument(
+        "--token",
+        help="bearer token; - reads it from stdin (default: HORA_TOKEN or ~/.hora/config; "
+        "a token given here shows in ps)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -178,10 +184,14 @@ def age(when: datetime | None, now: datetime | None = None) -> str:
 
 
 def jobs_table(jobs: Sequence[JobInfo], now: datetime | None = None, unit: str = "GPU") -> str:
-    """The ``hora jobs`` table (``unit``: "GPU", or "slot" on a service without GPUs)."""
+    """The ``hora jobs`` table (``unit``: "GPU", or "slot" on a service without GPUs).
+
+    KIND is ``job``, or ``session`` for a notebook's engines (they share the slots).
+    """
     rows = [
         [
             j.id,
+            j.kind,
             j.spec.name,
             j.user,
             j.state.value,
@@ -193,7 +203,10 @@ def jobs_table(jobs: Sequence[JobInfo], now: datetime | None = None, unit: str =
         for j in jobs
     ]
     return format_table(
-        ["ID", "NAME", "USER", "STATE", f"WORKERSx{unit.upper()}S", "ATTEMPT", "AGE", "REASON"],
+        [
+            "ID", "KIND", "NAME", "USER", "STATE", f"WORKERSx{unit.upper()}S", "ATTEMPT", "AGE",
+            "REASON",
+        ],  # fmt: skip
         rows,
     )
 
@@ -235,12 +248,15 @@ def slot_unit(slots: Sequence[dict[str, Any]]) -> str:
 
 
 def gpus_table(slots: Sequence[dict[str, Any]]) -> str:
-    """The ``hora gpus`` table."""
+    """The ``hora gpus`` table; HOLDER says whether a job or a notebook's session holds it."""
     rows = [
-        [s.get("index"), s.get("kind"), s.get("name"), s.get("job_id") or "-", s.get("user") or "-"]
+        [
+            s.get("index"), s.get("kind"), s.get("name"), s.get("job_id") or "-",
+            s.get("user") or "-", s.get("holder_kind") or "-",
+        ]  # fmt: skip
         for s in slots
     ]
-    return format_table(["SLOT", "KIND", "NAME", "JOB", "USER"], rows)
+    return format_table(["SLOT", "KIND", "NAME", "JOB", "USER", "HOLDER"], rows)
 
 
 def _short(text: str, width: int = 60) -> str:
@@ -272,7 +288,26 @@ def follow_job(job: Job, rank: int, out: TextIO, err: TextIO) -> JobInfo:
 
 
 def _client(args: argparse.Namespace) -> Client:
-    return Client(args.url, args.token)
+    return Client(args.url, read_token(args.token, sys.stdin))
+
+
+def read_token(given: str | None, stdin: TextIO) -> str | None:
+    """The ``--token`` value; ``-`` means the first line of ``stdin`` (kept out of ``ps``).
+
+    Raises:
+        SpecError: ``-`` and stdin has no token.
+
+    Example:
+        >>> import io
+        >>> read_token("-", io.StringIO("s3cret" + chr(10))), read_token(None, io.StringIO())
+        ('s3cret', None)
+    """
+    if given != "-":
+        return given
+    token = stdin.readline().strip()
+    if not token:
+        raise SpecError("token", "--token - reads the token from stdin, which had none")
+    return token
 
 
 def cmd_submit(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:

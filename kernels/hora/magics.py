@@ -145,6 +145,8 @@ class HoraMagics(Magics):
         # count tells when they were restarted, by %dist_restart or after a stuck interrupt)
         self.history: list[Any] = []
         self._history_of = 0
+        # how engines are started: (kernel-local forced, idle timeout asked of the service)
+        self._mode: tuple[bool, float | None] = (False, None)
 
     def pre_run_cell(self, info: Any) -> None:
         """Note the number the notebook shows for the cell that starts (engines count apart).
@@ -153,6 +155,9 @@ class HoraMagics(Magics):
         """
         count = int(getattr(self.shell, "execution_count", 1))
         self.cell_number = count - 1 if getattr(info, "store_history", False) else count
+        beat = getattr(self.cluster, "heartbeat", None)
+        for notice in beat.take_notices() if beat is not None else ():
+            sys.stderr.write(notice + "\n")  # the session's idle warning or end, not yet seen
 
     # --- helpers ---------------------------------------------------------------------------
     def _ns(self) -> dict[str, Any]:
@@ -177,12 +182,37 @@ class HoraMagics(Magics):
     def _start(self, options: Any) -> None:
         from IPython.display import display
 
+        from hora.client import ServiceUnavailable
         from hora.engines import Cluster
+        from hora.engines.session import ServiceCluster, service_configured
 
-        self.cluster = Cluster(options)
+        local, idle = self._mode
+        queue = QueueDisplay()
+        why = "--local" if local else "no hora service configured"
         self.history, self._history_of = [], 0
-        rows = self.cluster.start()
-        title = f"{len(rows)} engines ready in {self.cluster.start_s:.1f}s ({self.cluster.backend})"
+        rows = None
+        if not local and service_configured():
+            self.cluster = ServiceCluster(
+                options, progress=queue.update, notify=_notify, idle_timeout_s=idle
+            )
+            try:
+                rows = self.cluster.start()
+            except ServiceUnavailable as e:
+                if self.cluster.asked is not None:  # it went away while we waited: say so
+                    raise
+                # configured but not running (hora up stopped): the notebook still works, and
+                # kernel-local engines still leave alone the GPUs other processes use
+                why = f"the configured hora service did not answer: {e.cause}"
+        if rows is None:
+            self.cluster = Cluster(options)
+            rows = self.cluster.start()
+        queue.done(self.cluster)
+        if isinstance(self.cluster, ServiceCluster):
+            where = f"from {self.cluster.where}"
+        else:
+            where = f"kernel-local engines ({why})"
+        took = f"{self.cluster.start_s:.1f}s"
+        title = f"{len(rows)} engines ready in {took} ({self.cluster.backend}); {where}"
         display(
             Table(
                 [
@@ -229,20 +259,38 @@ class HoraMagics(Magics):
         help="collective timeout and default stall timeout of cells, seconds (default 60)",
     )
     @argument("--start-timeout", type=float, default=60.0, help="seconds engines may take to start")
+    @argument(
+        "--local",
+        action="store_true",
+        help="start the engines in this kernel even where a hora service is configured",
+    )
+    @argument(
+        "--idle-timeout",
+        type=float,
+        default=None,
+        help="seconds of idle engines before the service frees their slots (its default: 1 h)",
+    )
     @line_magic
     def dist_start(self, line: str) -> None:
         """Start engines, bind one GPU each, and initialise hora.torch in them.
+
+        With a hora service configured (``HORA_URL``/``HORA_TOKEN`` or ``~/.hora/config``)
+        the engines are a session the service schedules with its jobs; otherwise (or with
+        ``--local``) this kernel starts them itself.
 
         Example: ``%dist_start -n 2 --backend gloo``
         """
         args = parse_argstring(self.dist_start, line)
         options = self._options(args)
+        if args.idle_timeout is not None and args.idle_timeout <= 0:
+            raise UsageError(f"--idle-timeout must be > 0 seconds, got {args.idle_timeout:g}")
         if self._is_up():
             sys.stderr.write(
                 f"engines already running ({self.cluster.size} ranks); "
                 "use %dist_restart or %dist_stop first\n"
             )
             return
+        self._mode = (args.local, args.idle_timeout)
         self._start(options)
 
     @line_magic
@@ -435,6 +483,47 @@ class HoraMagics(Magics):
         if self.cluster is not None:
             self.cluster.stop()
             self.cluster = None
+
+
+class QueueDisplay:
+    """Shows a queued ``%dist_start`` live in its cell: one display, updated in place."""
+
+    def __init__(self) -> None:
+        self.handle: Any = None
+        self.t0 = time.monotonic()
+
+    def update(self, info: Any) -> None:
+        """Show the session's place in the queue (called while it waits)."""
+        from datetime import UTC, datetime
+
+        from IPython.display import display
+
+        from hora.engines.session import render_queue
+
+        text = _Text(render_queue(info, datetime.now(UTC), time.monotonic() - self.t0))
+        if self.handle is None:
+            self.handle = display(text, display_id=True)
+        else:
+            self.handle.update(text)
+
+    def done(self, cluster: Any) -> None:
+        """Say how long the engines waited (the last queue state stays shown above)."""
+        if self.handle is not None:
+            sys.stdout.write(f"slots granted after {cluster.queued_s:.1f}s in the queue\n")
+
+
+class _Text:
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _notify(text: str) -> None:
+    """Show a session notice (from the heartbeat thread) in the notebook's latest output."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
 
 
 class JobEndedError(HoraError):

@@ -15,6 +15,25 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_ARGV = 1024
 MAX_ARG_LEN = 16384
+NAME_MAX = 255  # bytes in one path component (Linux)
+
+
+def _utf8(value: str, what: str) -> str:
+    r"""``value`` if it is text a process can receive: encodable UTF-8 without NUL bytes.
+
+    Example:
+        >>> _utf8("\ud800", "command[0]")
+        Traceback (most recent call last):
+        ...
+        ValueError: command[0] is not valid UTF-8 text (a lone surrogate)
+    """
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} is not valid UTF-8 text (a lone surrogate)") from None
+    if "\x00" in value:
+        raise ValueError(f"{what} contains a NUL byte")
+    return value
 
 
 class Priority(StrEnum):
@@ -49,14 +68,22 @@ class JobSpec(BaseModel):
     name: Annotated[
         str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._ -]*$")
     ] = "job"
-    command: Annotated[list[str], Field(min_length=1, max_length=MAX_ARGV)]
+    command: Annotated[
+        list[str],
+        Field(
+            min_length=1,
+            max_length=MAX_ARGV,
+            # the program may not be empty (later arguments may): say so in the schema too
+            json_schema_extra={"prefixItems": [{"type": "string", "minLength": 1}]},
+        ),
+    ]
     workers: Annotated[int, Field(ge=1, le=1024)] = 1
     gpus_per_worker: Annotated[int, Field(ge=1, le=16)] = 1
     env: dict[str, str] = Field(default_factory=dict)
     working_dir: Annotated[str | None, Field(max_length=4096)] = None
     priority: Priority = Priority.normal
     max_retries: Annotated[int, Field(ge=0, le=100)] = 0
-    timeout_s: Annotated[float | None, Field(gt=0, le=30 * 24 * 3600)] = None
+    timeout_s: Annotated[float | None, Field(gt=0, le=30 * 24 * 3600, allow_inf_nan=False)] = None
     runtime: RuntimeName = RuntimeName.local
     image: Annotated[str | None, Field(max_length=512)] = None
     submission_id: Annotated[
@@ -71,8 +98,7 @@ class JobSpec(BaseModel):
         for i, arg in enumerate(v):
             if len(arg) > MAX_ARG_LEN:
                 raise ValueError(f"argument {i} is longer than {MAX_ARG_LEN} characters")
-            if "\x00" in arg:
-                raise ValueError(f"argument {i} contains a NUL byte")
+            _utf8(arg, f"argument {i}")
         return v
 
     @field_validator("env")
@@ -82,9 +108,21 @@ class JobSpec(BaseModel):
             raise ValueError("at most 256 environment variables")
         for k, val in v.items():
             if not _ENV_NAME.match(k):
-                raise ValueError(f"{k!r} is not a valid environment variable name")
-            if "\x00" in val or len(val) > MAX_ARG_LEN:
-                raise ValueError(f"value of {k} is too long or contains a NUL byte")
+                shown = k.encode("utf-8", "backslashreplace").decode()
+                raise ValueError(f"{shown!r} is not a valid environment variable name")
+            if len(val) > MAX_ARG_LEN:
+                raise ValueError(f"value of {k} is longer than {MAX_ARG_LEN} characters")
+            _utf8(val, f"value of {k}")
+        return v
+
+    @field_validator("working_dir")
+    @classmethod
+    def _check_working_dir(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        _utf8(v, "working_dir")
+        if any(len(part.encode()) > NAME_MAX for part in v.split("/")):
+            raise ValueError(f"a component of working_dir is longer than {NAME_MAX} bytes")
         return v
 
     @property

@@ -16,7 +16,9 @@ say; removing a user keeps their OS account (it may own their files).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -152,4 +154,17 @@ def main(argv: list[str]) -> int:
         return serve(args) if args.cmd == "serve" else user(args)
     except (HoraError, ValueError) as e:
         sys.stderr.write(f"hora {args.cmd}: error: {e}\n")
+        return 1
+    except Exception as e:
+        from hora_service.store import is_unavailable
+
+        if not is_unavailable(e):
+            raise
+        # a full disk, a locked or broken store: one line that says so, not a traceback
+        why = str(getattr(e, "orig", None) or e).splitlines()[0]
+        data_dir = settings_from_args(args).data_dir
+        with contextlib.suppress(OSError):
+            if shutil.disk_usage(data_dir).free < 1 << 20:
+                why += " (its disk is full)"
+        sys.stderr.write(f"hora {args.cmd}: error: cannot use the store in {data_dir}: {why}\n")
         return 1

@@ -30,24 +30,27 @@ import signal
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hora.errors import HoraError, SpecError
 from hora.launch.config import free_port
 from hora.spec import PRIORITY_RANK, JobSpec, JobState
+from sqlalchemy import Connection
 
 from hora_service import identity, runtimes
 from hora_service.inventory import Slot, inventory
+from hora_service.journal import Journal, Write
 from hora_service.models import JobRecord, MetricsSnapshot, SlotInfo, User
+from hora_service.quotas import OverLimit, spec_bytes, within_running_limit
 from hora_service.runtimes import AttemptPlan, Exit, RankProcess, Runtime
 from hora_service.runtimes.base import RankStatus, first_failure
 from hora_service.runtimes.containment import Containment, detect
 from hora_service.runtimes.local import allowed_env
-from hora_service.scheduler import INF, Holding, Pending, schedule
+from hora_service.scheduler import INF, Holding, Pending, queue_order, reserve, schedule
 from hora_service.settings import Settings
-from hora_service.store import Store
+from hora_service.store import Store, StoreUnavailable, is_unavailable
 from hora_service.users import Users
 
 log = logging.getLogger(__name__)
@@ -56,6 +59,7 @@ LATENCY_WINDOW = 1000
 CACHE_MAX = 50_000
 PAGES_MAX = 1024
 STOP_JOIN_S = 30.0
+RETRY_WRITE_S = 0.25  # how long one pass of the monitor waits for the store's write lock
 
 
 @dataclass
@@ -75,6 +79,7 @@ class Attempt:
     codes: list[RankStatus] = field(default_factory=list)
     clearing_since: float | None = None
     stuck_reported: bool = False
+    kind: str = "job"
 
     def stop(self, state: JobState, reason: str, now: float, grace: float, retry: bool) -> None:
         """Begin stopping every rank: SIGTERM now, SIGKILL at ``now + grace``."""
@@ -86,6 +91,39 @@ class Attempt:
         self.kill_at = min(self.kill_at, now + grace)
         for rank in self.ranks:
             rank.signal(signal.SIGTERM)
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds slots now, as a queued request is shown it."""
+
+    id: int
+    kind: str
+    user: str
+    slots: tuple[int, ...]
+    since: float
+    ends_at: float | None
+
+
+@dataclass(frozen=True)
+class QueueView:
+    """Where a queued job or session stands: its place, the slots, who holds them, when.
+
+    Attributes:
+        position: 1 for the next to be considered (priority, then age); 0 once it left.
+        need: slots it asks for; free: slots free now.
+        holders: the jobs and sessions holding slots, oldest first.
+        estimate: when enough slots should be free (UNIX time); None when nothing holding
+            them has a time limit.
+        over_quota: it waits for its user's own jobs and sessions to end.
+    """
+
+    position: int
+    need: int
+    free: int
+    holders: tuple[Holder, ...]
+    estimate: float | None
+    over_quota: bool
 
 
 def describe(rank: int, status: RankStatus) -> str:
@@ -146,6 +184,10 @@ class JobManager:
         self._cache_lock = threading.Lock()
         self._generation = 0  # moves on at every write to the jobs table
         self._pages: dict[tuple[object, ...], tuple[int, list[int], int]] = {}
+        self.journal = Journal()  # state changes the store has not taken yet
+        self._quota_memo: dict[str, int] = {}
+        # called with the time at the end of every monitor pass (sessions' leases, idle culling)
+        self.hooks: list[Callable[[float], None]] = []
 
     # lifecycle --------------------------------------------------------------------------
 
@@ -197,6 +239,15 @@ class JobManager:
         if self._thread is not None:
             self._thread.join(timeout=STOP_JOIN_S)
             self._thread = None
+        if len(self.journal):
+            with self._lock:
+                self._flush(timeout_s=5.0)
+            if len(self.journal):
+                log.error(
+                    "stopping with %d state change(s) the store did not take (%s); the next "
+                    "start reads how the jobs ended from their ranks' exit files",
+                    len(self.journal), self.journal.error,
+                )  # fmt: skip
         self.close_store()
 
     def shutdown_jobs(self, timeout: float | None = None) -> None:
@@ -220,7 +271,7 @@ class JobManager:
 
     def _next_wait(self) -> float:
         wait = self.settings.monitor_interval_s
-        if not self._attempts:
+        if not self._attempts and not len(self.journal):
             due = [t for _, t in self._pending.values() if t is not None]
             wait = max(wait, min(due) - time.time()) if due else 5.0
         return max(0.0, min(wait, 5.0))
@@ -265,8 +316,17 @@ class JobManager:
         """
         return self.submit_or_find(user, spec)[0]
 
-    def submit_or_find(self, user: str, spec: JobSpec) -> tuple[JobRecord, bool]:
+    def submit_or_find(
+        self,
+        user: str,
+        spec: JobSpec,
+        kind: str = "job",
+        also: Callable[[Store, Connection, int], None] | None = None,
+    ) -> tuple[JobRecord, bool]:
         """Queue a job; with a submission id this user used before, find that job instead.
+
+        ``kind`` is ``session`` for a notebook's engines (:mod:`hora_service.sessions`);
+        ``also`` writes what goes with the new row, in the same transaction.
 
         Returns:
             The job, and True when it was created by this call.
@@ -275,10 +335,17 @@ class JobManager:
             SpecError: the job can never run here (more slots than exist or than the user's
                 quota, an unavailable runtime, an image without the docker runtime, a working
                 directory outside the work root); ``field`` names the field.
+            OverLimit: the spec is larger than ``max_spec_bytes`` (413) or the user has
+                ``max_queued_jobs_per_user`` jobs waiting already (429).
+            StoreUnavailable: the store could not take the write in time (busy, full).
+            sqlalchemy.exc.OperationalError: the same, as SQLite reported it.
         """
         store = self.open_store()
         self.check(user, spec)
-        with store.tx() as conn:  # the check and the insert are one write transaction
+        self._check_limits(user, spec)
+        # the check and the insert are one write transaction; a store that cannot take it
+        # within the timeout answers StoreUnavailable (a 503 with Retry-After), never a hang
+        with store.tx(self.settings.store_write_timeout_s) as conn:
             if spec.submission_id is not None:
                 existing = store.job_by_submission(conn, user, spec.submission_id)
                 if existing is not None:
@@ -286,12 +353,29 @@ class JobManager:
                     assert found is not None
                     return found, False
             now = time.time()
-            job_id = store.insert_job(conn, user, spec, now)
+            job_id = store.insert_job(conn, user, spec, now, kind)
+            if also is not None:
+                also(store, conn, job_id)
             record = store.get(job_id, conn)
             assert record is not None
         self._forget(job_id)  # a new job changes every page it belongs to
         self._enqueue(job_id, user, spec, None)
         return record, True
+
+    def _check_limits(self, user: str, spec: JobSpec) -> None:
+        size, most = spec_bytes(spec), self.settings.max_spec_bytes
+        if size > most:
+            raise OverLimit("spec", f"the job spec is {size} bytes; the limit is {most}", 413)
+        queued = self.settings.max_queued_jobs_per_user
+        if queued is not None:
+            with self._lock:
+                waiting = sum(1 for p, _ in self._pending.values() if p.user == user)
+            if waiting >= queued:
+                raise OverLimit(
+                    "queued_jobs",
+                    f"you have {waiting} jobs waiting in the queue; the limit is {queued}",
+                    429,
+                )
 
     def check(self, user: str, spec: JobSpec) -> None:
         """Refuse a spec that can never run on this service (see :meth:`submit`)."""
@@ -323,15 +407,20 @@ class JobManager:
         root = self.settings.work_root
         if spec.working_dir is None:
             return root
-        path = (root / spec.working_dir).resolve()
+        try:
+            path = (root / spec.working_dir).resolve()
+            is_dir = path.is_dir()
+        except (OSError, RuntimeError, ValueError) as e:  # a symlink loop, a name too long
+            why = getattr(e, "strerror", None) or str(e)
+            raise SpecError("working_dir", f"{spec.working_dir!r} cannot be used: {why}") from None
         if not path.is_relative_to(root):
             raise SpecError("working_dir", f"{spec.working_dir!r} is outside the work root {root}")
-        if not path.is_dir():
+        if not is_dir:
             raise SpecError("working_dir", f"{spec.working_dir!r} is not an existing directory")
         return path
 
     def get(self, job_id: int) -> JobRecord | None:
-        """One job, or None."""
+        """One job as the monitor knows it (with changes the store has yet to take), or None."""
         hit = self._cache.get(job_id)
         if hit is not None:
             return hit[0]
@@ -349,12 +438,22 @@ class JobManager:
 
         Each job's JSON is serialised once and cached until the job changes, and a page's ids
         and total are reused until the next write, so a busy list endpoint costs dictionary
-        lookups and a join of bytes.
+        lookups and a join of bytes. A page ends early when it would pass
+        ``max_page_bytes``; ``next_offset`` is where the next page starts (null at the end).
         """
         page, total = self._page(user, state, limit, offset)
-        items = b",".join(body for _, body in page)
-        tail = f'],"total":{total},"limit":{limit},"offset":{offset}}}'.encode()
-        return b'{"items":[' + items + tail
+        bodies: list[bytes] = []
+        size = 0
+        for _, body in page:  # a page stops before max_page_bytes (always one job at least)
+            if bodies and size + len(body) + 1 > self.settings.max_page_bytes:
+                break
+            bodies.append(body)
+            size += len(body) + 1
+        after = offset + len(bodies)
+        more = "null" if after >= total else str(after)
+        items = b",".join(bodies)
+        tail = f'],"total":{total},"limit":{limit},"offset":{offset},"next_offset":{more}}}'
+        return b'{"items":[' + items + tail.encode()
 
     def _page(
         self, user: str | None, state: JobState | None, limit: int, offset: int
@@ -378,10 +477,10 @@ class JobManager:
     def _load(self, ids: list[int]) -> dict[int, tuple[JobRecord, bytes]]:
         """Read jobs from the store and cache them unless one changed meanwhile."""
         generation = self._generation
-        loaded = {
-            i: (record, record.model_dump_json().encode())
-            for i, record in self.open_store().records(ids).items()
-        }
+        records = self.open_store().records(ids)
+        if len(self.journal):
+            records = {i: self.journal.overlay(r) for i, r in records.items()}
+        loaded = {i: (record, record.model_dump_json().encode()) for i, record in records.items()}
         with self._cache_lock:
             if generation == self._generation:  # no write since the read began
                 if len(self._cache) + len(loaded) > CACHE_MAX:
@@ -400,9 +499,8 @@ class JobManager:
         Raises:
             HoraError: there is no such job.
         """
-        store = self.open_store()
         with self._lock:
-            job = store.get(job_id)
+            job = self._record(job_id)
             if job is None:
                 raise HoraError(f"job {job_id} not found")
             now = time.time()
@@ -413,11 +511,10 @@ class JobManager:
                 self._attempts[job_id].stop(
                     JobState.cancelled, reason, now, self.settings.kill_grace_s, retry=False
                 )
-                with store.tx() as conn:
-                    store.update_job(conn, job_id, cancel_requested=1)
+                self._write(Write(job_id, None, now, None, {"cancel_requested": 1}))
             self._dirty = True
         self._wake.set()
-        found = store.get(job_id)
+        found = self._record(job_id)
         assert found is not None
         return found
 
@@ -426,14 +523,18 @@ class JobManager:
 
         Raises:
             HoraError: the job is still active.
+            StoreUnavailable: the store has not taken the job's end yet.
         """
         store = self.open_store()
         with self._lock:
-            job = store.get(job_id)
+            job = self._record(job_id)
             if job is None:
                 return
             if not job.state.terminal:
                 raise HoraError(f"job {job_id} is {job.state.value}; cancel it first")
+            if self.journal.pending(job_id):  # its end is not recorded yet: keep the row
+                why = self.journal.error
+                raise StoreUnavailable(f"job {job_id}'s end is not recorded yet ({why})")
             store.delete_job(job_id)
             self._forget(job_id)
         shutil.rmtree(self.settings.logs_dir / str(int(job_id)), ignore_errors=True)
@@ -461,9 +562,35 @@ class JobManager:
                 name=s.name,
                 job_id=held[s.index].job_id if s.index in held else None,
                 user=held[s.index].user if s.index in held else None,
+                holder_kind=held[s.index].kind if s.index in held else None,
             )
             for s in self.inventory
         ]
+
+    def queue_view(self, job_id: int, now: float | None = None) -> QueueView:
+        """Where queued ``job_id`` stands (position 0 when it is not queued)."""
+        now = time.time() if now is None else now
+        with self._lock:
+            order = sorted((p for p, _ in self._pending.values()), key=queue_order)
+            mine = [i for i, p in enumerate(order) if p.id == job_id]
+            attempts = sorted(self._attempts.values(), key=lambda a: a.started)
+            held = sum(len(a.plan.slots) for a in attempts)
+            owner = order[mine[0]].user if mine else None
+            used = sum(len(a.plan.slots) for a in attempts if a.user == owner)
+        free = len(self.inventory) - held
+        holders = tuple(
+            Holder(a.job_id, a.kind, a.user, a.plan.slots, a.started, a.deadline) for a in attempts
+        )
+        if not mine:
+            return QueueView(0, 0, free, holders, None, False)
+        job = order[mine[0]]
+        quota = self._quotas().get(job.user, self.settings.user_gpu_quota)
+        slots = [Holding(h.id, h.user, h.slots, h.ends_at or INF) for h in holders]
+        shadow = reserve(job, free, slots, now).shadow
+        return QueueView(
+            mine[0] + 1, job.need, free, holders, shadow if shadow < INF else None,
+            quota is not None and used + job.need > quota,
+        )  # fmt: skip
 
     def metrics(self) -> MetricsSnapshot:
         """Jobs by state, queue length, slots, and submit-to-running latency."""
@@ -489,11 +616,17 @@ class JobManager:
         """One pass of the monitor loop: poll ranks, stop, finish, retry, schedule."""
         with self._lock:
             now = time.time() if now is None else now
+            if len(self.journal):
+                self._flush(RETRY_WRITE_S)
             for attempt in list(self._attempts.values()):
                 self._poll(attempt, now)
-            if self._dirty or any(t is not None and t <= now for _, t in self._pending.values()):
+            # nothing new starts until the store has taken what already happened
+            due = any(t is not None and t <= now for _, t in self._pending.values())
+            if (self._dirty or due) and not len(self.journal):
                 self._dirty = False
                 self._schedule(now)
+            for hook in self.hooks:
+                hook(now)
 
     def _poll(self, attempt: Attempt, now: float) -> None:
         grace = self.settings.kill_grace_s
@@ -577,6 +710,8 @@ class JobManager:
     def _schedule(self, now: float) -> None:
         t0 = time.perf_counter()
         ready = [p for p, due in self._pending.values() if due is None or due <= now]
+        running = collections.Counter(a.user for a in self._attempts.values())
+        ready = within_running_limit(ready, running, self.settings.max_running_jobs_per_user)
         held = {s for a in self._attempts.values() for s in a.plan.slots}
         free = [s.index for s in self.inventory if s.index not in held]
         holding = [
@@ -595,17 +730,23 @@ class JobManager:
             self._launch(placement.job_id, placement.slots)
 
     def _launch(self, job_id: int, slots: tuple[int, ...]) -> None:
-        store = self.open_store()
-        job = store.get(job_id)
-        del self._pending[job_id]
+        job = self._record(job_id)
+        entry = self._pending.pop(job_id)
         if job is None:
             return
         n = job.attempt + 1
         now = time.time()
-        self._set_state(
+        starting = Write(
             job_id, JobState.starting, now, None,
-            attempt=n, slots=list(slots), exit_codes={}, retry_at=None, cancel_requested=0,
+            {"attempt": n, "slots": list(slots), "exit_codes": {}, "retry_at": None,
+             "cancel_requested": 0},
         )  # fmt: skip
+        if not self._write(starting):
+            # no process starts before the store knows (a restart must not start it twice)
+            self.journal.discard(starting)
+            self._pending[job_id] = entry
+            self._dirty = True
+            return
         plan = self._plan(job, n, slots, self.settings.work_root, 0)
         try:
             who = self.users.run_as(job.user_id) if self.user_mode == "multi" else None
@@ -615,15 +756,18 @@ class JobManager:
             reason = f"could not start the ranks: {e}"
             log.warning("job %d: %s", job_id, reason)
             # whatever did start is killed and cleared before the slots are free
-            self._attempts[job_id] = attempt = Attempt(job_id, job.user, plan, [], now, None)
+            self._attempts[job_id] = attempt = Attempt(
+                job_id, job.user, plan, [], now, None, kind=job.kind
+            )
             attempt.stop(JobState.failed, reason, now, 0.0, retry=True)
             self._poll(attempt, now)
             return
         running = time.time()
         timeout = job.spec.timeout_s
         self._attempts[job_id] = Attempt(
-            job_id, job.user, plan, ranks, running, running + timeout if timeout else None
-        )
+            job_id, job.user, plan, ranks, running, running + timeout if timeout else None,
+            kind=job.kind,
+        )  # fmt: skip
         self._set_state(job_id, JobState.running, running, None, started_at=running)
         if n == 1:
             latency = running - job.created_at.timestamp()
@@ -671,8 +815,9 @@ class JobManager:
             started = job.started_at.timestamp() if job.started_at else now
             timeout = job.spec.timeout_s
             attempt = Attempt(
-                job.id, job.user, plan, ranks, started, started + timeout if timeout else None
-            )
+                job.id, job.user, plan, ranks, started, started + timeout if timeout else None,
+                kind=job.kind,
+            )  # fmt: skip
             self._attempts[job.id] = attempt
             if job.id in cancelling:
                 attempt.stop(JobState.cancelled, "cancelled by the user", now, grace, False)
@@ -705,15 +850,69 @@ class JobManager:
     def _set_state(
         self, job_id: int, state: JobState, now: float, reason: str | None, **fields: object
     ) -> None:
+        self._write(Write(job_id, state, now, reason, fields))
+
+    def _write(self, write: Write) -> bool:
+        """Record a change: now if the store takes it, else from the journal on a later pass.
+
+        Returns:
+            True once it is in the store.
+        """
+        self.journal.add(write)
+        self._forget(write.job_id)
+        if len(self.journal) > 1:
+            return False  # earlier writes are still waiting; this one goes after them
+        return self._flush(RETRY_WRITE_S)
+
+    def _flush(self, timeout_s: float) -> bool:
+        """Write every journaled change in one transaction; True when the journal is empty."""
         store = self.open_store()
-        with store.tx() as conn:
-            store.update_job(conn, job_id, state=state, reason=reason, **fields)
-            store.add_transition(conn, job_id, state, now, reason)
-        self._forget(job_id)
+
+        def apply(writes: list[Write]) -> None:
+            with store.tx(timeout_s) as conn:
+                for w in writes:
+                    if w.state is None:
+                        store.update_job(conn, w.job_id, **w.fields)
+                        continue
+                    store.update_job(conn, w.job_id, state=w.state, reason=w.reason, **w.fields)
+                    store.add_transition(conn, w.job_id, w.state, w.at, w.reason)
+
+        first_failure = self.journal.failing_since is None
+        try:
+            written = self.journal.flush(apply, time.time())
+        except Exception as e:
+            if not is_unavailable(e):
+                raise
+            if first_failure:
+                log.warning(
+                    "the store did not take a job state change (%s); the monitor keeps the "
+                    "jobs' state in memory and retries on every pass", self.journal.error
+                )  # fmt: skip
+            return False
+        if written and not first_failure:
+            log.warning("the store took the %d job(s) whose changes waited", len(written))
+        for job_id in written:
+            self._forget(job_id)
+        return True
+
+    def _record(self, job_id: int) -> JobRecord | None:
+        """One job from the store with its journaled changes (the monitor's truth)."""
+        record = self.open_store().get(job_id)
+        return None if record is None else self.journal.overlay(record)
 
     def _quotas(self) -> dict[str, int]:
-        """User -> their own GPU quota, for the users that have one (one query a pass)."""
-        return {u.name: u.gpu_quota for u in self.open_store().users() if u.gpu_quota is not None}
+        """User -> their own GPU quota, for the users that have one (one query a pass).
+
+        While the store cannot be read, the last answer stands.
+        """
+        try:
+            users = self.open_store().users()
+        except Exception as e:
+            if not is_unavailable(e):
+                raise
+            return self._quota_memo
+        self._quota_memo = {u.name: u.gpu_quota for u in users if u.gpu_quota is not None}
+        return self._quota_memo
 
     def _runtime(self, name: str) -> Runtime:
         if name not in self._runtimes:

@@ -7,9 +7,15 @@ the spec inside it is the frozen :class:`hora.spec.JobSpec` validated at the edg
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 from hora.spec import JobSpec, JobState
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_serializer
+
+# environment values the API never shows: a session's engine connection key would let whoever
+# reads it (an admin, a log) run code in the owner's engines
+SECRET_ENV = ("HORA_ENGINE_CONNECTION",)
+HIDDEN = "(hidden)"
 
 
 class User(BaseModel):
@@ -60,6 +66,8 @@ class JobRecord(BaseModel):
         finished_at: when it reached a terminal state.
         transitions: every state change, oldest first.
         user_id: the stable id of the user who submitted it.
+        kind: ``job``, or ``session`` for a notebook's interactive engines (see
+            :mod:`hora_service.sessions`).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -77,6 +85,15 @@ class JobRecord(BaseModel):
     finished_at: datetime | None = None
     transitions: list[Transition] = Field(default_factory=list)
     user_id: int | None = None
+    kind: str = "job"
+
+    @field_serializer("spec")
+    def _hide_secrets(self, spec: JobSpec) -> dict[str, Any]:
+        data = spec.model_dump(mode="json")
+        for name in SECRET_ENV:
+            if name in data["env"]:
+                data["env"][name] = HIDDEN
+        return data
 
 
 class SlotInfo(BaseModel):
@@ -87,6 +104,7 @@ class SlotInfo(BaseModel):
     name: str
     job_id: int | None = None
     user: str | None = None
+    holder_kind: str | None = Field(default=None, description="job or session")
 
 
 class MetricsSnapshot(BaseModel):

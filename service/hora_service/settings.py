@@ -50,6 +50,25 @@ class Settings(BaseSettings):
             ranks; past it a rank's log keeps its newest half after a truncation marker.
         clear_timeout_s: how long the monitor tries to empty an ended attempt's processes
             before it reports the attempt stuck (its slots stay held either way).
+        store_write_timeout_s: how long a request that writes (a submit) waits for the
+            store's write lock before it answers 503 with ``Retry-After``.
+        health_interval_s: seconds between two background checks of the store behind
+            ``/healthz``.
+        max_spec_bytes: largest job spec (its JSON) one submit may store (413 past it).
+        max_page_bytes: a page of ``GET /v1/jobs`` stops before this many bytes; its
+            ``next_offset`` says where the next page starts.
+        max_running_jobs_per_user: most jobs of one user starting or running at once (the
+            rest wait in the queue); None: no limit.
+        max_queued_jobs_per_user: most jobs of one user waiting in the queue (a submit past
+            it answers 429); None: no limit.
+        max_log_streams_per_user: most log streams (``follow=true``) one user keeps open at
+            once (429 past it).
+        session_lease_s: a session whose kernel sent no heartbeat for this long is ended and
+            its slots freed (a kernel killed with -9).
+        session_idle_timeout_s: a running session whose engines ran nothing for this long is
+            stopped (None: never); a session may ask for another value.
+        session_idle_timeout_max_s: the longest idle timeout a session may ask for (None: any).
+        session_idle_warn_s: how long before the idle timeout the notebook is warned.
     """
 
     model_config = SettingsConfigDict(env_prefix="HORA_", extra="ignore")
@@ -72,6 +91,17 @@ class Settings(BaseSettings):
     job_env_passthrough: Annotated[list[str], NoDecode] = Field(default_factory=list)
     log_bytes_per_attempt: Annotated[int, Field(ge=1 << 16)] = 256 << 20
     clear_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    store_write_timeout_s: Annotated[float, Field(gt=0, le=600)] = 5.0
+    health_interval_s: Annotated[float, Field(gt=0, le=600)] = 2.0
+    max_spec_bytes: Annotated[int, Field(ge=1024)] = 64 << 10
+    max_page_bytes: Annotated[int, Field(ge=1024)] = 4 << 20
+    max_running_jobs_per_user: Annotated[int | None, Field(ge=1)] = 64
+    max_queued_jobs_per_user: Annotated[int | None, Field(ge=1)] = 10_000
+    max_log_streams_per_user: Annotated[int, Field(ge=1)] = 16
+    session_lease_s: Annotated[float, Field(gt=0, le=24 * 3600)] = 30.0
+    session_idle_timeout_s: Annotated[float | None, Field(gt=0)] = 3600.0
+    session_idle_timeout_max_s: Annotated[float | None, Field(gt=0)] = None
+    session_idle_warn_s: Annotated[float, Field(ge=0)] = 300.0
 
     @field_validator("data_dir", "work_root")
     @classmethod

@@ -13,9 +13,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sqlite3
 import threading
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,13 @@ from typing import Any
 from hora.errors import HoraError
 from hora.spec import PRIORITY_RANK, JobSpec, JobState
 from sqlalchemy import Connection, Engine, create_engine, event, text
+from sqlalchemy.exc import (
+    DatabaseError,
+    IntegrityError,
+    OperationalError,
+    ProgrammingError,
+    SQLAlchemyError,
+)
 
 from hora_service.models import JobRecord, Transition, User
 
@@ -86,12 +94,22 @@ MIGRATIONS: list[list[str]] = [
         "UPDATE jobs SET user_id = (SELECT id FROM users WHERE users.name = jobs.user)",
         "CREATE INDEX jobs_by_user_id ON jobs (user_id, id)",
     ],
+    [
+        # v4: sessions (interactive engines of a notebook) are jobs of kind 'session' with
+        # their lease and idle timeout beside them
+        "ALTER TABLE jobs ADD COLUMN kind TEXT NOT NULL DEFAULT 'job'",
+        """CREATE TABLE sessions (
+            job_id INTEGER PRIMARY KEY REFERENCES jobs (id) ON DELETE CASCADE,
+            lease_s REAL NOT NULL,
+            idle_timeout_s REAL)""",
+    ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
+BUSY_TIMEOUT_MS = 30_000
 ACTIVE = (JobState.starting, JobState.running)
 JOB_COLUMNS = (
     "id, user, spec, state, attempt, reason, exit_codes, slots, created_at, started_at, "
-    "finished_at, user_id"
+    "finished_at, user_id, kind"
 )
 USER_COLUMNS = "id, name, is_admin, gpu_quota, os_uid"
 # the id of the user who has this name now (jobs belong to ids, requests come with names)
@@ -102,6 +120,36 @@ OWNED_BY = f"user = :u AND user_id IS {USER_ID}"
 
 class StoreError(HoraError):
     """The store refused an operation (a duplicate user, a newer schema than this hora)."""
+
+
+class StoreUnavailable(HoraError):
+    """The store cannot take a write now (its lock is held, the disk is full, an I/O error).
+
+    Attributes:
+        retry_after_s: when it is worth trying again, in seconds.
+    """
+
+    def __init__(self, message: str, retry_after_s: int = 5) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+# SQLite's answers that say "not now" or "not this file" rather than "this request is wrong"
+UNAVAILABLE = (OperationalError, DatabaseError, OSError)
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    """True when ``exc`` is the store failing (locked, full, I/O, corrupt), not a bad request.
+
+    Example:
+        >>> is_unavailable(OperationalError("INSERT", {}, Exception("database is locked")))
+        True
+    """
+    if isinstance(exc, StoreUnavailable):
+        return True
+    if isinstance(exc, IntegrityError | ProgrammingError):
+        return False
+    return isinstance(exc, UNAVAILABLE)
 
 
 def token_hash(token: str) -> str:
@@ -140,6 +188,7 @@ class Store:
             pool_timeout=30,
         )
         event.listen(self.engine, "connect", _pragmas)
+        event.listen(self.engine, "handle_error", _drop_broken)
         self._write = threading.Lock()
         self.migrate()
 
@@ -148,10 +197,34 @@ class Store:
         self.engine.dispose()
 
     @contextmanager
-    def tx(self) -> Iterator[Connection]:
-        """A write transaction; writers are serialised here rather than by SQLite's retry."""
-        with self._write, self.engine.begin() as conn:
-            yield conn
+    def tx(self, timeout_s: float | None = None) -> Iterator[Connection]:
+        """A write transaction; writers are serialised here rather than by SQLite's retry.
+
+        Args:
+            timeout_s: most seconds to wait for the write lock (this process's, then
+                SQLite's); None waits for SQLite's busy timeout (30 s).
+
+        Raises:
+            StoreUnavailable: another write of this process held the lock for ``timeout_s``.
+            sqlalchemy.exc.OperationalError: SQLite's lock stayed held, the disk is full, ...
+        """
+        if not self._write.acquire(timeout=-1 if timeout_s is None else timeout_s):
+            raise StoreUnavailable(f"the job store was busy for {timeout_s:g}s")
+        try:
+            with self.engine.begin() as conn:
+                if timeout_s is None:
+                    yield conn
+                    return
+                conn.exec_driver_sql(f"PRAGMA busy_timeout={int(timeout_s * 1000)}")
+                try:
+                    yield conn
+                finally:
+                    # a connection-level setting; on a connection already dropped there is
+                    # nothing to set (and the first error is the one to report)
+                    with suppress(SQLAlchemyError):
+                        conn.exec_driver_sql(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        finally:
+            self._write.release()
 
     def migrate(self) -> int:
         """Upgrade the schema to :data:`SCHEMA_VERSION`; return the version found before.
@@ -245,15 +318,18 @@ class Store:
 
     # jobs -------------------------------------------------------------------------------
 
-    def insert_job(self, conn: Connection, user: str, spec: JobSpec, at: float) -> int:
-        """Insert a queued job with its first transition; return its id."""
+    def insert_job(
+        self, conn: Connection, user: str, spec: JobSpec, at: float, kind: str = "job"
+    ) -> int:
+        """Insert a queued job (or session) with its first transition; return its id."""
         row = conn.execute(
             text(
                 "INSERT INTO jobs "
-                "(user, user_id, submission_id, spec, state, priority, need, created_at) "
-                f"VALUES (:u, {USER_ID}, :sid, :spec, :st, :p, :need, :t) RETURNING id"
+                "(user, user_id, submission_id, spec, state, priority, need, created_at, kind) "
+                f"VALUES (:u, {USER_ID}, :sid, :spec, :st, :p, :need, :t, :kind) RETURNING id"
             ),
             {
+                "kind": kind,
                 "u": user,
                 "sid": spec.submission_id,
                 "spec": spec.model_dump_json(),
@@ -368,6 +444,7 @@ class Store:
                 finished_at=_utc(r[10]),
                 transitions=moves[r[0]],
                 user_id=r[11],
+                kind=r[12],
             )
             for r in rows
         ]
@@ -400,6 +477,27 @@ class Store:
             rows = conn.execute(text("SELECT id FROM jobs WHERE cancel_requested = 1"))
             return {int(r[0]) for r in rows}
 
+    def add_session(
+        self, conn: Connection, job_id: int, lease_s: float, idle_timeout_s: float | None
+    ) -> None:
+        """Record a session's lease and idle timeout (its job row is inserted in ``conn``)."""
+        conn.execute(
+            text("INSERT INTO sessions (job_id, lease_s, idle_timeout_s) VALUES (:j, :l, :i)"),
+            {"j": job_id, "l": lease_s, "i": idle_timeout_s},
+        )
+
+    def session_terms(self) -> dict[int, tuple[float, float | None]]:
+        """Job id -> (lease, idle timeout) of every session not finished yet."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                text(
+                    "SELECT s.job_id, s.lease_s, s.idle_timeout_s FROM sessions s "
+                    "JOIN jobs j ON j.id = s.job_id "
+                    "WHERE j.state NOT IN ('succeeded', 'failed', 'cancelled')"
+                )
+            ).all()
+        return {int(r[0]): (float(r[1]), r[2]) for r in rows}
+
     def count_by_state(self) -> dict[str, int]:
         """Number of jobs in each state that has any."""
         with self.engine.connect() as conn:
@@ -426,10 +524,21 @@ def _now() -> float:
     return datetime.now(UTC).timestamp()
 
 
+def _drop_broken(ctx: Any) -> None:
+    """A connection that met a damaged file is dropped (with the pool), not reused.
+
+    SQLite keeps answering "file is not a database" on a connection that once read a damaged
+    header, even after the file is repaired; new connections read it afresh.
+    """
+    orig = ctx.original_exception
+    if isinstance(orig, sqlite3.DatabaseError) and type(orig) is sqlite3.DatabaseError:
+        ctx.is_disconnect = True
+
+
 def _pragmas(dbapi_conn: Any, record: Any) -> None:
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")
     cur.execute("PRAGMA synchronous=NORMAL")
     cur.execute("PRAGMA foreign_keys=ON")
-    cur.execute("PRAGMA busy_timeout=30000")
+    cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
     cur.close()

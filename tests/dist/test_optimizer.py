@@ -65,6 +65,8 @@ CASES = [
     TrainCase("sgd-unused-bucket-per-grad", unused=True, fusion=0),
     TrainCase("adam-accumulate2-bucket-per-grad", opt="adam", passes=2, fusion=0),
     TrainCase("sgd-fp16-small-buckets", compression="fp16", fusion=64),
+    TrainCase("sgd-fp16-predivide", compression="fp16", predivide=2.0),
+    TrainCase("sgd-bf16-predivide-bucket-per-grad", compression="bf16", predivide=2.0, fusion=0),
     TrainCase("sgd-sparse-embedding", embed=True, momentum=0.0),
 ]
 

@@ -1,6 +1,7 @@
 """`%dist_submit`: the cells that trained on real engines run again as a job of a real service.
 
-Real ipyparallel engines (CPU, gloo), a real uvicorn service on 127.0.0.1 with 2 CPU slots, and
+Real ipyparallel engines (CPU, gloo; a session of the service, since HORA_URL is set), a real
+uvicorn service on 127.0.0.1 with 4 CPU slots (2 for the engines, 2 for the job), and
 the job's ranks started by its local runtime.
 """
 
@@ -42,7 +43,7 @@ print(f"final loss {final:.8f}")
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceServer]:
-    with ServiceServer(tmp_path_factory.mktemp("svc-submit"), cpu_slots=2) as srv:
+    with ServiceServer(tmp_path_factory.mktemp("svc-submit"), cpu_slots=4) as srv:
         yield srv
 
 

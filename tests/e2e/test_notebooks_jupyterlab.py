@@ -7,6 +7,10 @@ the kernel to finish and checks the rendered outputs: hello lines from ranks 0 a
 allreduce result, pulled values. Then it shuts the server down through its REST API and checks
 that no process it started (server, kernel, controller, engines) is left.
 
+A second test runs a notebook whose ``%dist_start`` goes through a real hora service (2 CPU
+slots, both held by a job) and checks that the page shows the queued request live, then the
+engines once the job ends.
+
 Skipped only when /usr/bin/chromium is missing (CI installs it).
 """
 
@@ -22,8 +26,10 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import nbformat
 import pytest
@@ -137,10 +143,18 @@ def _stop(server: LabServer, tag: str) -> list[int]:
 
 @pytest.fixture
 def lab(tmp_path: Path) -> Iterator[LabServer]:
+    with run_lab(tmp_path) as server:
+        yield server
+
+
+@contextmanager
+def run_lab(tmp_path: Path, extra_env: dict[str, str] | None = None) -> Iterator[LabServer]:
+    """A jupyter lab server on a copy of notebooks/; stopped, and checked for leftovers, after."""
     root = tmp_path / "notebooks"
     shutil.copytree(NOTEBOOKS, root, ignore=shutil.ignore_patterns("*.py", ".ipynb_checkpoints"))
     tag = new_tag()
     env = tagged_env(tag)
+    env.update(extra_env or {})
     for var, sub in [
         ("JUPYTERLAB_SETTINGS_DIR", "lab-settings"),
         ("JUPYTERLAB_WORKSPACES_DIR", "lab-workspaces"),
@@ -254,3 +268,69 @@ def test_quickstart_runs_in_jupyterlab(lab: LabServer, tmp_path: Path) -> None:
         "2 engines ready in",
     ]:
         assert expected in text, f"{expected!r} not rendered; outputs:\n{text}"
+
+
+QUEUED_CELLS = [
+    "%dist_start -n 1 --timeout 30",
+    "%%distributed\nprint('after the queue: rank', hvd.rank(), 'of', hvd.size())",
+]
+GATE = """import pathlib, sys, time
+gate = pathlib.Path(sys.argv[1])
+while not gate.exists():
+    time.sleep(0.1)
+"""
+
+
+def test_a_queued_start_shows_live_in_jupyterlab(tmp_path: Path) -> None:
+    from helpers.service_server import ServiceServer
+
+    gate, script = tmp_path / "gate", tmp_path / "gate.py"
+    script.write_text(GATE)
+    env = {"HORA_SESSION_LEASE_S": "10"}
+    with ServiceServer(tmp_path / "svc", {"ann": False, "root": True}, 2, env) as srv:
+        with srv.client("root") as root:
+            job = root.post(
+                "/v1/jobs", json={"command": [sys.executable, str(script), str(gate)], "workers": 2}
+            ).json()
+            try:
+                text = _run_queued_notebook(tmp_path, srv, gate)
+            finally:
+                gate.write_text("go")
+    assert f"job {job['id']} (root) holds slots 0,1" in text, text
+    assert "slots granted after" in text and "1 engines ready in" in text, text
+    assert f"from the hora service at {srv.url}" in text, text
+    assert "after the queue: rank 0 of 1" in text, text
+
+
+def _run_queued_notebook(tmp_path: Path, srv: Any, gate: Path) -> str:
+    lab_env = {
+        "HORA_URL": srv.url,
+        "HORA_TOKEN": srv.tokens["ann"],
+        "HORA_CONFIG": str(tmp_path / "no-config"),
+    }
+    with run_lab(tmp_path, lab_env) as lab:
+        nb = nbformat.v4.new_notebook()
+        nb.metadata["kernelspec"] = {"name": "hora", "display_name": "Python 3 (hora)"}
+        nb.cells = [nbformat.v4.new_code_cell(c) for c in QUEUED_CELLS]
+        nbformat.write(nb, lab.root / "queued.ipynb")
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page(viewport={"width": 1400, "height": 1000})
+                page.set_default_timeout(60_000)
+                page.goto(f"{lab.url}/lab/tree/queued.ipynb?token={lab.token}")
+                page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for()
+                _wait_kernel_idle(page)
+                page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
+                page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+                # the queued request is shown live in the cell while the job holds the slots
+                page.locator(
+                    ".jp-OutputArea-output", has_text="queued: position 1"
+                ).first.wait_for()
+                queued = _outputs_text(page)
+                gate.write_text("go")  # the job ends; the session gets its slots
+                _wait_for_run(page, timeout=120)
+                text = _outputs_text(page)
+            finally:
+                browser.close()
+    return queued + "\n" + text

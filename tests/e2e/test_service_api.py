@@ -325,7 +325,10 @@ def test_oversized_body_is_413_and_server_survives(
 
 
 def test_openapi_documents_the_api(server: ServiceServer) -> None:
-    schema = httpx.get(server.url + "/openapi.json").json()
+    for page in ("/openapi.json", "/docs", "/redoc"):  # only /healthz answers without a token
+        assert httpx.get(server.url + page).status_code == 401
+        assert httpx.get(server.url + page, headers=server.auth("ann")).status_code == 200
+    schema = httpx.get(server.url + "/openapi.json", headers=server.auth("ann")).json()
     paths = schema["paths"]
     for path in (
         "/v1/jobs",

@@ -160,15 +160,16 @@ def test_jobs_status_and_gpus_tables(
         c.job(job_id).wait(60)
     jobs = hora_cmd(server, tmp_path, "jobs", "--state", "failed")
     # this service has CPU slots only: what a worker holds is called a slot, not a GPU
-    assert jobs.returncode == 0 and jobs.stdout.split()[:5] == [
+    assert jobs.returncode == 0 and jobs.stdout.split()[:6] == [
         "ID",
+        "KIND",
         "NAME",
         "USER",
         "STATE",
         "WORKERSxSLOTS",
     ]
     row = next(line for line in jobs.stdout.splitlines() if line.split()[0] == str(job_id))
-    assert row.split()[1:5] == ["tabled", "ann", "failed", "2x1"]
+    assert row.split()[1:6] == ["job", "tabled", "ann", "failed", "2x1"]
     status = hora_cmd(server, tmp_path, "status", str(job_id))
     assert status.returncode == 0 and "state:    failed" in status.stdout
     assert "workers:  2 x 1 slot " in status.stdout and "GPU" not in status.stdout

@@ -201,7 +201,8 @@ class ServiceServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
             try:
-                if httpx.get(self.url + "/healthz", timeout=2).status_code == 200:
+                # 503: up, but its store is degraded (a full disk in a test)
+                if httpx.get(self.url + "/healthz", timeout=2).status_code in (200, 503):
                     self._start_sampler()
                     return self
             except httpx.TransportError:

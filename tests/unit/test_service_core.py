@@ -589,3 +589,23 @@ def test_shim_log_keeps_the_newest_half_past_its_limit(tmp_path: Path) -> None:
     body = path.read_bytes()
     assert len(body) <= 1 << 12 and body.endswith(b"b" * 1048 + b"c" * 1000)
     assert body.count(b"[hora: log truncated") == 1 and log.size == len(body)
+
+
+def test_engines_and_service_find_the_same_gpus_without_nvidia_smi(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hora.inventory import GpuInfo, visible_gpus
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 2\n")  # stands in for torch on a GPU machine
+    fake.chmod(0o755)
+    env = {"PATH": str(tmp_path)}
+    assert visible_gpus(env, dev=tmp_path, python=str(fake)) == []  # no /dev/nvidia*
+    (tmp_path / "nvidia0").touch()
+    assert visible_gpus(env, dev=tmp_path, python=str(fake)) == [GpuInfo("0"), GpuInfo("1")]
+    assert [s.index for s in detect_gpus(str(fake), dev=tmp_path)] == [0, 1]  # the service's
+    env["CUDA_VISIBLE_DEVICES"] = "1"
+    assert visible_gpus(env, dev=tmp_path, python=str(fake)) == [GpuInfo("1")]
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    assert visible_gpus(env, dev=tmp_path, python=str(fake)) == []

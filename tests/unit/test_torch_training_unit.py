@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hora.torch.compression import Compression
-from hora.torch.optimizer import FIRST_BUCKET_BYTES, _plan, fusion_threshold_bytes
+from hora.torch.compression import Compression, FP16Compressor, cast_dtype
+from hora.torch.optimizer import (
+    FIRST_BUCKET_BYTES,
+    SOLO_BYTES,
+    _plan,
+    fusion_threshold_bytes,
+)
 
 
 @pytest.mark.parametrize(("comp", "wire"), [(Compression.fp16, torch.float16),
@@ -71,3 +76,29 @@ def test_plan_splits_by_dtype() -> None:
 
 def test_plan_num_groups() -> None:
     assert _plan(_params(*[10] * 6), 10**9, 3) == [[5, 4], [3, 2], [1, 0]]
+
+
+def test_plan_gives_a_large_gradient_its_own_bucket_and_closes_the_open_one() -> None:
+    solo = SOLO_BYTES // 4  # float32 elements
+    params = _params(10, solo, 10, 10)
+    # backward order 3, 2, 1, 0: the bucket holding 3 and 2 closes before 1 goes alone, so it
+    # is launched without waiting for 0, which comes after
+    assert _plan(params, 25 * 1024 * 1024, 0) == [[3, 2], [1], [0]]
+    assert _plan(params, 0, 0) == [[3], [2], [1], [0]]
+
+
+@pytest.mark.parametrize(("comp", "wire"), [
+    (Compression.fp16, torch.float16), (Compression.bf16, torch.bfloat16),
+    (FP16Compressor(), torch.float16), (Compression.none, None),
+])
+def test_cast_dtype_names_the_wire_dtype_of_plain_casts(comp: object, wire: object) -> None:
+    assert cast_dtype(comp) == wire
+
+
+def test_cast_dtype_is_none_for_a_subclass_with_its_own_compress() -> None:
+    class Scaled(FP16Compressor):
+        @staticmethod
+        def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, object]:
+            return (tensor * 2).half(), tensor.dtype
+
+    assert cast_dtype(Scaled) is None

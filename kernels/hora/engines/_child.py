@@ -9,15 +9,23 @@ ipyparallel's own ``main`` it adds what the notebook needs:
   and on SIGUSR1 (the kernel asks for a stuck rank's current stack, written to a per-engine file);
 * in engines, torch is imported and ``hora.torch.init()`` runs in a background thread while
   the engine registers with the controller (cold start overlaps the two).
+
+``session-engine`` is an engine the hora service starts for a notebook's session (see
+``hora_service.sessions``): it reads the controller's engine connection info from
+``HORA_ENGINE_CONNECTION`` (JSON checked by the service), writes it and its stack file into a
+private directory of its own, and runs as an engine; its parent is the service's rank shim.
 """
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
+import json
 import os
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 
@@ -58,6 +66,33 @@ def _engine(args: list[str]) -> None:
     main()
 
 
+CONNECTION_VAR = "HORA_ENGINE_CONNECTION"
+
+
+def _session_engine() -> None:
+    """An engine of a service session: connect with the info the service passed (see above)."""
+    info = json.loads(os.environ.pop(CONNECTION_VAR))  # not inherited by the user's children
+    home = tempfile.mkdtemp(prefix="hora-session-engine-")  # mode 0700: the key stays ours
+    atexit.register(shutil.rmtree, home, True)
+    url = os.path.join(home, "engine.json")
+    with open(os.open(url, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        json.dump(info, f)
+    from hora.engines import bootstrap
+
+    stack = os.path.join(home, "stack.txt")
+    open(stack, "w").close()
+    bootstrap.STACK_FILE[:] = [stack]
+    _engine(
+        [
+            f"--stack-file={stack}",
+            f"--profile-dir={home}",
+            "--log-level=WARN",
+            f"--IPEngine.url_file={url}",
+            "--IPEngine.enable_nanny=False",
+        ]
+    )
+
+
 def _controller(args: list[str]) -> None:
     from ipyparallel.controller.app import main
 
@@ -74,10 +109,15 @@ def run(argv: list[str]) -> None:
     ).start()
     if argv[:1] == ["engine"]:
         _engine(argv[1:])
+    elif argv[:1] == ["session-engine"]:
+        _session_engine()
     elif argv[:1] == ["controller"]:
         _controller(argv[1:])
     else:
-        sys.exit(f"usage: python -m hora.engines._child controller|engine [args]; got {argv[:1]}")
+        sys.exit(
+            "usage: python -m hora.engines._child controller|engine|session-engine [args]; "
+            f"got {argv[:1]}"
+        )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ from typing import Any
 _BG_DONE = threading.Event()
 _BG_ERROR: list[BaseException] = []
 _BG_STARTED = False
+# where an engine started by the service writes its stack on SIGUSR1 (the kernel reads it)
+STACK_FILE: list[str] = []
 
 
 def _background_init() -> None:
@@ -80,7 +82,11 @@ def init_engine(backend: str, timeout_s: float, threads: int) -> dict[str, Any]:
     except Exception as e:
         import traceback
 
-        return {"pid": os.getpid(), "error": "".join(traceback.format_exception(e)).rstrip()}
+        return {
+            "pid": os.getpid(),
+            "rank": int(os.environ.get("RANK", "-1")),
+            "error": "".join(traceback.format_exception(e)).rstrip(),
+        }
 
 
 def _init_engine(backend: str, timeout_s: float, threads: int) -> dict[str, Any]:
@@ -107,6 +113,7 @@ def _init_engine(backend: str, timeout_s: float, threads: int) -> dict[str, Any]
         "device": str(_device()),
         "gpu": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
         "main_thread": threading.main_thread().ident,
+        "stack_file": STACK_FILE[0] if STACK_FILE else None,
     }
 
 

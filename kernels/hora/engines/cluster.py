@@ -40,6 +40,7 @@ from hora.engines.errors import (
 from hora.engines.execute import (
     CellResult,
     Engine,
+    EngineProcess,
     EnginesInterrupted,
     OutputSink,
     run_cell,
@@ -63,37 +64,17 @@ def kernel_cuda_initialized() -> bool:
 
 
 def visible_gpus(environ: dict[str, str] | None = None) -> list[plan.GpuInfo]:
-    """List the GPUs the kernel may hand to engines (nvidia-smi; never initialises CUDA here).
+    """List the GPUs the kernel may hand to engines (see :func:`hora.inventory.visible_gpus`).
 
     Args:
         environ: the kernel's environment (default ``os.environ``), for ``CUDA_VISIBLE_DEVICES``.
 
     Returns:
-        The visible GPUs with the pids using them; empty without nvidia-smi.
+        The visible GPUs with the pids using them; empty on a machine without GPUs.
     """
-    env = dict(os.environ if environ is None else environ)
-    smi = shutil.which("nvidia-smi")
-    if smi is None or env.get("CUDA_VISIBLE_DEVICES") == "":
-        return []
-    try:
-        gpus = subprocess.run(
-            [smi, "--query-gpu=index,uuid", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=15,
-            check=True,
-        ).stdout
-        apps = subprocess.run(
-            [smi, "--query-compute-apps=gpu_uuid,pid", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=15,
-            check=False,
-        ).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        log.warning("nvidia-smi failed (%s); starting CPU engines", e)
-        return []
-    return plan.parse_nvidia_smi(gpus, apps, env.get("CUDA_VISIBLE_DEVICES"))
+    from hora.inventory import visible_gpus as found
+
+    return found(environ)
 
 
 class Cluster(Recovery):
@@ -250,7 +231,7 @@ class Cluster(Recovery):
                 )
             time.sleep(0.02)
 
-    def _connect(self, deadline: float) -> None:
+    def _connect(self, deadline: float, n: int | None = None) -> None:
         import ipyparallel as ipp
 
         assert self._dir is not None
@@ -266,7 +247,7 @@ class Cluster(Recovery):
 
         self._wait("waiting for the controller", deadline, have_file)
         self.client = ipp.Client(info, timeout=max(1.0, deadline - time.perf_counter()))
-        n = len(self._pending)
+        n = len(self._pending) if n is None else n
         self._wait(
             f"waiting for {n} engines to register", deadline, lambda: len(self.client.ids) >= n
         )
@@ -276,7 +257,6 @@ class Cluster(Recovery):
 
     def _init_engines(self, ids: Sequence[int], deadline: float) -> list[Engine]:
         """Initialise hora.torch in the pending engines (``ids``); return them by rank."""
-        by_pid = {proc.pid: (rank, proc) for rank, proc in self._pending}
         args = (self.backend, self.options.timeout_s, self.options.threads)
         ars = {eid: self.client[eid].apply_async(bootstrap.init_engine, *args) for eid in ids}
 
@@ -289,11 +269,16 @@ class Cluster(Recovery):
             lambda: all(ar.ready() for ar in ars.values()) or any(map(failed, ars.values())),
         )
         infos = {eid: ar.get(0) for eid, ar in ars.items() if ar.ready() and ar.successful()}
-        errors = {by_pid[i["pid"]][0]: i["error"] for i in infos.values() if "error" in i}
+        errors = {self._placed(i)[0]: i["error"] for i in infos.values() if "error" in i}
         if errors or len(infos) < len(ars):
             raise _init_error(errors)
-        engines = [self._engine(eid, info, by_pid[info["pid"]]) for eid, info in infos.items()]
+        engines = [self._engine(eid, info, self._placed(info)) for eid, info in infos.items()]
         return sorted(engines, key=lambda e: e.rank)
+
+    def _placed(self, info: dict[str, Any]) -> tuple[int, EngineProcess]:
+        """The rank and process of an engine that answered ``init_engine`` (by its pid)."""
+        by_pid = {proc.pid: (rank, proc) for rank, proc in self._pending}
+        return by_pid[info["pid"]]
 
     def _engine(self, eid: int, info: dict[str, Any], placed: tuple[int, Any]) -> Engine:
         assert self._dir is not None
@@ -311,8 +296,8 @@ class Cluster(Recovery):
             host=info["host"],
             device=info["device"],
             gpu=info["gpu"],
-            stack_file=self._dir / f"stack{rank}.txt",
-            log_file=self._logs_of[rank],
+            stack_file=Path(info.get("stack_file") or self._dir / f"stack{rank}.txt"),
+            log_file=self._logs_of.get(rank, self._dir / f"engine{rank}.log"),
             main_thread=info["main_thread"],
         )
 

@@ -19,7 +19,6 @@ import logging
 import os
 import queue
 import signal
-import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -48,6 +47,17 @@ ERROR_STALL_S = 2.0
 RELEASE_GRACE_S = 10.0
 
 
+class EngineProcess(Protocol):
+    """An engine's process as the kernel watches it: a ``Popen``, or one the service started."""
+
+    @property
+    def pid(self) -> int:
+        """The process id."""
+
+    def poll(self) -> int | None:
+        """None while it runs, else its exit code."""
+
+
 @dataclass
 class Engine:
     """One running engine, as the kernel knows it (the engine-id -> rank map lives here).
@@ -68,7 +78,7 @@ class Engine:
     rank: int
     engine_id: int
     ident: bytes
-    proc: subprocess.Popen[bytes]
+    proc: EngineProcess
     host: str
     device: str
     gpu: str

@@ -17,6 +17,11 @@ from pathlib import Path
 from hora.engines.errors import CudaInitializedError, NotEnoughGpusError
 from hora.env import rank_env
 from hora.errors import SpecError
+from hora.inventory import GpuInfo, parse_gpu_apps
+
+# the names this module had before the one inventory module (tests and users import them here)
+parse_nvidia_smi = parse_gpu_apps
+__all__ = ["GpuInfo", "parse_nvidia_smi"]
 
 DEFAULT_CPU_ENGINES = 2
 DEFAULT_TIMEOUT_S = 60.0
@@ -75,19 +80,6 @@ class ClusterOptions:
             raise SpecError("start_timeout", f"must be > 0 seconds, got {self.start_timeout_s:g}")
         if self.gpus is not None and self.n is not None and len(self.gpus) != self.n:
             raise SpecError("gpus", f"{len(self.gpus)} GPUs listed for {self.n} engines")
-
-
-@dataclass(frozen=True)
-class GpuInfo:
-    """One GPU as the kernel sees it without touching CUDA (from nvidia-smi).
-
-    Attributes:
-        id: the id to put in an engine's ``CUDA_VISIBLE_DEVICES`` (index or UUID).
-        busy_pids: processes that hold a CUDA context on it.
-    """
-
-    id: str
-    busy_pids: tuple[int, ...] = ()
 
 
 def check_cuda_free(is_initialized: Callable[[], bool]) -> None:
@@ -159,35 +151,6 @@ def plan_devices(
     return list(free[:want])
 
 
-def parse_nvidia_smi(gpus_csv: str, apps_csv: str, cuda_visible: str | None) -> list[GpuInfo]:
-    """Read ``nvidia-smi`` CSV output into the GPUs this kernel may use.
-
-    Args:
-        gpus_csv: output of ``nvidia-smi --query-gpu=index,uuid --format=csv,noheader``.
-        apps_csv: output of ``nvidia-smi --query-compute-apps=gpu_uuid,pid --format=csv,noheader``.
-        cuda_visible: the kernel's ``CUDA_VISIBLE_DEVICES`` (restricts and orders), or None.
-
-    Returns:
-        The visible GPUs, each with the pids that use it.
-
-    Example:
-        >>> parse_nvidia_smi("0, GPU-a", "GPU-a, 42", "0")
-        [GpuInfo(id='0', busy_pids=(42,))]
-    """
-    rows = [[c.strip() for c in line.split(",")] for line in gpus_csv.splitlines() if line.strip()]
-    busy: dict[str, list[int]] = {}
-    for line in apps_csv.splitlines():
-        cols = [c.strip() for c in line.split(",")]
-        if len(cols) >= 2 and cols[1].isdigit():
-            busy.setdefault(cols[0], []).append(int(cols[1]))
-    by_key = {key: (idx, uuid) for idx, uuid in rows for key in (idx, uuid)}
-    if cuda_visible is None:
-        chosen = [idx for idx, _ in rows]
-    else:
-        chosen = [v.strip() for v in cuda_visible.split(",") if v.strip() and v.strip() in by_key]
-    return [GpuInfo(v, tuple(busy.get(by_key[v][1], ()))) for v in chosen]
-
-
 def engine_env(
     base: Mapping[str, str],
     *,
@@ -253,8 +216,55 @@ def engine_env(
     return env
 
 
-def controller_argv(profile_dir: Path, python: str = sys.executable) -> list[str]:
-    """Return the controller's command line (schedulers in threads, fast heartbeat, loopback)."""
+ENGINE_CHANNELS = ("control", "mux", "task", "iopub", "hb_ping", "hb_pong")
+CLIENT_CHANNELS = ("control", "mux", "task", "iopub", "notification", "broadcast")
+LEAF_SCHEDULERS = 2  # ipyparallel's broadcast tree of depth 1 has two leaves
+CONNECTION_PORTS = 1 + len(ENGINE_CHANNELS) + LEAF_SCHEDULERS + len(CLIENT_CHANNELS)
+
+
+def connection_files(
+    ports: Sequence[int], key: str, location: str
+) -> tuple[dict[str, object], dict[str, object]]:
+    """The controller's engine and client connection files, chosen before it starts.
+
+    The controller started with ``--reuse`` binds what they say, so engines started elsewhere
+    (by the hora service) can be told where to connect while the controller is still starting.
+
+    Args:
+        ports: :data:`CONNECTION_PORTS` distinct free ports on 127.0.0.1.
+        key: the session key that signs messages.
+        location: this host's name.
+
+    Returns:
+        ``(engine, client)`` as ipyparallel writes them to ``ipcontroller-*-{engine,client}.json``.
+
+    Example:
+        >>> engine, client = connection_files(range(1, 16), "k", "vm")
+        >>> engine["registration"] == client["registration"], engine["broadcast"]
+        (True, [8, 9])
+    """
+    if len(set(ports)) != CONNECTION_PORTS:
+        raise SpecError("ports", f"need {CONNECTION_PORTS} distinct ports, got {list(ports)}")
+    it = iter(ports)
+    common = {"ssh": "", "interface": "tcp://127.0.0.1", "registration": next(it)}
+    tail = {
+        "key": key, "curve_serverkey": None, "location": location, "pack": "json",
+        "unpack": "json", "signature_scheme": "hmac-sha256",
+    }  # fmt: skip
+    engine: dict[str, object] = {**common, **{c: next(it) for c in ENGINE_CHANNELS}}
+    engine["broadcast"] = [next(it) for _ in range(LEAF_SCHEDULERS)]
+    client: dict[str, object] = {**common, **{c: next(it) for c in CLIENT_CHANNELS}}
+    client["task_scheme"] = "leastload"
+    return {**engine, **tail}, {**client, **tail}
+
+
+def controller_argv(
+    profile_dir: Path, python: str = sys.executable, reuse: bool = False
+) -> list[str]:
+    """Return the controller's command line (schedulers in threads, fast heartbeat, loopback).
+
+    With ``reuse`` it binds the connection files already in ``profile_dir``.
+    """
     return [
         python,
         "-m",
@@ -267,6 +277,7 @@ def controller_argv(profile_dir: Path, python: str = sys.executable) -> list[str
         "--log-level=WARN",
         f"--HeartMonitor.period={HEARTBEAT_MS}",
         f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
+        *(["--reuse"] if reuse else []),
     ]
 
 

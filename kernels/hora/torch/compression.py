@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["BF16Compressor", "Compression", "Compressor", "FP16Compressor", "NoneCompressor"]
+__all__ = ["BF16Compressor", "Compression", "Compressor", "FP16Compressor", "NoneCompressor",
+           "cast_dtype"]
 
 
 class Compressor:
@@ -125,3 +126,30 @@ class Compression:
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
+
+
+def cast_dtype(compression: Any) -> torch.dtype | None:
+    """Return the wire dtype when ``compression`` is a plain cast (hora's fp16 or bf16).
+
+    :class:`DistributedOptimizer` then casts each gradient straight into a wire buffer it keeps
+    across steps, and straight back after the reduction, instead of calling ``compress`` and
+    ``decompress`` (which allocate a new tensor each way). A subclass that overrides either
+    method is called as it is.
+
+    Args:
+        compression: a compressor class or instance.
+
+    Returns:
+        The dtype that floating-point tensors wider than it travel as, or None.
+
+    Example:
+        >>> cast_dtype(Compression.fp16), cast_dtype(Compression.none)
+        (torch.float16, None)
+    """
+    cls = compression if isinstance(compression, type) else type(compression)
+    if not issubclass(cls, _CastCompressor):
+        return None
+    below = cls.__mro__[: cls.__mro__.index(_CastCompressor)]
+    if any("compress" in c.__dict__ or "decompress" in c.__dict__ for c in below):
+        return None
+    return cls.wire_dtype

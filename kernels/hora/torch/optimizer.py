@@ -7,7 +7,10 @@ the default process group, so communication overlaps the rest of backward. Bucke
 in reverse registration order (the order backward produces gradients, like DDP) up to the
 fusion threshold (``HORA_FUSION_THRESHOLD`` / ``HOROVOD_FUSION_THRESHOLD`` bytes) and are always
 launched in bucket order, so every rank issues the same collectives in the same order even
-when some parameters got no gradient on some ranks. ``synchronize()`` (called by ``step()``)
+when some parameters got no gradient on some ranks. A gradient of ``SOLO_BYTES`` or more gets a
+bucket of its own and is scaled and reduced in place, in its own ``.grad``: no copy into a
+fusion buffer and out again. With fp16/bf16 compression, gradients are cast straight into a
+wire buffer kept across steps and cast straight back. ``synchronize()`` (called by ``step()``)
 fills the slots whose hooks did not fire (with the existing gradient, or zeros), launches what
 is left, waits, and points each ``param.grad`` at its slot of the reduced bucket (no copy back).
 """
@@ -15,6 +18,7 @@ is left, waits, and points each ``param.grad`` at its slot of the reduced bucket
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -28,7 +32,7 @@ from hora.torch import _state, timeline
 from hora.torch._handles import hold_works
 from hora.torch._process_sets import check_process_set, global_process_set
 from hora.torch._stall import wait_work
-from hora.torch.compression import Compression
+from hora.torch.compression import Compression, cast_dtype
 from hora.torch.mpi_ops import Adasum, Average, Sum
 
 __all__ = ["DistributedOptimizer", "GradientCountError", "fusion_threshold_bytes"]
@@ -40,6 +44,9 @@ log = logging.getLogger("hora.torch")
 DEFAULT_FUSION_THRESHOLD = 25 * 1024 * 1024
 # Like DDP's first bucket: a small one closes early so communication starts early in backward.
 FIRST_BUCKET_BYTES = 1024 * 1024
+# A gradient this large is reduced alone and in place (its own .grad, no fusion buffer), as soon
+# as it is ready: fusing it saves no latency worth a copy in and out (bench/RESULTS.md, 2).
+SOLO_BYTES = 4 * 1024 * 1024
 
 
 class GradientCountError(HoraError):
@@ -78,33 +85,67 @@ def fusion_threshold_bytes(environ: dict[str, str] | None = None) -> int:
 
 
 class _Bucket:
-    """A flat buffer holding several gradients of one dtype and device, reduced as one."""
+    """Gradients of one dtype and device reduced by one collective.
+
+    A fused bucket owns a flat buffer; each gradient is copied (scaled) into its slot and
+    ``param.grad`` then points at that slot. A *solo* bucket holds one large gradient and
+    reduces ``param.grad`` itself, in place: no fusion buffer, no copy in or out.
+    """
 
     __slots__ = ("flat", "index", "nbytes", "names", "params", "pending", "sparse", "t_done",
-                 "t_launch", "t_ready", "views", "wire", "ctx", "work")
+                 "t_launch", "t_ready", "views", "wire", "wire_views", "ctx", "work", "left",
+                 "solo", "cast")
 
-    def __init__(self, index: int, params: list[torch.Tensor], names: list[str]) -> None:
-        self.index, self.params, self.names = index, params, names
+    def __init__(self, index: int, params: list[torch.Tensor], names: list[str], solo: bool,
+                 cast: torch.dtype | None) -> None:
+        self.index, self.params, self.names, self.solo = index, params, names, solo
         total = sum(p.numel() for p in params)
-        self.flat = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
+        self.nbytes = total * params[0].element_size()
+        dtype = params[0].dtype
+        # compression by a cast: the wire buffer is kept across steps, gradients are cast
+        # straight into it (one pass) and cast straight back after the reduction
+        self.cast = cast if cast is not None and _narrows(dtype, cast) else None
+        self.flat: torch.Tensor | None = None
         self.views: list[torch.Tensor] = []
-        offset = 0
-        for p in params:
-            self.views.append(self.flat[offset : offset + p.numel()].view(p.shape))
-            offset += p.numel()
-        self.nbytes = total * self.flat.element_size()
+        self.wire_views: list[torch.Tensor] = []
+        self.wire: torch.Tensor | None = None
+        if not solo:
+            self.flat = torch.zeros(total, dtype=dtype, device=params[0].device)
+            self.views = _views(self.flat, params)
+        if self.cast is not None:
+            self.wire = torch.zeros(total, dtype=self.cast, device=params[0].device)
+            self.wire_views = _views(self.wire, params)
         self.pending = len(params)
+        self.left = [0] * len(params)
         self.sparse: list[int] = []
         self.work: Any = None
-        self.wire: torch.Tensor | None = None
         self.ctx: Any = None
         self.t_ready: list[tuple[int, int]] = [(0, 0)] * len(params)
         self.t_launch = 0
         self.t_done = 0
 
 
+def _views(flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for p in params:
+        out.append(flat[offset : offset + p.numel()].view(p.shape))
+        offset += p.numel()
+    return out
+
+
+def _narrows(dtype: torch.dtype, wire: torch.dtype) -> bool:
+    """Whether a cast compressor with this wire dtype casts tensors of ``dtype``."""
+    return bool(dtype.is_floating_point and dtype != wire
+                and torch.finfo(dtype).bits > torch.finfo(wire).bits)
+
+
 def _plan(params: list[torch.Tensor], threshold: int, num_groups: int) -> list[list[int]]:
-    """Split parameter indices into buckets, in reverse order, by dtype/device and size."""
+    """Split parameter indices into buckets, in reverse order, by dtype/device and size.
+
+    A gradient of ``SOLO_BYTES`` or more (or of the threshold, if that is smaller) gets a
+    bucket of its own, launched as soon as it is ready: the bucket still open for its kind
+    closes first, so nothing queued before it waits for gradients that come later.
+    """
     order = list(range(len(params)))[::-1]
     if num_groups > 0:
         per = -(-len(order) // num_groups)
@@ -115,6 +156,10 @@ def _plan(params: list[torch.Tensor], threshold: int, num_groups: int) -> list[l
     for i in order:
         p = params[i]
         key = (p.dtype, p.device)
+        if _solo(p, threshold):
+            open_[key] = ([], 0)
+            buckets.append([i])
+            continue
         members, size = open_.get(key, ([], 0))
         if not members:
             buckets.append(members)
@@ -123,6 +168,10 @@ def _plan(params: list[torch.Tensor], threshold: int, num_groups: int) -> list[l
         limit = min(threshold, FIRST_BUCKET_BYTES) if len(buckets) == 1 else threshold
         open_[key] = ([], 0) if size >= limit else (members, size)
     return buckets
+
+
+def _solo(p: torch.Tensor, threshold: int) -> bool:
+    return p.numel() * p.element_size() >= min(threshold, SOLO_BYTES)
 
 
 def _split_by_kind(params: list[torch.Tensor], idx: list[int]) -> list[list[int]]:
@@ -196,17 +245,18 @@ class _Reducer:
         live = [(name, p) for name, p in named if p.requires_grad]
         params = [p for _, p in live]
         plan = self._plan(params, cfg)
-        self.buckets = [_Bucket(b, [params[i] for i in idx], [live[i][0] for i in idx])
-                        for b, idx in enumerate(plan)]
-        self.slot: dict[torch.Tensor, tuple[_Bucket, int]] = {}
-        for b in self.buckets:
-            for k, p in enumerate(b.params):
-                self.slot[p] = (b, k)
-        self.delay = dict.fromkeys(params, self.passes)
+        cast = cast_dtype(self.compression)
+        self.buckets = [
+            _Bucket(b, [params[i] for i in idx], [live[i][0] for i in idx],
+                    len(idx) == 1 and _solo(params[idx[0]], cfg["fusion_threshold"]), cast)
+            for b, idx in enumerate(plan)]
         self.next = 0
         self.dirty = False
         self.tl = timeline.enabled()
-        self.handles = [p.register_post_accumulate_grad_hook(self.on_grad) for p in params]
+        self._reset()
+        # one bound hook per gradient: the hot path looks nothing up
+        self.handles = [p.register_post_accumulate_grad_hook(functools.partial(self.on_grad, b, k))
+                        for b in self.buckets for k, p in enumerate(b.params)]
         hold_works(self)
 
     def release_works(self) -> None:
@@ -232,9 +282,9 @@ class _Reducer:
         self.handles = []
 
     # -- hot path ---------------------------------------------------------------------------
-    def on_grad(self, p: torch.Tensor) -> None:
-        left = self.delay[p] - 1
-        self.delay[p] = left
+    def on_grad(self, b: _Bucket, k: int, p: torch.Tensor) -> None:
+        left = b.left[k] - 1
+        b.left[k] = left
         if left > 0:
             return
         if left < 0:
@@ -242,7 +292,6 @@ class _Reducer:
                 "gradients were computed more than backward_passes_per_step="
                 f"{self.passes} times before step() or synchronize(); increase "
                 "backward_passes_per_step to accumulate gradients locally")
-        b, k = self.slot[p]
         self._copy_in(b, k, p)
         b.pending -= 1
         if b.pending == 0 and b.index == self.next:
@@ -258,18 +307,33 @@ class _Reducer:
         b.t_ready[k] = (t0, timeline.now_ns())
 
     def _copy(self, b: _Bucket, k: int, p: torch.Tensor) -> None:
-        view, g = b.views[k], p.grad
-        if g is None:
-            view.zero_()
-            return
-        if g.is_sparse:
+        g = p.grad
+        if g is not None and g.is_sparse:
             if not self.sparse_as_dense:
                 b.sparse.append(k)
             g = g.to_dense()
-        if self.pre != 1.0:
-            torch.mul(g, self.pre, out=view)
-        elif g.data_ptr() != view.data_ptr():
-            view.copy_(g)
+        if b.solo:
+            b.flat = g = self._solo_target(p, g, b.cast is None)
+            if b.cast is None:
+                if self.pre != 1.0:
+                    g.mul_(self.pre)
+                return
+        dst = b.wire_views[k] if b.cast is not None else b.views[k]
+        if g is None:
+            dst.zero_()
+        elif self.pre != 1.0:
+            torch.mul(g, self.pre, out=dst)
+        elif g.data_ptr() != dst.data_ptr():
+            dst.copy_(g)
+
+    @staticmethod
+    def _solo_target(p: torch.Tensor, g: torch.Tensor | None, dense: bool) -> torch.Tensor:
+        """The tensor a solo bucket reduces in place: the gradient itself where it can be."""
+        if g is None:
+            return torch.zeros_like(p, memory_format=torch.contiguous_format)
+        if dense and not g.is_contiguous():
+            return g.contiguous()
+        return g
 
     def _launch_ready(self) -> None:
         while self.next < len(self.buckets) and self.buckets[self.next].pending == 0:
@@ -280,9 +344,9 @@ class _Reducer:
         st = self.state
         st.seq += 1
         st.last_op = "allreduce"
-        wire, b.ctx = self.compression.compress(b.flat)
-        b.wire = wire
-        b.work = dist.all_reduce(wire, group=st.group, async_op=True)
+        if b.cast is None:
+            b.wire, b.ctx = self.compression.compress(b.flat)
+        b.work = dist.all_reduce(b.wire, group=st.group, async_op=True)
         if self.tl:
             b.t_launch = timeline.now_ns()
             b.work.get_future().add_done_callback(
@@ -293,7 +357,7 @@ class _Reducer:
         for b in self.buckets[self.next :]:
             if b.pending:
                 for k, p in enumerate(b.params):
-                    if self.delay[p] > 0:
+                    if b.left[k] > 0:
                         self._copy_in(b, k, p)
                 b.pending = 0
         self._launch_ready()
@@ -308,15 +372,22 @@ class _Reducer:
         if self.tl:
             self._record(b, b.t_done or timeline.now_ns())
         out = b.flat
-        if b.wire is not out:
-            out.copy_(self.compression.decompress(b.wire, b.ctx))
-        if self.post != 1.0:
-            out.mul_(self.post)
-        for p, v in zip(b.params, b.views, strict=True):
+        if out is None:  # a solo bucket gets its tensor in _copy, which synchronize() ensures
+            raise HoraError(f"internal: bucket {b.index} ({b.names[0]}) was never filled")
+        if b.cast is not None and b.wire is not None:
+            wire = b.wire_views[0] if b.solo else b.wire
+            torch.mul(wire, self.post, out=out) if self.post != 1.0 else out.copy_(wire)
+        else:
+            if b.wire is not out:
+                out.copy_(self.compression.decompress(b.wire, b.ctx))
+            if self.post != 1.0:
+                out.mul_(self.post)
+        views = [out] if b.solo else b.views
+        for p, v in zip(b.params, views, strict=True):
             if p.grad is not v:
                 p.grad = v
         for k in b.sparse:
-            b.params[k].grad = b.views[k].to_sparse()
+            b.params[k].grad = views[k].to_sparse()
 
     def _record(self, b: _Bucket, t_end: int) -> None:
         args = {"bucket": b.index, "bucket_bytes": b.nbytes}
@@ -330,11 +401,14 @@ class _Reducer:
     def _reset(self) -> None:
         for b in self.buckets:
             b.pending = len(b.params)
-            b.work = b.wire = b.ctx = None
+            b.left = [self.passes] * len(b.params)
+            b.work = b.ctx = None
+            if b.cast is None:
+                b.wire = None
+            if b.solo:
+                b.flat = None
             b.sparse.clear()
             b.t_done = 0
-        for p in self.delay:
-            self.delay[p] = self.passes
         self.next = 0
         self.dirty = False
         self.tl = timeline.enabled()
@@ -467,7 +541,7 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's name: a factory that looks l
     The returned object is an instance of a subclass of ``type(optimizer)`` sharing its state
     (use it instead of the original). Gradient allreduces start during ``backward()``, fused
     into buckets of ``HORA_FUSION_THRESHOLD`` (or ``HOROVOD_FUSION_THRESHOLD``) bytes, default
-    25 MiB; ``step()`` waits for them.
+    25 MiB (a gradient of 4 MiB or more is reduced alone, in place); ``step()`` waits for them.
 
     Args:
         optimizer: the torch optimizer to wrap.

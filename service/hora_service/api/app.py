@@ -16,20 +16,27 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import hora
-from fastapi import FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Request, Response
 from fastapi.exception_handlers import http_exception_handler
-from fastapi.responses import JSONResponse
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse
 from hora.errors import HoraError, SpecError
+from sqlalchemy.exc import DBAPIError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from hora_service.api import jobs, logs, system
-from hora_service.api.deps import TokenCache
-from hora_service.api.errors import spec_error_detail
+from hora_service.api import jobs, logs, sessions, system
+from hora_service.api.deps import CurrentUser, TokenCache, known_query
+from hora_service.api.errors import spec_error_detail, validation_detail
 from hora_service.api.limits import BodySizeLimit
 from hora_service.api.safety import check_safe
+from hora_service.health import StoreProbe
 from hora_service.manager import JobManager
+from hora_service.quotas import OverLimit, StreamCounter
+from hora_service.sessions import SessionManager
 from hora_service.settings import Settings
+from hora_service.store import StoreUnavailable, is_unavailable
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +60,18 @@ def create_app(settings: Settings | None = None, manager: JobManager | None = No
     owned = manager is None
     mgr = manager or JobManager(settings)
 
+    probe = StoreProbe(settings.db_path, mgr.journal, settings.health_interval_s)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if owned:
             mgr.start()
         try:
             check_safe(settings, len(mgr.list_users()))
+            probe.start()
             yield
         finally:
+            probe.stop()
             if owned:
                 mgr.stop()
 
@@ -69,16 +80,84 @@ def create_app(settings: Settings | None = None, manager: JobManager | None = No
         version=hora.__version__,
         description="Submit, watch and cancel data-parallel PyTorch jobs on this machine.",
         lifespan=lifespan,
+        dependencies=[Depends(known_query)],
+        # the schema and its pages need a token like every route but /healthz (_add_docs)
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
     )
     app.state.settings = settings
     app.state.manager = mgr
+    app.state.sessions = SessionManager(mgr, settings)
+    app.state.health = probe
+    app.state.log_streams = StreamCounter(settings.max_log_streams_per_user)
     app.state.token_cache = TokenCache()
     app.add_middleware(BodySizeLimit, max_bytes=max(1, int(settings.max_request_bytes)))
     app.include_router(jobs.router)
     app.include_router(logs.router)
+    app.include_router(sessions.router)
     app.include_router(system.router)
+    _add_docs(app)
     _add_handlers(app)
+    _document_common_answers(app)
     return app
+
+
+COMMON_ANSWERS: dict[str, dict[str, str]] = {
+    "400": {"description": "The body could not be parsed (not JSON, not UTF-8)"},
+    "413": {"description": "Request body larger than max_request_bytes"},
+    "503": {"description": "The job store is unavailable now; retry after Retry-After"},
+}
+
+
+def _document_common_answers(app: FastAPI) -> None:
+    """Add to the schema the answers any route may give, so that it says what happens.
+
+    Every route with a body may answer 400 (unparsable) and 413 (too large); every route
+    that needs a token may answer 503 (the token is looked up in the store).
+    """
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            for item in schema.get("paths", {}).values():
+                for op in item.values():
+                    answers = op.setdefault("responses", {})
+                    codes = ["400", "413"] if "requestBody" in op else []
+                    codes += ["503"] if op.get("security") else []
+                    for code in codes:
+                        answers.setdefault(code, COMMON_ANSWERS[code])
+        return app.openapi_schema or build()
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _add_docs(app: FastAPI) -> None:
+    """``/openapi.json``, ``/docs`` and ``/redoc``, behind the bearer token."""
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def _openapi(user: CurrentUser) -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False)
+    async def _docs(user: CurrentUser) -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - docs")
+
+    @app.get("/redoc", include_in_schema=False)
+    async def _redoc(user: CurrentUser) -> HTMLResponse:
+        return get_redoc_html(openapi_url="/openapi.json", title=f"{app.title} - ReDoc")
+
+
+def store_unavailable(exc: BaseException) -> JSONResponse:
+    """503 with ``Retry-After``: the store cannot take the request now; nothing was lost."""
+    retry = int(getattr(exc, "retry_after_s", 5))
+    why = str(getattr(exc, "orig", None) or exc).splitlines()[0][:300]
+    return JSONResponse(
+        {"detail": f"the job store is unavailable ({why}); retry in {retry}s"},
+        status_code=503,
+        headers={"Retry-After": str(retry)},
+    )
 
 
 def allowed_methods(app: FastAPI, scope: dict[str, Any]) -> list[str]:
@@ -101,9 +180,32 @@ def _add_handlers(app: FastAPI) -> None:
             exc = StarletteHTTPException(405, exc.detail, headers={"Allow": allow})
         return await http_exception_handler(request, exc)
 
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse({"detail": validation_detail(exc.errors())}, status_code=422)
+
     @app.exception_handler(SpecError)
     async def _spec_error(request: Request, exc: SpecError) -> JSONResponse:
         return JSONResponse({"detail": spec_error_detail(exc)}, status_code=422)
+
+    @app.exception_handler(OverLimit)
+    async def _over_limit(request: Request, exc: OverLimit) -> JSONResponse:
+        headers = {"Retry-After": "10"} if exc.status_code == 429 else {}
+        detail = [{"loc": ["limits", exc.field], "msg": str(exc), "type": "over_limit"}]
+        return JSONResponse({"detail": detail}, status_code=exc.status_code, headers=headers)
+
+    @app.exception_handler(StoreUnavailable)
+    async def _store_busy(request: Request, exc: StoreUnavailable) -> JSONResponse:
+        log.warning("%s %s: %s", request.method, request.url.path, exc)
+        return store_unavailable(exc)
+
+    @app.exception_handler(DBAPIError)
+    async def _store_error(request: Request, exc: DBAPIError) -> JSONResponse:
+        if not is_unavailable(exc):
+            log.error("%s %s: %s", request.method, request.url.path, exc)
+            return JSONResponse({"detail": "internal error"}, status_code=500)
+        log.warning("%s %s: the store failed: %s", request.method, request.url.path, exc.orig)
+        return store_unavailable(exc)
 
     @app.exception_handler(HoraError)
     async def _hora_error(request: Request, exc: HoraError) -> JSONResponse:

@@ -4,9 +4,9 @@ The ownership rule lives here and only here (:func:`owned_job`): a user sees onl
 own jobs, another user's job answers 404 exactly like a job that does not exist, and an
 admin sees every job.
 
-The dependencies are ``async``: they are in-memory lookups (a token cache, the manager's
-job cache; a miss is one short SQLite read), and an ``async`` dependency costs no
-thread-pool hop per request.
+The dependencies are ``async``, and every SQLite read they make (a token look-up, a job
+that is not cached) runs in the thread pool: a store that another process blocks must not
+freeze the event loop (``/healthz`` and every other request would wait with it).
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from collections.abc import Callable
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Path, Request
+from fastapi.dependencies.models import Dependant
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.concurrency import run_in_threadpool
 
 from hora_service.manager import JobManager
 from hora_service.models import JobRecord, User
@@ -104,13 +106,42 @@ async def current_user(
     if len(token) > MAX_TOKEN_CHARS:
         raise unauthorized("invalid token")
     cache: TokenCache | None = getattr(request.app.state, "token_cache", None)
-    user = cache.lookup(token, manager.user_for_token) if cache else manager.user_for_token(token)
+    if cache is not None:
+        user = await run_in_threadpool(cache.lookup, token, manager.user_for_token)
+    else:
+        user = await run_in_threadpool(manager.user_for_token, token)
     if user is None:
         raise unauthorized("invalid token")
     return user
 
 
 CurrentUser = Annotated[User, Depends(current_user)]
+
+
+def _query_names(dependant: Dependant) -> set[str]:
+    names = {p.alias for p in dependant.query_params}
+    for sub in dependant.dependencies:
+        names |= _query_names(sub)
+    return names
+
+
+async def known_query(request: Request) -> None:
+    """Refuse query parameters the route does not take (a typo is a 422, not ignored).
+
+    Raises:
+        HTTPException: 422 naming the first unknown parameter.
+    """
+    dependant = getattr(request.scope.get("route"), "dependant", None)
+    if dependant is None or not request.query_params:
+        return
+    known = _query_names(dependant)
+    unknown = sorted(set(request.query_params) - known)
+    if unknown:
+        name = unknown[0].encode("utf-8", "backslashreplace").decode()
+        detail = [
+            {"loc": ["query", name], "msg": "unknown query parameter", "type": "extra_forbidden"}
+        ]
+        raise HTTPException(status_code=422, detail=detail)
 
 
 async def owned_job(
@@ -123,7 +154,7 @@ async def owned_job(
     Raises:
         HTTPException: 404 when the job does not exist or belongs to someone else.
     """
-    job = manager.get(job_id)
+    job = await run_in_threadpool(manager.get, job_id)
     # by the user's stable id: a new user who took a removed user's name owns none of theirs
     if job is None or not (user.is_admin or job.user_id == user.id):
         raise HTTPException(status_code=404, detail=f"job {job_id} not found")

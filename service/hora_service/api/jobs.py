@@ -3,8 +3,8 @@
 Every route takes the user from :data:`CurrentUser`; routes on one job take it from
 :data:`OwnedJob`, the single ownership check. Routes that write (submit, cancel, delete) are
 plain ``def`` functions that FastAPI runs in its thread pool; the two read routes are
-``async``: a page is one indexed SQLite read plus cached JSON (well under a millisecond), and
-a thread-pool hop per request costs more than that under load.
+``async`` and run their SQLite reads in the thread pool too, so that a blocked store never
+blocks the event loop.
 """
 
 from __future__ import annotations
@@ -14,11 +14,13 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Query, Response
 from hora.errors import HoraError, SpecError
 from hora.spec import JobSpec, JobState
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
+from starlette.concurrency import run_in_threadpool
 
 from hora_service.api.deps import CurrentUser, ManagerDep, OwnedJob
 from hora_service.api.errors import AUTH_RESPONSES, JOB_RESPONSES, unprocessable
 from hora_service.models import JobRecord
+from hora_service.store import StoreUnavailable
 
 MAX_PAGE = 500
 MAX_OFFSET = 10**9
@@ -33,6 +35,11 @@ class JobList(BaseModel):
     total: int
     limit: int
     offset: int
+    next_offset: int | None = Field(
+        default=None,
+        description="where the next page starts (null after the last); a page may hold "
+        "fewer than limit jobs when it reaches the service's max_page_bytes",
+    )
 
 
 @router.post(
@@ -44,7 +51,9 @@ class JobList(BaseModel):
         **AUTH_RESPONSES,
         200: {"model": JobRecord, "description": "submission_id matched an existing job"},
         400: {"description": "The body could not be read (not UTF-8)"},
-        413: {"description": "Request body too large"},
+        413: {"description": "Request body or job spec too large"},
+        429: {"description": "Too many of your jobs wait in the queue already"},
+        503: {"description": "The job store cannot take the job now; retry after Retry-After"},
     },
 )
 def submit_job(
@@ -75,7 +84,8 @@ async def list_jobs(
     offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0,
 ) -> Response:
     """Your jobs (an admin sees everyone's), newest first, one page at a time."""
-    body = manager.list_json(None if user.is_admin else user.name, state, limit, offset)
+    owner = None if user.is_admin else user.name
+    body = await run_in_threadpool(manager.list_json, owner, state, limit, offset)
     # each job's JSON is cached by the manager; the page is joined, not re-validated
     return Response(body, media_type="application/json")
 
@@ -109,6 +119,8 @@ def delete_job(job: OwnedJob, manager: ManagerDep) -> Response:
         raise HTTPException(409, f"job {job.id} is {job.state.value}; cancel it first")
     try:
         manager.delete(job.id)
+    except StoreUnavailable:
+        raise  # a 503 with Retry-After (the app's handler), not a 409
     except HoraError as e:
         raise HTTPException(409, str(e)) from None
     return Response(status_code=204)

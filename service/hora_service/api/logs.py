@@ -12,6 +12,7 @@ the manager (built from ids, never from the request).
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -20,7 +21,7 @@ from fastapi.responses import StreamingResponse
 from hora.errors import SpecError
 from hora.spec import JobState
 
-from hora_service.api.deps import ManagerDep, OwnedJob, SettingsDep
+from hora_service.api.deps import CurrentUser, ManagerDep, OwnedJob, SettingsDep
 from hora_service.api.errors import JOB_RESPONSES, unprocessable
 from hora_service.api.logstream import (
     FollowState,
@@ -30,7 +31,8 @@ from hora_service.api.logstream import (
     read_chunk,
 )
 from hora_service.manager import JobManager
-from hora_service.models import JobRecord
+from hora_service.models import JobRecord, User
+from hora_service.quotas import OverLimit, StreamCounter
 
 MAX_OFFSET = 2**62
 DEFAULT_LIMIT = 1 << 20
@@ -44,6 +46,7 @@ router = APIRouter(tags=["logs"])
     response_class=Response,
     responses={
         **JOB_RESPONSES,
+        429: {"description": "You have max_log_streams_per_user log streams open already"},
         200: {
             "description": "Log text (text/plain), or an SSE stream with follow=true",
             "content": {
@@ -55,6 +58,7 @@ router = APIRouter(tags=["logs"])
 )
 def job_logs(
     job: OwnedJob,
+    user: CurrentUser,
     manager: ManagerDep,
     settings: SettingsDep,
     request: Request,
@@ -82,7 +86,7 @@ def job_logs(
         raise unprocessable(e, "query") from None
     start = offset if last_event_id is None else last_event_id
     if follow:
-        return _stream(request, manager, job, chosen, path, start)
+        return _stream(request, manager, job, chosen, path, start, user)
     return _plain(manager, job, chosen, path, start, min(limit, _max_read(settings)))
 
 
@@ -92,6 +96,15 @@ def _rank_msg(rank: int, job: JobRecord) -> str:
 
 def _max_read(settings: object) -> int:
     return int(getattr(settings, "max_log_request_bytes", DEFAULT_LIMIT))
+
+
+async def _counted(events: AsyncIterator[bytes], done: Callable[[], None]) -> AsyncIterator[bytes]:
+    """``events``, calling ``done`` once they end (drained, failed or the client left)."""
+    try:
+        async for event in events:
+            yield event
+    finally:
+        done()
 
 
 def _attempt_over(manager: JobManager, job_id: int, attempt: int) -> FollowState:
@@ -125,13 +138,26 @@ def _plain(
 
 
 def _stream(
-    request: Request, manager: JobManager, job: JobRecord, attempt: int, path: Path, offset: int
+    request: Request,
+    manager: JobManager,
+    job: JobRecord,
+    attempt: int,
+    path: Path,
+    offset: int,
+    user: User,
 ) -> StreamingResponse:
-    events = follow_log(
-        path,
-        offset,
-        lambda: _attempt_over(manager, job.id, attempt),
-        request.is_disconnected,
+    streams: StreamCounter = request.app.state.log_streams
+    if not streams.open(user.id):
+        raise OverLimit(
+            "log_streams",
+            f"you have {streams.limit} log streams open already (the limit); close one",
+            429,
+        )
+    events = _counted(
+        follow_log(
+            path, offset, lambda: _attempt_over(manager, job.id, attempt), request.is_disconnected
+        ),
+        lambda: streams.close(user.id),
     )
     headers = {
         "Cache-Control": "no-cache",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -30,6 +31,10 @@ def read_chunk(path: Path, offset: int, max_bytes: int) -> bytes:
     """
     try:
         with path.open("rb") as f:
+            # past the end reads as empty; seeking there may fail (an offset past the
+            # file system's largest file is EINVAL)
+            if offset >= os.fstat(f.fileno()).st_size:
+                return b""
             f.seek(offset)
             return f.read(max_bytes)
     except FileNotFoundError:

@@ -1,20 +1,23 @@
 """``/healthz``, ``/v1/gpus`` and ``/metrics`` (control plane).
 
-``/healthz`` is the only route without a token. ``/metrics`` is Prometheus text format 0.0.4
-rendered from the manager's :class:`MetricsSnapshot` by
+``/healthz`` is the only route without a token: it answers the background store check of
+:mod:`hora_service.health` (200 ``ok``, or 503 ``degraded`` with the reason) without touching
+the store itself, so it stays fast while the store is slow. ``/metrics`` is Prometheus text
+format 0.0.4 rendered from the manager's :class:`MetricsSnapshot` by
 :func:`hora_service.api.prometheus.render_metrics`.
 """
 
 from __future__ import annotations
 
 import hora
-from fastapi import APIRouter
-from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import BaseModel, Field
 
 from hora_service.api.deps import CurrentUser, ManagerDep
 from hora_service.api.errors import AUTH_RESPONSES
 from hora_service.api.prometheus import PROMETHEUS_TYPE, render_metrics
+from hora_service.health import HealthState, StoreProbe
 from hora_service.models import SlotInfo
 
 router = APIRouter()
@@ -23,14 +26,31 @@ router = APIRouter()
 class Health(BaseModel):
     """The answer of ``/healthz``."""
 
-    status: str
+    status: str = Field(description="ok or degraded")
     version: str
+    reason: str | None = Field(default=None, description="why it is degraded")
 
 
-@router.get("/healthz", response_model=Health, tags=["system"], summary="Liveness check (no token)")
-async def healthz() -> Health:
-    """Answers 200 while the service is up; needs no token."""
-    return Health(status="ok", version=hora.__version__)
+@router.get(
+    "/healthz",
+    response_model=Health,
+    tags=["system"],
+    summary="Health check (no token)",
+    responses={503: {"model": Health, "description": "Degraded: the store is not usable"}},
+)
+async def healthz(request: Request) -> JSONResponse:
+    """200 ``ok`` while the store reads and takes writes; 503 ``degraded`` with the reason.
+
+    Needs no token. The answer comes from a background check (every few seconds), never
+    from the store during the request.
+    """
+    probe: StoreProbe | None = getattr(request.app.state, "health", None)
+    state = probe.state if probe is not None else HealthState("ok")
+    body = Health(status=state.status, version=hora.__version__, reason=state.reason)
+    headers = {} if state.ok else {"Retry-After": "5"}
+    return JSONResponse(
+        body.model_dump(exclude_none=True), status_code=200 if state.ok else 503, headers=headers
+    )
 
 
 @router.get(

@@ -15,15 +15,20 @@ It writes ``rank<R>.pid``, starts the command (which joins the cgroups, clears i
 supplementary groups, and sets its gid then its uid before ``exec``), copies the command's
 output into the log (past ``log_limit`` the log keeps its newest half after a truncation
 marker), waits for the command, and writes ``rank<R>.exit`` (the exit code; minus the signal
-number when killed) before exiting with the same status. Every file it writes belongs to the
-service's account and is not writable by the job's, so a job cannot forge its outcome. The
-files let a restarted service re-adopt a running rank and learn how a finished one ended.
+number when killed) before exiting with the same status. The exit file's space is reserved
+when the shim starts (``rank<R>.exit.reserve``, renamed at the end), so that a disk that
+fills up while the job runs cannot lose how it ended; output that finds the disk full is
+dropped (and counted in a note once there is room) rather than ending the shim. Every file
+it writes belongs to the service's account and is not writable by the job's, so a job cannot
+forge its outcome. The files let a restarted service re-adopt a running rank and learn how a
+finished one ended.
 
 Standard library only: this must start in milliseconds. Its signal handlers are its first
 statements; a signal in the few milliseconds before them ends the shim before it starts the
 command (the monitor then sees the rank gone).
 """
 
+import contextlib
 import json
 import os
 import select
@@ -57,6 +62,41 @@ def _on_signal(signum: int, frame: object) -> None:
         _early.append(signum)
 
 
+RESERVE = 32  # bytes set aside for the exit code
+
+
+def _reserve(base: str) -> str | None:
+    """Set aside the exit file's space now; None if the disk is already full."""
+    path = base + ".exit.reserve"
+    try:
+        _write(path, " " * RESERVE)
+    except OSError:
+        return None
+    return path
+
+
+def _record_exit(base: str, code: int, reserved: str | None) -> None:
+    """Write the exit file, into the reserved space first (it needs no new blocks)."""
+    if reserved is not None:
+        try:
+            fd = os.open(reserved, os.O_WRONLY)
+            try:
+                text = str(code).encode()
+                os.write(fd, text)
+                os.ftruncate(fd, len(text))  # shrinking needs no space
+            finally:
+                os.close(fd)
+            os.replace(reserved, base + ".exit")
+            return
+        except OSError:
+            pass
+    try:
+        _write(base + ".exit", str(code))
+    except OSError as e:  # the service falls back on the shim's own exit status
+        with contextlib.suppress(OSError):  # unbuffered: nothing is left to fail at exit
+            os.write(2, f"hora shim: cannot record exit code {code}: {e}\n".encode())
+
+
 class Log:
     """The rank's log file, kept under ``limit`` bytes by dropping its oldest half."""
 
@@ -64,9 +104,24 @@ class Log:
         self.path, self.limit = path, limit
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
         self.size = os.fstat(self.fd).st_size
+        self.dropped = 0  # bytes lost to a full disk since the last write that landed
 
     def write(self, data: bytes) -> None:
-        """Append ``data``; truncate first when the file would pass the limit."""
+        """Append ``data``; truncate first when the file would pass the limit.
+
+        A full disk (or another write error) drops the data instead of ending the shim:
+        the rank's outcome matters more than its output.
+        """
+        try:
+            if self.dropped:
+                note = b"\n[hora: %d bytes of output lost: the disk was full]\n" % self.dropped
+                self._append(note)
+                self.dropped = 0
+            self._append(data)
+        except OSError:
+            self.dropped += len(data)
+
+    def _append(self, data: bytes) -> None:
         if self.size + len(data) > self.limit:
             self._truncate(data)
             return
@@ -92,6 +147,7 @@ class Log:
         os.close(self.fd)
         self.fd = fd
         self.size = len(mark) + min(from_file, self.size) + min(len(data), keep)
+
 
 def _become(uid: object, gid: object, cgroups: list[str]) -> None:
     """In the command's process, before exec: join the cgroups, then drop privileges."""
@@ -138,6 +194,7 @@ def main(argv: list[str]) -> int:
         return 2
     base = os.path.join(run_dir, f"rank{rank}")
     _write(base + ".pid", str(os.getpid()))
+    reserved = _reserve(base)
     with open(base + ".launch") as f:
         launch = json.load(f)
     log = Log(base + ".log", int(launch["log_limit"]))
@@ -157,12 +214,12 @@ def main(argv: list[str]) -> int:
     except (OSError, subprocess.SubprocessError) as e:
         why = getattr(e, "strerror", None) or e
         log.write(f"hora: cannot start {command[0]!r}: {why}\n".encode())
-        _write(base + ".exit", "127")
+        _record_exit(base, 127, reserved)
         return 127
     finally:
         os.close(write_end)
     code = _pump(child, read_end, log)
-    _write(base + ".exit", str(code))
+    _record_exit(base, code, reserved)
     return code if code >= 0 else 128 - code
 
 

@@ -1,0 +1,488 @@
+"""Engines from the hora service: a cluster whose engines are a scheduled session (data plane).
+
+When a service is configured (``HORA_URL`` / ``HORA_TOKEN`` or ``~/.hora/config``, as ``hora
+up`` writes), ``%dist_start`` asks it for engines instead of starting them itself: the kernel
+starts only the ipyparallel controller, sends its engine connection info to ``POST
+/v1/sessions``, and waits in the service's queue (the position, what holds the slots and an
+estimate are shown live; Ctrl-C withdraws the request). The service starts the engines like a
+job's ranks (the owner's account, containment, rank environment, GPU binding); they register
+with the controller and the cluster works as a kernel-local one.
+
+A background thread heartbeats the session: the service frees the slots of a kernel that stops
+(kill -9) once the lease runs out, and with each heartbeat learns how long the engines have
+been idle; its warning before the idle timeout is shown in the notebook, and once the service
+ended the session the next ``%%distributed`` cell says why and how to get engines back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from hora.client import Client
+from hora.client_config import config_path
+from hora.engines import plan
+from hora.engines.cluster import Cluster, _track, kernel_cuda_initialized
+from hora.engines.errors import RECOVER, EngineError, EngineStartError, RankDiedError, rank_ranges
+from hora.engines.execute import CellResult
+from hora.engines.state import State
+from hora.errors import HoraError, SpecError
+from hora.launch.config import free_port
+
+log = logging.getLogger("hora.engines")
+
+TERMINAL = ("succeeded", "failed", "cancelled")
+POLL_S = 0.25
+
+
+class HolderInfo(BaseModel):
+    """A job or session holding slots (as ``GET /v1/sessions/{id}`` reports it)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    kind: str
+    id: int
+    user: str
+    slots: list[int]
+    since: datetime
+    idle_s: float | None = None
+    ends_at: datetime | None = None
+
+
+class QueueInfo(BaseModel):
+    """Where a queued session stands."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    position: int
+    need: int
+    free: int
+    holders: list[HolderInfo]
+    estimate_at: datetime | None = None
+    reason: str
+
+
+class SessionInfo(BaseModel):
+    """A session as the service answers it."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    id: int
+    state: str
+    workers: int
+    slots: list[int]
+    reason: str | None = None
+    lease_s: float
+    idle_timeout_s: float | None = None
+    idle_s: float | None = None
+    stop_in_s: float | None = None
+    warning: str | None = None
+    queue: QueueInfo | None = None
+
+    @property
+    def ended(self) -> bool:
+        """The session is over (its engines are gone or going)."""
+        return self.state in TERMINAL
+
+
+class SessionWithdrawn(EngineError):
+    """``%dist_start`` was interrupted while queued; the request left the queue."""
+
+
+def _ago(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def render_queue(info: SessionInfo, now: datetime, waited_s: float = 0.0) -> str:
+    """What a queued ``%dist_start`` shows: place, who holds the slots, an estimate.
+
+    Example:
+        >>> print(render_queue(info, now))  # doctest: +SKIP
+        session 7 queued: position 1; waiting for 2 slot(s); 0 free (waited 3s; Ctrl-C withdraws)
+          job 5 (bob) holds slots 0,1 since 12:00:01 (5 min)
+          no estimate: what holds the slots has no time limit
+    """
+    q = info.queue
+    if q is None:
+        return f"session {info.id} {info.state}"
+    lines = [
+        f"session {info.id} queued: position {q.position}; {q.reason} "
+        f"(waited {_ago(waited_s)}; Ctrl-C withdraws)"
+    ]
+    for h in q.holders:
+        since = h.since.astimezone().strftime("%H:%M:%S")
+        held = _ago(max(0.0, (now - h.since).total_seconds()))
+        idle = f", idle {_ago(h.idle_s)}" if h.idle_s is not None else ""
+        ends = f", ends by {h.ends_at.astimezone():%H:%M:%S}" if h.ends_at else ""
+        slots = ",".join(map(str, h.slots))
+        lines.append(
+            f"  {h.kind} {h.id} ({h.user}) holds slots {slots} since {since} ({held}{idle}{ends})"
+        )
+    if q.estimate_at is not None:
+        left = max(0.0, (q.estimate_at - now).total_seconds())
+        lines.append(
+            f"  estimate: slots free by {q.estimate_at.astimezone():%H:%M:%S} (~{_ago(left)})"
+        )
+    elif q.holders:
+        lines.append("  no estimate: what holds the slots has no time limit")
+    return "\n".join(lines)
+
+
+def service_configured(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether a hora service is configured for this kernel (env or ``~/.hora/config``).
+
+    Example:
+        >>> service_configured({"HORA_URL": "http://127.0.0.1:8000"})
+        True
+    """
+    env = os.environ if environ is None else environ
+    return bool(env.get("HORA_URL") or env.get("HORA_TOKEN")) or config_path(env).is_file()
+
+
+class RemoteProcess:
+    """An engine process the service started, watched by its pid (the kernel is not its parent).
+
+    Its exit code is the service's to know (``hora logs``); here a gone process reads as 1.
+    """
+
+    def __init__(self, pid: int) -> None:
+        self._pid = pid
+        self.returncode: int | None = None
+
+    @property
+    def pid(self) -> int:
+        """The engine's process id."""
+        return self._pid
+
+    def poll(self) -> int | None:
+        """None while the process lives (a zombie counts as gone), else 1."""
+        if self.returncode is None and not _alive(self._pid):
+            self.returncode = 1
+        return self.returncode
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+class Heartbeat:
+    """Renews the session's lease from a background thread; keeps the warnings and the end.
+
+    Args:
+        service: a client of its own (the kernel's thread uses another).
+        session_id: the session.
+        period: seconds between heartbeats.
+        idle: returns how long the engines have been idle, in seconds.
+        notify: shows a notice in the notebook (a warning, or why the session ended).
+    """
+
+    def __init__(
+        self,
+        service: Client,
+        session_id: int,
+        period: float,
+        idle: Callable[[], float],
+        notify: Callable[[str], None] | None = None,
+    ) -> None:
+        self.service, self.session_id, self.period = service, session_id, period
+        self.idle, self.notify = idle, notify
+        self.ended: SessionInfo | None = None
+        self.notices: list[str] = []
+        self._warned: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hora-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        """Start beating."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop beating (the lease then runs out unless the session is deleted)."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        self.service.close()
+
+    def beat(self) -> SessionInfo:
+        """Send one heartbeat; note a new warning or the session's end."""
+        path = f"/v1/sessions/{self.session_id}/heartbeat"
+        info = SessionInfo.model_validate(
+            self.service.request("POST", path, json={"idle_s": self.idle()}).json()
+        )
+        if info.ended:
+            self.ended = info
+            self._notice(f"hora: session {info.id} ended: {info.reason or info.state}")
+        elif info.warning and self._warned is None:
+            self._warned = info.warning
+            self._notice(f"hora: {info.warning}")
+        elif not info.warning:
+            self._warned = None
+        return info
+
+    def _notice(self, text: str) -> None:
+        self.notices.append(text)
+        if self.notify is not None:
+            self.notify(text)
+
+    def take_notices(self) -> list[str]:
+        """The notices not shown yet (for the next cell's output)."""
+        out, self.notices = self.notices, []
+        return out
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            try:
+                if self.beat().ended:
+                    return
+            except Exception as e:  # the service may be restarting: the lease covers a gap
+                log.debug("heartbeat of session %d failed: %s", self.session_id, e)
+
+
+class ServiceCluster(Cluster):
+    """A :class:`Cluster` whose engines are a session of the hora service (module docstring).
+
+    Args:
+        options: how many engines, backend, timeouts (``gpus`` is the service's choice).
+        service: the service client (default: :class:`hora.Client` from the configuration).
+        progress: called with the session while it is queued (the magic shows it live).
+        notify: shows heartbeat notices (idle warning, the session's end) in the notebook.
+        idle_timeout_s: the idle timeout to ask for (default: the service's).
+        cuda_check: as for :class:`Cluster`.
+
+    Example:
+        >>> c = ServiceCluster(plan.ClusterOptions(n=2))  # doctest: +SKIP
+        >>> c.start(); c.session.id  # doctest: +SKIP
+        12
+    """
+
+    def __init__(
+        self,
+        options: plan.ClusterOptions | None = None,
+        service: Client | None = None,
+        progress: Callable[[SessionInfo], None] | None = None,
+        notify: Callable[[str], None] | None = None,
+        idle_timeout_s: float | None = None,
+        cuda_check: Callable[[], bool] = kernel_cuda_initialized,
+    ) -> None:
+        super().__init__(options, cuda_check)
+        if self.options.gpus is not None:
+            raise SpecError("gpus", "the service chooses a session's GPUs; leave out --gpus")
+        self.service = service or Client()
+        self.progress, self.notify = progress, notify
+        self.idle_timeout_s = idle_timeout_s
+        self.session: SessionInfo | None = None
+        self.asked: int | None = None  # the id of the last session asked for (kept after stop)
+        self.heartbeat: Heartbeat | None = None
+        self.queued_s = 0.0
+        self.busy = False
+        self.last_active = time.monotonic()
+        self._last_check = 0.0
+
+    @property
+    def where(self) -> str:
+        """Where the engines come from, for the magics' output."""
+        sid = f"session {self.session.id}" if self.session else "a session"
+        return f"the hora service at {self.service.url} ({sid})"
+
+    def start(self) -> list[dict[str, Any]]:
+        """Ask the service for engines, wait for slots, connect, initialise hora.torch.
+
+        Returns:
+            One row per rank (see :meth:`Cluster.start`).
+
+        Raises:
+            SessionWithdrawn: interrupted while queued (the session was deleted).
+            EngineStartError: the session ended before its engines registered, or they did
+                not register and initialise within ``start_timeout_s`` of getting slots.
+        """
+        if self.state is not State.STOPPED:
+            raise EngineStartError(f"the cluster is {self.state.value}; run %dist_stop first")
+        plan.check_cuda_free(self.cuda_check)
+        t0 = time.perf_counter()
+        self.state = State.STARTING
+        _track(self)
+        try:
+            connection = self._start_controller(t0 + self.options.start_timeout_s)
+            self._ask(self.options.n or plan.DEFAULT_CPU_ENGINES, connection)
+            self._wait_for_slots()
+            deadline = time.perf_counter() + self.options.start_timeout_s
+            self._connect_engines(deadline)
+            self._init(deadline)
+        except KeyboardInterrupt:
+            sid = self.session.id if self.session else "?"
+            self.stop()
+            raise SessionWithdrawn(
+                f"interrupted: session {sid} withdrawn from the queue; run %dist_start again "
+                "to ask for engines"
+            ) from None
+        except BaseException:
+            self.stop()
+            raise
+        self.backend = "nccl" if self.engines[0].device.startswith("cuda") else "gloo"
+        self.start_s = time.perf_counter() - t0
+        self.state = State.READY
+        self.starts += 1
+        self.last_active = time.monotonic()
+        return self.table()
+
+    def _start_controller(self, deadline: float) -> dict[str, Any]:
+        """Start the controller on connection files chosen here; return the engines' file.
+
+        The engines need not wait for the controller: the service starts them while it
+        comes up (``--reuse`` makes it bind the ports the files name).
+        """
+        self._dir = Path(tempfile.mkdtemp(prefix="hora-engines-"))
+        self.backend = self.options.backend or "gloo"  # the engines' own init already chose
+        ports: set[int] = set()
+        while len(ports) < plan.CONNECTION_PORTS:
+            ports.add(free_port())
+        engine, client = plan.connection_files(
+            sorted(ports), str(uuid.uuid4()), socket.gethostname()
+        )
+        security = self._dir / "security"
+        security.mkdir(mode=0o700)
+        for name, info in (("engine", engine), ("client", client)):
+            path = security / f"ipcontroller-{plan.CLUSTER_ID}-{name}.json"
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+                json.dump(info, f)
+        argv = plan.controller_argv(self._dir, reuse=True)
+        self._controller = self._spawn(argv, dict(os.environ), "controller")
+        return engine
+
+    def _ask(self, n: int, connection: dict[str, Any]) -> None:
+        body = {
+            "workers": n,
+            "connection": connection,
+            "backend": self.options.backend,
+            "timeout_s": self.options.timeout_s,
+            "threads": self.options.threads,
+            "idle_timeout_s": self.idle_timeout_s,
+        }
+        self.session = SessionInfo.model_validate(
+            self.service.request("POST", "/v1/sessions", json=body).json()
+        )
+        self.asked = self.session.id
+        beat = Client(self.service.url, self.service.token)
+        period = max(0.2, self.session.lease_s / 3)
+        self.heartbeat = Heartbeat(beat, self.session.id, period, self._idle, self.notify)
+        self.heartbeat.start()
+
+    def _idle(self) -> float:
+        if self.busy or self.state is not State.READY:
+            return 0.0
+        return time.monotonic() - self.last_active
+
+    def _get(self) -> SessionInfo:
+        assert self.session is not None
+        resp = self.service.request("GET", f"/v1/sessions/{self.session.id}")
+        self.session = SessionInfo.model_validate(resp.json())
+        return self.session
+
+    def _wait_for_slots(self) -> None:
+        t0 = time.perf_counter()
+        while True:
+            info = self._get()
+            if info.state in ("starting", "running"):
+                break
+            if info.ended:
+                raise EngineStartError(f"session {info.id} {info.state}: {info.reason}")
+            if self.progress is not None:
+                self.progress(info)
+            time.sleep(POLL_S)
+        self.queued_s = time.perf_counter() - t0
+
+    def _connect_engines(self, deadline: float) -> None:
+        assert self.session is not None
+        self._connect(deadline, self.session.workers)
+
+    def _check_alive(self, what: str) -> None:
+        super()._check_alive(what)
+        now = time.monotonic()
+        if self.session is None or now - self._last_check < POLL_S:
+            return
+        self._last_check = now
+        info = self._get()
+        if info.ended:
+            raise EngineStartError(f"session {info.id} {info.state} while {what}: {info.reason}")
+
+    def _placed(self, info: dict[str, Any]) -> tuple[int, RemoteProcess]:
+        return int(info.get("rank", -1)), RemoteProcess(int(info["pid"]))
+
+    def _spawn_engine(self, rank: int, port: int) -> Any:
+        raise EngineStartError(
+            "a session's engines are started by the service, not one by one; when one dies the "
+            "service ends the session"
+        )
+
+    def _session_over(self) -> SessionInfo | None:
+        """The session as it ended, if the service ended it (asked now if an engine is gone)."""
+        beat = self.heartbeat
+        if beat is None:
+            return None
+        if beat.ended is None and any(e.proc.poll() is not None for e in self.engines):
+            try:
+                beat.beat()  # why are the engines gone? (the thread may not have asked yet)
+            except HoraError as e:
+                log.debug("asking about session %d: %s", beat.session_id, e)
+        return beat.ended
+
+    def _ended_reason(self, ended: SessionInfo) -> str:
+        return f"the hora service ended session {ended.id}: {ended.reason or ended.state}"
+
+    def _require_ready(self) -> None:
+        ended = self._session_over()
+        if ended is not None and self.state is not State.BROKEN:
+            self.state, self.broken_reason = State.BROKEN, self._ended_reason(ended)
+        super()._require_ready()
+
+    def _after_death(self, e: RankDiedError) -> str:
+        """A session's engine died: the service ends the whole session, so say why."""
+        ended = self._session_over()
+        if ended is not None:
+            reason = self._ended_reason(ended)
+        else:
+            reason = f"{rank_ranges(sorted(e.dead))} died; the hora service ends the session"
+        self.state, self.broken_reason = State.BROKEN, reason
+        return f"{reason}; {RECOVER}"
+
+    def run(self, code: str, **kwargs: Any) -> CellResult:
+        """Run ``code`` on every rank (see :meth:`Cluster.run`); the time counts as activity."""
+        self.busy = True
+        try:
+            return super().run(code, **kwargs)
+        finally:
+            self.busy = False
+            self.last_active = time.monotonic()
+
+    def stop(self) -> None:
+        """Stop the heartbeat, end the session (its engines), stop the controller."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+            self.heartbeat = None
+        if self.session is not None and not self.session.ended:
+            try:
+                self.service.request("DELETE", f"/v1/sessions/{self.session.id}")
+            except HoraError as e:  # the lease frees the slots if the service cannot hear us
+                log.warning("could not end session %d: %s", self.session.id, e)
+        self.session = None
+        super().stop()

@@ -1,0 +1,128 @@
+"""Routes under ``/v1/sessions``: a notebook's engines as a scheduled session (control plane).
+
+Create, list, get, heartbeat, delete. Ownership is the jobs' rule (:func:`owned_job`): another
+user's session answers 404 exactly like one that does not exist; a job's id is not a session.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from hora.errors import SpecError
+from hora.spec import JobState
+from pydantic import BaseModel
+
+from hora_service.api.deps import CurrentUser, ManagerDep, OwnedJob
+from hora_service.api.errors import AUTH_RESPONSES, unprocessable
+from hora_service.models import JobRecord
+from hora_service.sessions import Heartbeat, SessionManager, SessionRecord, SessionRequest
+
+router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
+
+Responses = dict[int | str, dict[str, Any]]
+BODY: Responses = {400: {"description": "The body could not be read (not UTF-8, not JSON)"}}
+BUSY: Responses = {503: {"description": "The store cannot take it now; retry after Retry-After"}}
+SESSION_RESPONSES: Responses = {
+    **AUTH_RESPONSES,
+    404: {"description": "No such session, it belongs to another user, or the id is a job's"},
+}
+
+
+class SessionList(BaseModel):
+    """Sessions, newest first."""
+
+    items: list[SessionRecord]
+    total: int
+
+
+async def get_sessions(request: Request) -> SessionManager:
+    """The app's :class:`SessionManager`."""
+    sessions: SessionManager = request.app.state.sessions
+    return sessions
+
+
+SessionsDep = Annotated[SessionManager, Depends(get_sessions)]
+
+
+async def owned_session(job: OwnedJob) -> JobRecord:
+    """The session ``job_id`` if the current user may see it (404 otherwise, or for a job)."""
+    if job.kind != "session":
+        raise HTTPException(status_code=404, detail=f"session {job.id} not found")
+    return job
+
+
+OwnedSession = Annotated[JobRecord, Depends(owned_session)]
+
+
+@router.post(
+    "",
+    status_code=201,
+    response_model=SessionRecord,
+    summary="Ask for engines",
+    responses={
+        **AUTH_RESPONSES,
+        **BODY,
+        **BUSY,
+        413: {"description": "Request body or session too large"},
+        429: {"description": "Too many of your jobs and sessions wait in the queue already"},
+    },  # fmt: skip
+)
+def create_session(req: SessionRequest, user: CurrentUser, sessions: SessionsDep) -> SessionRecord:
+    """Queue a session of ``workers`` engines that connect to the kernel's controller.
+
+    It is scheduled with the jobs (priority, quota, backfill); the answer's ``queue`` says
+    where it stands. A request that can never run here is a 422 naming the field.
+    """
+    try:
+        return sessions.create(user.name, req)
+    except SpecError as e:
+        raise unprocessable(e) from None
+
+
+@router.get("", response_model=SessionList, summary="List sessions", responses=AUTH_RESPONSES)
+def list_sessions(
+    user: CurrentUser,
+    manager: ManagerDep,
+    sessions: SessionsDep,
+    state: Annotated[JobState | None, Query(description="only sessions in this state")] = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+) -> SessionList:
+    """Your sessions (an admin sees everyone's), newest first."""
+    jobs, _ = manager.list_jobs(None if user.is_admin else user.name, state, 10_000, 0)
+    mine = [j for j in jobs if j.kind == "session"]
+    return SessionList(items=[sessions.view(j) for j in mine[:limit]], total=len(mine))
+
+
+@router.get(
+    "/{job_id}", response_model=SessionRecord, summary="Get a session", responses=SESSION_RESPONSES
+)
+def get_session(job: OwnedSession, sessions: SessionsDep) -> SessionRecord:
+    """State, slots, queue place (while queued), idle time and warning of one session."""
+    return sessions.view(job)
+
+
+@router.post(
+    "/{job_id}/heartbeat",
+    response_model=SessionRecord,
+    summary="Renew a session's lease",
+    responses={**SESSION_RESPONSES, **BODY},
+)
+def heartbeat(job: OwnedSession, beat: Heartbeat, sessions: SessionsDep) -> SessionRecord:
+    """The kernel is alive; its engines have been idle ``idle_s`` seconds.
+
+    The answer carries ``warning`` when the idle timeout is near, and the session's state
+    (with ``reason``) once it ended.
+    """
+    return sessions.heartbeat(job, beat)
+
+
+@router.delete(
+    "/{job_id}",
+    response_model=SessionRecord,
+    summary="Stop or withdraw a session",
+    responses={**SESSION_RESPONSES, **BUSY},
+)
+def delete_session(job: OwnedSession, sessions: SessionsDep) -> SessionRecord:
+    """Withdraw a queued session or stop a running one's engines; its slots are freed."""
+    return sessions.delete(job)

@@ -1,0 +1,394 @@
+"""Sessions: a notebook's interactive engines, scheduled and started like jobs (control plane).
+
+A session is a gang of N slots for ipyparallel engines that connect to the notebook kernel's
+controller. It is stored and scheduled as a job of kind ``session`` (same queue, priority,
+per-user quota, backfill; a slot is never in two holders) and started by the same runtimes,
+as the owner's OS account, in the same containment and with the same rank environment and GPU
+binding as a job's ranks. Each rank runs ``python -m hora.engines._child session-engine``,
+which reads the controller's engine connection info (validated here as
+:class:`EngineConnection`) from its environment; nothing passes through a shell.
+
+What a job lacks is a **lease**: the kernel heartbeats its session (``POST
+/v1/sessions/{id}/heartbeat``, also while queued); a session whose kernel has not been heard
+for ``lease_s`` is withdrawn (queued) or stopped (running), so a kernel killed with -9 frees
+its slots within the lease. And an **idle timeout**: with each heartbeat the kernel says how
+long its engines have been idle; the answer carries a warning ``idle_warn_s`` before the
+timeout, and at the timeout the engines are stopped and the slots freed. The reason is kept
+on the session, for the notebook's next ``%%distributed`` cell to show.
+
+:class:`SessionManager` keeps the heartbeat times in memory (a restarted service gives every
+session a fresh lease) and checks them at the end of every monitor pass of the job manager.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Annotated, Literal
+
+from hora.errors import HoraError
+from hora.spec import JobSpec, JobState, Priority, RuntimeName
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from sqlalchemy import Connection
+
+from hora_service.manager import JobManager, QueueView
+from hora_service.models import JobRecord
+from hora_service.settings import Settings
+from hora_service.store import Store
+
+log = logging.getLogger(__name__)
+
+CONNECTION_VAR = "HORA_ENGINE_CONNECTION"
+LOOPBACK = ("tcp://127.0.0.1", "tcp://localhost")
+_KEY = re.compile(r"^[A-Za-z0-9-]{1,128}$")
+_HOST = re.compile(r"^[A-Za-z0-9._-]{0,253}$")
+Port = Annotated[int, Field(ge=1, le=65535)]
+INLINE_MPL = "module://matplotlib_inline.backend_inline"
+
+
+class EngineConnection(BaseModel):
+    """The controller's engine connection info (``ipcontroller-engine.json``), checked.
+
+    Only a controller on this machine's loopback is accepted: the engines run here and the
+    kernel's controller listens on 127.0.0.1.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    ssh: Literal[""] = ""
+    interface: str
+    registration: Port
+    control: Port
+    mux: Port
+    task: Port
+    iopub: Port
+    hb_ping: Port
+    hb_pong: Port
+    broadcast: Annotated[list[Port], Field(max_length=64)] = Field(default_factory=list)
+    key: str
+    location: Annotated[str, Field(max_length=253)] = ""
+    pack: Literal["json", "pickle", "msgpack"] = "json"
+    unpack: Literal["json", "pickle", "msgpack"] = "json"
+    signature_scheme: Literal["hmac-sha256", "hmac-sha512", "hmac-md5"] = "hmac-sha256"
+    # the controller's CurveZMQ public key (Z85: printable ASCII) when curve is on
+    curve_serverkey: Annotated[str | None, Field(max_length=64, pattern=r"^[!-~]*$")] = None
+
+    @field_validator("interface")
+    @classmethod
+    def _loopback(cls, v: str) -> str:
+        if v not in LOOPBACK:
+            raise ValueError(f"must be one of {', '.join(LOOPBACK)} (engines run on this machine)")
+        return v
+
+    @field_validator("key")
+    @classmethod
+    def _key(cls, v: str) -> str:
+        if not _KEY.match(v):
+            raise ValueError("must be 1-128 letters, digits or '-'")
+        return v
+
+    @field_validator("location")
+    @classmethod
+    def _location(cls, v: str) -> str:
+        if not _HOST.match(v):
+            raise ValueError("must be a host name")
+        return v
+
+
+class SessionRequest(BaseModel):
+    """What ``POST /v1/sessions`` carries: how many engines, and how they reach the kernel.
+
+    Example:
+        >>> SessionRequest(workers=2, connection=conn).workers  # doctest: +SKIP
+        2
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: Annotated[
+        str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._ -]*$")
+    ] = "notebook"
+    workers: Annotated[int, Field(ge=1, le=1024)] = 2
+    gpus_per_worker: Annotated[int, Field(ge=1, le=16)] = 1
+    connection: EngineConnection
+    backend: Literal["nccl", "gloo"] | None = None
+    timeout_s: Annotated[float, Field(gt=0, le=24 * 3600)] = 60.0
+    threads: Annotated[int, Field(ge=1, le=256)] = 1
+    idle_timeout_s: Annotated[float | None, Field(gt=0, le=30 * 24 * 3600)] = None
+    priority: Priority = Priority.normal
+    runtime: RuntimeName = RuntimeName.local
+    image: Annotated[str | None, Field(max_length=512)] = None
+
+
+class Heartbeat(BaseModel):
+    """What the kernel says with each heartbeat: how long its engines have been idle."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    idle_s: Annotated[float, Field(ge=0, le=365 * 24 * 3600)] = 0.0
+
+
+class HolderInfo(BaseModel):
+    """A job or session holding slots, as a queued session is shown it."""
+
+    kind: str
+    id: int
+    user: str
+    slots: list[int]
+    since: datetime
+    idle_s: float | None = None
+    ends_at: datetime | None = None
+
+
+class QueueInfo(BaseModel):
+    """Where a queued session stands (see :class:`hora_service.manager.QueueView`)."""
+
+    position: int
+    need: int
+    free: int
+    holders: list[HolderInfo]
+    estimate_at: datetime | None = None
+    reason: str
+
+
+class SessionRecord(BaseModel):
+    """A session as ``/v1/sessions`` answers it."""
+
+    id: int
+    user: str
+    name: str
+    state: JobState
+    workers: int
+    slots: list[int]
+    reason: str | None = None
+    created_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    lease_s: float
+    idle_timeout_s: float | None = None
+    idle_s: float | None = None
+    stop_in_s: float | None = Field(None, description="seconds left before the idle timeout")
+    warning: str | None = None
+    queue: QueueInfo | None = None
+
+
+def session_spec(req: SessionRequest, backend: str, python: str = sys.executable) -> JobSpec:
+    """The job spec of a session: N engines that connect to the kernel's controller.
+
+    Example:
+        >>> session_spec(req, "gloo").command[-1]  # doctest: +SKIP
+        'session-engine'
+    """
+    env = {
+        CONNECTION_VAR: req.connection.model_dump_json(),
+        "HORA_BACKEND": req.backend or backend,
+        "HORA_TIMEOUT": f"{req.timeout_s:g}",
+        "OMP_NUM_THREADS": str(req.threads),
+        "MPLBACKEND": INLINE_MPL,
+    }
+    return JobSpec(
+        name=req.name,
+        command=[python, "-m", "hora.engines._child", "session-engine"],
+        workers=req.workers,
+        gpus_per_worker=req.gpus_per_worker,
+        env=env,
+        priority=req.priority,
+        runtime=req.runtime,
+        image=req.image,
+    )
+
+
+@dataclass
+class Lease:
+    """A session's heartbeat clock (in memory; a restarted service starts it afresh)."""
+
+    lease_s: float
+    idle_timeout_s: float | None
+    heard: float
+    active: float
+    ended: str | None = None
+
+
+def fmt_s(seconds: float) -> str:
+    """A duration for people.
+
+    Example:
+        >>> fmt_s(42), fmt_s(300), fmt_s(5400)
+        ('42s', '5 min', '1.5 h')
+    """
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+class SessionManager:
+    """Creates sessions, keeps their leases, withdraws dead and idle ones (module docstring).
+
+    Args:
+        manager: the job manager that stores, schedules and starts sessions as jobs.
+        settings: lease, idle timeout and warning lead from the service settings.
+    """
+
+    def __init__(self, manager: JobManager, settings: Settings) -> None:
+        self.manager = manager
+        self.settings = settings
+        self._leases: dict[int, Lease] = {}
+        self._lock = threading.Lock()
+        self._loaded = False
+        manager.hooks.append(self.check)
+
+    def _load(self) -> None:
+        if self._loaded:
+            return
+        now = time.time()
+        for job_id, (lease, idle) in self.manager.open_store().session_terms().items():
+            self._leases.setdefault(job_id, Lease(lease, idle, now, now))
+        self._loaded = True
+
+    def create(self, user: str, req: SessionRequest) -> SessionRecord:
+        """Queue a session for ``user``.
+
+        Raises:
+            SpecError: it can never run here (too many slots, over the quota, no such
+                runtime, an image without docker; the field is named), or its idle timeout
+                passes the service's ``session_idle_timeout_max_s``.
+        """
+        from hora.errors import SpecError
+
+        s = self.settings
+        idle = req.idle_timeout_s or s.session_idle_timeout_s
+        top = s.session_idle_timeout_max_s
+        if idle is not None and top is not None and idle > top:
+            raise SpecError("idle_timeout_s", f"at most {top:g}s on this service")
+        backend = "nccl" if self.manager.inventory[0].kind == "gpu" else "gloo"
+        spec = session_spec(req, backend)
+        lease = s.session_lease_s
+
+        def terms(store: Store, conn: Connection, job_id: int) -> None:
+            store.add_session(conn, job_id, lease, idle)
+
+        record, _ = self.manager.submit_or_find(user, spec, kind="session", also=terms)
+        now = time.time()
+        with self._lock:
+            self._load()
+            self._leases[record.id] = Lease(lease, idle, now, now)
+        log.info("session %d of %s: %d engine(s) queued", record.id, user, req.workers)
+        return self.view(record)
+
+    def heartbeat(self, job: JobRecord, beat: Heartbeat) -> SessionRecord:
+        """Renew the lease and note the engines' idle time; answer with the session."""
+        now = time.time()
+        with self._lock:
+            self._load()
+            lease = self._leases.get(job.id)
+            if lease is not None and not job.state.terminal:
+                lease.heard = now
+                # the kernel knows when its engines last ran a cell (a kernel that wants to
+                # keep its slots can always say 0: the idle timeout is a courtesy, the lease
+                # is what frees a dead kernel's slots)
+                lease.active = now - beat.idle_s
+        return self.view(self.manager.get(job.id) or job)
+
+    def delete(self, job: JobRecord) -> SessionRecord:
+        """Withdraw a queued session or stop a running one (a no-op on a finished one)."""
+        reason = "withdrawn by the user" if job.state == JobState.queued else "stopped by the user"
+        return self.view(self.manager.cancel(job.id, reason=reason))
+
+    def check(self, now: float) -> None:
+        """Withdraw sessions whose lease ran out, stop idle ones (called by the monitor)."""
+        with self._lock:
+            self._load()
+            due = [(i, why) for i, lease in self._leases.items() if (why := _due(lease, now))]
+        for job_id, why in due:
+            job = self.manager.get(job_id)
+            with self._lock:
+                self._leases.pop(job_id, None)
+            if job is None or job.state.terminal:
+                continue
+            log.info("session %d: %s", job_id, why)
+            try:
+                self.manager.cancel(job_id, reason=why)
+            except HoraError as e:  # deleted meanwhile
+                log.debug("session %d: %s", job_id, e)
+
+    def view(self, job: JobRecord, now: float | None = None) -> SessionRecord:
+        """The session as the API answers it, with its queue place while queued."""
+        now = time.time() if now is None else now
+        with self._lock:
+            lease = self._leases.get(job.id)
+        idle = idle_left = warning = None
+        if lease is not None and job.state == JobState.running:
+            idle = max(0.0, now - lease.active)
+            if lease.idle_timeout_s is not None:
+                idle_left = max(0.0, lease.idle_timeout_s - idle)
+                if idle_left <= self.settings.session_idle_warn_s:
+                    warning = (
+                        f"engines idle for {fmt_s(idle)}: session {job.id} stops in "
+                        f"{fmt_s(idle_left)} unless a %%distributed cell runs"
+                    )
+        queue = None
+        if job.state in (JobState.queued, JobState.retrying):
+            queue = self._queue(self.manager.queue_view(job.id, now), now)
+        return SessionRecord(
+            id=job.id, user=job.user, name=job.spec.name, state=job.state,
+            workers=job.spec.workers, slots=job.slots, reason=job.reason,
+            created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at,
+            lease_s=lease.lease_s if lease else self.settings.session_lease_s,
+            idle_timeout_s=lease.idle_timeout_s if lease else None,
+            idle_s=idle, stop_in_s=idle_left, warning=warning, queue=queue,
+        )  # fmt: skip
+
+    def _queue(self, q: QueueView, now: float) -> QueueInfo:
+        holders = []
+        for h in q.holders:
+            with self._lock:
+                lease = self._leases.get(h.id) if h.kind == "session" else None
+            holders.append(
+                HolderInfo(
+                    kind=h.kind,
+                    id=h.id,
+                    user=h.user,
+                    slots=list(h.slots),
+                    since=_at(h.since),
+                    idle_s=max(0.0, now - lease.active) if lease else None,
+                    ends_at=_at(h.ends_at) if h.ends_at is not None else None,
+                )  # fmt: skip
+            )
+        if q.over_quota:
+            reason = "waiting for your own jobs and sessions to end (quota)"
+        else:
+            reason = f"waiting for {q.need} slot(s); {q.free} free"
+        estimate = _at(q.estimate) if q.estimate is not None else None
+        return QueueInfo(
+            position=q.position, need=q.need, free=q.free, holders=holders,
+            estimate_at=estimate, reason=reason,
+        )  # fmt: skip
+
+
+def _due(lease: Lease, now: float) -> str | None:
+    """Why a session must end now, or None.
+
+    Example:
+        >>> _due(Lease(30, None, heard=0, active=0), 31)
+        'the kernel stopped heartbeating (no word for 31s; lease 30s): session ended, slots freed'
+    """
+    silent = now - lease.heard
+    if silent > lease.lease_s:
+        return (
+            f"the kernel stopped heartbeating (no word for {fmt_s(silent)}; "
+            f"lease {fmt_s(lease.lease_s)}): session ended, slots freed"
+        )
+    if lease.idle_timeout_s is not None and now - lease.active > lease.idle_timeout_s:
+        return f"idle for {fmt_s(now - lease.active)}: engines stopped and slots freed"
+    return None
+
+
+def _at(ts: float) -> datetime:
+    return datetime.fromtimestamp(ts, UTC)

@@ -1,0 +1,159 @@
+"""`/v1/sessions` on a real server: create, list, get, heartbeat, delete, ownership, leases.
+
+A real uvicorn service on 127.0.0.1 with 2 CPU slots and a real SQLite store; the sessions'
+engine processes are started by the local runtime. Their connection info points at ports where
+no controller listens (these tests are about the service; engines that connect to a real
+kernel are in test_sessions_notebooks.py), so they wait until the service stops them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import pytest
+from helpers.service_server import ServiceServer
+
+pytestmark = pytest.mark.timeout(120)
+
+CONN = {
+    "ssh": "",
+    "interface": "tcp://127.0.0.1",
+    "registration": 1,
+    "control": 2,
+    "mux": 3,
+    "task": 4,
+    "iopub": 5,
+    "hb_ping": 6,
+    "hb_pong": 7,
+    "broadcast": [8, 9],
+    "key": "00000000-0000-0000-0000-000000000000",
+    "location": "vm",
+    "pack": "json",
+    "unpack": "json",
+    "signature_scheme": "hmac-sha256",
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceServer]:
+    users = {"ann": False, "bob": False, "root": True}
+    env = {"HORA_SESSION_LEASE_S": "2"}
+    with ServiceServer(tmp_path_factory.mktemp("svc-sessions"), users, 2, env) as srv:
+        yield srv
+
+
+def wait_state(c: httpx.Client, sid: int, states: tuple[str, ...], timeout: float = 30) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        body = c.get(f"/v1/sessions/{sid}").json()
+        if body["state"] in states or time.monotonic() > deadline:
+            return body
+        time.sleep(0.1)
+
+
+def wait_free(c: httpx.Client, timeout: float = 30) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while True:
+        slots = c.get("/v1/gpus").json()
+        if all(s["job_id"] is None for s in slots) or time.monotonic() > deadline:
+            return slots
+        time.sleep(0.1)
+
+
+def beat(c: httpx.Client, sid: int, idle: float = 0.0) -> httpx.Response:
+    return c.post(f"/v1/sessions/{sid}/heartbeat", json={"idle_s": idle})
+
+
+@contextmanager
+def beating(srv: ServiceServer, user: str, sid: int) -> Iterator[None]:
+    """Heartbeat the session every 0.3 s (the test server's lease is 2 s) while inside."""
+    stop = threading.Event()
+
+    def run() -> None:
+        with srv.client(user) as c:
+            while not stop.wait(0.3):
+                beat(c, sid)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+
+
+def test_session_lifecycle_ownership_and_holders(server: ServiceServer) -> None:
+    with server.client("ann") as ann, server.client("bob") as bob, server.client("root") as root:
+        made = ann.post("/v1/sessions", json={"workers": 2, "connection": CONN})
+        assert made.status_code == 201, made.text
+        sid = made.json()["id"]
+        with beating(server, "ann", sid):
+            check_running_session(server, ann, bob, root, sid)
+
+
+def check_running_session(
+    server: ServiceServer, ann: httpx.Client, bob: httpx.Client, root: httpx.Client, sid: int
+) -> None:
+    assert beat(ann, sid).status_code == 200
+    body = wait_state(ann, sid, ("running",))
+    assert body["state"] == "running" and sorted(body["slots"]) == [0, 1]
+    assert beat(ann, sid).json()["state"] == "running"
+    holders = {(s["job_id"], s["holder_kind"], s["user"]) for s in ann.get("/v1/gpus").json()}
+    assert holders == {(sid, "session", "ann")}
+    kinds = {j["id"]: j["kind"] for j in ann.get("/v1/jobs").json()["items"]}
+    assert kinds[sid] == "session"
+    # the engines' connection key is never shown, not even to the owner or an admin
+    for c in (ann, root):
+        for text in (c.get(f"/v1/jobs/{sid}").text, c.get("/v1/jobs").text):
+            assert CONN["key"] not in text and '"HORA_ENGINE_CONNECTION":"(hidden)"' in text
+    # another user's session is a 404, like one that does not exist; an admin sees it
+    assert bob.get(f"/v1/sessions/{sid}").status_code == 404
+    assert beat(bob, sid).status_code == 404
+    assert bob.delete(f"/v1/sessions/{sid}").status_code == 404
+    assert bob.get("/v1/sessions").json()["total"] == 0
+    assert root.get(f"/v1/sessions/{sid}").status_code == 200
+    # a queued session sees its place and who holds the slots
+    queued = bob.post("/v1/sessions", json={"workers": 1, "connection": CONN}).json()
+    q = queued["queue"]
+    assert queued["state"] == "queued" and q["position"] == 1 and q["free"] == 0
+    assert [(h["kind"], h["id"], h["user"]) for h in q["holders"]] == [("session", sid, "ann")]
+    assert bob.delete(f"/v1/sessions/{queued['id']}").json()["reason"] == ("withdrawn by the user")
+    assert beat(ann, sid).status_code == 200
+    assert ann.delete(f"/v1/sessions/{sid}").status_code == 200
+    stopped = wait_state(ann, sid, ("cancelled", "failed", "succeeded"))
+    assert (stopped["state"], stopped["reason"]) == ("cancelled", "stopped by the user")
+    assert all(s["job_id"] is None for s in wait_free(ann))
+    # a job's id is not a session
+    job = ann.post("/v1/jobs", json={"command": ["python", "-c", "pass"]}).json()
+    assert ann.get(f"/v1/sessions/{job['id']}").status_code == 404
+
+
+def test_a_session_without_heartbeats_frees_its_slots(server: ServiceServer) -> None:
+    with server.client("ann") as ann:
+        sid = ann.post("/v1/sessions", json={"workers": 2, "connection": CONN}).json()["id"]
+        body = wait_state(ann, sid, ("cancelled", "failed", "succeeded"))
+        assert body["state"] == "cancelled"
+        assert "stopped heartbeating" in body["reason"]
+        assert all(s["job_id"] is None for s in wait_free(ann))
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"workers": 3, "connection": CONN}, "workers"),
+        ({"workers": 1, "connection": {**CONN, "interface": "tcp://8.8.8.8"}}, "interface"),
+        ({"workers": 1, "connection": {**CONN, "key": "`id`"}}, "key"),
+        ({"workers": 1, "connection": CONN, "image": "x"}, "image"),
+        ({"workers": 1}, "connection"),
+    ],
+)
+def test_bad_requests_name_the_field(server: ServiceServer, body: dict, field: str) -> None:
+    with server.client("ann") as ann:
+        resp = ann.post("/v1/sessions", json=body)
+    assert resp.status_code == 422, resp.text
+    assert field in resp.text

@@ -1,0 +1,254 @@
+"""Sessions in the service without a server: scheduling with jobs, leases, idle culling.
+
+The job manager's monitor loop is driven by ``tick()`` and the session manager's checks by
+``check(now)`` with scripted times; the ranks are the scripted ranks of test_service_core
+(no processes). Real engines, a real server and notebooks are in tests/e2e/test_sessions*.py.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from hora.errors import SpecError
+from hora.spec import JobSpec, JobState
+from hora_service.manager import JobManager
+from hora_service.sessions import (
+    CONNECTION_VAR,
+    EngineConnection,
+    Heartbeat,
+    SessionManager,
+    SessionRequest,
+    session_spec,
+)
+from hora_service.settings import Settings
+from pydantic import ValidationError
+from test_service_core import ScriptedRuntime
+
+CONN = {
+    "ssh": "",
+    "interface": "tcp://127.0.0.1",
+    "registration": 40001,
+    "control": 40002,
+    "mux": 40003,
+    "task": 40004,
+    "iopub": 40005,
+    "hb_ping": 40006,
+    "hb_pong": 40007,
+    "broadcast": [40008, 40009],
+    "key": "0f1e2d3c-aaaa-bbbb-cccc-000000000000",
+    "location": "vm",
+    "pack": "json",
+    "unpack": "json",
+    "signature_scheme": "hmac-sha256",
+}
+
+
+def request(**kw: object) -> SessionRequest:
+    return SessionRequest.model_validate({"workers": 2, "connection": CONN, **kw})
+
+
+@pytest.fixture
+def rt() -> ScriptedRuntime:
+    return ScriptedRuntime()
+
+
+@pytest.fixture
+def mgr(tmp_path: Path, rt: ScriptedRuntime) -> JobManager:
+    settings = Settings(
+        data_dir=tmp_path / "data", work_root=tmp_path, gpus="0", cpu_slots=4, kill_grace_s=5,
+        containment="tag", session_lease_s=30, session_idle_timeout_s=600,
+        session_idle_warn_s=60,
+    )  # fmt: skip
+    m = JobManager(settings, runtimes={"local": rt})
+    m.open_store()
+    return m
+
+
+@pytest.fixture
+def sessions(mgr: JobManager) -> SessionManager:
+    return SessionManager(mgr, mgr.settings)
+
+
+def state(m: JobManager, job_id: int) -> JobState:
+    job = m.get(job_id)
+    assert job is not None
+    return job.state
+
+
+def job(**kw: object) -> JobSpec:
+    return JobSpec.model_validate({"command": ["python", "train.py"], **kw})
+
+
+def test_a_session_is_a_job_of_kind_session_with_the_engines_command(
+    mgr: JobManager, sessions: SessionManager, rt: ScriptedRuntime
+) -> None:
+    s = sessions.create("ann", request())
+    mgr.tick()
+    record = mgr.get(s.id)
+    assert record is not None and record.kind == "session"
+    assert record.state == JobState.running and len(record.slots) == 2
+    plan, ranks = rt.started[0]
+    assert plan.spec.command[1:] == ["-m", "hora.engines._child", "session-engine"]
+    assert EngineConnection.model_validate_json(plan.spec.env[CONNECTION_VAR]).registration == (
+        40001
+    )
+    assert plan.spec.env["HORA_BACKEND"] == "gloo"  # CPU slots
+    held = {s.index: s.holder_kind for s in mgr.slots() if s.job_id is not None}
+    assert sorted(held) == record.slots and set(held.values()) == {"session"}
+
+
+def test_sessions_and_jobs_share_one_quota(mgr: JobManager, sessions: SessionManager) -> None:
+    mgr.create_user("ann", quota=2)
+    s = sessions.create("ann", request())
+    mgr.tick()
+    mine = mgr.submit("ann", job(workers=1))
+    other = mgr.submit("bob", job(workers=2))
+    mgr.tick()
+    assert state(mgr, s.id) == JobState.running
+    assert state(mgr, mine.id) == JobState.queued  # ann's session holds her quota
+    assert state(mgr, other.id) == JobState.running
+    view = sessions.view(mgr.get(mine.id))  # type: ignore[arg-type]
+    assert view.queue is not None and "quota" in view.queue.reason
+    with pytest.raises(SpecError, match="quota is 2") as err:
+        sessions.create("ann", request(workers=3))
+    assert err.value.field == "workers"
+
+
+def test_a_queued_session_sees_its_position_and_who_holds_the_slots(
+    mgr: JobManager, sessions: SessionManager, rt: ScriptedRuntime
+) -> None:
+    running = mgr.submit("bob", job(workers=3, timeout_s=600))
+    first = sessions.create("ann", request())
+    second = sessions.create("cat", request(workers=3))
+    mgr.tick()
+    assert state(mgr, running.id) == JobState.running
+    a = sessions.view(mgr.get(first.id))  # type: ignore[arg-type]
+    b = sessions.view(mgr.get(second.id))  # type: ignore[arg-type]
+    assert a.queue is not None and b.queue is not None
+    assert (a.queue.position, b.queue.position) == (1, 2)
+    assert a.queue.free == 1 and a.queue.need == 2
+    (holder,) = a.queue.holders
+    assert (holder.kind, holder.id, holder.user) == ("job", running.id, "bob")
+    assert a.queue.estimate_at is not None  # the job's timeout says when its slots free up
+    rt.started[0][1][0].status = rt.started[0][1][1].status = rt.started[0][1][2].status = 0
+    mgr.tick()
+    mgr.tick()
+    assert state(mgr, first.id) == JobState.running
+    b = sessions.view(mgr.get(second.id))  # type: ignore[arg-type]
+    assert b.queue is not None and b.queue.position == 1
+    assert [(h.kind, h.id) for h in b.queue.holders] == [("session", first.id)]
+    assert b.queue.estimate_at is None  # a session has no time limit
+    assert b.queue.holders[0].idle_s is not None
+
+
+def test_a_session_never_shares_a_slot_with_a_job(
+    mgr: JobManager, sessions: SessionManager
+) -> None:
+    ids = [sessions.create("ann", request()).id, mgr.submit("bob", job(workers=2)).id]
+    ids += [sessions.create("cat", request(workers=1)).id, mgr.submit("dan", job(workers=1)).id]
+    mgr.tick()
+    held = [s.job_id for s in mgr.slots()]
+    assert sorted(h for h in held if h is not None) == sorted(ids[:2] * 2)
+    assert state(mgr, ids[2]) == state(mgr, ids[3]) == JobState.queued
+
+
+def test_a_silent_kernel_loses_its_session_after_the_lease(
+    mgr: JobManager, sessions: SessionManager, rt: ScriptedRuntime
+) -> None:
+    s = sessions.create("ann", request())
+    mgr.tick()
+    now = time.time()
+    sessions.check(now + 20)
+    assert state(mgr, s.id) == JobState.running  # within the lease
+    sessions.heartbeat(mgr.get(s.id), Heartbeat(idle_s=0))  # type: ignore[arg-type]
+    sessions.check(time.time() + 29)
+    assert state(mgr, s.id) == JobState.running  # the heartbeat renewed it
+    sessions.check(time.time() + 31)
+    mgr.tick()
+    record = mgr.get(s.id)
+    assert record is not None and record.state == JobState.cancelled
+    assert record.reason is not None and "stopped heartbeating" in record.reason
+    assert all(s.job_id is None for s in mgr.slots())
+
+
+def test_a_queued_session_whose_kernel_died_leaves_the_queue(
+    mgr: JobManager, sessions: SessionManager
+) -> None:
+    mgr.submit("bob", job(workers=4))
+    s = sessions.create("ann", request())
+    mgr.tick()
+    sessions.check(time.time() + 31)
+    assert state(mgr, s.id) == JobState.cancelled
+
+
+def test_idle_engines_are_warned_then_stopped(mgr: JobManager, sessions: SessionManager) -> None:
+    s = sessions.create("ann", request(idle_timeout_s=300))
+    mgr.tick()
+    record = mgr.get(s.id)
+    assert record is not None
+    quiet = sessions.heartbeat(record, Heartbeat(idle_s=100))
+    assert quiet.warning is None and quiet.idle_s is not None and quiet.idle_s >= 100
+    near = sessions.heartbeat(record, Heartbeat(idle_s=280))  # warned 60 s before 300
+    assert near.warning is not None and "unless a %%distributed cell runs" in near.warning
+    assert near.stop_in_s is not None and near.stop_in_s <= 20
+    sessions.check(time.time() + 10)
+    assert state(mgr, s.id) == JobState.running
+    sessions.check(time.time() + 21)  # within the lease: the idle timeout is what ends it
+    mgr.tick()
+    ended = sessions.heartbeat(mgr.get(s.id), Heartbeat(idle_s=0))  # type: ignore[arg-type]
+    assert ended.state == JobState.cancelled
+    assert ended.reason is not None and ended.reason.startswith("idle for")
+
+
+def test_a_busy_session_is_not_idle(mgr: JobManager, sessions: SessionManager) -> None:
+    s = sessions.create("ann", request(idle_timeout_s=300))
+    mgr.tick()
+    for _ in range(3):
+        sessions.heartbeat(mgr.get(s.id), Heartbeat(idle_s=0))  # type: ignore[arg-type]
+    sessions.check(time.time() + 29)
+    assert state(mgr, s.id) == JobState.running
+
+
+def test_idle_timeout_is_capped_by_the_admin(mgr: JobManager, tmp_path: Path) -> None:
+    capped = Settings(
+        data_dir=tmp_path / "d2", work_root=tmp_path, gpus="0", session_idle_timeout_max_s=60
+    )
+    s = SessionManager(mgr, capped)
+    with pytest.raises(SpecError) as err:
+        s.create("ann", request(idle_timeout_s=120))
+    assert err.value.field == "idle_timeout_s"
+
+
+def test_deleting_withdraws_a_queued_session(mgr: JobManager, sessions: SessionManager) -> None:
+    mgr.submit("bob", job(workers=4))
+    s = sessions.create("ann", request())
+    mgr.tick()
+    gone = sessions.delete(mgr.get(s.id))  # type: ignore[arg-type]
+    assert gone.state == JobState.cancelled and gone.reason == "withdrawn by the user"
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"interface": "tcp://10.0.0.1"}, "interface"),
+        ({"registration": 70000}, "registration"),
+        ({"key": "$(rm -rf ~)"}, "key"),
+        ({"location": "a b; c"}, "location"),
+        ({"pack": "eval"}, "pack"),
+        ({"extra": 1}, "extra"),
+    ],
+)
+def test_hostile_connection_info_is_refused(change: dict[str, object], field: str) -> None:
+    with pytest.raises(ValidationError) as err:
+        request(connection={**CONN, **change})
+    assert field in str(err.value)
+
+
+def test_session_spec_is_an_argument_list_and_an_env() -> None:
+    spec = session_spec(request(backend="gloo", timeout_s=12, threads=3), "nccl", "/py")
+    assert spec.command == ["/py", "-m", "hora.engines._child", "session-engine"]
+    assert spec.env["HORA_BACKEND"] == "gloo" and spec.env["HORA_TIMEOUT"] == "12"
+    assert spec.env["OMP_NUM_THREADS"] == "3"
+    assert spec.workers == 2 and spec.timeout_s is None
