@@ -89,8 +89,11 @@ class CollectiveTimeout(HoraError):
         self.name = name
 
 
-class TensorMismatchError(HoraError, ValueError):
-    """Ranks passed tensors of different shape or dtype to the same collective."""
+class TensorMismatchError(HoraError, ValueError, RuntimeError):
+    """Ranks passed tensors of different shape or dtype to the same collective.
+
+    A ValueError (bad input) and, like Horovod's mismatch errors, a RuntimeError.
+    """
 
     def __init__(self, op: str, name: str, detail: str, ranks: Sequence[int]) -> None:
         super().__init__(

@@ -33,6 +33,9 @@ def _grouped(rank: int, size: int) -> dict[str, Any]:
         "broadcast": hvd.broadcast(short, root_rank=1),
         "reducescatter": hvd.reducescatter(torch.ones(4, dtype=torch.int16), op=hvd.Sum),
     }
+    model = torch.nn.Linear(2, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    names = sorted(opt._parameter_names.values())  # Horovod's internal the suite reads
     after = hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist()  # the world is still in step
     hvd.shutdown()
     return {
@@ -41,6 +44,7 @@ def _grouped(rank: int, size: int) -> dict[str, Any]:
         "averaged": averaged.tolist(),
         "scalar": scalar,
         "after": after,
+        "names": names,
         "int16": {k: (str(v.dtype), v.tolist()) for k, v in int16.items()},
     }
 
@@ -52,6 +56,7 @@ def test_grouped_forms_and_sparse_allreduce(run_world: Callable[..., list[Any]])
         assert r["averaged"] == [[0.5, 0, 0], [0, 1.0, 0], [0, 0, 0], [0, 0, 0]]
         assert r["scalar"] == "ValueError"
         assert r["after"] == [2.0, 2.0]
+        assert r["names"] == ["allreduce.noname.0.0", "allreduce.noname.0.1"]
         assert r["int16"] == {
             "allreduce": ("torch.int16", [3, 3, 3]),
             "allgather": ("torch.int16", [1, 1, 1, 2, 2, 2]),

@@ -167,3 +167,6 @@ def test_unsupported_capabilities_raise_clearly() -> None:
 def test_horovods_exception_names_are_runtime_errors() -> None:
     assert issubclass(hvd.HorovodInternalError, RuntimeError)
     assert hvd.HostsUpdatedInterrupt(skip_sync=True).skip_sync is True
+    # Horovod's suite expects a RuntimeError for mismatched shapes, dtypes and roots
+    assert issubclass(hvd.TensorMismatchError, RuntimeError)
+    assert issubclass(hvd.TensorMismatchError, ValueError)
