@@ -14,12 +14,9 @@ otherwise. The module prints the figures per world size and fails when a test ou
 KNOWN_INCOMPATIBLE fails.
 
 Not in the default run yet (set ``HORA_CONFORMANCE=1``): hora.torch does not pass the suite
-today (2 ranks: 11 passed, 94 failed, 10 skipped in about 5 min), mostly because of what is
-listed in README.md ("Coming from Horovod"): dynamic process sets are missing, Horovod
-matches collectives by name where hora matches them by order (the duplicate-name tests),
-and after the first such failure the suite's ``tearDown`` barrier times out, so
-``shutdown()`` is never reached and every later test inherits the broken world. A run that
-fails every test by timeout would also take far longer than CI allows.
+today (2 ranks: 63 passed, 42 failed, 10 skipped in about 5 min on 2 cores); README.md
+("Coming from Horovod") lists what the failures come from (process sets, autograd of some
+collectives, name-based matching, ``join``).
 """
 
 from __future__ import annotations
