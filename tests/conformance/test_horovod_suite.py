@@ -14,7 +14,8 @@ otherwise. The module prints the figures per world size and fails when a test ou
 KNOWN_INCOMPATIBLE fails.
 
 Not in the default run yet (set ``HORA_CONFORMANCE=1``): hora.torch does not pass the suite
-today (2 ranks: 63 passed, 42 failed, 10 skipped in about 5 min on 2 cores); README.md
+today (2 ranks: 63 passed, 42 failed, 10 skipped in 287 s; 3 ranks: 51 / 54 / 10 in 582 s,
+on 2 cores); README.md
 ("Coming from Horovod") lists what the failures come from (process sets, autograd of some
 collectives, name-based matching, ``join``).
 """
