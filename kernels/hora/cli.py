@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("hora_service.cli", "start the job service (FastAPI + scheduler)"),
     "up": ("hora_service.up", "start the service and JupyterLab together"),
     "user": ("hora_service.cli", "manage users and tokens of the service"),
+    "image": ("hora_service.images", "build hora's container images (cpu, gpu, notebook)"),
     "submit": ("hora.jobs_cli", "submit a job to the service"),
     "jobs": ("hora.jobs_cli", "list your jobs"),
     "status": ("hora.jobs_cli", "show one job"),

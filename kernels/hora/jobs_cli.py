@@ -72,8 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--submission-id", default=None, help="idempotency key: resubmitting returns the same job"
     )
-    s.add_argument("--image", default=None, help="container image (docker runtime)")
-    s.add_argument("--runtime", default="local", help="local (docker and slurm later)")
+    s.add_argument(
+        "--image", default=None, help="container image: the job runs in it (docker runtime)"
+    )
+    s.add_argument(
+        "--runtime", default=None, help="local or docker (default: docker with --image, else local)"
+    )
     s.add_argument(
         "--wait", action="store_true", help="follow progress and rank 0's log until the end"
     )
@@ -146,7 +150,7 @@ def spec_from_args(args: argparse.Namespace) -> Any:
         "working_dir": args.workdir,
         "submission_id": args.submission_id,
         "image": args.image,
-        "runtime": args.runtime,
+        "runtime": args.runtime or ("docker" if args.image else "local"),
     }
     return parse_spec({k: v for k, v in data.items() if v is not None})
 

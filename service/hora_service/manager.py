@@ -126,13 +126,19 @@ class QueueView:
     over_quota: bool
 
 
-def describe(rank: int, status: RankStatus) -> str:
-    """A human reason for one rank's failure.
+def describe(rank: int, status: RankStatus, note: str | None = None) -> str:
+    """A human reason for one rank's failure, with what the runtime noted about it.
 
     Example:
         >>> describe(1, 3), describe(0, -9)
         ('rank 1 exited with code 3', 'rank 0 was killed by SIGKILL')
+        >>> describe(0, Exit.lost, "its container is gone")
+        'rank 0 ended without recording its exit status: its container is gone'
     """
+    if note:
+        if status is Exit.lost:
+            return f"rank {rank} ended without recording its exit status: {note}"
+        return f"{describe(rank, status)} ({note})"
     if status is Exit.lost:
         return f"rank {rank} ended while the service was down; its exit status is unknown"
     assert isinstance(status, int)
@@ -393,9 +399,9 @@ class JobManager:
             raise SpecError(field, f"asks for {need} {unit}; your quota is {quota}")
         if self.user_mode == "multi":
             self.users.run_as_of(user)
-        self._runtime(spec.runtime.value)
         if spec.image is not None and spec.runtime.value != "docker":
             raise SpecError("image", "an image is used only by the docker runtime")
+        self._runtime(spec.runtime.value).check(spec)
         self.workdir(spec)
 
     def workdir(self, spec: JobSpec) -> Path:
@@ -608,6 +614,7 @@ class JobManager:
             schedule_latency_sum_s=self._latency_sum,
             schedule_latency_count=self._latency_count,
             schedule_pass_seconds=self._last_pass_s,
+            store_pending_writes=len(self.journal),
         )
 
     # the monitor loop -------------------------------------------------------------------
@@ -634,7 +641,9 @@ class JobManager:
         if attempt.stop_state is None:
             failed = first_failure(attempt.codes)
             if failed is not None:
-                attempt.stop(JobState.failed, describe(*failed), now, grace, retry=True)
+                first, status = failed
+                why = describe(first, status, attempt.ranks[first].note)
+                attempt.stop(JobState.failed, why, now, grace, retry=True)
             elif attempt.deadline is not None and now > attempt.deadline:
                 timeout = attempt.plan.spec.timeout_s or 0
                 attempt.stop(JobState.failed, f"timed out after {timeout:g}s", now, grace, False)
@@ -739,7 +748,7 @@ class JobManager:
         starting = Write(
             job_id, JobState.starting, now, None,
             {"attempt": n, "slots": list(slots), "exit_codes": {}, "retry_at": None,
-             "cancel_requested": 0},
+             "cancel_requested": 0, "container_id": None},
         )  # fmt: skip
         if not self._write(starting):
             # no process starts before the store knows (a restart must not start it twice)
@@ -768,7 +777,11 @@ class JobManager:
             job_id, job.user, plan, ranks, running, running + timeout if timeout else None,
             kind=job.kind,
         )  # fmt: skip
-        self._set_state(job_id, JobState.running, running, None, started_at=running)
+        boxes = {r.container_id for r in ranks if r.container_id is not None}
+        self._set_state(
+            job_id, JobState.running, running, None,
+            started_at=running, container_id=next(iter(sorted(boxes)), None),
+        )  # fmt: skip
         if n == 1:
             latency = running - job.created_at.timestamp()
             self._latencies.append(latency)
@@ -916,5 +929,5 @@ class JobManager:
 
     def _runtime(self, name: str) -> Runtime:
         if name not in self._runtimes:
-            self._runtimes[name] = runtimes.create(name)
+            self._runtimes[name] = runtimes.create(name, self.settings)
         return self._runtimes[name]

@@ -68,6 +68,7 @@ class JobRecord(BaseModel):
         user_id: the stable id of the user who submitted it.
         kind: ``job``, or ``session`` for a notebook's interactive engines (see
             :mod:`hora_service.sessions`).
+        container_id: the container of the current attempt (docker runtime), else None.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -85,6 +86,7 @@ class JobRecord(BaseModel):
     finished_at: datetime | None = None
     transitions: list[Transition] = Field(default_factory=list)
     user_id: int | None = None
+    container_id: str | None = None
     kind: str = "job"
 
     @field_serializer("spec")
@@ -119,3 +121,6 @@ class MetricsSnapshot(BaseModel):
     schedule_latency_sum_s: float = 0.0
     schedule_latency_count: int = 0
     schedule_pass_seconds: float = 0.0
+    store_pending_writes: int = Field(
+        default=0, description="job state changes waiting for the store to take them"
+    )

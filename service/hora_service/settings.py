@@ -50,6 +50,22 @@ class Settings(BaseSettings):
             ranks; past it a rank's log keeps its newest half after a truncation marker.
         clear_timeout_s: how long the monitor tries to empty an ended attempt's processes
             before it reports the attempt stuck (its slots stay held either way).
+        docker_host: the Docker engine's address (``DOCKER_HOST`` convention:
+            ``unix:///run/docker.sock``, ``tcp://HOST:PORT``); None: the ``DOCKER_HOST`` of
+            the service's environment, else the engine's default socket.
+        docker_allowed_images: patterns (``fnmatch``: ``hora:*``, ``registry/team/*``) of the
+            images docker jobs may name; anything else is refused at submission.
+        docker_pull: ``if-not-present`` (pull an image the engine lacks) or ``never``.
+        docker_shm_size: size of a job container's ``/dev/shm`` (NCCL and DataLoader
+            workers use it), e.g. ``4g``.
+        docker_ipc: the containers' IPC mode: ``private``, ``shareable`` or ``host``.
+        docker_network: the containers' network mode (``host``: ranks and rendezvous use
+            the host's network, as NCCL needs across hosts).
+        docker_ulimits: ``NAME=SOFT[:HARD]`` limits set in the containers (``memlock=-1``);
+            raising one may be refused by the engine.
+        docker_devices: extra host devices given to the containers (``/dev/infiniband``).
+        docker_uid: the account docker jobs run as when the job has none of its own (single
+            and shared modes): never root.
         store_write_timeout_s: how long a request that writes (a submit) waits for the
             store's write lock before it answers 503 with ``Retry-After``.
         health_interval_s: seconds between two background checks of the store behind
@@ -91,6 +107,17 @@ class Settings(BaseSettings):
     job_env_passthrough: Annotated[list[str], NoDecode] = Field(default_factory=list)
     log_bytes_per_attempt: Annotated[int, Field(ge=1 << 16)] = 256 << 20
     clear_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    docker_host: str | None = None
+    docker_allowed_images: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["hora:*", "hora-*:*"]
+    )
+    docker_pull: Literal["if-not-present", "never"] = "if-not-present"
+    docker_shm_size: str = "4g"
+    docker_ipc: Literal["private", "shareable", "host"] = "private"
+    docker_network: str = "host"
+    docker_ulimits: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    docker_devices: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    docker_uid: Annotated[int, Field(ge=1)] = 65534
     store_write_timeout_s: Annotated[float, Field(gt=0, le=600)] = 5.0
     health_interval_s: Annotated[float, Field(gt=0, le=600)] = 2.0
     max_spec_bytes: Annotated[int, Field(ge=1024)] = 64 << 10
@@ -108,7 +135,10 @@ class Settings(BaseSettings):
     def _absolute(cls, v: Path) -> Path:
         return v.expanduser().resolve()
 
-    @field_validator("job_env_passthrough", mode="before")
+    @field_validator(
+        "job_env_passthrough", "docker_allowed_images", "docker_ulimits", "docker_devices",
+        mode="before",
+    )
     @classmethod
     def _names(cls, v: object) -> object:
         return [n.strip() for n in v.split(",") if n.strip()] if isinstance(v, str) else v

@@ -103,13 +103,17 @@ MIGRATIONS: list[list[str]] = [
             lease_s REAL NOT NULL,
             idle_timeout_s REAL)""",
     ],
+    [
+        # v5: the container of a docker job's current attempt
+        "ALTER TABLE jobs ADD COLUMN container_id TEXT",
+    ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 BUSY_TIMEOUT_MS = 30_000
 ACTIVE = (JobState.starting, JobState.running)
 JOB_COLUMNS = (
     "id, user, spec, state, attempt, reason, exit_codes, slots, created_at, started_at, "
-    "finished_at, user_id, kind"
+    "finished_at, user_id, kind, container_id"
 )
 USER_COLUMNS = "id, name, is_admin, gpu_quota, os_uid"
 # the id of the user who has this name now (jobs belong to ids, requests come with names)
@@ -445,6 +449,7 @@ class Store:
                 transitions=moves[r[0]],
                 user_id=r[11],
                 kind=r[12],
+                container_id=r[13],
             )
             for r in rows
         ]

@@ -26,15 +26,18 @@ def test_each_engine_owns_one_gpu_and_nccl_works():
     c.start()
     try:
         rows = c.table()
-        assert [r["device"] for r in rows] == ["cuda:0"] * n
-        assert len({r["gpu"] for r in rows}) == n  # distinct CUDA_VISIBLE_DEVICES per engine
+        # every engine sees the n GPUs and pins cuda:LOCAL_RANK, its own
+        assert [r["device"] for r in rows] == [f"cuda:{r}" for r in range(n)]
+        assert len({r["gpu"] for r in rows}) == n  # distinct HORA_GPU per engine
         res = c.run(
             "import os\n"
             "t = hvd.allreduce(torch.ones(2, device='cuda'), op=hvd.Sum)\n"
             "print(torch.cuda.device_count(), hvd.local_rank(), t.device, t.sum().item())",
             shown=list(range(n)),
         )
-        assert all(out == f"1 0 cuda:0 {2.0 * n}\n" for out in res.stdout.values())
+        assert res.stdout == {
+            r: f"{n} {r} cuda:{r} {2.0 * n}\n" for r in range(n)
+        }, res.stdout
         c.push({"w": torch.zeros(3)})
         c.run("assert w.device.type == 'cuda'; w += 1")
         pulled = c.pull("w")

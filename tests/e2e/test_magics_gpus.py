@@ -3,8 +3,8 @@
 hora learns about GPUs from nvidia-smi (it never initialises CUDA in the notebook kernel), so a
 script that answers like nvidia-smi for three GPUs, GPU 2 in use by pid 4242, drives the same
 code a GPU node runs: the refusals (more GPUs than free, a busy GPU, CUDA already initialised in
-the kernel), and engines launched each with its own ``CUDA_VISIBLE_DEVICES`` and placed as local
-rank 0 of their own node. Torch in the engines finds no GPU here, so the process group is gloo on
+the kernel), and engines launched each seeing all the engines' GPUs, as the local ranks of one
+node. Torch in the engines finds no GPU here, so the process group is gloo on
 CPU; the NCCL path on real GPUs is tests/e2e/test_magics_cuda.py.
 """
 
@@ -93,6 +93,6 @@ def test_each_engine_is_launched_with_its_own_gpu(ip):
             "hvd.local_size(), hvd.cross_rank(), hvd.cross_size())"
         )
     assert result.success, cap.stdout
-    # rank r runs on GPU --gpus[r], which is the only GPU it sees, as local rank 0 of its node
-    assert sorted(cap.stdout.splitlines()) == ["[rank 0] 1 0 0 1 0 2", "[rank 1] 0 1 0 1 1 2"]
+    # every engine sees all the engines' GPUs in --gpus order; rank r pins cuda:r (GPU --gpus[r])
+    assert sorted(cap.stdout.splitlines()) == ["[rank 0] 1,0 0 0 2 0 1", "[rank 1] 1,0 1 1 2 0 1"]
     assert "CUDA_VISIBLE_DEVICES" not in os.environ  # the kernel's own environment is untouched

@@ -50,7 +50,7 @@ def test_shim_records_exit_status(tmp_path: Path, code: str, expected: int) -> N
     p = plan(tmp_path, [PY, "-c", code])
     (rank,) = LocalRuntime().start(p, dict(os.environ))
     assert wait_done(rank) == expected
-    assert (p.run_dir / "rank0.exit").read_text() == str(expected)
+    assert (p.run_dir / "rank0.exit").read_text().strip() == str(expected)
     assert read_pid(p.run_dir, 0) == rank.proc.pid  # type: ignore[attr-defined]
 
 
@@ -164,7 +164,7 @@ def test_shim_ignores_the_jobs_pythonpath(tmp_path: Path) -> None:
     )
     (rank,) = LocalRuntime().start(p, dict(os.environ))
     assert wait_done(rank) == 3
-    assert (p.run_dir / "rank0.exit").read_text() == "3"
+    assert (p.run_dir / "rank0.exit").read_text().strip() == "3"
 
 
 def test_log_past_its_limit_keeps_the_tail_after_a_marker(tmp_path: Path) -> None:

@@ -69,15 +69,19 @@ def test_all_gpus_busy_says_free_one():
         plan_devices(None, None, [GpuInfo("0", busy_pids=(1,))])
 
 
-def test_engine_env_binds_one_gpu_and_rank_without_touching_base():
+def test_engine_env_shows_every_engine_all_gpus_without_touching_base():
     base = {"PATH": "/bin", "RANK": "9", "CUDA_VISIBLE_DEVICES": "0,1,2,3", "JPY_PARENT_PID": "1"}
     env = engine_env(
-        base, rank=1, size=2, device="3", master_port=4321, backend="nccl", timeout_s=30
-    )
+        base, rank=1, size=2, device="3", master_port=4321, backend="nccl", timeout_s=30,
+        gpus=["2", "3"],
+    )  # fmt: skip
     assert base["RANK"] == "9" and base["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
-    assert env["CUDA_VISIBLE_DEVICES"] == "3"
-    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("1", "2", "0")
-    assert (env["CROSS_RANK"], env["CROSS_SIZE"]) == ("1", "2")
+    # all the engines' GPUs (NCCL's CUDA IPC needs them shared); it pins cuda:LOCAL_RANK = "3"
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["HORA_GPU"] == "3"
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_SIZE"]) == (
+        "1", "2", "1", "2",
+    )  # fmt: skip
+    assert (env["CROSS_RANK"], env["CROSS_SIZE"]) == ("0", "1")
     assert env["MASTER_PORT"] == "4321" and env["HORA_BACKEND"] == "nccl"
     assert env["HORA_TIMEOUT"] == "30" and "JPY_PARENT_PID" not in env
     assert env["PATH"] == "/bin"

@@ -435,7 +435,11 @@ def test_rank_environment_contract(tmp_path: Path) -> None:
     world = (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_SIZE"])
     assert world == ("1", "2", "1", "2")  # hora's contract wins over the job's RANK=99
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "29999")
-    assert env["CUDA_VISIBLE_DEVICES"] == "6,7" and env["HORA_RESTART_COUNT"] == "1"
+    # every rank sees all the job's GPUs (NCCL's CUDA IPC needs that); HORA_SLOTS are its own
+    assert env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    assert env["HORA_SLOTS"] == env["HORA_GPU"] == "6,7"
+    assert rank_environment(p, 0, base)["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    assert env["HORA_RESTART_COUNT"] == "1"
     assert env["HORA_JOB_ID"] == "7" and env["PYTHONUNBUFFERED"] == "1"
     assert rank_environment(plan(tmp_path, "cpu"), 0, {})["CUDA_VISIBLE_DEVICES"] == ""
 

@@ -104,6 +104,7 @@ def test_an_end_the_store_refuses_waits_and_lands(mgr: JobManager, rt: Scripted)
         assert stored(mgr, job) == JobState.running and len(mgr.journal) == 1
         assert all(s.job_id is None for s in mgr.slots())
         assert mgr.journal.error is not None and "locked" in mgr.journal.error
+        assert mgr.metrics().store_pending_writes == 1  # /metrics: hora_store_pending_writes
         mgr.tick()  # still locked: still waiting, nothing lost
         assert len(mgr.journal) == 1
     mgr.tick()

@@ -252,3 +252,51 @@ def test_session_spec_is_an_argument_list_and_an_env() -> None:
     assert spec.env["HORA_BACKEND"] == "gloo" and spec.env["HORA_TIMEOUT"] == "12"
     assert spec.env["OMP_NUM_THREADS"] == "3"
     assert spec.workers == 2 and spec.timeout_s is None
+
+
+def test_connection_files_match_what_the_controller_writes() -> None:
+    from hora.engines.plan import CONNECTION_PORTS, connection_files
+
+    engine, client = connection_files(list(range(41000, 41000 + CONNECTION_PORTS)), "k-1", "vm")
+    assert engine["registration"] == client["registration"] == 41000
+    assert engine["broadcast"] == [41007, 41008] and client["broadcast"] == 41014
+    # the service accepts the engine file as it is
+    assert EngineConnection.model_validate(engine).hb_pong == 41006
+    ports = [v for k, v in client.items() if k in ("control", "mux", "task", "iopub")]
+    assert len(set(ports)) == 4 and not set(ports) & {41001, 41002, 41003, 41004}
+    with pytest.raises(SpecError):
+        connection_files([1] * CONNECTION_PORTS, "k", "vm")
+
+
+def test_the_queue_display_names_place_holders_and_estimate() -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from hora.engines.session import SessionInfo, render_queue
+
+    now = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+    info = SessionInfo.model_validate(
+        {
+            "id": 14, "state": "queued", "workers": 1, "slots": [], "lease_s": 30,
+            "queue": {
+                "position": 2, "need": 1, "free": 0, "reason": "waiting for 1 slot(s); 0 free",
+                "estimate_at": now + timedelta(minutes=30),
+                "holders": [
+                    {"kind": "session", "id": 12, "user": "ann", "slots": [0],
+                     "since": now - timedelta(minutes=14), "idle_s": 180},
+                    {"kind": "job", "id": 13, "user": "bob", "slots": [1],
+                     "since": now - timedelta(seconds=20), "ends_at": now + timedelta(minutes=30)},
+                ],
+            },
+        }
+    )  # fmt: skip
+    text = render_queue(info, now, waited_s=6)
+    assert text.splitlines()[0] == (
+        "session 14 queued: position 2; waiting for 1 slot(s); 0 free (waited 6s; Ctrl-C withdraws)"
+    )
+    assert "session 12 (ann) holds slots 0 since" in text and "(14 min, idle 3 min)" in text
+    assert "job 13 (bob) holds slots 1" in text and "ends by" in text
+    assert "estimate: slots free by" in text and "(~30 min)" in text
+    no_limit = info.model_copy(
+        update={"queue": info.queue.model_copy(update={"estimate_at": None})}  # type: ignore[union-attr]
+    )
+    assert "no estimate: what holds the slots has no time limit" in render_queue(no_limit, now)

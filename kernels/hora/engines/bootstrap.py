@@ -111,7 +111,7 @@ def _init_engine(backend: str, timeout_s: float, threads: int) -> dict[str, Any]
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "device": str(_device()),
-        "gpu": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+        "gpu": os.environ.get("HORA_GPU", ""),
         "main_thread": threading.main_thread().ident,
         "stack_file": STACK_FILE[0] if STACK_FILE else None,
     }

@@ -199,6 +199,7 @@ class Cluster(Recovery):
             backend=self.backend,
             timeout_s=self.options.timeout_s,
             threads=self.options.threads,
+            gpus=[d for d in self._devices if d is not None],
         )
         stack = self._dir / f"stack{rank}.txt"
         stack.touch()

@@ -2,7 +2,8 @@
 
 Everything that becomes a process is built here without side effects, so it can be tested
 line by line: which GPU each rank gets (:func:`plan_devices`), each engine's environment
-(:func:`engine_env`: ``CUDA_VISIBLE_DEVICES`` bound before CUDA can initialise in it, plus the
+(:func:`engine_env`: ``CUDA_VISIBLE_DEVICES`` of every engine's GPU, set before CUDA can
+initialise in it, each engine pinning its own as ``cuda:LOCAL_RANK``, plus the
 rank environment of :func:`hora.env.rank_env`), and the argument lists of the controller and
 engine processes. The notebook kernel's own ``os.environ`` is only ever read, never changed.
 """
@@ -41,6 +42,7 @@ _STRIP = (
     "MASTER_ADDR",
     "MASTER_PORT",
     "HORA_LAUNCHER",
+    "HORA_GPU",
     "JPY_PARENT_PID",
     "IPP_CONNECTION_INFO",
     "OMPI_COMM_WORLD_RANK",
@@ -161,6 +163,7 @@ def engine_env(
     backend: str,
     timeout_s: float,
     threads: int = 1,
+    gpus: Sequence[str] = (),
 ) -> dict[str, str]:
     """Build one engine's environment from the kernel's (which is left untouched).
 
@@ -168,39 +171,27 @@ def engine_env(
         base: the kernel's environment (``os.environ``), copied.
         rank: the engine's rank.
         size: number of engines.
-        device: GPU id for ``CUDA_VISIBLE_DEVICES``, or None for a CPU engine.
+        device: this engine's GPU id (``HORA_GPU``), or None for a CPU engine.
         master_port: rendezvous port of the process group.
         backend: "nccl" or "gloo" (``HORA_BACKEND``).
         timeout_s: collective timeout (``HORA_TIMEOUT``).
         threads: OMP_NUM_THREADS for CPU engines when ``base`` sets none.
+        gpus: the GPU ids of every engine, by rank (default: ``device`` alone).
 
     Returns:
         A new dict: the launcher variables are replaced by this rank's.
 
     Example:
         >>> env = engine_env({}, rank=1, size=2, device="3", master_port=1234, backend="nccl",
-        ...                  timeout_s=60)
-        >>> env["CUDA_VISIBLE_DEVICES"], env["RANK"], env["LOCAL_RANK"]
-        ('3', '1', '0')
+        ...                  timeout_s=60, gpus=["1", "3"])
+        >>> env["CUDA_VISIBLE_DEVICES"], env["HORA_GPU"], env["RANK"], env["LOCAL_RANK"]
+        ('1,3', '3', '1', '1')
     """
     env = {k: v for k, v in base.items() if k not in _STRIP}
-    if device is None:
-        env.update(rank_env(rank, size, master_port=master_port))
-    else:
-        # One GPU per engine: inside it that GPU is cuda:0 whatever the rank, so the engine is
-        # placed as local rank 0 of its own "host"; Horovod code doing
-        # torch.cuda.set_device(hvd.local_rank()) then picks the bound GPU.
-        env.update(
-            rank_env(
-                rank,
-                size,
-                local_rank=0,
-                local_size=1,
-                cross_rank=rank,
-                cross_size=size,
-                master_port=master_port,
-            )
-        )
+    # Every engine sees all the engines' GPUs and is local rank r of this host, so that
+    # hora.torch (and Horovod code doing torch.cuda.set_device(hvd.local_rank())) picks
+    # cuda:r, its own; NCCL's CUDA IPC / NVLink paths need GPUs the ranks share.
+    env.update(rank_env(rank, size, master_port=master_port))
     env.update(
         {
             "HORA_BACKEND": backend,
@@ -210,7 +201,8 @@ def engine_env(
         }
     )
     if device is not None:
-        env["CUDA_VISIBLE_DEVICES"] = device
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus) if gpus else device
+        env["HORA_GPU"] = device
     else:
         env.setdefault("OMP_NUM_THREADS", str(threads))
     return env

@@ -310,6 +310,29 @@ def _init_group(world: World, backend: str, store: Any, start_s: float, timeout_
         raise CollectiveTimeout("init", missing, start_s, name=f"process group: {e}") from None
 
 
+def device_index(local_rank: int, local_size: int, count: int) -> int:
+    """The CUDA device a rank pins: ``cuda:LOCAL_RANK`` over the GPUs the host's ranks share.
+
+    hora's launchers show every rank of a job all of the job's GPUs on its host (NCCL's CUDA
+    IPC and NVLink paths need that); with ``g`` GPUs per rank, rank ``r`` takes the first of
+    its own, ``r * g``. A rank that sees fewer GPUs than there are local ranks (a launcher
+    that binds one GPU per process) takes ``local_rank % count``.
+
+    Example:
+        >>> device_index(1, 2, 2), device_index(1, 2, 4), device_index(3, 4, 1)
+        (1, 2, 0)
+    """
+    if count <= 0:
+        return 0
+    if count < local_size:
+        return local_rank % count
+    return local_rank * (count // local_size)
+
+
+def _device_index(world: World) -> int:
+    return device_index(world.local_rank, world.local_size, torch.cuda.device_count())
+
+
 def _heartbeat(state: State) -> None:
     """Publish this rank's collective counter so a stalled rank can be named (Horovod's stall)."""
     key = f"{_HB_KEY}{state.rank}"
@@ -351,7 +374,7 @@ def _group(
         raw, rdzv = _make_store(world, start_s)
         store = dist.PrefixStore(prefix, raw)
         if backend == "nccl":
-            torch.cuda.set_device(world.local_rank)
+            torch.cuda.set_device(_device_index(world))
         try:
             _init_group(world, backend, store, start_s, timeout_s)
             return world, backend, store, rdzv
@@ -391,8 +414,8 @@ def _connect(world: World, backend: str, start_s: float, timeout_s: float) -> St
     world, backend, store, rdzv = _group(world, backend, start_s, timeout_s)
     device = torch.device("cpu")
     if "nccl" in backend and torch.cuda.is_available():
-        torch.cuda.set_device(world.local_rank)
-        device = torch.device("cuda", world.local_rank)
+        device = torch.device("cuda", _device_index(world))
+        torch.cuda.set_device(device)
     side = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     state = State(
         rank=world.rank,

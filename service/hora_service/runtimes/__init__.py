@@ -1,23 +1,30 @@
 """Runtimes of the job service: where a job's ranks run (control plane).
 
 Chosen by name from :data:`REGISTRY`, whose factories import their module only when used.
-``local`` runs one process per rank on this machine; ``docker`` and ``slurm`` arrive with
-their own issues and are refused at submission until then.
+``local`` runs one process per rank on this machine, ``docker`` one container per attempt
+holding every rank (:mod:`hora_service.runtimes.docker`); ``slurm`` arrives with its own
+issue and is refused at submission until then. A factory takes the service's settings.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from hora.errors import SpecError
 
 from hora_service.runtimes.base import AttemptPlan, Exit, RankProcess, Runtime
 
+if TYPE_CHECKING:
+    from hora_service.settings import Settings
+
 __all__ = ["REGISTRY", "AttemptPlan", "Exit", "RankProcess", "Runtime", "available", "create"]
 
 # name -> "module:factory"
-REGISTRY: dict[str, str] = {"local": "hora_service.runtimes.local:LocalRuntime"}
+REGISTRY: dict[str, str] = {
+    "local": "hora_service.runtimes.local:LocalRuntime.from_settings",
+    "docker": "hora_service.runtimes.docker:DockerRuntime.from_settings",
+}
 
 
 def available() -> list[str]:
@@ -25,8 +32,8 @@ def available() -> list[str]:
     return sorted(REGISTRY)
 
 
-def create(name: str) -> Runtime:
-    """Build the runtime called ``name``.
+def create(name: str, settings: Settings) -> Runtime:
+    """Build the runtime called ``name`` with the service's settings.
 
     Raises:
         SpecError: no such runtime here (field ``runtime``).
@@ -37,6 +44,9 @@ def create(name: str) -> Runtime:
             "runtime",
             f"runtime {name!r} is not available here (available: {', '.join(available())})",
         )
-    module, _, attr = target.partition(":")
-    factory: Callable[[], Runtime] = getattr(importlib.import_module(module), attr)
-    return factory()
+    module, _, path = target.partition(":")
+    factory: Any = importlib.import_module(module)
+    for attr in path.split("."):
+        factory = getattr(factory, attr)
+    made: Runtime = factory(settings)
+    return made

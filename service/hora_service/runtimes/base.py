@@ -85,9 +85,18 @@ RankStatus = int | Exit
 
 
 class RankProcess(ABC):
-    """One rank as the manager sees it."""
+    """One rank as the manager sees it.
+
+    Attributes:
+        rank: the rank.
+        note: what the runtime knows of how the rank ended beyond its status (the Docker
+            engine stopped answering, the container ran out of memory), for the job's reason.
+        container_id: the container the rank runs in (docker), else None.
+    """
 
     rank: int
+    note: str | None = None
+    container_id: str | None = None
 
     @abstractmethod
     def poll(self) -> RankStatus:
@@ -102,6 +111,17 @@ class Runtime(ABC):
     """Starts and re-adopts the ranks of an attempt (see the module docstring)."""
 
     name = "runtime"
+
+    def check(self, spec: JobSpec) -> None:
+        """Refuse at submission a spec this runtime can never run.
+
+        Raises:
+            SpecError: naming the field to change (``image`` for the docker runtime).
+        """
+        self._check(spec)
+
+    def _check(self, spec: JobSpec) -> None:
+        return None
 
     def start(self, plan: AttemptPlan, base_env: dict[str, str]) -> list[RankProcess]:
         """Start every rank of ``plan``; on a failure, stop the ranks already started.

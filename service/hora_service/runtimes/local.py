@@ -67,7 +67,10 @@ def rank_environment(plan: AttemptPlan, rank: int, base: Mapping[str, str]) -> d
     ``base`` (the service's :func:`allowed_env`), then the job account's ``HOME``, ``USER``
     and ``LOGNAME`` in multi-user mode, then the job's ``env``, then what hora sets (which
     wins): the rank variables of the ``hora.torch`` contract, ``CUDA_VISIBLE_DEVICES`` of
-    exactly this rank's GPUs (empty on CPU slots), ``HORA_SLOTS``, ``HORA_JOB_ID``,
+    **all** the job's GPUs on this host (empty on CPU slots; every rank sees every GPU of
+    the job, so NCCL can use CUDA IPC / NVLink between them, and ``hora.torch.init()``
+    pins each rank to ``cuda:LOCAL_RANK``), ``HORA_SLOTS`` (this rank's own; ``HORA_GPU`` too on
+    GPU slots), ``HORA_JOB_ID``,
     ``HORA_RESTART_COUNT`` (0 on the first attempt), ``HORA_ATTEMPT`` (the attempt's
     containment tag) and ``PYTHONUNBUFFERED=1`` so that logs stream as they are written.
     """
@@ -86,9 +89,11 @@ def rank_environment(plan: AttemptPlan, rank: int, base: Mapping[str, str]) -> d
             master_port=plan.master_port,
         )
     )
-    mine = plan.rank_slots(rank)
-    env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, mine)) if plan.slot_kind == "gpu" else ""
-    env["HORA_SLOTS"] = ",".join(map(str, mine))
+    gpus = ",".join(map(str, plan.slots)) if plan.slot_kind == "gpu" else ""
+    env["CUDA_VISIBLE_DEVICES"] = gpus
+    env["HORA_SLOTS"] = ",".join(map(str, plan.rank_slots(rank)))
+    if plan.slot_kind == "gpu":
+        env["HORA_GPU"] = env["HORA_SLOTS"]  # this rank's own, as for notebook engines
     env["HORA_JOB_ID"] = str(plan.job_id)
     env["HORA_RESTART_COUNT"] = str(plan.attempt - 1)
     env["PYTHONUNBUFFERED"] = "1"
@@ -230,6 +235,11 @@ class LocalRuntime(Runtime):
     """One process per rank on this machine (see the module docstring)."""
 
     name = "local"
+
+    @classmethod
+    def from_settings(cls, settings: object = None) -> LocalRuntime:
+        """The local runtime (it has no settings of its own)."""
+        return cls()
 
     def _start(self, plan: AttemptPlan, base_env: dict[str, str]) -> list[RankProcess]:
         ranks: list[RankProcess] = []

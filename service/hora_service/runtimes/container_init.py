@@ -1,0 +1,85 @@
+"""Init process of a docker job's container: starts its ranks under the rank shim (control plane).
+
+The docker runtime starts each container with this file as ``python -I container_init.py
+RUN_DIR`` (found by its path, so only the standard library is imported); it runs as the container's
+PID 1 (as the job's account) and reads ``RUN_DIR/container.json``, which the service wrote:
+
+``ranks`` (the ranks this container runs) and ``command`` (the user's argument list).
+
+For each rank it starts ``python -I -S shim.py RUN_DIR RANK -- COMMAND...`` in a session of
+its own with ``rank<R>.log`` as its output, exactly as the local runtime does on the host, so
+the per-rank logs, pid and exit files, exit codes and signals behave the same. A signal the
+engine delivers (``docker stop``: SIGTERM) is passed to every rank's process group; as PID 1
+it also reaps whatever its ranks leave orphaned. It exits once every shim has: 0 when every
+rank succeeded, else the first failing rank's status. Standard library only.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim.py")
+
+_shims: dict[int, int] = {}  # shim pid -> rank
+_pending: list[int] = []  # signals that came before every shim was started
+
+
+def _forward(signum: int, frame: object) -> None:
+    _pending.append(signum)
+    for pid in _shims:
+        try:
+            os.killpg(pid, signum)  # each shim leads its own session
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _start(run_dir: str, rank: int, command: list[str]) -> int:
+    log = os.path.join(run_dir, f"rank{rank}.log")
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", SHIM, run_dir, str(rank), "--", *command],
+            env={},
+            stdin=subprocess.DEVNULL,
+            stdout=fd,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    finally:
+        os.close(fd)
+    return proc.pid
+
+
+def _status(raw: int) -> int:
+    return os.waitstatus_to_exitcode(raw) if raw else 0
+
+
+def main(argv: list[str]) -> int:
+    """Run the ranks of ``argv = [RUN_DIR]``; return the container's exit status."""
+    for stop in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(stop, _forward)
+    run_dir = argv[0]
+    with open(os.path.join(run_dir, "container.json")) as f:
+        box = json.load(f)
+    for rank in box["ranks"]:
+        _shims[_start(run_dir, int(rank), list(box["command"]))] = int(rank)
+    for sig in set(_pending):  # a stop that came while the shims were starting
+        _forward(sig, None)
+    codes: dict[int, int] = {}
+    while len(codes) < len(_shims):
+        try:
+            pid, raw = os.wait()  # as PID 1, orphans are reaped here too
+        except ChildProcessError:
+            break
+        if pid in _shims:
+            codes[_shims[pid]] = _status(raw)
+    failed = [codes[r] for r in sorted(codes) if codes[r] != 0]
+    if not failed:
+        return 0
+    return failed[0] if failed[0] > 0 else 128 - failed[0]
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,120 @@
+"""A real Docker engine and hora's CPU image for the docker e2e tests.
+
+:func:`engine` reuses the engine in ``DOCKER_HOST`` when it answers (``.ci/run`` starts one
+with ``scripts/dockerd.sh`` and exports ``DOCKER_HOST`` and ``HORA_TEST_DOCKERD_DIR``), else
+starts a private ``dockerd`` (state under a new directory in /tmp) and stops it at the end.
+Where neither is possible (not root, no ``dockerd``) it fails with the reason: these tests are
+never skipped. :func:`cpu_image` builds ``hora:cpu`` with ``hora image build --cpu`` unless
+the engine has one built from this checkout's sources (label ``hora.source``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import docker
+import docker.errors
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKERD_SH = ROOT / "scripts" / "dockerd.sh"
+IMAGE = "hora:cpu"
+BUILD_TIMEOUT_S = 1200
+
+
+class EngineUnavailable(RuntimeError):
+    """No Docker engine can be reached or started here (the message says why)."""
+
+
+@dataclass
+class Engine:
+    """A Docker engine the tests drive: its address and, when known, its state directory."""
+
+    host: str
+    state_dir: Path | None
+    owned: bool
+
+    def client(self) -> docker.DockerClient:
+        return docker.DockerClient(base_url=self.host, timeout=60)
+
+    def stop(self) -> None:
+        if self.state_dir is None:
+            raise EngineUnavailable("the engine's state directory is unknown: cannot stop it")
+        _dockerd("stop", self.state_dir)
+
+    def start(self) -> None:
+        if self.state_dir is None:
+            raise EngineUnavailable("the engine's state directory is unknown: cannot start it")
+        _dockerd("start", self.state_dir)
+
+    def hora_containers(self) -> list[str]:
+        found = self.client().containers.list(all=True, filters={"label": "hora.instance"})
+        return [f"{c.name} ({c.status})" for c in found]
+
+
+def _dockerd(cmd: str, state_dir: Path) -> str:
+    proc = subprocess.run(
+        [str(DOCKERD_SH), cmd, str(state_dir)], capture_output=True, text=True, timeout=120
+    )
+    if proc.returncode != 0:
+        raise EngineUnavailable(f"scripts/dockerd.sh {cmd} failed: {proc.stderr.strip()}")
+    return proc.stdout.strip()
+
+
+def _answers(host: str) -> bool:
+    try:
+        return bool(docker.DockerClient(base_url=host, timeout=10).ping())
+    except (docker.errors.DockerException, OSError):
+        return False
+
+
+@contextmanager
+def engine() -> Iterator[Engine]:
+    """The engine of ``DOCKER_HOST`` if it answers, else a private one (stopped at the end)."""
+    host = os.environ.get("DOCKER_HOST")
+    if host and _answers(host):
+        state = os.environ.get("HORA_TEST_DOCKERD_DIR")
+        yield Engine(host, Path(state) if state else None, owned=False)
+        return
+    if os.geteuid() != 0:
+        raise EngineUnavailable(
+            "the docker e2e tests start a private dockerd, which needs root; run them as root "
+            "or point DOCKER_HOST at a running engine"
+        )
+    if shutil.which("dockerd") is None:
+        raise EngineUnavailable("dockerd is not installed (scripts/install.sh test installs it)")
+    state_dir = Path(tempfile.mkdtemp(prefix="hora-dockerd-", dir="/tmp"))
+    line = _dockerd("start", state_dir)
+    try:
+        yield Engine(line.split("=", 1)[1], state_dir, owned=True)
+    finally:
+        _dockerd("stop", state_dir)
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def cpu_image(eng: Engine) -> str:
+    """``hora:cpu`` built from this checkout (built now unless the engine has it)."""
+    from hora_service.images import SOURCE_LABEL, source_digest
+
+    client = eng.client()
+    try:
+        labels = client.images.get(IMAGE).labels or {}
+        if labels.get(SOURCE_LABEL) == source_digest(ROOT):
+            return IMAGE
+    except docker.errors.ImageNotFound:
+        pass
+    proc = subprocess.run(
+        [sys.executable, "-m", "hora.cli", "image", "build", "--cpu", "--repo", str(ROOT)],
+        env={**os.environ, "DOCKER_HOST": eng.host},
+        capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    if proc.returncode != 0 or proc.stdout.strip().splitlines()[-1:] != [IMAGE]:
+        raise EngineUnavailable(f"hora image build --cpu failed:\n{proc.stderr[-3000:]}")
+    return IMAGE
