@@ -89,8 +89,11 @@ class CollectiveTimeout(HoraError):
         self.name = name
 
 
-class TensorMismatchError(HoraError, ValueError):
-    """Ranks passed tensors of different shape or dtype to the same collective."""
+class TensorMismatchError(HoraError, ValueError, RuntimeError):
+    """Ranks passed tensors of different shape or dtype to the same collective.
+
+    A ValueError (bad input) and, like Horovod's mismatch errors, a RuntimeError.
+    """
 
     def __init__(self, op: str, name: str, detail: str, ranks: Sequence[int]) -> None:
         super().__init__(
@@ -104,3 +107,23 @@ class TensorMismatchError(HoraError, ValueError):
 
 class UnsupportedError(HoraError, NotImplementedError):
     """A Horovod capability that hora does not provide was called."""
+
+
+class HorovodInternalError(HoraError, RuntimeError):
+    """Horovod's error for a failed collective; hora raises its more specific errors instead.
+
+    Kept so that ``except hvd.HorovodInternalError`` in Horovod scripts (elastic training
+    loops, its test suite) still parses; hora's own errors are not subclasses of it.
+    """
+
+
+class HostsUpdatedInterrupt(HoraError, RuntimeError):
+    """Horovod elastic's signal that the host set changed; hora never raises it.
+
+    Args:
+        skip_sync: Horovod's flag (skip the state sync after the reset).
+    """
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("hosts updated")
+        self.skip_sync = skip_sync

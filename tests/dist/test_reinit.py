@@ -2,7 +2,9 @@
 
 Horovod's Gloo runner runs its test suite this way (``HOROVOD_RANK`` / ``HOROVOD_SIZE`` set:
 ``tearDown`` calls ``hvd.barrier(); hvd.shutdown()`` and the next test ``hvd.init()``). Every
-third round leaves an ``allreduce_async`` handle unsynchronized: ``shutdown()`` must still
+third round leaves an ``allreduce_async`` handle unsynchronized, and every third another a
+``DistributedOptimizer`` whose allreduces started in backward but were never stepped (it
+stays referenced until the next such round): ``shutdown()`` must still
 release the rendezvous port (the next ``init()`` reopens it on rank 0), the threads and the
 file descriptors, and the stale handle then raises NotInitializedError. A port held by
 another process is reported as an address in use, not as a timeout.
@@ -31,11 +33,20 @@ def _reinit_rounds(rank: int, size: int, rounds: int) -> dict[str, Any]:
     hvd.init()
     hvd.shutdown()
     before = _counts()
-    sums, stale = [], 0
+    sums, stale, kept = [], 0, []
     for i in range(rounds):
         hvd.init()
         sums.append(hvd.allreduce(torch.ones(2) * (hvd.rank() + i), op=hvd.Sum).tolist())
         handle = hvd.allreduce_async(torch.ones(3), name=f"left.{i}") if i % 3 == 1 else None
+        if i % 3 == 2:  # the gradients' allreduces start in backward; step() never comes
+            model = torch.nn.Linear(4, 2)
+            kept[:] = [
+                hvd.DistributedOptimizer(
+                    torch.optim.SGD(model.parameters(), lr=0.1),
+                    named_parameters=model.named_parameters(),
+                )
+            ]
+            model(torch.ones(2, 4)).sum().backward()
         hvd.barrier()
         hvd.shutdown()
         if handle is not None:
@@ -79,3 +90,34 @@ def test_a_port_in_use_is_reported_as_address_in_use(
     out = run_world(__file__, "_init_on_a_taken_port", 1, timeout=60)
     assert "address in use" in out[0]
     assert "timed out" not in out[0]
+
+
+def _recover_after_a_skipped_collective(rank: int, size: int) -> dict[str, Any]:
+    import torch
+
+    import hora.torch as hvd
+
+    hvd.init()
+    try:
+        if rank == 0:  # rank 1 skipped this one (an exception between its collectives)
+            hvd.allreduce(torch.ones(2), name="only.rank0")
+        hvd.barrier()
+        first = "no error"
+    except hvd.HoraError as e:
+        first = type(e).__name__
+    hvd.init()  # the failed world is dropped; every rank that saw the failure starts anew
+    total = hvd.allreduce(torch.ones(2), op=hvd.Sum, name="after").tolist()
+    hvd.barrier()
+    hvd.shutdown()
+    return {"first": first, "after": total}
+
+
+def test_init_after_a_failed_collective_starts_a_world_in_step(
+    run_world: Callable[..., list[Any]],
+) -> None:
+    results = run_world(
+        __file__, "_recover_after_a_skipped_collective", 2, env={"HORA_TIMEOUT": "4"}
+    )
+    for r in results:
+        assert r["first"] in ("CollectiveTimeout", "RankFailedError", "TensorMismatchError")
+        assert r["after"] == [2.0, 2.0]

@@ -8,6 +8,13 @@ import hora.torch as hvd
 import pytest
 
 HOROVOD_NAMES = [
+    "grouped_allgather",
+    "grouped_allgather_async",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
+    "sparse_allreduce_async",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
     "init",
     "shutdown",
     "is_initialized",
@@ -121,6 +128,10 @@ SIGNATURES = {
     "join": ["device"],
     "init": ["comm", "process_sets"],
     "start_timeline": ["file_path", "mark_cycles"],
+    "grouped_allgather": ["tensors", "name", "process_set"],
+    "grouped_reducescatter": ["tensors", "name", "op", "process_set", "prescale_factor",
+                              "postscale_factor"],
+    "sparse_allreduce_async": ["tensor", "name", "op", "process_set"],
 }
 
 
@@ -151,3 +162,11 @@ def test_unsupported_capabilities_raise_clearly() -> None:
         hvd.add_process_set([0])
     with pytest.raises(hvd.UnsupportedError, match="process_sets"):
         hvd.init(process_sets=[hvd.ProcessSet([0])])
+
+
+def test_horovods_exception_names_are_runtime_errors() -> None:
+    assert issubclass(hvd.HorovodInternalError, RuntimeError)
+    assert hvd.HostsUpdatedInterrupt(skip_sync=True).skip_sync is True
+    # Horovod's suite expects a RuntimeError for mismatched shapes, dtypes and roots
+    assert issubclass(hvd.TensorMismatchError, RuntimeError)
+    assert issubclass(hvd.TensorMismatchError, ValueError)

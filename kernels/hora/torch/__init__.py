@@ -21,10 +21,20 @@ from __future__ import annotations
 from hora.errors import (
     CollectiveTimeout,
     HoraError,
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
     NotInitializedError,
     RankFailedError,
+    RendezvousError,
     TensorMismatchError,
     UnsupportedError,
+)
+from hora.torch._grouped import (
+    grouped_allgather,
+    grouped_allgather_async,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
+    sparse_allreduce_async,
 )
 from hora.torch._process_sets import add_process_set, remove_process_set
 from hora.torch._state import (
@@ -142,6 +152,11 @@ __all__ = [
     "alltoall_async",
     "reducescatter",
     "reducescatter_async",
+    "grouped_allgather",
+    "grouped_allgather_async",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
+    "sparse_allreduce_async",
     "synchronize",
     "poll",
     "barrier",
@@ -171,4 +186,7 @@ __all__ = [
     "CollectiveTimeout",
     "RankFailedError",
     "UnsupportedError",
+    "RendezvousError",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
 ]

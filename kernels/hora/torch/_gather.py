@@ -196,6 +196,8 @@ def reducescatter_async(
     postscale_factor: float = 1.0,
 ) -> Handle:
     """Start a reducescatter; see :func:`reducescatter`."""
+    if tensor.dim() == 0:  # Horovod refuses it too: a scalar has no rows to scatter
+        raise ValueError("reducescatter() needs a tensor of at least one dimension, got a scalar")
     state, name = begin("reducescatter", name)
     check_process_set(process_set)
     op = _resolve_op(op, None)
@@ -249,6 +251,9 @@ def reducescatter(
 
     Returns:
         This rank's block of the reduced tensor.
+
+    Raises:
+        ValueError: for a scalar (0-d) tensor, on every rank alike (before any communication).
 
     Example:
         >>> block = hvd.reducescatter(torch.ones(4, 2), op=hvd.Sum)

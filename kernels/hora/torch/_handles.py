@@ -213,6 +213,49 @@ def start(state: _state.State, op: str, name: str, sig: tuple[int, ...] | None, 
     return timeline.now_ns() if t0 else 0
 
 
+# gloo has no int16 kernels: its worker thread fails and the collective never completes on
+# any rank (a hang until the timeout). Such tensors travel as int32 and are copied back.
+_NARROW = torch.int16
+_WIDE = torch.int32
+
+
+def widen(t: torch.Tensor) -> torch.Tensor:
+    """Return ``t`` itself, or an int32 copy of an int16 ``t`` when gloo carries it."""
+    if t.dtype is not _NARROW or t.device.type != "cpu":
+        return t
+    return t.to(_WIDE)
+
+
+class _Widened:
+    """A Work whose int32 stand-ins are copied back into the caller's int16 tensors."""
+
+    def __init__(self, work: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.work, self.pairs = work, pairs
+
+    def wait(self, timeout: Any = None) -> Any:
+        ok = self.work.wait() if timeout is None else self.work.wait(timeout=timeout)
+        for narrow, wide in self.pairs:
+            narrow.copy_(wide)
+        return ok
+
+    def is_completed(self) -> bool:
+        return bool(self.work.is_completed())
+
+
+def _swap(arg: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    if isinstance(arg, torch.Tensor):
+        wide = widen(arg)
+        if wide is not arg:
+            pairs.append((arg, wide))
+        return wide
+    if isinstance(arg, list) and arg and all(isinstance(a, torch.Tensor) for a in arg):
+        return [_swap(a, pairs) for a in arg]
+    return arg
+
+
 def guarded(op: str, name: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     """Launch an async torch.distributed call, converting an immediate failure."""
-    return _stall.run_guarded(op, name, fn, *args, **kwargs)
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    args = tuple(_swap(a, pairs) for a in args)
+    work = _stall.run_guarded(op, name, fn, *args, **kwargs)
+    return _Widened(work, pairs) if pairs and work is not None else work

@@ -52,6 +52,7 @@ def diagnose(op: str, name: str, exc: BaseException | None = None) -> HoraError:
         A RankFailedError (a rank stopped) or a CollectiveTimeout (ranks behind).
     """
     state = _state.require_init(op)
+    state.broken = True  # the ranks may now disagree on what ran: init() starts anew
     detail = f"{op} {name!r}: {exc}" if exc is not None else f"{op} {name!r}"
     try:
         first = _snapshot(state)

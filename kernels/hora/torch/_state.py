@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import gc
+import importlib
 import logging
 import os
 import socket
@@ -89,6 +90,7 @@ class State:
     last_sig: int = 0
     verified_sig: tuple[int, ...] | None = None
     check_mode: str = "changed"
+    broken: bool = False
     rdzv_file: Path | None = None
     hb_store: Any = None
     timeout_td: datetime.timedelta = field(init=False)
@@ -213,9 +215,7 @@ def _make_store(world: World, timeout_s: float) -> tuple[Any, Path | None]:
     if world.rank == 0:
         return _host_store(world.master_addr, world.master_port, world.size, td), None
     try:
-        store = dist.TCPStore(
-            world.master_addr, world.master_port, world.size, False, timeout=td
-        )
+        store = dist.TCPStore(world.master_addr, world.master_port, world.size, False, timeout=td)
     except (RuntimeError, dist.DistError) as e:
         raise CollectiveTimeout(
             "init",
@@ -362,6 +362,11 @@ def _group(
     if dist.is_initialized():
         store = dist.distributed_c10d._get_default_store()
         return _world_from_group(world), str(dist.get_backend()), store, None
+    # Importing this torch package while a group exists keeps that group alive for good (its
+    # threads and rank 0's store, hence the port, survive destroy_process_group). torch
+    # imports it lazily, e.g. with torch._dynamo at the first optimizer built after init():
+    # import it first, while no group exists (about 0.05 s).
+    importlib.import_module("torch.distributed._shard.sharded_tensor")
     _GENERATION += 1
     prefix = f"hora/g{_GENERATION}"
     deadline = time.monotonic() + start_s
@@ -469,7 +474,9 @@ def init(
     if process_sets not in (None, [], ()):
         raise UnsupportedError("hvd.init(process_sets=...) is not supported; use the global set")
     if _STATE is not None:
-        return
+        if not _STATE.broken:
+            return
+        _drop_broken()
     environ = dict(os.environ)
     world = detect_world(environ)
     timeout_s = _timeout(timeout, environ)
@@ -480,7 +487,7 @@ def init(
     )
     atexit.register(_at_exit)  # once per process: register() of a registered function is a no-op
     path = environ.get("HORA_TIMELINE") or environ.get("HOROVOD_TIMELINE")
-    if path:
+    if path and path != "DYNAMIC":  # Horovod's DYNAMIC: started later by start_timeline()
         from hora.torch import timeline
 
         timeline.start_timeline(path)
@@ -546,6 +553,28 @@ def _at_exit() -> None:
         state.rdzv_file.unlink(missing_ok=True)
 
 
+def _drop_broken() -> None:
+    """Abort and free a world whose collective timed out or lost a rank, so init() starts anew.
+
+    After such a failure the ranks may disagree on which collectives ran; a script (or
+    Horovod's test suite, whose ``tearDown`` barrier then fails before its ``shutdown()``)
+    calls ``init()`` again, and every rank that saw the failure re-initialises.
+    """
+    global _STATE
+    state = _STATE
+    if state is None:
+        return
+    log.warning("hora.torch: the last collective failed; init() starts a new world")
+    from hora.torch._handles import release_all
+
+    _stop_heartbeat(state)
+    _STATE = None
+    release_all()
+    _release(state, graceful=False)
+    if state.rdzv_file is not None:
+        state.rdzv_file.unlink(missing_ok=True)
+
+
 def shutdown() -> None:
     """Stop hora.torch: flush the timeline, stop the heartbeat, destroy the group init() made.
 
@@ -567,7 +596,7 @@ def shutdown() -> None:
     from hora.torch._handles import release_all
 
     release_all()
-    _release(state, graceful=True)
+    _release(state, graceful=not state.broken)  # a failed world may never finish its work
     if state.rdzv_file is not None:
         state.rdzv_file.unlink(missing_ok=True)
 

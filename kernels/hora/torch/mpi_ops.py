@@ -143,13 +143,16 @@ def _allreduce_buffer(
     tq = start(state, op_name, name, sig, t0)
     _scale(out, pre)
     work = None
+    wire = _handles.widen(out)
     if out.numel() and state.size > 1:
         try:
-            work = dist.all_reduce(out, op=_TORCH_OPS[op], async_op=not sync)
+            work = dist.all_reduce(wire, op=_TORCH_OPS[op], async_op=not sync)
         except RuntimeError as e:
             raise _stall.diagnose(op_name, name, e) from None
 
     def finish() -> torch.Tensor:
+        if wire is not out:
+            out.copy_(wire)
         if op == Average:
             _average(out, state.size, post)
         else:

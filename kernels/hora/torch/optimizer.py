@@ -601,6 +601,7 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's name: a factory that looks l
     obj: Any = object.__new__(cls)
     obj.__dict__.update(optimizer.__dict__)
     obj._hora_cfg = cfg
+    obj._parameter_names = {p: n for n, p in named}  # Horovod's name for each parameter
     obj._hora_sync, obj._hora_synced = True, False
     obj._hora = _Reducer(named, cfg) if state.size > 1 else None
     return obj

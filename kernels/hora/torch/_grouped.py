@@ -1,0 +1,156 @@
+"""Grouped allgather / reducescatter and sparse allreduce, built on the single ops (data plane).
+
+Horovod runs a group's members as one fused operation; hora launches each member (each one
+checked and counted like a single call) and returns one handle for all of them, so
+``synchronize`` gives the list of results in the order of the inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from hora.torch._handles import Handle
+from hora.torch._process_sets import ProcessSet, global_process_set
+from hora.torch.mpi_ops import Average, Sum, allgather_async, reducescatter_async, synchronize
+
+
+def _group(op: str, name: str | None, handles: list[Handle]) -> Handle:
+    works = [w for h in handles for w in h.works]
+
+    def finish() -> list[Any]:
+        return [h.wait() for h in handles]
+
+    return Handle(op, name or f"{op}.group", works, finish, sum(h.nbytes for h in handles))
+
+
+def _names(name: str | None, n: int) -> list[str | None]:
+    return [None if name is None else f"{name}.{i}" for i in range(n)]
+
+
+def grouped_allgather_async(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Handle:
+    """Start an allgather of each tensor; see :func:`grouped_allgather`."""
+    handles = [
+        allgather_async(t, n, process_set)
+        for t, n in zip(tensors, _names(name, len(tensors)), strict=True)
+    ]
+    return _group("grouped_allgather", name, handles)
+
+
+def grouped_allgather(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> list[torch.Tensor]:
+    """Allgather each tensor of a list (Horovod's grouped form); return the list of results.
+
+    Args:
+        tensors: the tensors; each follows :func:`hora.torch.allgather`'s rules.
+        name: a name for errors and the timeline (member i is named ``name.i``).
+        process_set: only the global set.
+
+    Returns:
+        One gathered tensor per input, in order.
+
+    Example:
+        >>> outs = hvd.grouped_allgather([torch.ones(2), torch.zeros(3, 1)])
+    """
+    return synchronize(grouped_allgather_async(tensors, name, process_set))  # type: ignore[no-any-return]
+
+
+def grouped_reducescatter_async(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    op: int = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> Handle:
+    """Start a reducescatter of each tensor; see :func:`grouped_reducescatter`."""
+    handles = [
+        reducescatter_async(t, n, op, process_set, prescale_factor, postscale_factor)
+        for t, n in zip(tensors, _names(name, len(tensors)), strict=True)
+    ]
+    return _group("grouped_reducescatter", name, handles)
+
+
+def grouped_reducescatter(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    op: int = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[torch.Tensor]:
+    """Reducescatter each tensor of a list (Horovod's grouped form).
+
+    Args:
+        tensors: the tensors; each follows :func:`hora.torch.reducescatter`'s rules.
+        name: a name for errors and the timeline (member i is named ``name.i``).
+        op: Average (default), Sum, Min, Max or Product.
+        process_set: only the global set.
+        prescale_factor: multiply before reducing.
+        postscale_factor: multiply after reducing.
+
+    Returns:
+        This rank's block of each reduced tensor, in order.
+
+    Raises:
+        ValueError: for a scalar (0-d) tensor, which has no rows to scatter.
+
+    Example:
+        >>> blocks = hvd.grouped_reducescatter([torch.ones(4, 2), torch.ones(6)], op=hvd.Sum)
+    """
+    handle = grouped_reducescatter_async(
+        tensors, name, op, process_set, prescale_factor, postscale_factor
+    )
+    return synchronize(handle)  # type: ignore[no-any-return]
+
+
+def sparse_allreduce_async(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: int = Average,
+    process_set: ProcessSet = global_process_set,
+) -> Callable[[], torch.Tensor]:
+    """Start a sparse allreduce: allgather every rank's indices and values (Horovod's way).
+
+    Args:
+        tensor: a sparse COO tensor of the same dense shape on every rank.
+        name: a name for errors and the timeline.
+        op: Average (default) or Sum.
+        process_set: only the global set.
+
+    Returns:
+        A function that waits and returns the sparse result (duplicates not coalesced).
+
+    Raises:
+        ValueError: for a dense tensor or an op other than Average and Sum.
+
+    Example:
+        >>> wait = hvd.sparse_allreduce_async(grad.to_sparse(), name="emb")
+        >>> total = wait()
+    """
+    if not tensor.is_sparse:
+        raise ValueError("sparse_allreduce_async() expects a sparse COO tensor")
+    if op not in (Average, Sum):
+        raise ValueError("sparse_allreduce_async() supports op=Average or op=Sum")
+    t = tensor.coalesce() if not tensor.is_coalesced() else tensor
+    base = name or "sparse_allreduce"
+    values = allgather_async(t._values(), f"{base}.values", process_set)
+    indices = allgather_async(t._indices().t().contiguous(), f"{base}.indices", process_set)
+
+    def wait() -> torch.Tensor:
+        vals = synchronize(values)
+        idx = synchronize(indices).t()
+        if op == Average:
+            vals = vals / process_set.size()
+        return torch.sparse_coo_tensor(idx, vals, t.shape)
+
+    return wait
