@@ -345,7 +345,8 @@ def _heartbeat(state: State) -> None:
             return
 
 
-_GENERATION = 0  # init() calls that created a group; prefixes every rendezvous key
+# init() calls that created a group, per rendezvous address; prefixes every rendezvous key
+_GENERATIONS: dict[tuple[str | None, int | None], int] = {}
 
 
 def _group(
@@ -353,12 +354,13 @@ def _group(
 ) -> tuple[World, str, Any, Path | None]:
     """Adopt the user's default group, or rendezvous and create it.
 
-    Every key of a rendezvous is prefixed by the number of this init() (the same on every
-    rank, as every rank calls init() and shutdown() alike), so a key left by an earlier
-    init() never answers a later one. A rank other than 0 that reached rank 0's store of
-    the previous init() just before it closed connects again.
+    Every key of a rendezvous is prefixed by the number of this init() at this rendezvous
+    address (the same on every rank, as every rank calls init() and shutdown() alike), so a
+    key left by an earlier init() never answers a later one. Counting per address keeps the
+    ranks agreed when some of them are new processes meeting the others at a fresh address
+    (a notebook engine replaced while the survivors rebuild their group). A rank other than
+    0 that reached rank 0's store of the previous init() just before it closed connects again.
     """
-    global _GENERATION
     if dist.is_initialized():
         store = dist.distributed_c10d._get_default_store()
         return _world_from_group(world), str(dist.get_backend()), store, None
@@ -367,8 +369,9 @@ def _group(
     # imports it lazily, e.g. with torch._dynamo at the first optimizer built after init():
     # import it first, while no group exists (about 0.05 s).
     importlib.import_module("torch.distributed._shard.sharded_tensor")
-    _GENERATION += 1
-    prefix = f"hora/g{_GENERATION}"
+    address = (world.master_addr, world.master_port)
+    _GENERATIONS[address] = generation = _GENERATIONS.get(address, 0) + 1
+    prefix = f"hora/g{generation}"
     deadline = time.monotonic() + start_s
     while True:
         raw, rdzv = _make_store(world, start_s)
