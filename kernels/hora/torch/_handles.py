@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 import weakref
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -38,6 +39,9 @@ _DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
 _MAXDIM = 6
 SIG_LEN = 4 + _MAXDIM + 1
 _PAD = (-1,) * _MAXDIM
+# The opcode of a rank that refused its own arguments (see :func:`refusal`).
+_OPC_REFUSED = -7
+_REFUSED_KEY = "hora/refused/"
 
 
 def check_mode() -> str:
@@ -86,6 +90,9 @@ class SigCheck:
     def wait(self) -> list[list[int]]:
         _stall.wait_work(self.work, self.op, self.name)
         rows = [r.tolist() for r in self.rows]
+        refused = [r for r, row in enumerate(rows) if row[0] == _OPC_REFUSED]
+        if refused and len(refused) < len(rows):
+            raise TensorMismatchError(self.op, self.name, _refusals(refused), refused)
         if any(r[:2] != rows[0][:2] for r in rows):
             bad = _stall.mismatch_ranks([r[:2] for r in rows])
             raise TensorMismatchError(
@@ -99,6 +106,44 @@ class SigCheck:
             seen = ", ".join(f"rank {r}: {describe(rows[r])}" for r in bad)
             raise TensorMismatchError(self.op, self.name, f"shape or dtype differ ({seen})", bad)
         return rows
+
+
+def _refusals(ranks: list[int]) -> str:
+    store = _state.require_init("refusal").store
+    why = []
+    for r in ranks:
+        try:
+            why.append(f"rank {r} raised {store.get(f'{_REFUSED_KEY}{r}').decode()}")
+        except Exception:  # the refusing rank is gone: name it without its reason
+            why.append(f"rank {r} refused its arguments")
+    return "; ".join(why) + " before the data moved"
+
+
+@contextmanager
+def refusal(state: _state.State, op: str, name: str) -> Iterator[None]:
+    """Run a collective's argument checks; when they raise, still take part in the check.
+
+    A rank that refuses its arguments (``op=Adasum``, a root outside the world) after the
+    others entered the collective would otherwise leave them waiting for it, and the next
+    collectives would pair with the wrong calls on the side group: "different operations"
+    for the rest of the run, or a gloo abort when the sizes differ. Instead the rank joins
+    the signature check with a "refused" signature, after writing its reason to the store;
+    the others raise TensorMismatchError quoting it, the refusing rank raises its own error,
+    and every rank is at the same point again. Ranks that skip the check (``changed`` mode,
+    repeating the last agreed call) find the refusal at the timeout instead.
+    """
+    try:
+        yield
+    except Exception as e:
+        if state.size > 1 and state.check_mode != "off":
+            state.store.set(f"{_REFUSED_KEY}{state.rank}", f"{type(e).__name__}: {e}")
+            sig = (_OPC_REFUSED, 0, 0, 0, *_PAD, 0)
+            state.last_sig = hash(sig) & 0x7FFFFFFF
+            try:
+                SigCheck(state, op, name, sig).wait()
+            except TensorMismatchError:
+                pass  # the others disagree, as expected: this rank's own error says why
+        raise
 
 
 class Handle:

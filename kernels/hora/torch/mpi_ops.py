@@ -213,9 +213,10 @@ def _allreduce(
     process_set: ProcessSet,
     sync: bool,
 ) -> Handle:
-    _, name = begin("allreduce", name)
-    check_process_set(process_set)
-    op = _resolve_op(op, average)
+    state, name = begin("allreduce", name)
+    with _handles.refusal(state, "allreduce", name):
+        check_process_set(process_set)
+        op = _resolve_op(op, average)
     t = tensor.detach()
     if not inplace:
         buf = t.clone(memory_format=torch.contiguous_format)
@@ -310,8 +311,9 @@ def _grouped(
     process_set: ProcessSet,
 ) -> Handle:
     state, name = begin("grouped_allreduce", name)
-    check_process_set(process_set)
-    op = _resolve_op(op, average)
+    with _handles.refusal(state, "grouped_allreduce", name):
+        check_process_set(process_set)
+        op = _resolve_op(op, average)
     tensors = list(tensors)
     if not tensors:
         return Handle("grouped_allreduce", name, [], list)
@@ -458,9 +460,10 @@ def _broadcast(
     tensor: torch.Tensor, root_rank: int, name: str | None, inplace: bool, process_set: ProcessSet
 ) -> Handle:
     state, name = begin("broadcast", name)
-    check_process_set(process_set)
-    if not isinstance(root_rank, int) or not 0 <= root_rank < state.size:
-        raise ValueError(f"root_rank={root_rank!r} is outside the world of size {state.size}")
+    with _handles.refusal(state, "broadcast", name):
+        check_process_set(process_set)
+        if not isinstance(root_rank, int) or not 0 <= root_rank < state.size:
+            raise ValueError(f"root_rank={root_rank!r} is outside the world of size {state.size}")
     t0 = timeline.now_ns() if timeline.enabled() else 0
     src = tensor.detach()
     direct = inplace and src.is_contiguous()
