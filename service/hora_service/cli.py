@@ -5,12 +5,14 @@
 falls back to its ``HORA_*`` variable, then to the default. Stopping it (Ctrl-C, SIGTERM)
 leaves running jobs alive; the next start re-adopts them.
 
-``hora user add NAME [--admin] [--quota N] [--uid N] [--data-dir DIR]`` prints the new
-user's token once (only its hash is stored). In multi-user mode (the service runs as root)
-it also creates the OS account ``hora-NAME`` the user's jobs run as, or assigns the existing
-account ``--uid N``; in single-user mode it refuses a second user (see
-:mod:`hora_service.identity`). ``hora user list`` and ``hora user remove NAME`` do what they
-say; removing a user keeps their OS account (it may own their files).
+``hora user add NAME [--admin] [--quota N] [--uid N] [--idle-timeout S] [--data-dir DIR]``
+prints the new user's token once (only its hash is stored). In multi-user mode (the service
+runs as root) it also creates the OS account ``hora-NAME`` the user's jobs run as, or
+assigns the existing account ``--uid N``; in single-user mode it refuses a second user (see
+:mod:`hora_service.identity`). ``hora user set NAME --idle-timeout S|none`` changes the
+idle timeout of the user's new notebook sessions (``none``: the service's default). ``hora
+user list`` and ``hora user remove NAME`` do what they say; removing a user keeps their OS
+account (it may own their files).
 """
 
 from __future__ import annotations
@@ -27,6 +29,22 @@ from typing import Any
 from hora.errors import HoraError
 
 SETTING_ARGS = ("host", "port", "data_dir", "gpus", "cpu_slots", "work_root")
+IDLE_HELP = "idle timeout in seconds of this user's notebook sessions that ask for none"
+
+
+def idle_seconds(value: str) -> float | None:
+    """``--idle-timeout``: seconds, or ``none`` (range checks are the store's, with the field).
+
+    Example:
+        >>> idle_seconds("900"), idle_seconds("none")
+        (900.0, None)
+    """
+    if value.strip().lower() == "none":
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds or none") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,7 +74,17 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument(
         "--uid", type=int, help="multi-user mode: run this user's jobs as this existing OS account"
     )
+    add.add_argument(
+        "--idle-timeout", type=idle_seconds, metavar="S", help=IDLE_HELP + " (default: none)"
+    )
     _data_dir(add)
+    change = verbs.add_parser("set", help="change a user's settings")
+    change.add_argument("name")
+    change.add_argument(
+        "--idle-timeout", type=idle_seconds, metavar="S|none", required=True,
+        help=IDLE_HELP + "; none: the service's default",
+    )  # fmt: skip
+    _data_dir(change)
     _data_dir(verbs.add_parser("list", help="list users"))
     remove = verbs.add_parser("remove", help="delete a user (their token stops working)")
     remove.add_argument("name")
@@ -110,15 +138,16 @@ def interrupt(signum: int, frame: object) -> None:
 
 
 def user(args: argparse.Namespace) -> int:
-    """``hora user add|list|remove``."""
+    """``hora user add|set|list|remove``."""
     from hora_service.manager import JobManager
 
     manager = JobManager(settings_from_args(args))
     try:
         if args.verb == "add":
             token = manager.create_user(
-                args.name, admin=args.admin, quota=args.quota, uid=args.uid, make_account=True
-            )
+                args.name, admin=args.admin, quota=args.quota, uid=args.uid, make_account=True,
+                idle_timeout_s=args.idle_timeout,
+            )  # fmt: skip
             sys.stdout.write(f"{token}\n")
             found = manager.open_store().user_by_name(args.name)
             runs = f"; jobs run as uid {found.os_uid}" if found and found.os_uid else ""
@@ -126,17 +155,40 @@ def user(args: argparse.Namespace) -> int:
                 f"created {'admin ' if args.admin else ''}user {args.name}{runs}; "
                 "the token above is shown only once\n"
             )
+        elif args.verb == "set":
+            return set_user(manager, args.name, args.idle_timeout)
         elif args.verb == "list":
             for u in manager.list_users():
-                quota = "" if u.gpu_quota is None else f"  quota={u.gpu_quota}"
-                uid = "" if u.os_uid is None else f"  uid={u.os_uid}"
-                sys.stdout.write(f"{u.name}{'  (admin)' if u.is_admin else ''}{quota}{uid}\n")
+                sys.stdout.write(user_line(u) + "\n")
         elif not manager.remove_user(args.name):
             sys.stderr.write(f"hora user: no user {args.name!r}\n")
             return 1
     finally:
         manager.close_store()
     return 0
+
+
+def set_user(manager: Any, name: str, idle_timeout_s: float | None) -> int:
+    """``hora user set``: 0, or 1 with one line on stderr when there is no such user."""
+    if not manager.users.set_idle_timeout(name, idle_timeout_s):
+        sys.stderr.write(f"hora user: no user {name!r}\n")
+        return 1
+    idle = "the service's default" if idle_timeout_s is None else f"{idle_timeout_s:g}s"
+    sys.stderr.write(f"user {name}: idle timeout of new sessions: {idle}\n")
+    return 0
+
+
+def user_line(u: Any) -> str:
+    """One user as ``hora user list`` shows them.
+
+    Example:
+        >>> user_line(User(name="ann", gpu_quota=2, idle_timeout_s=900))  # doctest: +SKIP
+        'ann  quota=2  idle_timeout=900s'
+    """
+    line = u.name + ("  (admin)" if u.is_admin else "")
+    line += "" if u.gpu_quota is None else f"  quota={u.gpu_quota}"
+    line += "" if u.os_uid is None else f"  uid={u.os_uid}"
+    return line + ("" if u.idle_timeout_s is None else f"  idle_timeout={u.idle_timeout_s:g}s")
 
 
 def main(argv: list[str]) -> int:

@@ -291,9 +291,10 @@ class JobManager:
         quota: int | None = None,
         uid: int | None = None,
         make_account: bool = False,
+        idle_timeout_s: float | None = None,
     ) -> str:
         """Create a user and return their token (see :meth:`hora_service.users.Users.create`)."""
-        return self.users.create(name, admin, quota, uid, make_account)
+        return self.users.create(name, admin, quota, uid, make_account, idle_timeout_s)
 
     def remove_user(self, name: str) -> bool:
         """Delete a user; their token stops working at once. False if there was none."""

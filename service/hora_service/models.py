@@ -28,6 +28,8 @@ class User(BaseModel):
         is_admin: sees and acts on every job.
         gpu_quota: most slots this user's running jobs may hold; None: the default.
         os_uid: the OS account this user's jobs run as (multi-user mode).
+        idle_timeout_s: idle timeout of this user's new sessions when a session asks for
+            none; None: the service's ``session_idle_timeout_s``.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -37,6 +39,7 @@ class User(BaseModel):
     is_admin: bool = False
     gpu_quota: int | None = None
     os_uid: int | None = None
+    idle_timeout_s: float | None = None
 
 
 class Transition(BaseModel):

@@ -14,7 +14,10 @@ for ``lease_s`` is withdrawn (queued) or stopped (running), so a kernel killed w
 its slots within the lease. And an **idle timeout**: with each heartbeat the kernel says how
 long its engines have been idle; the answer carries a warning ``idle_warn_s`` before the
 timeout, and at the timeout the engines are stopped and the slots freed. The reason is kept
-on the session, for the notebook's next ``%%distributed`` cell to show.
+on the session, for the notebook's next ``%%distributed`` cell to show. The timeout is the
+session's own ``idle_timeout_s``, else its user's (``hora user set NAME --idle-timeout S``),
+else the service's ``session_idle_timeout_s``, never more than ``session_idle_timeout_max_s``
+(see :func:`effective_idle_timeout`).
 
 :class:`SessionManager` keeps the heartbeat times in memory (a restarted service gives every
 session a fresh lease) and checks them at the end of every monitor pass of the job manager.
@@ -40,6 +43,7 @@ from hora_service.manager import JobManager, QueueView
 from hora_service.models import JobRecord
 from hora_service.settings import Settings
 from hora_service.store import Store
+from hora_service.users import check_idle_timeout
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +220,45 @@ class Lease:
     ended: str | None = None
 
 
+def effective_idle_timeout(
+    requested: float | None, user_s: float | None, default_s: float | None, max_s: float | None
+) -> float | None:
+    """The idle timeout a new session gets: its own, else its user's, else the default.
+
+    Whichever applies is capped by the admin's ``max_s``; with a maximum set no session idles
+    forever (no timeout at all becomes ``max_s``). A session that asks for more than ``max_s``
+    is refused rather than silently cut short.
+
+    Args:
+        requested: the session request's ``idle_timeout_s`` (None: not given).
+        user_s: the user's idle timeout (None: none set).
+        default_s: the service's ``session_idle_timeout_s`` (None: no idle timeout).
+        max_s: the service's ``session_idle_timeout_max_s`` (None: no maximum).
+
+    Returns:
+        Seconds, or None for no idle timeout.
+
+    Raises:
+        SpecError: ``requested`` is not positive and finite, or passes ``max_s`` (field
+            ``idle_timeout_s``).
+
+    Example:
+        >>> effective_idle_timeout(None, 900.0, 3600.0, None)  # the user's
+        900.0
+        >>> effective_idle_timeout(None, 900.0, 3600.0, 600.0)  # capped by the admin
+        600.0
+    """
+    from hora.errors import SpecError
+
+    requested = check_idle_timeout("idle_timeout_s", requested)
+    if requested is not None and max_s is not None and requested > max_s:
+        raise SpecError("idle_timeout_s", f"at most {max_s:g}s on this service")
+    chosen = next((t for t in (requested, user_s, default_s) if t is not None), None)
+    if max_s is not None:
+        chosen = max_s if chosen is None else min(chosen, max_s)
+    return chosen
+
+
 def fmt_s(seconds: float) -> str:
     """A duration for people.
 
@@ -262,13 +305,14 @@ class SessionManager:
                 runtime, an image without docker; the field is named), or its idle timeout
                 passes the service's ``session_idle_timeout_max_s``.
         """
-        from hora.errors import SpecError
-
         s = self.settings
-        idle = req.idle_timeout_s or s.session_idle_timeout_s
-        top = s.session_idle_timeout_max_s
-        if idle is not None and top is not None and idle > top:
-            raise SpecError("idle_timeout_s", f"at most {top:g}s on this service")
+        owner = self.manager.open_store().user_by_name(user)
+        idle = effective_idle_timeout(
+            req.idle_timeout_s,
+            owner.idle_timeout_s if owner is not None else None,
+            s.session_idle_timeout_s,
+            s.session_idle_timeout_max_s,
+        )
         backend = "nccl" if self.manager.inventory[0].kind == "gpu" else "gloo"
         spec = session_spec(req, backend)
         lease = s.session_lease_s

@@ -82,8 +82,10 @@ class Settings(BaseSettings):
         session_lease_s: a session whose kernel sent no heartbeat for this long is ended and
             its slots freed (a kernel killed with -9).
         session_idle_timeout_s: a running session whose engines ran nothing for this long is
-            stopped (None: never); a session may ask for another value.
-        session_idle_timeout_max_s: the longest idle timeout a session may ask for (None: any).
+            stopped (None: never); a session may ask for another value, and a user may have
+            their own (``hora user set NAME --idle-timeout S``).
+        session_idle_timeout_max_s: the longest idle timeout a session may ask for, and the
+            cap of a user's and of the default (None: any).
         session_idle_warn_s: how long before the idle timeout the notebook is warned.
     """
 

@@ -107,6 +107,10 @@ MIGRATIONS: list[list[str]] = [
         # v5: the container of a docker job's current attempt
         "ALTER TABLE jobs ADD COLUMN container_id TEXT",
     ],
+    [
+        # v6: a per-user idle timeout of notebook sessions (NULL: the service's default)
+        "ALTER TABLE users ADD COLUMN idle_timeout_s REAL",
+    ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 BUSY_TIMEOUT_MS = 30_000
@@ -115,7 +119,7 @@ JOB_COLUMNS = (
     "id, user, spec, state, attempt, reason, exit_codes, slots, created_at, started_at, "
     "finished_at, user_id, kind, container_id"
 )
-USER_COLUMNS = "id, name, is_admin, gpu_quota, os_uid"
+USER_COLUMNS = "id, name, is_admin, gpu_quota, os_uid, idle_timeout_s"
 # the id of the user who has this name now (jobs belong to ids, requests come with names)
 USER_ID = "(SELECT id FROM users WHERE name = :u)"
 # jobs of the user who has the name :u now (NULL-safe: jobs of a name no user has, in tests)
@@ -258,6 +262,7 @@ class Store:
         admin: bool = False,
         quota: int | None = None,
         os_uid: int | None = None,
+        idle_timeout_s: float | None = None,
     ) -> User:
         """Create a user with a token digest (and the OS account their jobs run as).
 
@@ -275,12 +280,29 @@ class Store:
                     raise StoreError(f"uid {os_uid} already runs the jobs of user {other[0]!r}")
             row = conn.execute(
                 text(
-                    "INSERT INTO users (name, token_hash, is_admin, gpu_quota, os_uid, created_at) "
-                    "VALUES (:n, :h, :a, :q, :o, :t) RETURNING id"
+                    "INSERT INTO users "
+                    "(name, token_hash, is_admin, gpu_quota, os_uid, idle_timeout_s, created_at) "
+                    "VALUES (:n, :h, :a, :q, :o, :i, :t) RETURNING id"
                 ),
-                {"n": name, "h": digest, "a": int(admin), "q": quota, "o": os_uid, "t": _now()},
+                {
+                    "n": name, "h": digest, "a": int(admin), "q": quota, "o": os_uid,
+                    "i": idle_timeout_s, "t": _now(),
+                },  # fmt: skip
             ).one()
-        return User(id=int(row[0]), name=name, is_admin=admin, gpu_quota=quota, os_uid=os_uid)
+        return User(
+            id=int(row[0]), name=name, is_admin=admin, gpu_quota=quota, os_uid=os_uid,
+            idle_timeout_s=idle_timeout_s,
+        )  # fmt: skip
+
+    def set_idle_timeout(self, name: str, idle_timeout_s: float | None) -> bool:
+        """Set (None: clear) the idle timeout of a user's new sessions; False if no such user."""
+        with self.tx() as conn:
+            return bool(
+                conn.execute(
+                    text("UPDATE users SET idle_timeout_s = :i WHERE name = :n"),
+                    {"i": idle_timeout_s, "n": name},
+                ).rowcount
+            )
 
     def remove_user(self, name: str) -> bool:
         """Delete a user; False if there was none.
@@ -522,7 +544,10 @@ def _owner_only(path: Path) -> None:
 
 
 def _user(row: Any) -> User:
-    return User(id=row[0], name=row[1], is_admin=bool(row[2]), gpu_quota=row[3], os_uid=row[4])
+    return User(
+        id=row[0], name=row[1], is_admin=bool(row[2]), gpu_quota=row[3], os_uid=row[4],
+        idle_timeout_s=row[5],
+    )  # fmt: skip
 
 
 def _now() -> float:

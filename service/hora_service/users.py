@@ -8,6 +8,7 @@ holds one and hands out its answers; nothing here touches jobs.
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +20,26 @@ from hora_service.models import User
 from hora_service.store import Store, token_hash
 
 USER_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+IDLE_TIMEOUT_MAX_S = 30 * 24 * 3600  # what a session may ask for (SessionRequest)
+
+
+def check_idle_timeout(field: str, seconds: float | None) -> float | None:
+    """``seconds`` if it is a usable idle timeout (None: none set), else a SpecError.
+
+    Raises:
+        SpecError: zero, negative, NaN, infinite, or longer than 30 days (named ``field``).
+
+    Example:
+        >>> check_idle_timeout("idle_timeout_s", 600.0)
+        600.0
+    """
+    if seconds is None:
+        return None
+    if not math.isfinite(seconds) or seconds <= 0 or seconds > IDLE_TIMEOUT_MAX_S:
+        raise SpecError(
+            field, f"{seconds!r} is not an idle timeout (seconds, > 0, at most 30 days)"
+        )
+    return float(seconds)
 
 
 class Users:
@@ -44,6 +65,7 @@ class Users:
         quota: int | None = None,
         uid: int | None = None,
         make_account: bool = False,
+        idle_timeout_s: float | None = None,
     ) -> str:
         """Create a user and return their token (shown once; only its hash is stored).
 
@@ -54,17 +76,21 @@ class Users:
             uid: in multi-user mode, the existing OS account their jobs run as.
             make_account: in multi-user mode without ``uid``, create the account
                 ``hora-NAME`` (see :func:`hora_service.identity.create_account`).
+            idle_timeout_s: idle timeout of their sessions that ask for none (None: the
+                service's default).
 
         Raises:
             SpecError: the name is empty, too long, or has characters other than letters,
                 digits, ``.``, ``_`` and ``-``; the account cannot be used or created; a
-                second user in single-user mode.
+                second user in single-user mode; a bad idle timeout (field
+                ``idle_timeout_s``).
             hora_service.store.StoreError: the name is taken, or the uid is another user's.
         """
         if not name or len(name) > 64 or not set(name) <= USER_NAME_CHARS or name[0] in ".-":
             raise SpecError("name", f"{name!r} is not a user name (letters, digits, . _ -)")
         if quota is not None and quota < 1:
             raise SpecError("quota", "a GPU quota must be at least 1")
+        idle_timeout_s = check_idle_timeout("idle_timeout_s", idle_timeout_s)
         store = self._store()
         self._check_mode(store, name, uid)
         if self.mode == "multi" and store.user_by_name(name) is None:
@@ -73,8 +99,22 @@ class Users:
             elif make_account:
                 uid = identity.create_account(name).uid
         token = secrets.token_urlsafe(32)
-        store.add_user(name, token_hash(token), admin, quota, os_uid=uid)
+        store.add_user(
+            name, token_hash(token), admin, quota, os_uid=uid, idle_timeout_s=idle_timeout_s
+        )
         return token
+
+    def set_idle_timeout(self, name: str, idle_timeout_s: float | None) -> bool:
+        """Set the idle timeout of a user's new sessions (None: back to the service default).
+
+        Sessions already running keep theirs. False if there is no such user.
+
+        Raises:
+            SpecError: zero, negative, NaN or infinite (field ``idle_timeout_s``).
+        """
+        return self._store().set_idle_timeout(
+            name, check_idle_timeout("idle_timeout_s", idle_timeout_s)
+        )
 
     def _check_mode(self, store: Store, name: str, uid: int | None) -> None:
         if uid is not None and self.mode != "multi":

@@ -8,6 +8,8 @@ kernel are in test_sessions_notebooks.py), so they wait until the service stops 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -140,6 +142,49 @@ def test_a_session_without_heartbeats_frees_its_slots(server: ServiceServer) -> 
         assert body["state"] == "cancelled"
         assert "stopped heartbeating" in body["reason"]
         assert all(s["job_id"] is None for s in wait_free(ann))
+
+
+def hora_user(srv: ServiceServer, *args: str) -> subprocess.CompletedProcess[str]:
+    """``hora user ...`` on the running service's store, as an admin runs it."""
+    argv = [sys.executable, "-m", "hora.cli", "user", *args, "--data-dir", str(srv.data_dir)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+
+def test_a_users_idle_timeout_culls_their_idle_session(server: ServiceServer) -> None:
+    added = hora_user(server, "add", "cal", "--idle-timeout", "3")
+    assert added.returncode == 0, added.stderr
+    assert "cal  idle_timeout=3s" in hora_user(server, "list").stdout.splitlines()
+    auth = {"Authorization": f"Bearer {added.stdout.strip()}"}
+    with httpx.Client(base_url=server.url, headers=auth, timeout=30) as cal:
+        made = cal.post("/v1/sessions", json={"workers": 1, "connection": CONN})
+        assert made.status_code == 201, made.text
+        sid = made.json()["id"]
+        assert made.json()["idle_timeout_s"] == 3  # the user's, not the service's 3600
+        assert beat(cal, sid).status_code == 200
+        assert wait_state(cal, sid, ("running",))["state"] == "running"
+        # the kernel keeps heartbeating (so the 2 s lease never runs out) but its engines
+        # run nothing: the user's idle timeout is what ends the session
+        since = time.monotonic()
+        deadline = since + 30
+        body = beat(cal, sid).json()
+        while body["state"] == "running" and time.monotonic() < deadline:
+            time.sleep(0.3)
+            body = beat(cal, sid, idle=time.monotonic() - since).json()
+        ended = wait_state(cal, sid, ("cancelled", "failed", "succeeded"))
+        assert ended["state"] == "cancelled", ended
+        assert ended["reason"].startswith("idle for") and "slots freed" in ended["reason"]
+        # an admin takes the user's timeout away: new sessions get the service's default
+        assert hora_user(server, "set", "cal", "--idle-timeout", "none").returncode == 0
+        again = cal.post("/v1/sessions", json={"workers": 1, "connection": CONN}).json()
+        assert again["idle_timeout_s"] == 3600
+        assert cal.delete(f"/v1/sessions/{again['id']}").status_code == 200
+        # a bad request of its own is a 422 naming the field
+        bad = cal.post("/v1/sessions", json={"workers": 1, "connection": CONN, "idle_timeout_s": 0})
+        assert bad.status_code == 422 and "idle_timeout_s" in bad.text
+        assert all(s["job_id"] is None for s in wait_free(cal))
+    refused = hora_user(server, "set", "cal", "--idle-timeout", "nan")
+    assert refused.returncode == 1 and "idle_timeout_s" in refused.stderr
+    assert hora_user(server, "remove", "cal").returncode == 0
 
 
 @pytest.mark.parametrize(

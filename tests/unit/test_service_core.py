@@ -392,6 +392,30 @@ def test_old_database_is_migrated_in_place(tmp_path: Path) -> None:
     store.close()
 
 
+def test_v5_database_gains_per_user_idle_timeouts(tmp_path: Path) -> None:
+    db = tmp_path / "hora.db"
+    conn = sqlite3.connect(db)
+    for version in range(5):
+        for statement in MIGRATIONS[version]:
+            conn.execute(statement)
+    conn.execute("PRAGMA user_version = 5")
+    conn.execute(
+        "INSERT INTO users (name, token_hash, is_admin, created_at, gpu_quota) "
+        "VALUES ('ann', 'h', 0, 0, 3)"
+    )
+    conn.commit()
+    conn.close()
+    store = Store(db)
+    assert store.migrate() == SCHEMA_VERSION  # v6 added users.idle_timeout_s
+    (ann,) = store.users()
+    assert (ann.name, ann.gpu_quota, ann.idle_timeout_s) == ("ann", 3, None)
+    assert store.set_idle_timeout("ann", 120.0) and not store.set_idle_timeout("bob", 1.0)
+    assert store.user_by_digest("h") == ann.model_copy(update={"idle_timeout_s": 120.0})
+    bob = store.add_user("bob", token_hash("t"), idle_timeout_s=30.0)
+    assert store.user_by_name("bob") == bob and bob.idle_timeout_s == 30.0
+    store.close()
+
+
 def test_newer_schema_is_refused(tmp_path: Path) -> None:
     db = tmp_path / "hora.db"
     with sqlite3.connect(db) as c:

@@ -20,6 +20,7 @@ from hora_service.sessions import (
     Heartbeat,
     SessionManager,
     SessionRequest,
+    effective_idle_timeout,
     session_spec,
 )
 from hora_service.settings import Settings
@@ -219,6 +220,53 @@ def test_idle_timeout_is_capped_by_the_admin(mgr: JobManager, tmp_path: Path) ->
     with pytest.raises(SpecError) as err:
         s.create("ann", request(idle_timeout_s=120))
     assert err.value.field == "idle_timeout_s"
+
+
+@pytest.mark.parametrize(
+    ("requested", "user_s", "default_s", "max_s", "expected"),
+    [
+        (120.0, 900.0, 3600.0, None, 120.0),  # the session's own request wins
+        (None, 900.0, 3600.0, None, 900.0),  # else the user's
+        (None, None, 3600.0, None, 3600.0),  # else the admin's default
+        (None, None, None, None, None),  # no idle timeout at all
+        (None, 900.0, 3600.0, 600.0, 600.0),  # the user's, capped by the admin's maximum
+        (None, None, 3600.0, 600.0, 600.0),  # the default, capped
+        (None, None, None, 600.0, 600.0),  # with a maximum, nothing idles forever
+        (300.0, 900.0, 3600.0, 600.0, 300.0),  # a request within the maximum stands
+    ],
+)
+def test_effective_idle_timeout_request_then_user_then_default_capped(
+    requested: float | None,
+    user_s: float | None,
+    default_s: float | None,
+    max_s: float | None,
+    expected: float | None,
+) -> None:
+    assert effective_idle_timeout(requested, user_s, default_s, max_s) == expected
+
+
+@pytest.mark.parametrize("requested", [0.0, -5.0, float("nan"), float("inf"), 1200.0])
+def test_effective_idle_timeout_refuses_bad_or_too_long_requests(requested: float) -> None:
+    with pytest.raises(SpecError) as err:
+        effective_idle_timeout(requested, 900.0, 3600.0, 600.0)
+    assert err.value.field == "idle_timeout_s"
+
+
+def test_a_users_idle_timeout_applies_to_their_new_sessions(
+    mgr: JobManager, sessions: SessionManager
+) -> None:
+    mgr.create_user("cal", idle_timeout_s=45)
+    assert sessions.create("cal", request()).idle_timeout_s == 45
+    assert sessions.create("cal", request(idle_timeout_s=90)).idle_timeout_s == 90
+    assert mgr.users.set_idle_timeout("cal", None)
+    assert sessions.create("cal", request()).idle_timeout_s == 600  # the service's default
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(SpecError) as err:
+            mgr.users.set_idle_timeout("cal", bad)
+        assert err.value.field == "idle_timeout_s"
+    with pytest.raises(SpecError):
+        mgr.create_user("dee", idle_timeout_s=float("nan"))
+    assert not mgr.users.set_idle_timeout("nobody", 60)
 
 
 def test_deleting_withdraws_a_queued_session(mgr: JobManager, sessions: SessionManager) -> None:
