@@ -7,6 +7,7 @@ validated once at the edge; later stages (scheduler, runtimes) receive this froz
 from __future__ import annotations
 
 import re
+from datetime import datetime
 from enum import StrEnum
 from typing import Annotated
 
@@ -149,3 +150,30 @@ class JobState(StrEnum):
     def terminal(self) -> bool:
         """True for succeeded, failed and cancelled."""
         return self in (JobState.succeeded, JobState.failed, JobState.cancelled)
+
+
+class HolderInfo(BaseModel):
+    """A job or session holding slots, as a queued session is shown it (service and kernel)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    kind: str
+    id: int
+    user: str
+    slots: list[int]
+    since: datetime
+    idle_s: float | None = None
+    ends_at: datetime | None = None
+
+
+class QueueInfo(BaseModel):
+    """Where a queued session stands: its place, the holders, an estimate where one exists."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    position: int
+    need: int
+    free: int
+    holders: list[HolderInfo]
+    estimate_at: datetime | None = None
+    reason: str

@@ -35,7 +35,7 @@ from datetime import UTC, datetime
 from typing import Annotated, Literal
 
 from hora.errors import HoraError
-from hora.spec import JobSpec, JobState, Priority, RuntimeName
+from hora.spec import HolderInfo, JobSpec, JobState, Priority, QueueInfo, RuntimeName
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy import Connection
 
@@ -135,29 +135,6 @@ class Heartbeat(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     idle_s: Annotated[float, Field(ge=0, le=365 * 24 * 3600)] = 0.0
-
-
-class HolderInfo(BaseModel):
-    """A job or session holding slots, as a queued session is shown it."""
-
-    kind: str
-    id: int
-    user: str
-    slots: list[int]
-    since: datetime
-    idle_s: float | None = None
-    ends_at: datetime | None = None
-
-
-class QueueInfo(BaseModel):
-    """Where a queued session stands (see :class:`hora_service.manager.QueueView`)."""
-
-    position: int
-    need: int
-    free: int
-    holders: list[HolderInfo]
-    estimate_at: datetime | None = None
-    reason: str
 
 
 class SessionRecord(BaseModel):
@@ -393,9 +370,10 @@ class SessionManager:
 
     def _queue(self, q: QueueView, now: float) -> QueueInfo:
         holders = []
+        with self._lock:
+            leases = {h.id: self._leases.get(h.id) for h in q.holders if h.kind == "session"}
         for h in q.holders:
-            with self._lock:
-                lease = self._leases.get(h.id) if h.kind == "session" else None
+            lease = leases.get(h.id)
             holders.append(
                 HolderInfo(
                     kind=h.kind,

@@ -40,38 +40,12 @@ from hora.engines.execute import CellResult
 from hora.engines.state import State
 from hora.errors import HoraError, SpecError
 from hora.launch.config import free_port
+from hora.spec import QueueInfo
 
 log = logging.getLogger("hora.engines")
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 POLL_S = 0.25
-
-
-class HolderInfo(BaseModel):
-    """A job or session holding slots (as ``GET /v1/sessions/{id}`` reports it)."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    kind: str
-    id: int
-    user: str
-    slots: list[int]
-    since: datetime
-    idle_s: float | None = None
-    ends_at: datetime | None = None
-
-
-class QueueInfo(BaseModel):
-    """Where a queued session stands."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    position: int
-    need: int
-    free: int
-    holders: list[HolderInfo]
-    estimate_at: datetime | None = None
-    reason: str
 
 
 class SessionInfo(BaseModel):
