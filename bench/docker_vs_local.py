@@ -20,13 +20,12 @@ Usage: python bench/docker_vs_local.py [--pairs 5] [--epochs 20] [--quick]
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,70 +34,22 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from hora.launch.config import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-SERVE = (
-    "import uvicorn;"
-    "from hora_service.settings import Settings;"
-    "from hora_service.api.app import create_app;"
-    "s = Settings();"
-    "uvicorn.run(create_app(s), host=s.host, port=s.port, log_level='warning')"
-)
 IMAGE = "hora:cpu"
 TARGETS = {"added_latency_s": 1.5, "throughput_ratio": 0.98}
 TRAIN_SAMPLES = 1437  # the example's seeded 80/20 split of scikit-learn's 1,797 digits
 
 
-class Server:
-    """A real uvicorn process serving hora with a temp data dir, both runtimes enabled."""
+def _load(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", ROOT / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    def __init__(self, tmp: Path) -> None:
-        from hora_service.manager import JobManager
-        from hora_service.settings import Settings
 
-        data = tmp / "data"
-        manager = JobManager(Settings(data_dir=data, user_mode="single"))
-        manager.open_store()
-        self.token = str(manager.create_user("bench", admin=True))
-        manager.close_store()
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("HORA_")}
-        env.update(
-            HORA_DATA_DIR=str(data), HORA_PORT=str(self.port), HORA_HOST="127.0.0.1",
-            HORA_GPUS="0", HORA_CPU_SLOTS="2", HORA_USER_MODE="single", OMP_NUM_THREADS="1",
-            HORA_WORK_ROOT=str(tmp / "work"), HORA_MONITOR_INTERVAL_S="0.05",
-            HORA_JOB_ENV_PASSTHROUGH="PYTHONPATH,OMP_NUM_THREADS",
-            HORA_DOCKER_HOST=os.environ.get("DOCKER_HOST", ""), HORA_DOCKER_PULL="never",
-            HORA_DOCKER_SHM_SIZE="512m",
-        )  # fmt: skip
-        self.log = tmp / "server.log"
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", SERVE], env=env, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )  # fmt: skip
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/healthz", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                time.sleep(0.1)
-        raise SystemExit(f"server did not start:\n{self.log.read_text()}")
-
-    def client(self) -> httpx.Client:
-        return httpx.Client(
-            base_url=self.url, headers={"Authorization": f"Bearer {self.token}"}, timeout=30
-        )
-
-    def stop(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+svc = _load("service")
 
 
 def run_job(c: httpx.Client, runtime: str, command: list[str], workers: int) -> dict[str, Any]:
@@ -152,7 +103,12 @@ def main() -> int:
     shutil.copy(ROOT / "examples" / "train_digits.py", work / "examples")
     for d in (tmp, work, work / "examples"):
         d.chmod(0o777)
-    server = Server(tmp)
+    # both runtimes enabled: the engine of DOCKER_HOST, images never pulled
+    server = svc.Server(tmp / "data", slots=2, settings={
+        "HORA_WORK_ROOT": str(work), "HORA_MONITOR_INTERVAL_S": "0.05",
+        "HORA_DOCKER_HOST": os.environ.get("DOCKER_HOST", ""), "HORA_DOCKER_PULL": "never",
+        "HORA_DOCKER_SHM_SIZE": "512m",
+    })  # fmt: skip
     started = [sys.executable, "-c", "pass"]
     commands = {
         "local": {
@@ -170,7 +126,7 @@ def main() -> int:
     thr: dict[str, list[float]] = {"local": [], "docker": []}
     acc: dict[str, set[float]] = {"local": set(), "docker": set()}
     try:
-        with server.client() as c:
+        with httpx.Client(base_url=server.url, headers=server.headers, timeout=30) as c:
             for i, order in enumerate(pairs(args.pairs + 1)):
                 for side in order:
                     job = run_job(c, side, commands[side]["lat"], 1)

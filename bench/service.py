@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,10 @@ def pct(values: list[float], q: float) -> float:
 class Server:
     """A real uvicorn process running the hora app on a temp data dir."""
 
-    def __init__(self, data_dir: Path, slots: int) -> None:
+    def __init__(
+        self, data_dir: Path, slots: int, settings: Mapping[str, str] | None = None
+    ) -> None:
+        """Start it; ``settings`` adds or overrides ``HORA_*`` settings of the served process."""
         from hora_service.manager import JobManager
         from hora_service.settings import Settings
 
@@ -79,6 +83,7 @@ class Server:
                 "HORA_KILL_GRACE_S": "2",
                 "HORA_USER_MODE": "single",
                 "HORA_JOB_ENV_PASSTHROUGH": "PYTHONPATH,OMP_NUM_THREADS",
+                **(settings or {}),
             }
         )
         self.log = data_dir / "server.log"
@@ -96,7 +101,8 @@ class Server:
                 if httpx.get(self.url + "/healthz", timeout=2).status_code == 200:
                     return
             except httpx.TransportError:
-                time.sleep(0.1)
+                pass
+            time.sleep(0.1)
         raise SystemExit(f"server did not start:\n{self.log.read_text()}")
 
     @property
