@@ -13,9 +13,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hora.torch import _state, timeline
-from hora.torch._handles import SIG_LEN, Handle, SigCheck, begin, guarded, signature, start
-from hora.torch._process_sets import ProcessSet, check_process_set, global_process_set
+from hora.torch import _engine, _handles
+from hora.torch._engine import Comm, begin, refusal, submit
+from hora.torch._handles import Handle, guarded, signature
+from hora.torch._process_sets import ProcessSet, comm_of, global_process_set
 from hora.torch.compression import Compression
 from hora.torch.mpi_ops import (
     _OPC_ALLGATHER,
@@ -30,53 +31,71 @@ from hora.torch.mpi_ops import (
 )
 
 
-def _rows(
-    state: _state.State, op: str, name: str, sig: tuple[int, ...], payload: list[int]
-) -> list[list[int]]:
-    if state.size == 1:
-        return [list(sig) + payload]
-    return [r[SIG_LEN:] for r in SigCheck(state, op, name, (*sig, *payload)).wait()]
-
-
 def _as_rows(tensor: torch.Tensor) -> torch.Tensor:
     t = tensor.detach()
     return (t.reshape(1) if t.dim() == 0 else t).contiguous()
+
+
+def _gather_into(
+    comm: Comm, src: torch.Tensor, dims: list[int], name: str
+) -> tuple[list[Any], torch.Tensor, Any]:
+    """Launch an all_gather of rows (``dims[m]`` from member m); return works, buffer, finish."""
+    rest = tuple(src.shape[1:])
+    top = max(dims)
+    if top == 0:
+        empty = src.new_empty((0, *rest))
+        return [], empty, lambda: empty
+    if all(d == top for d in dims):
+        out = src.new_empty((top * comm.size, *rest))
+        work = guarded("allgather", name, dist.all_gather_into_tensor, out, src,
+                       group=comm.group, async_op=True)  # fmt: skip
+        return [work], out, lambda: out
+    padded = src.new_zeros((top, *rest))
+    padded[: src.shape[0]] = src
+    big = src.new_empty((top * comm.size, *rest))
+    work = guarded("allgather", name, dist.all_gather_into_tensor, big, padded,
+                   group=comm.group, async_op=True)  # fmt: skip
+
+    def finish() -> torch.Tensor:
+        return torch.cat([big[r * top : r * top + d] for r, d in enumerate(dims)])
+
+    return [work], big, finish
+
+
+def _dims(rows: list[list[int] | None]) -> list[int]:
+    return [0 if r is None else r[0] for r in rows]
 
 
 def allgather_async(
     tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> Handle:
     """Start an allgather; see :func:`allgather`."""
-    state, name = begin("allgather", name)
-    check_process_set(process_set)
-    t0 = timeline.now_ns() if timeline.enabled() else 0
+    comm = comm_of(process_set, "allgather")
+    state, name = begin(comm, "allgather", name)
     src = _as_rows(tensor)
     rest = tuple(src.shape[1:])
-    sig = signature(_OPC_ALLGATHER, 0, src.dtype, rest)
-    dims = [r[0] for r in _rows(state, "allgather", name, sig, [src.shape[0]])]
-    top = max(dims)
-    if state.size == 1 or top == 0:
-        return Handle(
-            "allgather",
-            name,
-            [],
-            lambda: src.clone() if state.size == 1 else src.new_empty((0, *rest)),
-        )
-    if all(d == top for d in dims):
-        out = src.new_empty((top * state.size, *rest))
-        work = guarded("allgather", name, dist.all_gather_into_tensor, out, src, async_op=True)
-        return Handle("allgather", name, [work], lambda: out, out.numel() * out.element_size(), t0)
-    padded = src.new_zeros((top, *rest))
-    padded[: src.shape[0]] = src
-    big = src.new_empty((top * state.size, *rest))
-    work = guarded("allgather", name, dist.all_gather_into_tensor, big, padded, async_op=True)
+    key = signature(_OPC_ALLGATHER, 0, src.dtype, rest)
+    nbytes = src.numel() * src.element_size() * comm.size
 
-    def finish() -> torch.Tensor:
-        return torch.cat([big[r * top : r * top + d] for r, d in enumerate(dims)])
+    def launch(rows: list[list[int] | None]) -> tuple[list[Any], Any]:
+        if comm.size == 1:
+            return [], src.clone
+        dims = _dims(rows)
+        works, _buf, finish = _gather_into(comm, _handles.widen(src), dims, name)
+        nbytes = sum(dims) * src[:1].numel() * src.element_size()
+        if src.dtype == torch.int16:
+            return works, lambda: finish().to(torch.int16), nbytes
+        return works, finish, nbytes
 
-    return Handle(
-        "allgather", name, [work], finish, sum(dims) * src[:1].numel() * src.element_size(), t0
-    )
+    return submit(comm, "allgather", name, key, [src.shape[0]], launch, nbytes)
+
+
+def _serve_allgather(comm: Comm, key: Any, rows: list[list[int] | None]) -> list[Any]:
+    """A joined rank's part of an allgather: no rows of its own."""
+    rest = _handles.key_shape(key)
+    src = _handles.widen(torch.empty((0, *rest), dtype=_handles.key_dtype(key)))
+    works, _buf, _finish = _gather_into(comm, src, _dims(rows), "join")
+    return works
 
 
 def allgather(
@@ -87,7 +106,7 @@ def allgather(
     Args:
         tensor: same dtype and trailing dimensions on every rank.
         name: a name for errors and the timeline.
-        process_set: only the global set.
+        process_set: the process set to run on (default: every rank).
 
     Returns:
         A new tensor: rank 0's rows, then rank 1's, ...
@@ -101,7 +120,7 @@ def allgather(
     if tensor.requires_grad and torch.is_grad_enabled():
         from hora.torch._autograd import AllgatherFn
 
-        check_process_set(process_set)
+        comm_of(process_set, "allgather")
         return AllgatherFn.apply(tensor, name)  # type: ignore[no-any-return]
     return synchronize(allgather_async(tensor, name, process_set))
 
@@ -128,34 +147,44 @@ def alltoall_async(
     process_set: ProcessSet = global_process_set,
 ) -> Handle:
     """Start an alltoall; see :func:`alltoall`."""
-    state, name = begin("alltoall", name)
-    check_process_set(process_set)
-    t0 = timeline.now_ns() if timeline.enabled() else 0
+    comm = comm_of(process_set, "alltoall")
+    state, name = begin(comm, "alltoall", name)
     src = _as_rows(tensor)
-    send = _check_splits(splits, src.shape[0], state.size)
+    with refusal(comm, "alltoall", name):
+        send = _check_splits(splits, src.shape[0], comm.size)
     rest = tuple(src.shape[1:])
-    sig = signature(_OPC_ALLTOALL, 0, src.dtype, rest)
-    table = _rows(state, "alltoall", name, sig, send)
-    recv = [row[state.rank] for row in table]
-    out = src.new_empty((sum(recv), *rest))
-    got = torch.tensor(recv, dtype=torch.int32)
-    work = None
-    if state.size > 1 and any(sum(row) for row in table):
-        work = guarded(
-            "alltoall",
-            name,
-            dist.all_to_all_single,
-            out,
-            src,
-            output_split_sizes=recv,
-            input_split_sizes=send,
-            async_op=True,
-        )
-    elif state.size == 1:
-        out = src.clone()
-    return Handle(
-        "alltoall", name, [work], lambda: (out, got), out.numel() * out.element_size(), t0
-    )
+    key = signature(_OPC_ALLTOALL, 0, src.dtype, rest)
+
+    def launch(rows: list[list[int] | None]) -> tuple[list[Any], Any]:
+        if comm.size == 1:
+            return [], lambda: (src.clone(), torch.tensor(send, dtype=torch.int32))
+        recv = [0 if row is None else row[comm.index] for row in rows]
+        got = torch.tensor(recv, dtype=torch.int32)
+        wire = _handles.widen(src)
+        out = wire.new_empty((sum(recv), *rest))
+        work = None
+        if any(sum(row) for row in rows if row is not None):
+            work = guarded("alltoall", name, dist.all_to_all_single, out, wire,
+                           output_split_sizes=recv, input_split_sizes=send,
+                           group=comm.group, async_op=True)  # fmt: skip
+        narrow = src.dtype != wire.dtype
+        return [work], lambda: (out.to(src.dtype) if narrow else out, got)
+
+    return submit(comm, "alltoall", name, key, send, launch, src.numel() * src.element_size())
+
+
+def _serve_alltoall(comm: Comm, key: Any, rows: list[list[int] | None]) -> list[Any]:
+    """A joined rank's part of an alltoall: it sends no rows and drops what it receives."""
+    rest = _handles.key_shape(key)
+    dtype = _handles.widen(torch.empty(0, dtype=_handles.key_dtype(key))).dtype
+    recv = [0 if row is None else row[comm.index] for row in rows]
+    if not any(sum(row) for row in rows if row is not None):
+        return []
+    out = torch.empty((sum(recv), *rest), dtype=dtype)
+    src = torch.empty((0, *rest), dtype=dtype)
+    return [dist.all_to_all_single(out, src, output_split_sizes=recv,
+                                   input_split_sizes=[0] * comm.size, group=comm.group,
+                                   async_op=True)]  # fmt: skip
 
 
 def alltoall(
@@ -170,7 +199,7 @@ def alltoall(
         tensor: the rows to scatter (first dimension = sum of splits).
         splits: rows for each rank, in rank order; default an equal split.
         name: a name for errors and the timeline.
-        process_set: only the global set.
+        process_set: the process set to run on (default: every rank).
 
     Returns:
         The received tensor (rank order); with ``splits`` given, the pair
@@ -198,32 +227,37 @@ def reducescatter_async(
     """Start a reducescatter; see :func:`reducescatter`."""
     if tensor.dim() == 0:  # Horovod refuses it too: a scalar has no rows to scatter
         raise ValueError("reducescatter() needs a tensor of at least one dimension, got a scalar")
-    state, name = begin("reducescatter", name)
-    check_process_set(process_set)
-    op = _resolve_op(op, None)
-    t0 = timeline.now_ns() if timeline.enabled() else 0
+    comm = comm_of(process_set, "reducescatter")
+    state, name = begin(comm, "reducescatter", name)
+    with refusal(comm, "reducescatter", name):
+        op = _resolve_op(op, None)
     buf = _as_rows(tensor).clone()
-    n, size, rank = buf.shape[0], state.size, state.rank
+    n, size, index = buf.shape[0], comm.size, max(comm.index, 0)
     counts = [n // size + (1 if r < n % size else 0) for r in range(size)]
-    lo = sum(counts[:rank])
-    sig = signature(_OPC_RSCATTER, op, buf.dtype, buf.shape)
-    tq = start(state, "reducescatter", name, sig, t0)
-    _scale(buf, prescale_factor)
-    work = None
-    if size > 1 and buf.numel():
-        work = guarded(
-            "reducescatter", name, dist.all_reduce, buf, op=_TORCH_OPS[op], async_op=True
-        )
+    lo = sum(counts[:index])
+    key = signature(_OPC_RSCATTER, op, buf.dtype, buf.shape)
 
-    def finish() -> torch.Tensor:
-        mine = buf[lo : lo + counts[rank]].clone()
-        if op == Average:
-            _average(mine, size, postscale_factor)
-        else:
-            _scale(mine, postscale_factor)
-        return mine
+    def launch(_rows: Any) -> tuple[list[Any], Any]:
+        _scale(buf, prescale_factor)
+        wire = _handles.widen(buf)
+        work = None
+        if size > 1 and buf.numel():
+            work = guarded("reducescatter", name, dist.all_reduce, wire, op=_TORCH_OPS[op],
+                           group=comm.group, async_op=True)  # fmt: skip
 
-    return Handle("reducescatter", name, [work], finish, buf.numel() * buf.element_size(), t0, tq)
+        def finish() -> torch.Tensor:
+            if wire is not buf:
+                buf.copy_(wire)
+            mine = buf[lo : lo + counts[index]].clone()
+            if op == Average:
+                _average(mine, size, postscale_factor)
+            else:
+                _scale(mine, postscale_factor)
+            return mine
+
+        return [work], finish
+
+    return submit(comm, "reducescatter", name, key, [], launch, buf.numel() * buf.element_size())
 
 
 def reducescatter(
@@ -244,7 +278,7 @@ def reducescatter(
         tensor: same shape and dtype on every rank.
         name: a name for errors and the timeline.
         op: Average (default), Sum, Min, Max or Product.
-        process_set: only the global set.
+        process_set: the process set to run on (default: every rank).
         prescale_factor: multiply before reducing.
         postscale_factor: multiply after reducing.
         compression: as in :func:`hora.torch.allreduce`.
@@ -267,3 +301,7 @@ def reducescatter(
         reducescatter_async(wire, name, op, process_set, prescale_factor, postscale_factor)
     )
     return compression.decompress(out, ctx)
+
+
+_engine.SERVERS[_OPC_ALLGATHER] = _serve_allgather
+_engine.SERVERS[_OPC_ALLTOALL] = _serve_alltoall

@@ -12,18 +12,17 @@ from typing import Any
 
 import torch
 
+from hora.torch._engine import GroupHandle
 from hora.torch._handles import Handle
 from hora.torch._process_sets import ProcessSet, global_process_set
 from hora.torch.mpi_ops import Average, Sum, allgather_async, reducescatter_async, synchronize
 
 
 def _group(op: str, name: str | None, handles: list[Handle]) -> Handle:
-    works = [w for h in handles for w in h.works]
-
     def finish() -> list[Any]:
         return [h.wait() for h in handles]
 
-    return Handle(op, name or f"{op}.group", works, finish, sum(h.nbytes for h in handles))
+    return GroupHandle(op, name or f"{op}.group", handles, finish)
 
 
 def _names(name: str | None, n: int) -> list[str | None]:
@@ -53,7 +52,7 @@ def grouped_allgather(
     Args:
         tensors: the tensors; each follows :func:`hora.torch.allgather`'s rules.
         name: a name for errors and the timeline (member i is named ``name.i``).
-        process_set: only the global set.
+        process_set: the process set to run on (default: every rank).
 
     Returns:
         One gathered tensor per input, in order.
@@ -94,7 +93,7 @@ def grouped_reducescatter(
         tensors: the tensors; each follows :func:`hora.torch.reducescatter`'s rules.
         name: a name for errors and the timeline (member i is named ``name.i``).
         op: Average (default), Sum, Min, Max or Product.
-        process_set: only the global set.
+        process_set: the process set to run on (default: every rank).
         prescale_factor: multiply before reducing.
         postscale_factor: multiply after reducing.
 
@@ -125,7 +124,7 @@ def sparse_allreduce_async(
         tensor: a sparse COO tensor of the same dense shape on every rank.
         name: a name for errors and the timeline.
         op: Average (default) or Sum.
-        process_set: only the global set.
+        process_set: the process set to run on (default: every rank).
 
     Returns:
         A function that waits and returns the sparse result (duplicates not coalesced).

@@ -75,6 +75,19 @@ def describe(sig: Sequence[int]) -> str:
     return f"{str(dtype).replace('torch.', '')}{list(shape)}{dots}"
 
 
+def key_dtype(key: Sequence[int]) -> torch.dtype:
+    """Return the dtype a signature names."""
+    return _DTYPES[key[2]]
+
+
+def key_shape(key: Sequence[int]) -> list[int]:
+    """Return the shape a signature names (up to six dimensions are kept exactly)."""
+    ndim = key[3]
+    if ndim > _MAXDIM:
+        raise ValueError(f"a {ndim}-d tensor's shape is not kept in its signature")
+    return list(key[4 : 4 + ndim])
+
+
 class SigCheck:
     """An all_gather of every rank's signature on the side group, verified at wait().
 
@@ -149,12 +162,16 @@ def refusal(state: _state.State, op: str, name: str) -> Iterator[None]:
 class Handle:
     """A collective in flight; pass it to ``synchronize()`` or ``poll()``.
 
-    ``t0`` (when the op was called) and ``tq`` (when every rank had submitted it) feed the
-    timeline's QUEUED phase; both are 0 when no timeline is recording.
+    A handle starts *launched* when its collective moved at once, or not launched while the
+    other members have not submitted its name yet; ``progress`` then runs negotiation rounds
+    until it is (see :mod:`hora.torch._engine`). ``t0`` (when the op was called) and ``tq``
+    (when every rank had submitted it) feed the timeline's QUEUED phase; both are 0 when no
+    timeline is recording.
     """
 
     __slots__ = (
-        "__weakref__", "done", "finish", "name", "nbytes", "op", "result", "t0", "tq", "works"
+        "__weakref__", "done", "error", "finish", "launched", "name", "nbytes", "on_done", "op",
+        "progress", "result", "t0", "tq", "works",
     )  # fmt: skip
 
     def __init__(
@@ -170,22 +187,50 @@ class Handle:
         self.op, self.name, self.works, self.finish = op, name, works, finish
         self.nbytes, self.t0, self.tq = nbytes, t0, tq
         self.done = False
+        self.launched = True
+        self.error: BaseException | None = None
+        self.progress: Callable[[bool], None] | None = None
+        self.on_done: Callable[[], None] | None = None
         self.result: Any = None
         _LIVE.add(self)
 
+    def fail(self, error: BaseException) -> None:
+        """End the collective with ``error`` (raised by ``synchronize``)."""
+        self.error = error
+        self.works = []
+
     def poll(self) -> bool:
-        """Return True when the communication finished (``synchronize`` will not block)."""
-        return self.done or all(w is None or w.is_completed() for w in self.works)
+        """Return True when the communication finished (``synchronize`` will not block).
+
+        A collective still waiting for other ranks' submissions runs one negotiation round
+        (which waits for every member to reach a hora call) and may launch.
+        """
+        if self.done or self.error is not None:
+            return True
+        if not self.launched:
+            if self.progress is not None:
+                self.progress(False)
+            if not self.launched:
+                return self.error is not None
+        return all(w is None or w.is_completed() for w in self.works)
 
     def wait(self) -> Any:
         """Wait, run the finishing step once, and return the result."""
         if self.done:
             return self.result
-        for w in self.works:
-            if w is not None:
-                _stall.wait_work(w, self.op, self.name)
-        self.result = self.finish()
-        self.done = True
+        try:
+            if not self.launched and self.error is None and self.progress is not None:
+                self.progress(True)
+            if self.error is not None:
+                raise self.error
+            for w in self.works:
+                if w is not None:
+                    _stall.wait_work(w, self.op, self.name)
+            self.result = self.finish()
+        finally:
+            self.done = True
+            if self.on_done is not None:
+                self.on_done()
         if self.t0:
             self._record()
         return self.result
@@ -224,6 +269,8 @@ def release_all() -> None:
     for h in list(_LIVE):
         if not h.done:
             h.works, h.finish = [], _after_shutdown(h.op)
+            h.progress = h.on_done = None  # they hold the process set, and so its groups
+            h.launched = True
     for holder in list(_HOLDERS):
         holder.release_works()
 

@@ -6,19 +6,21 @@ the rendezvous store, so it needs no collective of its own and a missing rank is
 
 from __future__ import annotations
 
-import datetime
 from typing import Any
 
 import torch.distributed as dist
 
-from hora.errors import CollectiveTimeout
-from hora.torch import _stall
-from hora.torch._handles import begin
-from hora.torch._process_sets import ProcessSet, check_process_set, global_process_set
+from hora.torch import _engine, _stall
+from hora.torch._engine import begin, refusal, submit
+from hora.torch._handles import SIG_LEN
+from hora.torch._process_sets import ProcessSet, comm_of, global_process_set
+
+OPC_BCAST_OBJ = 12
+OPC_GATHER_OBJ = 13
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
-    """Block until every rank reaches the barrier.
+    """Block until every rank (of ``process_set``) reaches the barrier.
 
     Raises:
         CollectiveTimeout: ranks never arrived within the timeout (named).
@@ -27,27 +29,26 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
     Example:
         >>> hvd.barrier()
     """
-    state, name = begin("barrier", None)
-    check_process_set(process_set)
-    if state.size > 1:
-        work = _stall.run_guarded(
-            "barrier", name, dist.barrier, group=state.side_group, async_op=True
-        )
-        _stall.wait_work(work, "barrier", name)
+    comm = comm_of(process_set, "barrier")
+    state, name = begin(comm, "barrier", None)
+    key = (_engine.OPC_BARRIER, *([0] * (SIG_LEN - 1)))
+    submit(comm, "barrier", name, key, [], lambda _rows: ([], lambda: None)).wait()
 
 
 def join(device: int = -1) -> int:
-    """Wait until every rank has joined; return the rank that joined last.
+    """Serve the other ranks' collectives until every rank has joined; return the last to join.
 
-    Unlike Horovod, a joined rank does not serve other ranks' allreduces with zeros: call
-    ``join()`` after each rank's last collective (e.g. after a loop over uneven data, with
-    collectives outside the uneven part).
+    As in Horovod, a rank that ran out of work calls ``join()``; until every rank has, it takes
+    part in the others' collectives without data of its own: zeros in an allreduce or
+    reducescatter (an average still divides by the world size), no rows in an allgather or
+    alltoall, a receiver in a broadcast (a broadcast whose root has joined fails on every
+    rank). Object collectives and barriers cannot be served: they fail while a rank has joined.
 
     Args:
         device: accepted for Horovod compatibility (unused).
 
     Returns:
-        The global rank of the last rank to join.
+        The global rank of the last rank to join (the same on every rank).
 
     Raises:
         CollectiveTimeout: ranks that never joined within the timeout (named).
@@ -55,27 +56,9 @@ def join(device: int = -1) -> int:
     Example:
         >>> last = hvd.join()
     """
-    state, _ = begin("join", None)
-    state.join_epoch += 1
-    key = f"hora/join/{state.join_epoch}"
-    state.store.set(f"{key}/r{state.rank}", "1")
-    if state.store.add(f"{key}/count", 1) == state.size:
-        state.store.set(f"{key}/last", str(state.rank))
-    try:
-        state.store.wait([f"{key}/last"], datetime.timedelta(seconds=state.timeout_s))
-    except Exception as e:
-        missing = _not_joined(state, key)
-        if missing is None:
-            raise _stall.diagnose("join", "", e) from None
-        raise CollectiveTimeout("join", missing, state.timeout_s) from None
-    return int(state.store.get(f"{key}/last"))
-
-
-def _not_joined(state: Any, key: str) -> list[int] | None:
-    try:
-        return [r for r in range(state.size) if not state.store.check([f"{key}/r{r}"])]
-    except Exception:
-        return None
+    comm = comm_of(None, "join")
+    begin(comm, "join", None)
+    return _engine.join(comm)
 
 
 def broadcast_object(
@@ -90,7 +73,7 @@ def broadcast_object(
         obj: any picklable object (only root's value matters).
         root_rank: the rank whose object everyone receives.
         name: a name for error messages.
-        process_set: only the global set.
+        process_set: the process set to run on (default: every rank).
 
     Returns:
         Root's object (a copy on other ranks).
@@ -98,21 +81,21 @@ def broadcast_object(
     Example:
         >>> cfg = hvd.broadcast_object({"lr": 0.1} if hvd.rank() == 0 else None)
     """
-    state, name = begin("broadcast_object", name)
-    check_process_set(process_set)
-    if not isinstance(root_rank, int) or not 0 <= root_rank < state.size:
-        raise ValueError(f"root_rank={root_rank!r} is outside the world of size {state.size}")
-    box = [obj]
-    if state.size > 1:
-        _stall.run_guarded(
-            "broadcast_object",
-            name,
-            dist.broadcast_object_list,
-            box,
-            src=root_rank,
-            group=state.side_group,
-        )
-    return box[0]
+    comm = comm_of(process_set, "broadcast_object")
+    state, name = begin(comm, "broadcast_object", name)
+    with refusal(comm, "broadcast_object", name):
+        if not isinstance(root_rank, int) or root_rank not in comm.ranks:
+            raise ValueError(f"root_rank={root_rank!r} is outside the ranks {comm.ranks}")
+    key = (OPC_BCAST_OBJ, root_rank, *([0] * (SIG_LEN - 2)))
+
+    def launch(_rows: Any) -> tuple[list[Any], Any]:
+        box = [obj]
+        if comm.size > 1:
+            _stall.run_guarded("broadcast_object", name, dist.broadcast_object_list, box,
+                               src=root_rank, group=comm.side)  # fmt: skip
+        return [], lambda: box[0]
+
+    return submit(comm, "broadcast_object", name, key, [], launch).wait()
 
 
 def allgather_object(
@@ -123,12 +106,16 @@ def allgather_object(
     Example:
         >>> losses = hvd.allgather_object(float(loss))
     """
-    state, name = begin("allgather_object", name)
-    check_process_set(process_set)
-    out: list[Any] = [None] * state.size
-    if state.size == 1:
-        return [obj]
-    _stall.run_guarded(
-        "allgather_object", name, dist.all_gather_object, out, obj, group=state.side_group
-    )
-    return out
+    comm = comm_of(process_set, "allgather_object")
+    state, name = begin(comm, "allgather_object", name)
+    key = (OPC_GATHER_OBJ, *([0] * (SIG_LEN - 1)))
+
+    def launch(_rows: Any) -> tuple[list[Any], Any]:
+        out: list[Any] = [None] * comm.size
+        if comm.size == 1:
+            return [], lambda: [obj]
+        _stall.run_guarded("allgather_object", name, dist.all_gather_object, out, obj,
+                           group=comm.side)  # fmt: skip
+        return [], lambda: out
+
+    return submit(comm, "allgather_object", name, key, [], launch).wait()  # type: ignore[no-any-return]

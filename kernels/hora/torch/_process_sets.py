@@ -1,79 +1,206 @@
-"""Horovod process sets: only the global set is supported (data plane).
+"""Horovod process sets: collectives on a subset of the ranks (data plane).
 
-``process_set=`` arguments are accepted for signature compatibility; anything but the global
-set (or a set listing every rank) raises :class:`~hora.errors.UnsupportedError`.
+A process set is a list of global ranks with its own torch.distributed groups (a data group
+on the job's backend and a gloo side group for negotiation), created by every rank together:
+``hvd.add_process_set(ranks)`` and ``hvd.remove_process_set(ps)`` are collectives of the
+whole world (as with Horovod's dynamic process sets, ``HOROVOD_DYNAMIC_PROCESS_SETS``, which
+hora does not need set), and ``hvd.init(process_sets=[...])`` adds sets at start-up. Every
+collective takes ``process_set=``; ranks outside the set must not call it. Root ranks are
+global ranks, as in Horovod.
 """
 
 from __future__ import annotations
 
+import datetime
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
-from hora.errors import UnsupportedError
+import torch.distributed as dist
+
+from hora.torch import _engine, _state
+from hora.torch._engine import Comm
+from hora.torch._handles import SIG_LEN
+
+OPC_ADD_SET = 10
+OPC_REMOVE_SET = 11
 
 
 class ProcessSet:
-    """A set of ranks (Horovod's ``hvd.ProcessSet``); hora runs collectives on all ranks only.
+    """A set of ranks that collectives can run on (Horovod's ``hvd.ProcessSet``).
 
     Args:
-        ranks: the ranks in the set; None means every rank.
+        ranks: the global ranks in the set; None means every rank (the global set).
 
     Example:
-        >>> hvd.global_process_set.ranks is None
-        True
+        >>> evens = hvd.add_process_set(range(0, hvd.size(), 2))
+        >>> if evens.included():
+        ...     hvd.allreduce(t, process_set=evens)
     """
 
     def __init__(self, ranks: Sequence[int] | None = None) -> None:
-        self.ranks = None if ranks is None else sorted(int(r) for r in ranks)
-        self.process_set_id = 0 if ranks is None else -1
+        self.ranks: list[int] | None = None if ranks is None else sorted({int(r) for r in ranks})
+        self.process_set_id: int | None = 0 if ranks is None else None
 
     def __repr__(self) -> str:
-        return f"ProcessSet(ranks={self.ranks!r})"
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ProcessSet):
+            return NotImplemented
+        return (self.process_set_id, self.ranks) == (other.process_set_id, other.ranks)
+
+    def __hash__(self) -> int:
+        return hash((self.process_set_id, tuple(self.ranks or ())))
 
     def size(self) -> int:
         """Return the number of ranks in the set."""
-        from hora.torch import _state
-
         return _state.size() if self.ranks is None else len(self.ranks)
+
+    def rank(self) -> int:
+        """Return this rank's position in the set, or -1 when it is not a member."""
+        me = _state.rank()
+        if self.ranks is None:
+            return me
+        return self.ranks.index(me) if me in self.ranks else -1
 
     def included(self) -> bool:
         """Return whether this rank belongs to the set."""
-        from hora.torch import _state
-
         return self.ranks is None or _state.rank() in self.ranks
 
 
 global_process_set = ProcessSet()
 
 
-def check_process_set(ps: Any) -> None:
-    """Raise UnsupportedError unless ``ps`` is the global set (or None, or all ranks)."""
-    if ps is None or ps is global_process_set or getattr(ps, "ranks", 0) is None:
-        return
-    from hora.torch import _state
+def _global(state: _state.State) -> Comm:
+    comm = state.comms.get(0)
+    if comm is None:
+        comm = Comm(0, list(range(state.size)), state.rank, state.group, state.side_group)
+        state.comms[0] = comm
+    return comm
 
-    state = _state._STATE
-    if state is not None and getattr(ps, "ranks", None) == list(range(state.size)):
-        return
-    raise UnsupportedError(
-        "hora.torch runs collectives on the global process set only; "
-        f"{ps!r} is not supported (use torch.distributed.new_group for subgroups)"
-    )
+
+def comm_of(process_set: Any, op: str) -> Comm:
+    """Return the communication state of ``process_set`` (None: the global set).
+
+    Raises:
+        NotInitializedError: before ``init()``.
+        ValueError: the set was never added (or was removed), or this rank is not in it.
+    """
+    state = _state.require_init(op)
+    if process_set is None or process_set is global_process_set:
+        return _global(state)
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(f"{op}: process_set must be a hvd.ProcessSet, got {process_set!r}")
+    if process_set.process_set_id == 0 or process_set.ranks == list(range(state.size)):
+        return _global(state)
+    comm = state.comms.get(process_set.process_set_id if process_set.process_set_id else -1)
+    if comm is None or comm.ranks != process_set.ranks:
+        raise ValueError(
+            f"{op}: {process_set!r} is not registered; add it with hvd.add_process_set() "
+            "(on every rank) first"
+        )
+    if comm.index < 0:
+        raise ValueError(
+            f"{op}: rank {state.rank} is not in the process set {comm.ranks}; only its "
+            "members may call collectives on it"
+        )
+    return comm
+
+
+def _ranks_key(opcode: int, ranks: Sequence[int]) -> tuple[int, ...]:
+    crc = zlib.crc32(repr(list(ranks)).encode())
+    return (opcode, crc, len(ranks), *([0] * (SIG_LEN - 3)))
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
-    """Not supported: hora.torch has the global process set only.
+    """Create a process set; every rank of the world must call it, with the same ranks.
+
+    Args:
+        process_set: a :class:`ProcessSet` (not registered yet) or a list of global ranks.
+
+    Returns:
+        The registered set (``process_set_id`` assigned).
 
     Raises:
-        UnsupportedError: always.
+        ValueError: ranks outside the world, an empty set, a set that exists already, or
+            ranks that passed different lists (named).
+
+    Example:
+        >>> odd = hvd.add_process_set([1, 3])
     """
-    raise UnsupportedError("hvd.add_process_set() is not supported by hora.torch")
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    comm = comm_of(None, "add_process_set")
+    state, name = _engine.begin(comm, "add_process_set", None)
+    with _engine.refusal(comm, "add_process_set", name):
+        if ps.ranks is None:
+            raise ValueError("add_process_set: the global set exists already")
+        if ps.process_set_id not in (None,):
+            raise ValueError(f"add_process_set: {ps!r} is registered already")
+        bad = [r for r in ps.ranks if not 0 <= r < state.size]
+        if not ps.ranks or bad:
+            raise ValueError(
+                f"add_process_set: ranks {ps.ranks} must be a non-empty list of ranks in "
+                f"[0, {state.size})"
+            )
+        if any(c.ranks == ps.ranks for c in state.comms.values()):
+            raise ValueError(f"add_process_set: a process set with ranks {ps.ranks} exists already")
+    ranks = list(ps.ranks)  # type: ignore[arg-type]
+
+    def launch(_rows: Any) -> tuple[list[Any], Any]:
+        timeout = datetime.timedelta(seconds=state.timeout_s)
+        group = dist.new_group(ranks=ranks, timeout=timeout, backend=state.backend)
+        side = dist.new_group(ranks=ranks, timeout=timeout, backend="gloo")
+        set_id = max(state.comms) + 1 if state.comms else 1
+        index = ranks.index(state.rank) if state.rank in ranks else -1
+        state.comms[set_id] = Comm(set_id, ranks, index, group, side)
+        ps.process_set_id = set_id
+        return [], lambda: ps
+
+    _global(state)
+    return _engine.submit(comm, "add_process_set", name, _ranks_key(OPC_ADD_SET, ranks), [],
+                          launch).wait()  # fmt: skip
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:
-    """Not supported: hora.torch has the global process set only.
+    """Remove a process set added before; every rank of the world must call it.
 
-    Raises:
-        UnsupportedError: always.
+    Returns:
+        True when the set was removed, False when it was not registered (or is the global set).
+
+    Example:
+        >>> hvd.remove_process_set(odd)
     """
-    raise UnsupportedError("hvd.remove_process_set() is not supported by hora.torch")
+    comm = comm_of(None, "remove_process_set")
+    state, name = _engine.begin(comm, "remove_process_set", None)
+    set_id = getattr(process_set, "process_set_id", None)
+    target = state.comms.get(set_id) if set_id else None
+    ranks = target.ranks if target is not None else []
+
+    def launch(_rows: Any) -> tuple[list[Any], Any]:
+        if target is None:
+            return [], lambda: False
+        del state.comms[target.set_id]
+        for group in (target.group, target.side):
+            try:
+                dist.destroy_process_group(group)
+            except Exception:  # already gone with a failed world: nothing to free
+                pass
+        process_set.process_set_id = None
+        return [], lambda: True
+
+    return bool(
+        _engine.submit(comm, "remove_process_set", name, _ranks_key(OPC_REMOVE_SET, ranks), [],
+                       launch).wait()  # fmt: skip
+    )
+
+
+def add_initial(sets: Sequence[ProcessSet | Sequence[int]]) -> None:
+    """Add ``init(process_sets=...)``'s sets (every rank passes the same list)."""
+    for ps in sets:
+        add_process_set(ps)
+
+
+def check_process_set(ps: Any) -> None:
+    """Validate ``ps`` for a collective (kept for callers that only check)."""
+    comm_of(ps, "collective")

@@ -93,6 +93,7 @@ class State:
     broken: bool = False
     rdzv_file: Path | None = None
     hb_store: Any = None
+    comms: dict[int, Any] = field(default_factory=dict)
     timeout_td: datetime.timedelta = field(init=False)
 
     def __post_init__(self) -> None:
@@ -452,7 +453,8 @@ def init(
 
     Args:
         comm: Horovod's MPI communicator argument; only None is supported.
-        process_sets: Horovod's process sets; only None (the global set) is supported.
+        process_sets: process sets to add at start-up (every rank passes the same list of
+            ``hvd.ProcessSet`` or rank lists); see ``hvd.add_process_set``.
         backend: "nccl" or "gloo"; default NCCL when CUDA is available, else gloo, or the
             ``HORA_BACKEND`` environment variable.
         timeout: seconds (or a timedelta) for the rendezvous and for each collective; default
@@ -461,7 +463,7 @@ def init(
             --start-timeout``).
 
     Raises:
-        UnsupportedError: for an MPI communicator or process sets.
+        UnsupportedError: for an MPI communicator.
         LauncherEnvError: when the launcher's environment is inconsistent.
         CollectiveTimeout: when the rendezvous does not complete in time.
 
@@ -474,8 +476,6 @@ def init(
     global _STATE
     if comm is not None:
         raise UnsupportedError("hvd.init(comm=...) needs MPI; hora.torch runs on torch.distributed")
-    if process_sets not in (None, [], ()):
-        raise UnsupportedError("hvd.init(process_sets=...) is not supported; use the global set")
     if _STATE is not None:
         if not _STATE.broken:
             return
@@ -494,6 +494,10 @@ def init(
         from hora.torch import timeline
 
         timeline.start_timeline(path)
+    if process_sets:
+        from hora.torch._process_sets import add_initial
+
+        add_initial(process_sets)
 
 
 # A script that exits without shutdown() (or by an exception) waits this long at most for the
@@ -531,6 +535,7 @@ def _release(state: State, *, graceful: bool) -> None:
         except Exception as e:  # a group already aborted by a failure: nothing left to free
             log.debug("releasing the process group: %s", e)
     state.group = state.side_group = state.store = state.hb_store = None
+    state.comms = {}
     gc.collect()  # the groups are in reference cycles with their Works and stores
 
 
@@ -645,6 +650,7 @@ def rebuild(master_port: int, start_timeout_s: float | None = None) -> None:
         setattr(state, name, getattr(fresh, name))
     state.seq, state.join_epoch, state.last_op, state.last_sig = 0, 0, "", 0
     state.verified_sig = None
+    state.comms = {}
     state._hb_stop = threading.Event()
     _start_heartbeat(state)
 

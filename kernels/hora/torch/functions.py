@@ -116,7 +116,7 @@ def broadcast_parameters(params: Any, root_rank: int,
         params: ``model.state_dict()`` (buffers included), ``model.named_parameters()``, or a
             list of ``(name, tensor)`` pairs or tensors; the same names and shapes on each rank.
         root_rank: the rank whose values everyone receives.
-        process_set: only the global process set is supported.
+        process_set: the process set to run on (default: every rank).
 
     Raises:
         NotInitializedError: before ``hvd.init()``.
@@ -188,7 +188,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
         optimizer: a torch optimizer or a DistributedOptimizer, over the same parameters on
             every rank.
         root_rank: the rank whose state everyone receives.
-        process_set: only the global process set is supported.
+        process_set: the process set to run on (default: every rank).
 
     Raises:
         NotInitializedError: before ``hvd.init()``.

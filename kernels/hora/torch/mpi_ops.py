@@ -11,6 +11,7 @@ Failures and timeouts name the ranks at fault.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,15 +19,16 @@ import torch
 import torch.distributed as dist
 
 from hora.errors import UnsupportedError
-from hora.torch import _handles, _stall, _state, timeline
-from hora.torch._handles import Handle, begin, guarded, signature, start
+from hora.torch import _engine, _handles, timeline
+from hora.torch._engine import Comm, GroupHandle, begin, refusal, submit
+from hora.torch._handles import Handle, guarded, signature
 from hora.torch._objects import (
     allgather_object,
     barrier,
     broadcast_object,
     join,
 )
-from hora.torch._process_sets import ProcessSet, check_process_set, global_process_set
+from hora.torch._process_sets import ProcessSet, comm_of, global_process_set
 from hora.torch.compression import Compression
 
 __all__ = [
@@ -120,6 +122,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _allreduce_buffer(
+    comm: Comm,
     out: torch.Tensor,
     src: torch.Tensor | None,
     name: str,
@@ -128,40 +131,47 @@ def _allreduce_buffer(
     post: float,
     op_name: str = "allreduce",
     ret: torch.Tensor | None = None,
-    sig: tuple[int, ...] | None = None,
-    sync: bool = False,
+    key: tuple[int, ...] | None = None,
 ) -> Handle:
     """Reduce ``out`` in place (contiguous); copy into ``src`` at the end when it is a view.
 
-    The handle's result is ``ret`` when given (the caller's tensor for in-place forms). With
-    ``sync`` the data collective runs as a blocking call, exactly like a plain
-    ``dist.all_reduce`` (the blocking forms use it: no Work object, no extra wait).
+    The handle's result is ``ret`` when given (the caller's tensor for in-place forms).
     """
-    state = _state.require_init(op_name)
-    t0 = timeline.now_ns() if timeline.enabled() else 0
-    sig = sig or signature(_OPC_ALLREDUCE, op, out.dtype, out.shape)
-    tq = start(state, op_name, name, sig, t0)
-    _scale(out, pre)
-    work = None
-    wire = _handles.widen(out)
-    if out.numel() and state.size > 1:
-        try:
-            work = dist.all_reduce(wire, op=_TORCH_OPS[op], async_op=not sync)
-        except RuntimeError as e:
-            raise _stall.diagnose(op_name, name, e) from None
+    key = key or signature(_OPC_ALLREDUCE, op, out.dtype, out.shape)
 
-    def finish() -> torch.Tensor:
-        if wire is not out:
-            out.copy_(wire)
-        if op == Average:
-            _average(out, state.size, post)
-        else:
-            _scale(out, post)
-        if src is not None:
-            src.copy_(out)
-        return out if ret is None else ret
+    def launch(_rows: Any) -> tuple[list[Any], Any]:
+        _scale(out, pre)
+        wire = _handles.widen(out)
+        work = None
+        if out.numel() and comm.size > 1:
+            work = dist.all_reduce(wire, op=_TORCH_OPS[op], group=comm.group, async_op=True)
 
-    return Handle(op_name, name, [work], finish, _nbytes(out), t0, tq)
+        def finish() -> torch.Tensor:
+            if wire is not out:
+                out.copy_(wire)
+            if op == Average:
+                _average(out, comm.size, post)
+            else:
+                _scale(out, post)
+            if src is not None:
+                src.copy_(out)
+            return out if ret is None else ret
+
+        return [work], finish
+
+    return submit(comm, op_name, name, key, [], launch, _nbytes(out))
+
+
+def _serve_allreduce(comm: Comm, key: Sequence[int], _rows: Any) -> list[Any]:
+    """A joined rank's part of an allreduce (or reducescatter): zeros."""
+    zeros = _handles.widen(torch.zeros(_handles.key_shape(key), dtype=_handles.key_dtype(key)))
+    return [dist.all_reduce(zeros, op=_TORCH_OPS[key[1]], group=comm.group, async_op=True)]
+
+
+def _serve_broadcast(comm: Comm, key: Sequence[int], _rows: Any) -> list[Any]:
+    """A joined rank's part of a broadcast: receive into scratch."""
+    buf = _handles.widen(torch.empty(_handles.key_shape(key), dtype=_handles.key_dtype(key)))
+    return [dist.broadcast(buf, src=key[1], group=comm.group, async_op=True)]
 
 
 def allreduce_async(
@@ -211,19 +221,19 @@ def _allreduce(
     pre: float,
     post: float,
     process_set: ProcessSet,
-    sync: bool,
+    sync: bool = False,
 ) -> Handle:
-    state, name = begin("allreduce", name)
-    with _handles.refusal(state, "allreduce", name):
-        check_process_set(process_set)
+    comm = comm_of(process_set, "allreduce")
+    state, name = begin(comm, "allreduce", name)
+    with refusal(comm, "allreduce", name):
         op = _resolve_op(op, average)
     t = tensor.detach()
     if not inplace:
         buf = t.clone(memory_format=torch.contiguous_format)
-        return _allreduce_buffer(buf, None, name, op, pre, post, sync=sync)
+        return _allreduce_buffer(comm, buf, None, name, op, pre, post)
     if t.is_contiguous():
-        return _allreduce_buffer(t, None, name, op, pre, post, ret=tensor, sync=sync)
-    return _allreduce_buffer(t.contiguous(), t, name, op, pre, post, ret=tensor, sync=sync)
+        return _allreduce_buffer(comm, t, None, name, op, pre, post, ret=tensor)
+    return _allreduce_buffer(comm, t.contiguous(), t, name, op, pre, post, ret=tensor)
 
 
 def allreduce(
@@ -248,7 +258,7 @@ def allreduce(
             toward zero.
         prescale_factor: multiply before reducing.
         postscale_factor: multiply after reducing (and averaging).
-        process_set: only the global process set is supported.
+        process_set: the process set to run on (default: every rank).
 
     Returns:
         A new tensor with the reduced values.
@@ -267,7 +277,7 @@ def allreduce(
     if plain and tensor.requires_grad and torch.is_grad_enabled():
         from hora.torch._autograd import AllreduceFn
 
-        check_process_set(process_set)
+        comm_of(process_set, "allreduce")
         out = AllreduceFn.apply(tensor, average, name, op, prescale_factor, postscale_factor)
         return out  # type: ignore[no-any-return]
     wire, ctx = (tensor, None) if plain else compression.compress(tensor)
@@ -310,29 +320,25 @@ def _grouped(
     post: float,
     process_set: ProcessSet,
 ) -> Handle:
-    state, name = begin("grouped_allreduce", name)
-    with _handles.refusal(state, "grouped_allreduce", name):
-        check_process_set(process_set)
+    comm = comm_of(process_set, "grouped_allreduce")
+    state, name = begin(comm, "grouped_allreduce", name)
+    with refusal(comm, "grouped_allreduce", name):
         op = _resolve_op(op, average)
     tensors = list(tensors)
     if not tensors:
         return Handle("grouped_allreduce", name, [], list)
     t0 = timeline.now_ns() if timeline.enabled() else 0
-    flat = (
-        torch.cat([t.detach().reshape(-1) for t in tensors])
-        if len({t.dtype for t in tensors}) == 1
-        else None
-    )
-    if flat is None:
-        return _grouped_per_tensor(tensors, inplace, name, op, pre, post)
+    if len({t.dtype for t in tensors}) != 1:
+        return _grouped_per_tensor(tensors, inplace, name, op, pre, post, process_set)
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
     if t0:
         timeline.record(name, "MEMCPY_IN_FUSION_BUFFER", t0, timeline.now_ns(), _nbytes(flat))
     shapes = [t.shape for t in tensors]
-    sig = signature(_OPC_ALLREDUCE, op, flat.dtype, [len(tensors), *[n for s in shapes for n in s]])
-    inner = _allreduce_buffer(flat, None, name, op, pre, post, "grouped_allreduce", sig=sig)
+    crc = zlib.crc32(repr([list(s) for s in shapes]).encode())
+    key = (*signature(_OPC_ALLREDUCE, op, flat.dtype, flat.shape)[:-1], crc)
+    inner = _allreduce_buffer(comm, flat, None, name, op, pre, post, "grouped_allreduce", key=key)
 
-    def finish(base: Any = inner.finish) -> list[torch.Tensor]:
-        out = base()
+    def split(out: torch.Tensor) -> list[torch.Tensor]:
         pieces = [
             p.view(s) for p, s in zip(out.split([s.numel() for s in shapes]), shapes, strict=True)
         ]
@@ -342,8 +348,7 @@ def _grouped(
             return tensors
         return pieces
 
-    inner.finish = finish
-    return inner
+    return GroupHandle("grouped_allreduce", name, [inner], lambda: split(inner.wait()))
 
 
 def _grouped_per_tensor(
@@ -353,11 +358,13 @@ def _grouped_per_tensor(
     op: int,
     pre: float,
     post: float,
+    process_set: ProcessSet,
 ) -> Handle:
     fn = allreduce_async_ if inplace else allreduce_async
-    handles = [fn(t, None, f"{name}.{i}", op, pre, post) for i, t in enumerate(tensors)]
-    works = [w for h in handles for w in h.works]  # so that poll() sees them in flight
-    return Handle("grouped_allreduce", name, works, lambda: [h.wait() for h in handles])
+    handles = [
+        fn(t, None, f"{name}.{i}", op, pre, post, process_set) for i, t in enumerate(tensors)
+    ]
+    return GroupHandle("grouped_allreduce", name, handles, lambda: [h.wait() for h in handles])
 
 
 def grouped_allreduce_async(
@@ -410,7 +417,7 @@ def grouped_allreduce(
         op: as in :func:`allreduce`.
         prescale_factor: multiply before reducing.
         postscale_factor: multiply after reducing.
-        process_set: only the global set.
+        process_set: the process set to run on (default: every rank).
 
     Returns:
         New tensors, one per input.
@@ -459,29 +466,34 @@ def grouped_allreduce_(
 def _broadcast(
     tensor: torch.Tensor, root_rank: int, name: str | None, inplace: bool, process_set: ProcessSet
 ) -> Handle:
-    state, name = begin("broadcast", name)
-    with _handles.refusal(state, "broadcast", name):
-        check_process_set(process_set)
-        if not isinstance(root_rank, int) or not 0 <= root_rank < state.size:
-            raise ValueError(f"root_rank={root_rank!r} is outside the world of size {state.size}")
-    t0 = timeline.now_ns() if timeline.enabled() else 0
+    comm = comm_of(process_set, "broadcast")
+    state, name = begin(comm, "broadcast", name)
+    with refusal(comm, "broadcast", name):
+        if not isinstance(root_rank, int) or root_rank not in comm.ranks:
+            where = (
+                f"the world of size {state.size}" if comm.set_id == 0 else f"process set {comm.ranks}"
+            )
+            raise ValueError(f"root_rank={root_rank!r} is outside {where}")
     src = tensor.detach()
     direct = inplace and src.is_contiguous()
     buf = src if direct else src.clone(memory_format=torch.contiguous_format)
-    tq = start(
-        state, "broadcast", name, signature(_OPC_BROADCAST, root_rank, buf.dtype, buf.shape), t0
-    )
-    work = None
-    if buf.numel() and state.size > 1:
-        work = guarded("broadcast", name, dist.broadcast, buf, src=root_rank, async_op=True)
+    key = signature(_OPC_BROADCAST, root_rank, buf.dtype, buf.shape)
 
-    def finish() -> torch.Tensor:
-        if inplace and not direct:
-            src.copy_(buf)
-            return tensor
-        return tensor if direct else buf
+    def launch(_rows: Any) -> tuple[list[Any], Any]:
+        work = None
+        if buf.numel() and comm.size > 1:
+            work = guarded("broadcast", name, dist.broadcast, buf, src=root_rank,
+                           group=comm.group, async_op=True)  # fmt: skip
 
-    return Handle("broadcast", name, [work], finish, _nbytes(buf), t0, tq)
+        def finish() -> torch.Tensor:
+            if inplace and not direct:
+                src.copy_(buf)
+                return tensor
+            return tensor if direct else buf
+
+        return [work], finish
+
+    return submit(comm, "broadcast", name, key, [], launch, _nbytes(buf))
 
 
 def broadcast_async(
@@ -516,7 +528,7 @@ def broadcast(
         tensor: same shape and dtype on every rank.
         root_rank: the rank whose values everyone receives.
         name: a name for errors and the timeline.
-        process_set: only the global set.
+        process_set: the process set to run on (default: every rank).
 
     Returns:
         A new tensor holding root's values.
@@ -531,7 +543,7 @@ def broadcast(
     if tensor.requires_grad and torch.is_grad_enabled():
         from hora.torch._autograd import BroadcastFn
 
-        check_process_set(process_set)
+        comm_of(process_set, "broadcast")
         return BroadcastFn.apply(tensor, root_rank, name)  # type: ignore[no-any-return]
     return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
@@ -577,6 +589,10 @@ def poll(handle: Handle) -> bool:
         )
     return handle.poll()
 
+
+_engine.SERVERS[_OPC_ALLREDUCE] = _serve_allreduce
+_engine.SERVERS[_OPC_RSCATTER] = _serve_allreduce
+_engine.SERVERS[_OPC_BROADCAST] = _serve_broadcast
 
 from hora.torch._gather import (  # noqa: E402  (they use the helpers above)
     allgather,

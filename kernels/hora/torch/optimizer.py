@@ -557,7 +557,7 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's name: a factory that looks l
         groups: explicit buckets: a list of lists of parameters (an int means num_groups).
         sparse_as_dense: reduce sparse gradients as dense ones (they are reduced densely
             either way; without it the result is turned back into a sparse tensor).
-        process_set: only the global process set is supported.
+        process_set: the process set to run on (default: every rank).
         fusion_threshold: bytes per fusion bucket (hora extension; 0 = one bucket per
             gradient). Default: the environment variables above, else 25 MiB.
 

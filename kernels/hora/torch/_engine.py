@@ -1,0 +1,498 @@
+"""The one launch path of every collective: negotiation by name, then launch (data plane).
+
+Horovod matches collectives by *name*, not by call order: a rank may submit ``a`` then ``b``
+while another submits ``b`` then ``a``; a rank that has called ``join()`` serves the others'
+collectives with zeros; two in-flight collectives with one name are an error on the rank that
+submitted the second. torch.distributed matches by order only. This module bridges the two.
+
+Each process set has a :class:`Comm`: its data group, a gloo side group and the collectives
+submitted on this rank but not launched yet (``pending``). A *round* is one small all_gather
+on the side group in which every member publishes its pending entries (name, signature, the
+per-rank payload such as first dimensions or splits) and whether it has joined. Every member
+gets the same table, so every member reaches the same decision without a coordinator:
+
+* a name every member (that has not joined) submitted is *ready*: if the signatures agree,
+  it is launched, on every rank, in the order of the lowest such member's submissions;
+  otherwise every holder gets :class:`~hora.errors.TensorMismatchError` with the true reason;
+* a member that joined serves a ready collective it did not submit (zeros for a reduction, no
+  rows for a gather), so the others' collectives complete;
+* an entry whose submitter has waited longer than the timeout is published as *expired*: every
+  holder then gets :class:`~hora.errors.CollectiveTimeout` naming the ranks that never
+  submitted it, and the entry leaves every table at once, so the world stays in step.
+
+Submitting a collective runs one round (so the data moves while the caller goes on, as with
+Horovod's background thread); ``synchronize``, ``poll``, ``barrier`` and ``join`` run rounds
+until what they wait for is launched. ``HORA_CHECK_TENSORS=off`` skips negotiation: calls
+launch at once in call order (no name matching, no join serving, no shape checks).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hora.errors import CollectiveTimeout, HoraError, TensorMismatchError
+from hora.torch import _stall, _state, timeline
+from hora.torch._handles import SIG_LEN, Handle, describe
+
+# A launcher gets every member's payload row (None for a member that joined and serves) and
+# returns the Works in flight and the finishing step (average, copy back) for the handle, and
+# optionally the bytes moved when only the rows tell (allgather).
+Launch = Callable[[list[list[int] | None]], tuple[list[Any], Callable[[], Any]]]
+# A server launches, on a rank that joined, its part of a collective it did not submit.
+Serve = Callable[["Comm", Sequence[int], list[list[int] | None]], list[Any]]
+
+OPC_REFUSED = -7
+OPC_BARRIER = 9
+_CAP = 96  # ints in the first all_gather of a round; longer tables take a second one
+_REFUSED_KEY = "hora/refused/"
+_BACKOFF_S = (0.0, 0.0002, 0.001, 0.003, 0.01)
+
+SERVERS: dict[int, Serve] = {}
+
+
+def negotiate() -> bool:
+    """Return whether collectives are negotiated (``HORA_CHECK_TENSORS`` is not ``off``)."""
+    raw = os.environ.get("HORA_CHECK_TENSORS", "on").lower()
+    return raw not in ("0", "off", "false", "no")
+
+
+def name_hash(name: str) -> int:
+    """A 62-bit hash of a collective's name, the same in every process."""
+    data = name.encode()
+    return (zlib.crc32(data) << 30) ^ zlib.adler32(data)
+
+
+@dataclass(eq=False)
+class Entry:
+    """A collective submitted on this rank and not launched yet."""
+
+    kind: str
+    name: str
+    key: tuple[int, ...]
+    payload: list[int]
+    launch: Launch | None
+    handle: Handle | None
+    deadline: float
+    expired: bool = False
+    hashed: int = 0
+
+    def __post_init__(self) -> None:
+        self.hashed = name_hash(self.name)
+
+
+@dataclass(eq=False)
+class Comm:
+    """A process set's communication state on this rank.
+
+    Attributes:
+        set_id: the process set's id (0: the global set).
+        ranks: the members' global ranks, ascending.
+        index: this rank's position in ``ranks`` (-1 when not a member).
+        group: the data group (the default group for the global set).
+        side: the gloo group the rounds and object collectives use.
+        pending: entries submitted here and not launched, in submission order.
+        inflight: names of this rank's collectives not finished yet (duplicate check).
+        counters: per-op counters for unnamed collectives ("allreduce.noname.3").
+        joined: this rank called ``join()`` and serves the others until all joined.
+        joined_before: members seen joined in the last round (to name the last joiner).
+    """
+
+    set_id: int
+    ranks: list[int]
+    index: int
+    group: Any
+    side: Any
+    pending: list[Entry] = field(default_factory=list)
+    inflight: dict[str, Handle] = field(default_factory=dict)
+    counters: dict[str, int] = field(default_factory=dict)
+    joined: bool = False
+    joined_at: int = 0
+    joined_before: frozenset[int] = frozenset()
+    last_joined: int = -1
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def member(self, global_rank: int) -> int:
+        """Return the position of a global rank in this set (ValueError when not a member)."""
+        try:
+            return self.ranks.index(global_rank)
+        except ValueError:
+            raise ValueError(
+                f"rank {global_rank} is not in the process set {self.ranks}"
+            ) from None
+
+    def auto_name(self, op: str) -> str:
+        n = self.counters.get(op, 0) + 1
+        self.counters[op] = n
+        return f"{op}.noname.{n}"
+
+    def give_back(self, name: str) -> None:
+        """Return the number of a failed unnamed collective, when it was the last one issued.
+
+        A rank whose unnamed collective failed without the others submitting it (it timed out
+        waiting for them) would otherwise be one number ahead of them for good, and every
+        later unnamed collective of that kind would pair with the wrong one.
+        """
+        op, sep, n = name.rpartition(".noname.")
+        if sep and n.isdigit() and self.counters.get(op) == int(n):
+            self.counters[op] = int(n) - 1
+
+
+def begin(comm: Comm, op: str, name: str | None) -> tuple[_state.State, str]:
+    """Enter a collective: count it for the stall report and default its name."""
+    state = _state.require_init(op)
+    state.seq += 1
+    state.last_op = op
+    state.last_sig = 0
+    return state, name if name is not None else comm.auto_name(op)
+
+
+def _in_flight(comm: Comm, name: str) -> bool:
+    h = comm.inflight.get(name)
+    if h is None or h.done:
+        return False
+    if h.launched and h.poll():
+        return False
+    return True
+
+
+def submit(
+    comm: Comm,
+    kind: str,
+    name: str,
+    key: Sequence[int],
+    payload: Sequence[int],
+    launch: Launch,
+    nbytes: int = 0,
+) -> Handle:
+    """Submit a collective: negotiate it with the other members (one round) and return its handle.
+
+    Args:
+        comm: the process set's state.
+        kind: the public op name ("allreduce", ...), for errors and the timeline.
+        name: the collective's name; members match collectives by it.
+        key: SIG_LEN ints every member must agree on (op code, reduce op or root, dtype,
+            shape); see :func:`hora.torch._handles.signature`.
+        payload: ints that may differ by member (first dimension, splits).
+        launch: starts the data movement once every member submitted ``name``.
+        nbytes: bytes moved, for the timeline.
+
+    Raises:
+        ValueError: a collective named ``name`` is already in flight on this rank.
+    """
+    if _in_flight(comm, name):
+        raise ValueError(
+            f"{kind}: a collective named {name!r} is already in flight on this rank; "
+            "concurrent collectives need distinct names"
+        )
+    state = _state.require_init(kind)
+    t0 = timeline.now_ns() if timeline.enabled() else 0
+    handle = Handle(kind, name, [], _not_launched, nbytes, t0)
+    handle.launched = False
+    comm.inflight[name] = handle
+    handle.on_done = lambda c=comm, n=name, h=handle: _forget(c, n, h)
+    handle.progress = lambda block, c=comm, h=handle: (
+        wait_launched(c, h) if block else run_round(c, h.op, h.name)
+    )
+    if comm.size == 1 or not negotiate():
+        rows: list[list[int] | None] = [list(payload)] * comm.size
+        _launch(handle, launch, rows, kind, name)
+        return handle
+    entry = Entry(kind, name, tuple(key), list(payload), launch, handle,
+                  time.monotonic() + state.timeout_s)  # fmt: skip
+    comm.pending.append(entry)
+    run_round(comm, kind, name)
+    return handle
+
+
+def _forget(comm: Comm, name: str, handle: Handle) -> None:
+    if comm.inflight.get(name) is handle:
+        del comm.inflight[name]
+
+
+def _not_launched() -> Any:
+    raise HoraError("internal: a collective finished before it was launched")
+
+
+def _launch(
+    handle: Handle, launch: Launch, rows: list[list[int] | None], kind: str, name: str
+) -> None:
+    if handle.t0:
+        handle.tq = timeline.now_ns()
+    try:
+        works, finish, *nbytes = launch(rows)
+    except HoraError as e:
+        handle.fail(e)
+        return
+    except RuntimeError as e:
+        handle.fail(_stall.diagnose(kind, name, e))
+        return
+    handle.works, handle.finish = works, finish
+    if nbytes:
+        handle.nbytes = nbytes[0]
+    handle.launched = True
+
+
+def refuse(comm: Comm, kind: str, name: str, error: BaseException) -> None:
+    """Publish that this rank refused its arguments for ``name``; the others' call fails too.
+
+    The reason is written to the store, and a *refused* entry takes part in the rounds like a
+    collective: when every member has submitted ``name``, the holders of a real entry raise
+    TensorMismatchError quoting it. The refusing rank raises its own error (the caller does).
+    """
+    if comm.size == 1 or not negotiate():
+        return
+    state = _state.require_init(kind)
+    state.store.set(f"{_REFUSED_KEY}{comm.set_id}/{name}/{state.rank}", f"{type(error).__name__}: {error}")
+    key = (OPC_REFUSED, *([0] * (SIG_LEN - 1)))
+    entry = Entry(kind, name, key, [], None, None, time.monotonic() + state.timeout_s)
+    comm.pending.append(entry)
+    run_round(comm, kind, name)
+
+
+@contextmanager
+def refusal(comm: Comm, kind: str, name: str) -> Iterator[None]:
+    """Run a collective's argument checks; when they raise, publish the refusal (:func:`refuse`)."""
+    try:
+        yield
+    except Exception as e:
+        refuse(comm, kind, name, e)
+        raise
+
+
+class GroupHandle(Handle):
+    """One handle for several collectives (grouped ops): done when every member is."""
+
+    __slots__ = ("members",)
+
+    def __init__(self, op: str, name: str, members: list[Handle], finish: Callable[[], Any]) -> None:
+        super().__init__(op, name, [], finish, sum(h.nbytes for h in members))
+        self.members = members
+
+    def poll(self) -> bool:
+        return self.done or all(h.poll() for h in self.members)
+
+
+def wait_launched(comm: Comm, handle: Handle) -> None:
+    """Run rounds until ``handle``'s collective was launched or failed (bounded by the timeout)."""
+    backoff = 0
+    while not handle.launched and handle.error is None:
+        progressed = run_round(comm, handle.op, handle.name)
+        backoff = 0 if progressed else min(backoff + 1, len(_BACKOFF_S) - 1)
+        if _BACKOFF_S[backoff]:
+            time.sleep(_BACKOFF_S[backoff])
+
+
+# -- rounds ----------------------------------------------------------------------------------
+
+
+def _encode(comm: Comm) -> list[int]:
+    now = time.monotonic()
+    out = [1 if comm.joined else 0, comm.joined_at, len(comm.pending)]
+    for e in comm.pending:
+        if not e.expired and now > e.deadline:
+            e.expired = True
+        out += [e.hashed, 1 if e.expired else 0, *e.key, len(e.payload), *e.payload]
+    return out
+
+
+def _decode(row: list[int]) -> tuple[int, list[tuple[int, bool, tuple[int, ...], list[int]]]]:
+    """Return (the time the member joined in µs, 0 when it has not; its entries)."""
+    joined, n = row[1] if row[0] else 0, row[2]
+    entries, i = [], 3
+    for _ in range(n):
+        h, exp = row[i], bool(row[i + 1])
+        key = tuple(row[i + 2 : i + 2 + SIG_LEN])
+        plen = row[i + 2 + SIG_LEN]
+        payload = row[i + 3 + SIG_LEN : i + 3 + SIG_LEN + plen]
+        entries.append((h, exp, key, payload))
+        i += 3 + SIG_LEN + plen
+    return joined, entries
+
+
+def _exchange(comm: Comm, mine: list[int], op: str, name: str) -> list[list[int]]:
+    """All-gather every member's table (one all_gather, two when a table is long)."""
+    first = torch.zeros(_CAP + 1, dtype=torch.int64)
+    first[0] = len(mine)
+    head = mine[:_CAP]
+    first[1 : 1 + len(head)] = torch.tensor(head, dtype=torch.int64)
+    rows = [torch.empty_like(first) for _ in range(comm.size)]
+    work = _stall.run_guarded(op, name, dist.all_gather, rows, first, group=comm.side, async_op=True)
+    _stall.wait_work(work, op, name)
+    lengths = [int(r[0]) for r in rows]
+    if max(lengths) <= _CAP:
+        return [r[1 : 1 + n].tolist() for r, n in zip(rows, lengths, strict=True)]
+    top = max(lengths)
+    full = torch.zeros(top, dtype=torch.int64)
+    full[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
+    big = [torch.empty_like(full) for _ in range(comm.size)]
+    work = _stall.run_guarded(op, name, dist.all_gather, big, full, group=comm.side, async_op=True)
+    _stall.wait_work(work, op, name)
+    return [r[:n].tolist() for r, n in zip(big, lengths, strict=True)]
+
+
+def run_round(comm: Comm, op: str = "", name: str = "") -> bool:
+    """Run one negotiation round on ``comm``; return whether anything was decided.
+
+    ``op`` and ``name`` name the collective the caller waits for, in a timeout's error. When
+    the round itself fails (a member never reached a hora call, or died), every pending
+    collective of this rank fails with that error and the set leaves its joined state.
+    """
+    if not op:
+        what = comm.pending[-1] if comm.pending else None
+        op, name = (what.kind, what.name) if what else ("join" if comm.joined else "round", "")
+    try:
+        tables = [_decode(r) for r in _exchange(comm, _encode(comm), op, name)]
+    except BaseException as e:
+        pending, comm.pending = comm.pending, []
+        comm.joined = False
+        for entry in pending:
+            if entry.handle is not None and entry.handle.error is None:
+                entry.handle.fail(e)
+        raise
+    joined = [m for m, (j, _) in enumerate(tables) if j]
+    active = [m for m in range(comm.size) if m not in joined]
+    progressed = False
+    if not active:  # everyone joined: join() returns the last member to join
+        new = [m for m in joined if m not in comm.joined_before] or joined
+        last = max(new, key=lambda m: (tables[m][0], m))
+        comm.last_joined = comm.ranks[last]
+        comm.joined_before = frozenset()
+        comm.joined = False
+        return True
+    comm.joined_before = frozenset(joined)
+    by_member = [{h: (exp, key, payload) for h, exp, key, payload in t[1]} for t in tables]
+    mine = {e.hashed: e for e in comm.pending}
+    order = [h for h, *_ in tables[active[0]][1]]
+    seen = set(order)
+    for m in range(comm.size):  # an expired entry ends everywhere, whoever submitted it
+        for h, exp, *_ in tables[m][1]:
+            if exp and h not in seen:
+                seen.add(h)
+                order.append(h)
+    for h in order:
+        present = [m for m in active if h in by_member[m]]
+        expired = any(by_member[m][h][0] for m in range(comm.size) if h in by_member[m])
+        if len(present) < len(active) and not expired:
+            continue
+        progressed = True
+        entry = mine.pop(h, None)
+        if entry is not None:
+            comm.pending.remove(entry)
+        rows = [by_member[m].get(h) if m in present else None for m in range(comm.size)]
+        if expired:
+            missing = [comm.ranks[m] for m in active if m not in present]
+            if entry is not None and entry.handle is not None:
+                comm.give_back(entry.name)
+                entry.handle.fail(
+                    CollectiveTimeout(entry.kind, missing, _state.require_init(entry.kind).timeout_s,
+                                      name=entry.name)  # fmt: skip
+                )
+            continue
+        error = _verdict(comm, rows, active, joined, entry)
+        if entry is None:
+            if error is None and comm.index in joined:
+                _serve(comm, rows)
+            continue
+        if entry.handle is None:  # this rank's refusal: its own error was raised already
+            continue
+        if error is not None:
+            comm.give_back(entry.name)
+            entry.handle.fail(error)
+            continue
+        payloads = [None if r is None else r[2] for r in rows]
+        assert entry.launch is not None
+        _launch(entry.handle, entry.launch, payloads, entry.kind, entry.name)
+    return progressed
+
+
+def _verdict(
+    comm: Comm,
+    rows: list[tuple[bool, tuple[int, ...], list[int]] | None],
+    active: list[int],
+    joined: list[int],
+    entry: Entry | None,
+) -> HoraError | None:
+    """Return the error every holder of a ready collective raises, or None when it may run."""
+    kind = entry.kind if entry is not None else "collective"
+    name = entry.name if entry is not None else ""
+    refused = [m for m in active if rows[m] is not None and rows[m][1][0] == OPC_REFUSED]
+    if refused:
+        return TensorMismatchError(kind, name, _refusals(comm, name, refused),
+                                   [comm.ranks[m] for m in refused])  # fmt: skip
+    keys = [rows[m][1] for m in active if rows[m] is not None]
+    ranks = [comm.ranks[m] for m in active if rows[m] is not None]
+    if any(k[:2] != keys[0][:2] for k in keys):
+        bad = _stall.mismatch_ranks([k[:2] for k in keys])
+        return TensorMismatchError(
+            kind, name,
+            "ranks called different operations (or different root ranks / reduce ops)",
+            [ranks[i] for i in bad],
+        )  # fmt: skip
+    if any(k[2:] != keys[0][2:] for k in keys):
+        bad = _stall.mismatch_ranks([k[2:] for k in keys])
+        seen = ", ".join(f"rank {ranks[i]}: {describe(keys[i])}" for i in bad)
+        return TensorMismatchError(kind, name, f"shape or dtype differ ({seen})",
+                                   [ranks[i] for i in bad])  # fmt: skip
+    if joined and keys[0][0] not in SERVERS:
+        return TensorMismatchError(kind, name, "ranks "
+                                   f"{[comm.ranks[m] for m in joined]} have joined and cannot "
+                                   "take part in this collective", [comm.ranks[m] for m in joined])  # fmt: skip
+    if joined and keys[0][0] == 2 and comm.member(keys[0][1]) in joined:
+        return TensorMismatchError(kind, name, f"the root rank {keys[0][1]} has joined",
+                                   [keys[0][1]])  # fmt: skip
+    return None
+
+
+def _refusals(comm: Comm, name: str, members: list[int]) -> str:
+    store = _state.require_init("refusal").store
+    why = []
+    for m in members:
+        r = comm.ranks[m]
+        try:
+            why.append(f"rank {r} raised {store.get(f'{_REFUSED_KEY}{comm.set_id}/{name}/{r}').decode()}")
+        except Exception:  # the refusing rank is gone: name it without its reason
+            why.append(f"rank {r} refused its arguments")
+    return "; ".join(why) + " before the data moved"
+
+
+def _serve(comm: Comm, rows: list[tuple[bool, tuple[int, ...], list[int]] | None]) -> None:
+    key = next(r[1] for r in rows if r is not None)
+    works = SERVERS[key[0]](comm, key, [None if r is None else r[2] for r in rows])
+    for w in works:
+        if w is not None:
+            _stall.wait_work(w, "join", "")
+
+
+def join(comm: Comm) -> int:
+    """Serve the other members' collectives until every member joined; return the last joiner."""
+    state = _state.require_init("join")
+    if comm.size == 1 or not negotiate():
+        return state.rank
+    comm.joined = True
+    comm.joined_at = int(time.time() * 1e6)
+    comm.last_joined = -1
+    backoff = 0
+    while comm.joined:
+        progressed = run_round(comm, "join", "")
+        backoff = 0 if progressed else min(backoff + 1, len(_BACKOFF_S) - 1)
+        if _BACKOFF_S[backoff] and comm.joined:
+            time.sleep(_BACKOFF_S[backoff])
+    return comm.last_joined
+
+
+def drop_all(comm: Comm) -> None:
+    """Forget pending entries (shutdown)."""
+    comm.pending.clear()
+    comm.inflight.clear()
