@@ -102,7 +102,7 @@ def allgather(
         from hora.torch._autograd import AllgatherFn
 
         check_process_set(process_set)
-        return AllgatherFn.apply(tensor, name)  # type: ignore[no-any-return]
+        return AllgatherFn.apply(tensor, name, process_set)  # type: ignore[no-any-return]
     return synchronize(allgather_async(tensor, name, process_set))
 
 
@@ -183,7 +183,12 @@ def alltoall(
     Example:
         >>> out, got = hvd.alltoall(x, splits=[1, 3])
     """
-    out, got = synchronize(alltoall_async(tensor, splits, name, process_set))
+    if tensor.requires_grad and torch.is_grad_enabled():
+        from hora.torch._autograd import AlltoallFn
+
+        out, got = AlltoallFn.apply(tensor, splits, name, process_set)
+    else:
+        out, got = synchronize(alltoall_async(tensor, splits, name, process_set))
     return out if splits is None else (out, got)
 
 
@@ -258,12 +263,16 @@ def reducescatter(
     Example:
         >>> block = hvd.reducescatter(torch.ones(4, 2), op=hvd.Sum)
     """
-    if compression is None or compression is Compression.none:
-        return synchronize(
-            reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor)
+    plain = compression is None or compression is Compression.none
+    wire, ctx = (tensor, None) if plain else compression.compress(tensor)
+    if wire.requires_grad and torch.is_grad_enabled():
+        from hora.torch._autograd import ReducescatterFn
+
+        out = ReducescatterFn.apply(
+            wire, name, op, process_set, prescale_factor, postscale_factor
         )
-    wire, ctx = compression.compress(tensor)
-    out = synchronize(
-        reducescatter_async(wire, name, op, process_set, prescale_factor, postscale_factor)
-    )
-    return compression.decompress(out, ctx)
+    else:
+        out = synchronize(
+            reducescatter_async(wire, name, op, process_set, prescale_factor, postscale_factor)
+        )
+    return out if plain else compression.decompress(out, ctx)

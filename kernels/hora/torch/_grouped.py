@@ -61,6 +61,10 @@ def grouped_allgather(
     Example:
         >>> outs = hvd.grouped_allgather([torch.ones(2), torch.zeros(3, 1)])
     """
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        from hora.torch._autograd import GroupedAllgatherFn
+
+        return list(GroupedAllgatherFn.apply(name, process_set, *tensors))
     return synchronize(grouped_allgather_async(tensors, name, process_set))  # type: ignore[no-any-return]
 
 
@@ -107,6 +111,14 @@ def grouped_reducescatter(
     Example:
         >>> blocks = hvd.grouped_reducescatter([torch.ones(4, 2), torch.ones(6)], op=hvd.Sum)
     """
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        from hora.torch._autograd import GroupedReducescatterFn
+
+        return list(
+            GroupedReducescatterFn.apply(
+                name, op, process_set, prescale_factor, postscale_factor, *tensors
+            )
+        )
     handle = grouped_reducescatter_async(
         tensors, name, op, process_set, prescale_factor, postscale_factor
     )

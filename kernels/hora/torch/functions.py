@@ -30,6 +30,7 @@ from hora.torch.mpi_ops import (
     allreduce_,
     broadcast_object,
 )
+from hora.torch.optimizer import local_step
 
 __all__ = [
     "Metric", "allreduce_metrics", "broadcast_object", "broadcast_optimizer_state",
@@ -182,7 +183,10 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     Works when the state is still empty on some ranks (e.g. resuming from a checkpoint that
     only rank 0 loaded): root's structure is broadcast first, then its tensors, and each other
     rank loads the result with ``optimizer.load_state_dict``. Scalars (step counts, lr) and
-    tensors are both carried.
+    tensors are both carried. An optimizer with no state at all is first given one the way
+    Horovod does it, by a local step with zero gradients: each parameter that requires grad
+    and has none keeps that zero gradient afterwards (Horovod's behaviour), but unlike Horovod
+    the parameters' values are put back, so weight decay does not move them.
 
     Args:
         optimizer: a torch optimizer or a DistributedOptimizer, over the same parameters on
@@ -205,6 +209,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     root = _root(state, root_rank)
     if state.size == 1:
         return
+    if not optimizer.state_dict()["state"]:
+        _init_state(optimizer)
     tensors: list[torch.Tensor] = []
     skeleton = _cut(optimizer.state_dict(), tensors) if state.rank == root else None
     skeleton = broadcast_object(skeleton, root_rank=root, name="broadcast_optimizer_state")
@@ -220,6 +226,20 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     if state.rank != root:
         received = [t.to(s.device) for t, s in zip(wire, slots, strict=True)]
         optimizer.load_state_dict(_paste(skeleton, received))
+
+
+def _init_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create an optimizer's state by a step with zero gradients; keep the parameter values."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for p in params:
+        if p.requires_grad and p.grad is None:
+            zero = torch.zeros_like(p)
+            p.grad = zero.to_sparse() if isinstance(optimizer, torch.optim.SparseAdam) else zero
+    saved = [p.detach().clone() for p in params]
+    local_step(optimizer)
+    with torch.no_grad():
+        for p, value in zip(params, saved, strict=True):
+            p.copy_(value)
 
 
 def _collect_slots(obj: Any, out: list[_Slot]) -> None:
