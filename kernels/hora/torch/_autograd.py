@@ -62,14 +62,22 @@ def _rows(tensor: torch.Tensor) -> int:
     return tensor.shape[0] if tensor.dim() else 1
 
 
-def _scaled(tensor: torch.Tensor, op: int, size: int, pre: float, post: float) -> torch.Tensor:
-    """Scale a gathered reducescatter gradient: by the set's size for Sum, by the factors."""
+def _factor(op: int | None, process_set: ProcessSet, pre: float, post: float) -> float:
+    """What a reducescatter's gathered gradient is multiplied by: the set's size for Sum.
+
+    Raises:
+        ValueError: for Min, Max and Product (raised before the backward communicates).
+    """
+    op = Average if op is None else op
     if op not in (Average, Sum):
         raise ValueError(
             f"reducescatter: gradients are defined for op=Average and op=Sum only, not op={op!r}"
             "; detach() the input or reduce with Average or Sum"
         )
-    factor = (size if op == Sum else 1) * pre * post
+    return (process_set.size() if op == Sum else 1) * pre * post
+
+
+def _scaled(tensor: torch.Tensor, factor: float) -> torch.Tensor:
     return tensor if factor == 1 else tensor * factor
 
 
@@ -230,7 +238,8 @@ class ReducescatterFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Grads:
         op, ps, pre, post = ctx.args
-        return _scaled(allgather(grad, process_set=ps), op, ps.size(), pre, post), *(None,) * 5
+        factor = _factor(op, ps, pre, post)
+        return _scaled(allgather(grad, process_set=ps), factor), *(None,) * 5
 
 
 class GroupedReducescatterFn(torch.autograd.Function):
@@ -253,6 +262,7 @@ class GroupedReducescatterFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Grads:
         op, ps, pre, post = ctx.args
+        factor = _factor(op, ps, pre, post)
         gathered = grouped_allgather(list(grads), process_set=ps)
-        return (None,) * 5 + tuple(_scaled(g, op, ps.size(), pre, post) for g in gathered)
+        return (None,) * 5 + tuple(_scaled(g, factor) for g in gathered)
 

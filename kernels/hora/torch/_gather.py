@@ -29,6 +29,9 @@ from hora.torch.mpi_ops import (
     synchronize,
 )
 
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns)
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def _rows(
     state: _state.State, op: str, name: str, sig: tuple[int, ...], payload: list[int]
@@ -64,12 +67,12 @@ def allgather_async(
         )
     if all(d == top for d in dims):
         out = src.new_empty((top * state.size, *rest))
-        work = guarded("allgather", name, dist.all_gather_into_tensor, out, src, async_op=True)
+        work = guarded("allgather", name, _ALL_GATHER, out, src, async_op=True)
         return Handle("allgather", name, [work], lambda: out, out.numel() * out.element_size(), t0)
     padded = src.new_zeros((top, *rest))
     padded[: src.shape[0]] = src
     big = src.new_empty((top * state.size, *rest))
-    work = guarded("allgather", name, dist.all_gather_into_tensor, big, padded, async_op=True)
+    work = guarded("allgather", name, _ALL_GATHER, big, padded, async_op=True)
 
     def finish() -> torch.Tensor:
         return torch.cat([big[r * top : r * top + d] for r, d in enumerate(dims)])
