@@ -1,4 +1,4 @@
-"""barrier, join, the object collectives, autograd through collectives, metric helpers.
+"""barrier, join, the object collectives and the metric helpers (autograd: test_autograd.py).
 
 Part of the shared world of 2 and 3 ranks (conftest.py): ``suite`` runs on every rank and
 each test checks one aspect of the returned results. Timing matters for barrier and join:
@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
@@ -40,25 +39,6 @@ def _run_objects(hvd: Any, rank: int, size: int) -> dict[str, Any]:
     return res
 
 
-def _run_autograd(hvd: Any, rank: int, size: int) -> dict[str, Any]:
-    """Gradients through the differentiable collectives; rank r weighs its output by r + 1."""
-    res: dict[str, Any] = {}
-    w = float(rank + 1)
-    for op in ("Average", "Sum"):
-        x = torch.tensor([1.0, -2.0], requires_grad=True)
-        (hvd.allreduce(x * 1.0, op=getattr(hvd, op), name=f"ag.{op}") * w).sum().backward()
-        res[f"allreduce_{op}"] = x.grad.tolist()
-    x = torch.ones(rank + 1, 2, requires_grad=True)
-    y = hvd.allgather(x, name="ag.gather")
-    (y * torch.arange(y.numel()).view_as(y) * w).sum().backward()
-    res["allgather"] = x.grad.tolist()
-    x = torch.full((3,), float(rank), requires_grad=True)
-    y = hvd.broadcast(x, root_rank=size - 1, name="ag.bcast")
-    (y * w).sum().backward()
-    res["broadcast"] = (y.tolist(), x.grad.tolist())
-    return res
-
-
 def _run_metrics(hvd: Any, rank: int, size: int) -> dict[str, Any]:
     """The hora extensions in __all__: allreduce_metrics and Metric."""
     values = {"loss": float(rank), "acc": torch.tensor([rank, 2.0 * rank])}
@@ -77,7 +57,6 @@ def suite(hvd: Any, rank: int, size: int) -> dict[str, Any]:
     """Run every part on this rank (called by the shared world, after ``hvd.init()``)."""
     return {
         "objects": _run_objects(hvd, rank, size),
-        "autograd": _run_autograd(hvd, rank, size),
         "metrics": _run_metrics(hvd, rank, size),
     }
 
@@ -105,24 +84,6 @@ def test_join_returns_the_last_rank_to_join(world: Any) -> None:
     assert [r["objects"]["join_first"] for r in by_rank] == [0] * n
     assert [r["objects"]["join_second"] for r in by_rank] == [n - 1] * n
     assert [r["objects"]["after_join"] for r in by_rank] == [float(sum(range(n)))] * n
-
-
-def test_gradients_flow_through_collectives(world: Any) -> None:
-    n = world.size
-    weights = [r + 1.0 for r in range(n)]  # rank r's output gradient is r + 1
-    for rank, r in enumerate(world.results(__file__)):
-        g = r["autograd"]
-        # d/dx of allreduce is the allreduce (same op) of the output gradients
-        assert g["allreduce_Average"] == pytest.approx([sum(weights) / n] * 2)
-        assert g["allreduce_Sum"] == pytest.approx([sum(weights)] * 2)
-        # allgather: the summed gradient's rows that came from this rank
-        lo = sum(range(1, rank + 1)) * 2
-        rows = np.arange(lo, lo + (rank + 1) * 2).reshape(rank + 1, 2) * sum(weights)
-        np.testing.assert_allclose(g["allgather"], rows)
-        # broadcast: root's values; the summed gradient on root, zeros elsewhere
-        values, grad = g["broadcast"]
-        assert values == [float(n - 1)] * 3
-        assert grad == [sum(weights) if rank == n - 1 else 0.0] * 3
 
 
 def test_allreduce_metrics_and_metric(world: Any) -> None:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hora.errors import NotInitializedError
 from hora.torch.compression import Compression, FP16Compressor, cast_dtype
 from hora.torch.optimizer import (
     FIRST_BUCKET_BYTES,
     SOLO_BYTES,
+    DistributedOptimizer,
     _plan,
     fusion_threshold_bytes,
 )
@@ -102,3 +104,14 @@ def test_cast_dtype_is_none_for_a_subclass_with_its_own_compress() -> None:
             return (tensor * 2).half(), tensor.dtype
 
     assert cast_dtype(Scaled) is None
+
+
+def test_duplicate_names_are_refused_before_init() -> None:
+    """Horovod's test_duplicate_names builds the optimizer without hvd.init()."""
+    a, b = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1)
+    with pytest.raises(ValueError, match="duplicates: bias, weight"):
+        DistributedOptimizer(opt, named_parameters=[*a.named_parameters(), *b.named_parameters()])
+    one = torch.optim.SGD(a.parameters(), lr=0.1)
+    with pytest.raises(NotInitializedError):
+        DistributedOptimizer(one, named_parameters=a.named_parameters())

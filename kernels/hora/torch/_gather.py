@@ -30,6 +30,9 @@ from hora.torch.mpi_ops import (
     synchronize,
 )
 
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns)
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def _as_rows(tensor: torch.Tensor) -> torch.Tensor:
     t = tensor.detach()
@@ -47,13 +50,13 @@ def _gather_into(
         return [], empty, lambda: empty
     if all(d == top for d in dims):
         out = src.new_empty((top * comm.size, *rest))
-        work = guarded("allgather", name, dist.all_gather_into_tensor, out, src,
+        work = guarded("allgather", name, _ALL_GATHER, out, src,
                        group=comm.group, async_op=True)  # fmt: skip
         return [work], out, lambda: out
     padded = src.new_zeros((top, *rest))
     padded[: src.shape[0]] = src
     big = src.new_empty((top * comm.size, *rest))
-    work = guarded("allgather", name, dist.all_gather_into_tensor, big, padded,
+    work = guarded("allgather", name, _ALL_GATHER, big, padded,
                    group=comm.group, async_op=True)  # fmt: skip
 
     def finish() -> torch.Tensor:
@@ -121,7 +124,7 @@ def allgather(
         from hora.torch._autograd import AllgatherFn
 
         comm_of(process_set, "allgather")
-        return AllgatherFn.apply(tensor, name)  # type: ignore[no-any-return]
+        return AllgatherFn.apply(tensor, name, process_set)  # type: ignore[no-any-return]
     return synchronize(allgather_async(tensor, name, process_set))
 
 
@@ -212,7 +215,12 @@ def alltoall(
     Example:
         >>> out, got = hvd.alltoall(x, splits=[1, 3])
     """
-    out, got = synchronize(alltoall_async(tensor, splits, name, process_set))
+    if tensor.requires_grad and torch.is_grad_enabled():
+        from hora.torch._autograd import AlltoallFn
+
+        out, got = AlltoallFn.apply(tensor, splits, name, process_set)
+    else:
+        out, got = synchronize(alltoall_async(tensor, splits, name, process_set))
     return out if splits is None else (out, got)
 
 
@@ -292,15 +300,19 @@ def reducescatter(
     Example:
         >>> block = hvd.reducescatter(torch.ones(4, 2), op=hvd.Sum)
     """
-    if compression is None or compression is Compression.none:
-        return synchronize(
-            reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor)
+    plain = compression is None or compression is Compression.none
+    wire, ctx = (tensor, None) if plain else compression.compress(tensor)
+    if wire.requires_grad and torch.is_grad_enabled():
+        from hora.torch._autograd import ReducescatterFn
+
+        out = ReducescatterFn.apply(
+            wire, name, op, process_set, prescale_factor, postscale_factor
         )
-    wire, ctx = compression.compress(tensor)
-    out = synchronize(
-        reducescatter_async(wire, name, op, process_set, prescale_factor, postscale_factor)
-    )
-    return compression.decompress(out, ctx)
+    else:
+        out = synchronize(
+            reducescatter_async(wire, name, op, process_set, prescale_factor, postscale_factor)
+        )
+    return out if plain else compression.decompress(out, ctx)
 
 
 _engine.SERVERS[_OPC_ALLGATHER] = _serve_allgather

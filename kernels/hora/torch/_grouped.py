@@ -60,6 +60,10 @@ def grouped_allgather(
     Example:
         >>> outs = hvd.grouped_allgather([torch.ones(2), torch.zeros(3, 1)])
     """
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        from hora.torch._autograd import GroupedAllgatherFn
+
+        return list(GroupedAllgatherFn.apply(name, process_set, *tensors))
     return synchronize(grouped_allgather_async(tensors, name, process_set))  # type: ignore[no-any-return]
 
 
@@ -106,6 +110,14 @@ def grouped_reducescatter(
     Example:
         >>> blocks = hvd.grouped_reducescatter([torch.ones(4, 2), torch.ones(6)], op=hvd.Sum)
     """
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        from hora.torch._autograd import GroupedReducescatterFn
+
+        return list(
+            GroupedReducescatterFn.apply(
+                name, op, process_set, prescale_factor, postscale_factor, *tensors
+            )
+        )
     handle = grouped_reducescatter_async(
         tensors, name, op, process_set, prescale_factor, postscale_factor
     )
@@ -150,6 +162,7 @@ def sparse_allreduce_async(
         idx = synchronize(indices).t()
         if op == Average:
             vals = vals / process_set.size()
-        return torch.sparse_coo_tensor(idx, vals, t.shape)
+        # the pieces are every rank's valid indices; checking them again would cost a pass
+        return torch.sparse_coo_tensor(idx, vals, t.shape, check_invariants=False)
 
     return wait

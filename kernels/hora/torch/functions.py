@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from hora.errors import TensorMismatchError
 from hora.torch import _state
-from hora.torch._process_sets import check_process_set, global_process_set
+from hora.torch._process_sets import comm_of, global_process_set
 from hora.torch._stall import run_guarded, wait_work
 from hora.torch.mpi_ops import (
     Average,
@@ -30,6 +30,7 @@ from hora.torch.mpi_ops import (
     allreduce_,
     broadcast_object,
 )
+from hora.torch.optimizer import local_step
 
 __all__ = [
     "Metric", "allreduce_metrics", "broadcast_object", "broadcast_optimizer_state",
@@ -55,16 +56,16 @@ def _items(params: Any) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _root(state: _state.State, root_rank: int) -> int:
-    if not isinstance(root_rank, int) or not 0 <= root_rank < state.size:
-        raise ValueError(f"root_rank={root_rank!r} is outside the world of size {state.size}")
+def _root(comm: Any, root_rank: int) -> int:
+    if not isinstance(root_rank, int) or root_rank not in comm.ranks:
+        raise ValueError(f"root_rank={root_rank!r} is outside the ranks {comm.ranks}")
     return root_rank
 
 
-def _check_same(op: str, items: list[tuple[str, torch.Tensor]]) -> None:
+def _check_same(op: str, items: list[tuple[str, torch.Tensor]], process_set: Any) -> None:
     """Every rank compares all ranks' (name, shape, dtype) lists; all raise the same error."""
     mine = [(n, tuple(t.shape), str(t.dtype)) for n, t in items]
-    every = allgather_object(mine, name=f"{op}.signature")
+    every = allgather_object(mine, name=f"{op}.signature", process_set=process_set)
     bad = [r for r, sig in enumerate(every) if sig != every[0]]
     if not bad:
         return
@@ -79,11 +80,13 @@ def _check_same(op: str, items: list[tuple[str, torch.Tensor]]) -> None:
     raise TensorMismatchError(op, every[0][k][0], detail, [0, *bad])
 
 
-def _group_for(state: _state.State, device: torch.device) -> Any:
-    return state.side_group if device.type == "cpu" and state.backend == "nccl" else state.group
+def _group_for(state: _state.State, comm: Any, device: torch.device) -> Any:
+    return comm.side if device.type == "cpu" and state.backend == "nccl" else comm.group
 
 
-def _broadcast_flat(op: str, tensors: list[torch.Tensor], root: int, state: _state.State) -> None:
+def _broadcast_flat(
+    op: str, tensors: list[torch.Tensor], root: int, state: _state.State, comm: Any
+) -> None:
     """Broadcast root's tensors into every rank's tensors, one flat buffer per dtype/device."""
     kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
@@ -98,7 +101,7 @@ def _broadcast_flat(op: str, tensors: list[torch.Tensor], root: int, state: _sta
         state.seq += 1
         state.last_op = op
         work = run_guarded(op, str(dtype), dist.broadcast, flat, src=root,
-                           group=_group_for(state, device), async_op=True)
+                           group=_group_for(state, comm, device), async_op=True)
         works.append((work, flat, ts, dtype))
     for work, flat, ts, dtype in works:
         wait_work(work, op, str(dtype))
@@ -127,13 +130,13 @@ def broadcast_parameters(params: Any, root_rank: int,
         >>> hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     """
     state = _state.require_init("broadcast_parameters")
-    check_process_set(process_set)
-    root = _root(state, root_rank)
+    comm = comm_of(process_set, "broadcast_parameters")
+    root = _root(comm, root_rank)
     items = _items(params)
-    if state.size == 1:
+    if comm.size == 1:
         return
-    _check_same("broadcast_parameters", items)
-    _broadcast_flat("broadcast_parameters", [t for _, t in items], root, state)
+    _check_same("broadcast_parameters", items, process_set)
+    _broadcast_flat("broadcast_parameters", [t for _, t in items], root, state, comm)
 
 
 @dataclass(frozen=True)
@@ -182,7 +185,10 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     Works when the state is still empty on some ranks (e.g. resuming from a checkpoint that
     only rank 0 loaded): root's structure is broadcast first, then its tensors, and each other
     rank loads the result with ``optimizer.load_state_dict``. Scalars (step counts, lr) and
-    tensors are both carried.
+    tensors are both carried. An optimizer with no state at all is first given one the way
+    Horovod does it, by a local step with zero gradients: each parameter that requires grad
+    and has none keeps that zero gradient afterwards (Horovod's behaviour), but unlike Horovod
+    the parameters' values are put back, so weight decay does not move them.
 
     Args:
         optimizer: a torch optimizer or a DistributedOptimizer, over the same parameters on
@@ -201,13 +207,16 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
         >>> hvd.broadcast_optimizer_state(opt, root_rank=0)
     """
     state = _state.require_init("broadcast_optimizer_state")
-    check_process_set(process_set)
-    root = _root(state, root_rank)
-    if state.size == 1:
+    comm = comm_of(process_set, "broadcast_optimizer_state")
+    root = _root(comm, root_rank)
+    if comm.size == 1:
         return
+    if not optimizer.state_dict()["state"]:
+        _init_state(optimizer)
     tensors: list[torch.Tensor] = []
     skeleton = _cut(optimizer.state_dict(), tensors) if state.rank == root else None
-    skeleton = broadcast_object(skeleton, root_rank=root, name="broadcast_optimizer_state")
+    skeleton = broadcast_object(skeleton, root_rank=root, name="broadcast_optimizer_state",
+                                process_set=process_set)
     slots: list[_Slot] = []
     _collect_slots(skeleton, slots)
     slots.sort(key=lambda s: s.index)
@@ -216,10 +225,24 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     else:
         wire = [torch.empty(s.shape, dtype=s.dtype, device=_wire_device(state, s.device))
                 for s in slots]
-    _broadcast_flat("broadcast_optimizer_state", wire, root, state)
+    _broadcast_flat("broadcast_optimizer_state", wire, root, state, comm)
     if state.rank != root:
         received = [t.to(s.device) for t, s in zip(wire, slots, strict=True)]
         optimizer.load_state_dict(_paste(skeleton, received))
+
+
+def _init_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create an optimizer's state by a step with zero gradients; keep the parameter values."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for p in params:
+        if p.requires_grad and p.grad is None:
+            zero = torch.zeros_like(p)
+            p.grad = zero.to_sparse() if isinstance(optimizer, torch.optim.SparseAdam) else zero
+    saved = [p.detach().clone() for p in params]
+    local_step(optimizer)
+    with torch.no_grad():
+        for p, value in zip(params, saved, strict=True):
+            p.copy_(value)
 
 
 def _collect_slots(obj: Any, out: list[_Slot]) -> None:

@@ -274,13 +274,15 @@ def allreduce(
         >>> avg = hvd.allreduce(torch.tensor([float(hvd.rank())]), name="r")
     """
     plain = compression is None or compression is Compression.none
-    if plain and tensor.requires_grad and torch.is_grad_enabled():
+    wire, ctx = (tensor, None) if plain else compression.compress(tensor)
+    if wire.requires_grad and torch.is_grad_enabled():
         from hora.torch._autograd import AllreduceFn
 
         comm_of(process_set, "allreduce")
-        out = AllreduceFn.apply(tensor, average, name, op, prescale_factor, postscale_factor)
-        return out  # type: ignore[no-any-return]
-    wire, ctx = (tensor, None) if plain else compression.compress(tensor)
+        out = AllreduceFn.apply(
+            wire, average, name, op, prescale_factor, postscale_factor, process_set
+        )
+        return out if plain else compression.decompress(out, ctx)  # type: ignore[no-any-return]
     h = _allreduce(
         wire, False, average, name, op, prescale_factor, postscale_factor, process_set, sync=True
     )
@@ -425,24 +427,26 @@ def grouped_allreduce(
     Example:
         >>> a, b = hvd.grouped_allreduce([torch.ones(2), torch.zeros(3)], op=hvd.Sum)
     """
-    if compression is None or compression is Compression.none:
-        return synchronize(
-            grouped_allreduce_async(
-                tensors, average, name, op, prescale_factor, postscale_factor, process_set
+    plain = compression is None or compression is Compression.none
+    packed = [(t, None) if plain else compression.compress(t) for t in tensors]
+    wires = [p[0] for p in packed]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in wires):
+        from hora.torch._autograd import GroupedAllreduceFn
+
+        comm_of(process_set, "grouped_allreduce")
+        out = list(
+            GroupedAllreduceFn.apply(
+                average, name, op, prescale_factor, postscale_factor, process_set, *wires
             )
         )
-    packed = [compression.compress(t) for t in tensors]
-    out = synchronize(
-        grouped_allreduce_async(
-            [p[0] for p in packed],
-            average,
-            name,
-            op,
-            prescale_factor,
-            postscale_factor,
-            process_set,
+    else:
+        out = synchronize(
+            grouped_allreduce_async(
+                wires, average, name, op, prescale_factor, postscale_factor, process_set
+            )
         )
-    )
+    if plain:
+        return out
     return [compression.decompress(o, p[1]) for o, p in zip(out, packed, strict=True)]
 
 
@@ -544,7 +548,7 @@ def broadcast(
         from hora.torch._autograd import BroadcastFn
 
         comm_of(process_set, "broadcast")
-        return BroadcastFn.apply(tensor, root_rank, name)  # type: ignore[no-any-return]
+        return BroadcastFn.apply(tensor, root_rank, name, process_set)  # type: ignore[no-any-return]
     return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import os
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -29,15 +29,14 @@ import torch.distributed as dist
 
 from hora.errors import HoraError
 from hora.torch import _state, timeline
+from hora.torch._grouped import sparse_allreduce_async
 from hora.torch._handles import hold_works
-from hora.torch._process_sets import check_process_set, global_process_set
+from hora.torch._process_sets import comm_of, global_process_set
 from hora.torch._stall import wait_work
 from hora.torch.compression import Compression, cast_dtype
 from hora.torch.mpi_ops import Adasum, Average, Sum
 
 __all__ = ["DistributedOptimizer", "GradientCountError", "fusion_threshold_bytes"]
-
-log = logging.getLogger("hora.torch")
 
 # 25 MiB (DDP's bucket size) measured faster than Horovod's 64 MiB here: more buckets overlap
 # more of backward (bench/RESULTS.md, section 2: the hora and hora_64MB rows).
@@ -92,7 +91,8 @@ class _Bucket:
     reduces ``param.grad`` itself, in place: no fusion buffer, no copy in or out.
     """
 
-    __slots__ = ("flat", "index", "nbytes", "names", "params", "pending", "sparse", "t_done",
+    __slots__ = ("flat", "gathered", "index", "nbytes", "names", "params", "pending", "sparse",
+                 "t_done",
                  "t_launch", "t_ready", "views", "wire", "wire_views", "ctx", "work", "left",
                  "solo", "cast")
 
@@ -117,7 +117,8 @@ class _Bucket:
             self.wire_views = _views(self.wire, params)
         self.pending = len(params)
         self.left = [0] * len(params)
-        self.sparse: list[int] = []
+        self.sparse: list[int] = []  # sparse gradients reduced densely (sparse_as_dense)
+        self.gathered: dict[int, torch.Tensor] = {}  # sparse gradients reduced by allgather
         self.work: Any = None
         self.ctx: Any = None
         self.t_ready: list[tuple[int, int]] = [(0, 0)] * len(params)
@@ -236,10 +237,12 @@ class _Reducer:
 
     def __init__(self, named: list[tuple[str, torch.Tensor]], cfg: dict[str, Any]) -> None:
         self.state = _state.require_init("DistributedOptimizer")
+        self.process_set = cfg["process_set"]
+        self.comm = comm_of(self.process_set, "DistributedOptimizer")
         self.compression = cfg["compression"]
         self.passes = int(cfg["backward_passes_per_step"])
         self.sparse_as_dense = bool(cfg["sparse_as_dense"])
-        op, f, n = cfg["op"], float(cfg["gradient_predivide_factor"]), self.state.size
+        op, f, n = cfg["op"], float(cfg["gradient_predivide_factor"]), self.comm.size
         self.pre = (1.0 / f if f != 1.0 else 1.0 / n) if op == Average else 1.0
         self.post = (f / n if f != 1.0 else 1.0) if op == Average else 1.0
         live = [(name, p) for name, p in named if p.requires_grad]
@@ -309,9 +312,14 @@ class _Reducer:
     def _copy(self, b: _Bucket, k: int, p: torch.Tensor) -> None:
         g = p.grad
         if g is not None and g.is_sparse:
-            if not self.sparse_as_dense:
+            if not self.sparse_as_dense:  # reduced in synchronize(), by allgather
+                b.gathered[k] = g
+                if b.solo:
+                    return
+                g = None
+            else:
                 b.sparse.append(k)
-            g = g.to_dense()
+                g = g.to_dense()
         if b.solo:
             b.flat = g = self._solo_target(p, g, b.cast is None)
             if b.cast is None:
@@ -341,12 +349,14 @@ class _Reducer:
             self.next += 1
 
     def _launch(self, b: _Bucket) -> None:
+        if b.solo and b.gathered:
+            return  # its one gradient is sparse: nothing dense to reduce
         st = self.state
         st.seq += 1
         st.last_op = "allreduce"
         if b.cast is None:
             b.wire, b.ctx = self.compression.compress(b.flat)
-        b.work = dist.all_reduce(b.wire, group=st.group, async_op=True)
+        b.work = dist.all_reduce(b.wire, group=self.comm.group, async_op=True)
         if self.tl:
             b.t_launch = timeline.now_ns()
             b.work.get_future().add_done_callback(
@@ -362,12 +372,33 @@ class _Reducer:
                 b.pending = 0
         self._launch_ready()
         try:
+            sparse = self._launch_sparse()
             for b in self.buckets:
                 self._finish(b)
+            for p, wait in sparse:
+                p.grad = wait()
         finally:
             self._reset()
 
+    def _launch_sparse(self) -> list[tuple[torch.Tensor, Any]]:
+        """Start Horovod's sparse allreduce (an allgather) of each sparse gradient, in order.
+
+        Every rank launches them after its dense buckets, in bucket order, so the collectives
+        line up; the result keeps duplicate indices (sparse optimizers coalesce).
+        """
+        scale = self.pre * self.post  # Average: 1/size (with any predivide factor); Sum: 1
+        started = []
+        for b in self.buckets:
+            for k, g in sorted(b.gathered.items()):
+                g = g * scale if scale != 1.0 else g
+                name = f"DistributedOptimizer.sparse:{b.names[k]}"
+                started.append(
+                    (b.params[k], sparse_allreduce_async(g, name, op=Sum, process_set=self.process_set)))
+        return started
+
     def _finish(self, b: _Bucket) -> None:
+        if b.solo and b.gathered:
+            return  # synchronize() sets its sparse gradient
         wait_work(b.work, "allreduce", f"DistributedOptimizer.bucket{b.index}:{b.names[0]}")
         if self.tl:
             self._record(b, b.t_done or timeline.now_ns())
@@ -408,6 +439,7 @@ class _Reducer:
             if b.solo:
                 b.flat = None
             b.sparse.clear()
+            b.gathered.clear()
             b.t_done = 0
         self.next = 0
         self.dirty = False
@@ -459,8 +491,10 @@ class _DistributedOptimizer:
         """Synchronize gradients (unless inside ``skip_synchronize()``), then step."""
         if self._hora_sync:
             if self._hora_synced:
-                log.warning("optimizer.step() called after optimizer.synchronize() outside "
-                            "optimizer.skip_synchronize(); gradients are reduced twice")
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "context after optimizer.synchronize(): gradients are reduced "
+                              "twice; call step() inside `with optimizer.skip_synchronize():`",
+                              stacklevel=2)
             self.synchronize()
         self._hora_synced = False
         return super().step(closure)  # type: ignore[misc]
@@ -512,6 +546,26 @@ class _DistributedOptimizer:
 _DistributedOptimizer.step.hooked = True  # type: ignore[attr-defined]
 
 
+def local_step(optimizer: torch.optim.Optimizer) -> Any:
+    """Step an optimizer on this rank's gradients as they are, with no reduction.
+
+    For a DistributedOptimizer this is the wrapped class's ``step()`` (whose own ``step()``
+    would reduce gradients, a collective); any other optimizer just steps.
+
+    Args:
+        optimizer: a torch optimizer or a DistributedOptimizer.
+
+    Returns:
+        What the optimizer's ``step()`` returned.
+
+    Example:
+        >>> local_step(opt)  # e.g. to create the state of an optimizer that never stepped
+    """
+    if isinstance(optimizer, _DistributedOptimizer):
+        return super(_DistributedOptimizer, optimizer).step()  # type: ignore[misc]
+    return optimizer.step()
+
+
 def _rebuild(base: Any, state: dict[str, Any], names: list[str], cfg: dict[str, Any]) -> Any:
     """Unpickle a DistributedOptimizer: rebuild the inner optimizer, then wrap it again."""
     inner = base.__new__(base)
@@ -555,8 +609,10 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's name: a factory that looks l
             ``size / factor`` after it.
         num_groups: if > 0, split the gradients into this many buckets instead of by size.
         groups: explicit buckets: a list of lists of parameters (an int means num_groups).
-        sparse_as_dense: reduce sparse gradients as dense ones (they are reduced densely
-            either way; without it the result is turned back into a sparse tensor).
+        sparse_as_dense: reduce sparse gradients (``nn.Embedding(sparse=True)``) as dense
+            ones, then turn the result back into a sparse tensor. Without it (the default)
+            each sparse gradient is reduced Horovod's way, by allgathering every rank's
+            indices and values, after the dense buckets.
         process_set: the process set to run on (default: every rank).
         fusion_threshold: bytes per fusion bucket (hora extension; 0 = one bucket per
             gradient). Default: the environment variables above, else 25 MiB.
@@ -574,8 +630,7 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's name: a factory that looks l
         >>> opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
         >>> hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     """
-    state = _state.require_init("DistributedOptimizer")
-    check_process_set(process_set)
+    # the arguments are checked before init, as Horovod does (duplicate names raise ValueError)
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("the optimizer is already a DistributedOptimizer; wrap the original once")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -588,7 +643,10 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's name: a factory that looks l
     if isinstance(groups, int):
         num_groups, groups = groups, None
     named = _named(optimizer, named_parameters)
+    state = _state.require_init("DistributedOptimizer")
+    comm = comm_of(process_set, "DistributedOptimizer")
     cfg: dict[str, Any] = {
+        "process_set": process_set,
         "compression": compression if compression is not None else Compression.none,
         "backward_passes_per_step": backward_passes_per_step, "op": op,
         "gradient_predivide_factor": float(gradient_predivide_factor), "num_groups": num_groups,
@@ -603,5 +661,5 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's name: a factory that looks l
     obj._hora_cfg = cfg
     obj._parameter_names = {p: n for n, p in named}  # Horovod's name for each parameter
     obj._hora_sync, obj._hora_synced = True, False
-    obj._hora = _Reducer(named, cfg) if state.size > 1 else None
+    obj._hora = _Reducer(named, cfg) if state.size > 1 and comm.size > 1 else None
     return obj
