@@ -15,7 +15,13 @@ Cases (the odd rank is the last one):
   (a local argument error), while the others run a valid allreduce;
 * ``local-root``: the odd rank passes a root outside the world to broadcast;
 * ``exception``: a Python exception on the odd rank between two collectives, caught by the
-  user code; every rank then goes on with the same collectives.
+  user code; every rank then goes on with the same collectives;
+* ``skip``: the odd rank skips a named allreduce (an exception before it): the others' call
+  times out naming the odd rank, and nothing else is disturbed;
+* ``skip-unnamed``: the same with an unnamed allreduce: the unnamed collectives that follow
+  still pair up (the failed call's automatic number is given back);
+* ``order``: ranks start two named async allreduces in opposite orders: both complete with
+  the right values (collectives are matched by name, as in Horovod).
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ import pytest
 
 TIMEOUT_S = 3.0
 FAST_ENV = {"HORA_TIMEOUT": f"{TIMEOUT_S:g}"}
-CASES = ["shape", "op", "root", "local-op", "local-root", "exception"]
+CASES = ["shape", "op", "root", "local-op", "local-root", "exception", "skip", "skip-unnamed",
+         "order"]  # fmt: skip
 # (case, the exception type every rank must see, words the message must hold)
 EXPECTED: dict[str, dict[str, tuple[str, str]]] = {
     "shape": {"all": ("TensorMismatchError", "shape or dtype differ")},
@@ -42,6 +49,9 @@ EXPECTED: dict[str, dict[str, tuple[str, str]]] = {
         "others": ("TensorMismatchError", "raised ValueError: root_rank="),
     },
     "exception": {"odd": ("KeyError", "boom"), "others": ("no error", "")},
+    "skip": {"odd": ("no error", ""), "others": ("CollectiveTimeout", "missing ranks")},
+    "skip-unnamed": {"odd": ("no error", ""), "others": ("CollectiveTimeout", "missing ranks")},
+    "order": {"all": ("no error", "")},
 }
 STALE = ("different ops", "different operations", "timed out")
 
@@ -53,7 +63,7 @@ def _err(e: BaseException) -> dict[str, Any]:
         "type": type(e).__name__,
         "hora": isinstance(e, HoraError),
         "msg": str(e),
-        "ranks": getattr(e, "ranks", None),
+        "ranks": getattr(e, "ranks", getattr(e, "missing_ranks", None)),
     }
 
 
@@ -70,6 +80,18 @@ def _bad_call(hvd: Any, torch: Any, case: str, rank: int, odd: bool) -> None:
         hvd.allreduce(t, op=hvd.Adasum if odd else hvd.Sum, name=f"bad.{case}")
     elif case == "local-root":
         hvd.broadcast(t, hvd.size() + 5 if odd else 0, name=f"bad.{case}")
+    elif case in ("skip", "skip-unnamed"):
+        if not odd:
+            hvd.allreduce(t, op=hvd.Sum, name="bad.skip" if case == "skip" else None)
+    elif case == "order":
+        names = ["order.a", "order.b"]
+        first, second = (names[::-1] if odd else names)
+        h1 = hvd.allreduce_async(torch.full((3,), float(rank)), op=hvd.Sum, name=first)
+        h2 = hvd.allreduce_async(torch.full((2,), float(rank)), op=hvd.Sum, name=second)
+        got = {first: hvd.synchronize(h1), second: hvd.synchronize(h2)}
+        total = float(sum(range(hvd.size())))
+        assert got["order.a"].tolist() == [total] * 3, got
+        assert got["order.b"].tolist() == [total] * 2, got
     else:
         hvd.allreduce(t, op=hvd.Sum, name="before.exception")
         try:
@@ -144,6 +166,9 @@ def test_failure_names_the_true_reason(desync_world: list[dict[str, Any]], case:
         assert words in got.get("msg", ""), f"rank {rank}: {got}"
         if got["type"] == "TensorMismatchError":  # the refusing rank alone, or both sides
             assert got["ranks"] == ([size - 1] if "odd" in EXPECTED[case] else [0, size - 1])
+        if got["type"] == "CollectiveTimeout":  # the rank that skipped it, and only it
+            assert got["ranks"] == [size - 1], f"rank {rank}: {got}"
+            assert got["elapsed"] < 3 * TIMEOUT_S, f"rank {rank}: {got}"
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -14,8 +14,9 @@ gets the same table, so every member reaches the same decision without a coordin
 * a name every member (that has not joined) submitted is *ready*: if the signatures agree,
   it is launched, on every rank, in the order of the lowest such member's submissions;
   otherwise every holder gets :class:`~hora.errors.TensorMismatchError` with the true reason;
-* a member that joined serves a ready collective it did not submit (zeros for a reduction, no
-  rows for a gather), so the others' collectives complete;
+* a member that joined serves a ready allreduce it did not submit with zeros, so the others'
+  allreduces complete (any other collective fails on every holder while a member has
+  joined, as in Horovod);
 * an entry whose submitter has waited longer than the timeout is published as *expired*: every
   holder then gets :class:`~hora.errors.CollectiveTimeout` naming the ranks that never
   submitted it, and the entry leaves every table at once, so the world stays in step.
@@ -28,25 +29,26 @@ launch at once in call order (no name matching, no join serving, no shape checks
 
 from __future__ import annotations
 
+import functools
 import os
 import time
-from contextlib import contextmanager
 import zlib
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from hora.errors import CollectiveTimeout, HoraError, TensorMismatchError
+from hora.errors import CollectiveTimeout, HoraError, TensorMismatchError, UnsupportedError
 from hora.torch import _stall, _state, timeline
 from hora.torch._handles import SIG_LEN, Handle, describe
 
 # A launcher gets every member's payload row (None for a member that joined and serves) and
 # returns the Works in flight and the finishing step (average, copy back) for the handle, and
 # optionally the bytes moved when only the rows tell (allgather).
-Launch = Callable[[list[list[int] | None]], tuple[list[Any], Callable[[], Any]]]
+Launch = Callable[[list[list[int] | None]], tuple[Any, ...]]
 # A server launches, on a rank that joined, its part of a collective it did not submit.
 Serve = Callable[["Comm", Sequence[int], list[list[int] | None]], list[Any]]
 
@@ -128,9 +130,7 @@ class Comm:
         try:
             return self.ranks.index(global_rank)
         except ValueError:
-            raise ValueError(
-                f"rank {global_rank} is not in the process set {self.ranks}"
-            ) from None
+            raise ValueError(f"rank {global_rank} is not in the process set {self.ranks}") from None
 
     def auto_name(self, op: str) -> str:
         n = self.counters.get(op, 0) + 1
@@ -202,9 +202,7 @@ def submit(
     handle.launched = False
     comm.inflight[name] = handle
     handle.on_done = lambda c=comm, n=name, h=handle: _forget(c, n, h)
-    handle.progress = lambda block, c=comm, h=handle: (
-        wait_launched(c, h) if block else run_round(c, h.op, h.name)
-    )
+    handle.progress = functools.partial(_progress, comm, handle)
     if comm.size == 1 or not negotiate():
         rows: list[list[int] | None] = [list(payload)] * comm.size
         _launch(handle, launch, rows, kind, name)
@@ -214,6 +212,13 @@ def submit(
     comm.pending.append(entry)
     run_round(comm, kind, name)
     return handle
+
+
+def _progress(comm: Comm, handle: Handle, block: bool) -> None:
+    if block:
+        wait_launched(comm, handle)
+    else:
+        run_round(comm, handle.op, handle.name)
 
 
 def _forget(comm: Comm, name: str, handle: Handle) -> None:
@@ -231,7 +236,7 @@ def _launch(
     if handle.t0:
         handle.tq = timeline.now_ns()
     try:
-        works, finish, *nbytes = launch(rows)
+        works, finish, *nbytes = launch(rows)  # type: ignore[misc]
     except HoraError as e:
         handle.fail(e)
         return
@@ -254,7 +259,9 @@ def refuse(comm: Comm, kind: str, name: str, error: BaseException) -> None:
     if comm.size == 1 or not negotiate():
         return
     state = _state.require_init(kind)
-    state.store.set(f"{_REFUSED_KEY}{comm.set_id}/{name}/{state.rank}", f"{type(error).__name__}: {error}")
+    state.store.set(
+        f"{_REFUSED_KEY}{comm.set_id}/{name}/{state.rank}", f"{type(error).__name__}: {error}"
+    )
     key = (OPC_REFUSED, *([0] * (SIG_LEN - 1)))
     entry = Entry(kind, name, key, [], None, None, time.monotonic() + state.timeout_s)
     comm.pending.append(entry)
@@ -276,7 +283,9 @@ class GroupHandle(Handle):
 
     __slots__ = ("members",)
 
-    def __init__(self, op: str, name: str, members: list[Handle], finish: Callable[[], Any]) -> None:
+    def __init__(
+        self, op: str, name: str, members: list[Handle], finish: Callable[[], Any]
+    ) -> None:
         super().__init__(op, name, [], finish, sum(h.nbytes for h in members))
         self.members = members
 
@@ -328,7 +337,9 @@ def _exchange(comm: Comm, mine: list[int], op: str, name: str) -> list[list[int]
     head = mine[:_CAP]
     first[1 : 1 + len(head)] = torch.tensor(head, dtype=torch.int64)
     rows = [torch.empty_like(first) for _ in range(comm.size)]
-    work = _stall.run_guarded(op, name, dist.all_gather, rows, first, group=comm.side, async_op=True)
+    work = _stall.run_guarded(
+        op, name, dist.all_gather, rows, first, group=comm.side, async_op=True
+    )
     _stall.wait_work(work, op, name)
     lengths = [int(r[0]) for r in rows]
     if max(lengths) <= _CAP:
@@ -357,9 +368,9 @@ def run_round(comm: Comm, op: str = "", name: str = "") -> bool:
     except BaseException as e:
         pending, comm.pending = comm.pending, []
         comm.joined = False
-        for entry in pending:
-            if entry.handle is not None and entry.handle.error is None:
-                entry.handle.fail(e)
+        for failed in pending:
+            if failed.handle is not None and failed.handle.error is None:
+                failed.handle.fail(e)
         raise
     joined = [m for m, (j, _) in enumerate(tables) if j]
     active = [m for m in range(comm.size) if m not in joined]
@@ -387,7 +398,7 @@ def run_round(comm: Comm, op: str = "", name: str = "") -> bool:
         if len(present) < len(active) and not expired:
             continue
         progressed = True
-        entry = mine.pop(h, None)
+        entry: Entry | None = mine.pop(h, None)
         if entry is not None:
             comm.pending.remove(entry)
         rows = [by_member[m].get(h) if m in present else None for m in range(comm.size)]
@@ -396,8 +407,12 @@ def run_round(comm: Comm, op: str = "", name: str = "") -> bool:
             if entry is not None and entry.handle is not None:
                 comm.give_back(entry.name)
                 entry.handle.fail(
-                    CollectiveTimeout(entry.kind, missing, _state.require_init(entry.kind).timeout_s,
-                                      name=entry.name)  # fmt: skip
+                    CollectiveTimeout(
+                        entry.kind,
+                        missing,
+                        _state.require_init(entry.kind).timeout_s,
+                        name=entry.name,
+                    )  # fmt: skip
                 )
             continue
         error = _verdict(comm, rows, active, joined, entry)
@@ -427,12 +442,13 @@ def _verdict(
     """Return the error every holder of a ready collective raises, or None when it may run."""
     kind = entry.kind if entry is not None else "collective"
     name = entry.name if entry is not None else ""
-    refused = [m for m in active if rows[m] is not None and rows[m][1][0] == OPC_REFUSED]
+    held = {m: r for m, r in enumerate(rows) if r is not None and m in active}
+    refused = [m for m, r in held.items() if r[1][0] == OPC_REFUSED]
     if refused:
         return TensorMismatchError(kind, name, _refusals(comm, name, refused),
                                    [comm.ranks[m] for m in refused])  # fmt: skip
-    keys = [rows[m][1] for m in active if rows[m] is not None]
-    ranks = [comm.ranks[m] for m in active if rows[m] is not None]
+    keys = [r[1] for r in held.values()]
+    ranks = [comm.ranks[m] for m in held]
     if any(k[:2] != keys[0][:2] for k in keys):
         bad = _stall.mismatch_ranks([k[:2] for k in keys])
         return TensorMismatchError(
@@ -446,12 +462,10 @@ def _verdict(
         return TensorMismatchError(kind, name, f"shape or dtype differ ({seen})",
                                    [ranks[i] for i in bad])  # fmt: skip
     if joined and keys[0][0] not in SERVERS:
-        return TensorMismatchError(kind, name, "ranks "
-                                   f"{[comm.ranks[m] for m in joined]} have joined and cannot "
-                                   "take part in this collective", [comm.ranks[m] for m in joined])  # fmt: skip
-    if joined and keys[0][0] == 2 and comm.member(keys[0][1]) in joined:
-        return TensorMismatchError(kind, name, f"the root rank {keys[0][1]} has joined",
-                                   [keys[0][1]])  # fmt: skip
+        return UnsupportedError(
+            f"{kind} {name!r}: ranks {[comm.ranks[m] for m in joined]} have joined; as in "
+            "Horovod, a joined rank serves allreduces only"
+        )
     return None
 
 
@@ -461,7 +475,9 @@ def _refusals(comm: Comm, name: str, members: list[int]) -> str:
     for m in members:
         r = comm.ranks[m]
         try:
-            why.append(f"rank {r} raised {store.get(f'{_REFUSED_KEY}{comm.set_id}/{name}/{r}').decode()}")
+            why.append(
+                f"rank {r} raised {store.get(f'{_REFUSED_KEY}{comm.set_id}/{name}/{r}').decode()}"
+            )
         except Exception:  # the refusing rank is gone: name it without its reason
             why.append(f"rank {r} refused its arguments")
     return "; ".join(why) + " before the data moved"

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hora.torch import _engine, _handles
+from hora.torch import _handles
 from hora.torch._engine import Comm, begin, refusal, submit
 from hora.torch._handles import Handle, guarded, signature
 from hora.torch._process_sets import ProcessSet, comm_of, global_process_set
@@ -80,7 +80,7 @@ def allgather_async(
     key = signature(_OPC_ALLGATHER, 0, src.dtype, rest)
     nbytes = src.numel() * src.element_size() * comm.size
 
-    def launch(rows: list[list[int] | None]) -> tuple[list[Any], Any]:
+    def launch(rows: list[list[int] | None]) -> tuple[Any, ...]:
         if comm.size == 1:
             return [], src.clone
         dims = _dims(rows)
@@ -91,14 +91,6 @@ def allgather_async(
         return works, finish, nbytes
 
     return submit(comm, "allgather", name, key, [src.shape[0]], launch, nbytes)
-
-
-def _serve_allgather(comm: Comm, key: Any, rows: list[list[int] | None]) -> list[Any]:
-    """A joined rank's part of an allgather: no rows of its own."""
-    rest = _handles.key_shape(key)
-    src = _handles.widen(torch.empty((0, *rest), dtype=_handles.key_dtype(key)))
-    works, _buf, _finish = _gather_into(comm, src, _dims(rows), "join")
-    return works
 
 
 def allgather(
@@ -174,20 +166,6 @@ def alltoall_async(
         return [work], lambda: (out.to(src.dtype) if narrow else out, got)
 
     return submit(comm, "alltoall", name, key, send, launch, src.numel() * src.element_size())
-
-
-def _serve_alltoall(comm: Comm, key: Any, rows: list[list[int] | None]) -> list[Any]:
-    """A joined rank's part of an alltoall: it sends no rows and drops what it receives."""
-    rest = _handles.key_shape(key)
-    dtype = _handles.widen(torch.empty(0, dtype=_handles.key_dtype(key))).dtype
-    recv = [0 if row is None else row[comm.index] for row in rows]
-    if not any(sum(row) for row in rows if row is not None):
-        return []
-    out = torch.empty((sum(recv), *rest), dtype=dtype)
-    src = torch.empty((0, *rest), dtype=dtype)
-    return [dist.all_to_all_single(out, src, output_split_sizes=recv,
-                                   input_split_sizes=[0] * comm.size, group=comm.group,
-                                   async_op=True)]  # fmt: skip
 
 
 def alltoall(
@@ -305,15 +283,9 @@ def reducescatter(
     if wire.requires_grad and torch.is_grad_enabled():
         from hora.torch._autograd import ReducescatterFn
 
-        out = ReducescatterFn.apply(
-            wire, name, op, process_set, prescale_factor, postscale_factor
-        )
+        out = ReducescatterFn.apply(wire, name, op, process_set, prescale_factor, postscale_factor)
     else:
         out = synchronize(
             reducescatter_async(wire, name, op, process_set, prescale_factor, postscale_factor)
         )
     return out if plain else compression.decompress(out, ctx)
-
-
-_engine.SERVERS[_OPC_ALLGATHER] = _serve_allgather
-_engine.SERVERS[_OPC_ALLTOALL] = _serve_alltoall

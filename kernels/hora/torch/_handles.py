@@ -231,6 +231,7 @@ class Handle:
             self.done = True
             if self.on_done is not None:
                 self.on_done()
+            self.progress = self.on_done = None  # they hold the process set and its groups
         if self.t0:
             self._record()
         return self.result

@@ -1,7 +1,7 @@
 """barrier, join and the picklable-object collectives (data plane).
 
-Objects travel on the gloo side group (so they work under NCCL too); ``join`` counts ranks in
-the rendezvous store, so it needs no collective of its own and a missing rank is named.
+Objects travel on the gloo side group (so they work under NCCL too); ``join`` takes part in
+the negotiation rounds (:mod:`hora.torch._engine`) and serves the others' allreduces.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ def join(device: int = -1) -> int:
     """Serve the other ranks' collectives until every rank has joined; return the last to join.
 
     As in Horovod, a rank that ran out of work calls ``join()``; until every rank has, it takes
-    part in the others' collectives without data of its own: zeros in an allreduce or
-    reducescatter (an average still divides by the world size), no rows in an allgather or
-    alltoall, a receiver in a broadcast (a broadcast whose root has joined fails on every
-    rank). Object collectives and barriers cannot be served: they fail while a rank has joined.
+    part in the others' allreduces with zeros (an average still divides by the world size).
+    Any other collective (allgather, broadcast, alltoall, reducescatter, barrier, objects)
+    fails with UnsupportedError on every rank that called it while a rank has joined, as
+    Horovod's do.
 
     Args:
         device: accepted for Horovod compatibility (unused).

@@ -186,12 +186,14 @@ def remove_process_set(process_set: ProcessSet) -> bool:
                 dist.destroy_process_group(group)
             except Exception:  # already gone with a failed world: nothing to free
                 pass
+        target.group = target.side = None  # an optimizer may still hold the Comm
         process_set.process_set_id = None
         return [], lambda: True
 
     return bool(
-        _engine.submit(comm, "remove_process_set", name, _ranks_key(OPC_REMOVE_SET, ranks), [],
-                       launch).wait()  # fmt: skip
+        _engine.submit(
+            comm, "remove_process_set", name, _ranks_key(OPC_REMOVE_SET, ranks), [], launch
+        ).wait()  # fmt: skip
     )
 
 

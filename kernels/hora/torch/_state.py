@@ -535,6 +535,10 @@ def _release(state: State, *, graceful: bool) -> None:
         except Exception as e:  # a group already aborted by a failure: nothing left to free
             log.debug("releasing the process group: %s", e)
     state.group = state.side_group = state.store = state.hb_store = None
+    for comm in state.comms.values():  # an optimizer or a traceback may still hold one
+        comm.group = comm.side = None
+        comm.pending.clear()
+        comm.inflight.clear()
     state.comms = {}
     gc.collect()  # the groups are in reference cycles with their Works and stores
 
@@ -667,6 +671,9 @@ def abort() -> None:
         # gloo closes a group's connections only when the group is freed: drop hora's
         # references (a DDP module built on the group still holds one)
         _STATE.group = _STATE.side_group = None
+        for comm in _STATE.comms.values():
+            comm.group = comm.side = None
+        _STATE.comms = {}
         gc.collect()
 
 

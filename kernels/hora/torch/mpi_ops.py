@@ -163,15 +163,9 @@ def _allreduce_buffer(
 
 
 def _serve_allreduce(comm: Comm, key: Sequence[int], _rows: Any) -> list[Any]:
-    """A joined rank's part of an allreduce (or reducescatter): zeros."""
+    """A joined rank's part of an allreduce: zeros."""
     zeros = _handles.widen(torch.zeros(_handles.key_shape(key), dtype=_handles.key_dtype(key)))
     return [dist.all_reduce(zeros, op=_TORCH_OPS[key[1]], group=comm.group, async_op=True)]
-
-
-def _serve_broadcast(comm: Comm, key: Sequence[int], _rows: Any) -> list[Any]:
-    """A joined rank's part of a broadcast: receive into scratch."""
-    buf = _handles.widen(torch.empty(_handles.key_shape(key), dtype=_handles.key_dtype(key)))
-    return [dist.broadcast(buf, src=key[1], group=comm.group, async_op=True)]
 
 
 def allreduce_async(
@@ -475,7 +469,9 @@ def _broadcast(
     with refusal(comm, "broadcast", name):
         if not isinstance(root_rank, int) or root_rank not in comm.ranks:
             where = (
-                f"the world of size {state.size}" if comm.set_id == 0 else f"process set {comm.ranks}"
+                f"the world of size {state.size}"
+                if comm.set_id == 0
+                else f"process set {comm.ranks}"
             )
             raise ValueError(f"root_rank={root_rank!r} is outside {where}")
     src = tensor.detach()
@@ -595,8 +591,6 @@ def poll(handle: Handle) -> bool:
 
 
 _engine.SERVERS[_OPC_ALLREDUCE] = _serve_allreduce
-_engine.SERVERS[_OPC_RSCATTER] = _serve_allreduce
-_engine.SERVERS[_OPC_BROADCAST] = _serve_broadcast
 
 from hora.torch._gather import (  # noqa: E402  (they use the helpers above)
     allgather,

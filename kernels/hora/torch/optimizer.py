@@ -392,8 +392,8 @@ class _Reducer:
             for k, g in sorted(b.gathered.items()):
                 g = g * scale if scale != 1.0 else g
                 name = f"DistributedOptimizer.sparse:{b.names[k]}"
-                started.append(
-                    (b.params[k], sparse_allreduce_async(g, name, op=Sum, process_set=self.process_set)))
+                wait = sparse_allreduce_async(g, name, op=Sum, process_set=self.process_set)
+                started.append((b.params[k], wait))
         return started
 
     def _finish(self, b: _Bucket) -> None:
@@ -613,7 +613,8 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's name: a factory that looks l
             ones, then turn the result back into a sparse tensor. Without it (the default)
             each sparse gradient is reduced Horovod's way, by allgathering every rank's
             indices and values, after the dense buckets.
-        process_set: the process set to run on (default: every rank).
+        process_set: the process set whose ranks average their gradients (default: every
+            rank); on a rank outside it the optimizer steps with its local gradients.
         fusion_threshold: bytes per fusion bucket (hora extension; 0 = one bucket per
             gradient). Default: the environment variables above, else 25 MiB.
 
@@ -644,7 +645,9 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's name: a factory that looks l
         num_groups, groups = groups, None
     named = _named(optimizer, named_parameters)
     state = _state.require_init("DistributedOptimizer")
-    comm = comm_of(process_set, "DistributedOptimizer")
+    # as in Horovod, a rank outside the process set steps its optimizer locally
+    member = process_set is None or process_set.included()
+    comm = comm_of(process_set if member else None, "DistributedOptimizer")
     cfg: dict[str, Any] = {
         "process_set": process_set,
         "compression": compression if compression is not None else Compression.none,
@@ -661,5 +664,5 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's name: a factory that looks l
     obj._hora_cfg = cfg
     obj._parameter_names = {p: n for n, p in named}  # Horovod's name for each parameter
     obj._hora_sync, obj._hora_synced = True, False
-    obj._hora = _Reducer(named, cfg) if state.size > 1 and comm.size > 1 else None
+    obj._hora = _Reducer(named, cfg) if member and comm.size > 1 else None
     return obj
