@@ -158,13 +158,27 @@ def begin(comm: Comm, op: str, name: str | None) -> tuple[_state.State, str]:
     return state, name if name is not None else comm.auto_name(op)
 
 
+_INFLIGHT_PRUNE = 4096
+
+
 def _in_flight(comm: Comm, name: str) -> bool:
+    """Whether a collective named ``name`` was submitted here and not synchronized yet.
+
+    Horovod refuses a name while its collective is queued in its background thread, which in
+    practice covers an unsynchronized handle; hora makes that rule exact: a name is taken
+    from submission until ``synchronize`` (so a second ``allreduce_async(name=...)`` before
+    the first is synchronized always raises, whatever the timing).
+    """
     h = comm.inflight.get(name)
-    if h is None or h.done:
-        return False
-    if h.launched and h.poll():
-        return False
-    return True
+    return h is not None and not h.done
+
+
+def _prune(comm: Comm) -> None:
+    """Forget finished collectives whose handles were dropped without ``synchronize``."""
+    if len(comm.inflight) > _INFLIGHT_PRUNE:
+        for name, h in list(comm.inflight.items()):
+            if h.done or (h.launched and h.poll()):
+                del comm.inflight[name]
 
 
 def submit(
@@ -200,6 +214,7 @@ def submit(
     t0 = timeline.now_ns() if timeline.enabled() else 0
     handle = Handle(kind, name, [], _not_launched, nbytes, t0)
     handle.launched = False
+    _prune(comm)
     comm.inflight[name] = handle
     handle.on_done = lambda c=comm, n=name, h=handle: _forget(c, n, h)
     handle.progress = functools.partial(_progress, comm, handle)

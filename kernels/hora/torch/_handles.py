@@ -1,25 +1,22 @@
-"""Async handles, signature checks and the timeline hooks shared by the collectives (data plane).
+"""Async handles, collective signatures and the int16 carrier of the collectives (data plane).
 
 A :class:`Handle` is what every ``*_async`` collective returns: the torch.distributed Works in
 flight and a ``finish`` callback (average, postscale, copy back, decompress) that
-``synchronize`` runs once. Before any data moves, :func:`start` verifies that every rank passes
-the same op, dtype and shape (one small all_gather on the gloo side group).
+``synchronize`` runs once. A *signature* (op, reduce op or root, dtype, shape as SIG_LEN
+ints) is what the ranks compare before the data moves (:mod:`hora.torch._engine`).
 """
 
 from __future__ import annotations
 
-import os
 import weakref
 import zlib
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from hora.errors import NotInitializedError, TensorMismatchError
-from hora.torch import _stall, _state, timeline
+from hora.errors import NotInitializedError
+from hora.torch import _stall, timeline
 
 _DTYPES = [
     torch.float32,
@@ -39,21 +36,6 @@ _DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
 _MAXDIM = 6
 SIG_LEN = 4 + _MAXDIM + 1
 _PAD = (-1,) * _MAXDIM
-# The opcode of a rank that refused its own arguments (see :func:`refusal`).
-_OPC_REFUSED = -7
-_REFUSED_KEY = "hora/refused/"
-
-
-def check_mode() -> str:
-    """Return the shape/dtype check mode from ``HORA_CHECK_TENSORS``: changed, always or off.
-
-    ``changed`` (default) checks a collective unless it repeats, on this rank, the signature
-    (op, dtype, shape) that every rank agreed on last; ``always`` checks every call.
-    """
-    raw = os.environ.get("HORA_CHECK_TENSORS", "changed").lower()
-    if raw in ("0", "off", "false", "no"):
-        return "off"
-    return "always" if raw in ("always", "2") else "changed"
 
 
 def signature(opcode: int, extra: int, dtype: torch.dtype, shape: Sequence[int]) -> tuple[int, ...]:
@@ -86,77 +68,6 @@ def key_shape(key: Sequence[int]) -> list[int]:
     if ndim > _MAXDIM:
         raise ValueError(f"a {ndim}-d tensor's shape is not kept in its signature")
     return list(key[4 : 4 + ndim])
-
-
-class SigCheck:
-    """An all_gather of every rank's signature on the side group, verified at wait().
-
-    Ints after the first SIG_LEN are a payload (first dims, splits) that may differ by rank.
-    """
-
-    def __init__(self, state: _state.State, op: str, name: str, sig: Sequence[int]) -> None:
-        self.op, self.name = op, name
-        mine = torch.tensor(list(sig), dtype=torch.int64)
-        self.rows = [torch.empty_like(mine) for _ in range(state.size)]
-        self.work = dist.all_gather(self.rows, mine, group=state.side_group, async_op=True)
-
-    def wait(self) -> list[list[int]]:
-        _stall.wait_work(self.work, self.op, self.name)
-        rows = [r.tolist() for r in self.rows]
-        refused = [r for r, row in enumerate(rows) if row[0] == _OPC_REFUSED]
-        if refused and len(refused) < len(rows):
-            raise TensorMismatchError(self.op, self.name, _refusals(refused), refused)
-        if any(r[:2] != rows[0][:2] for r in rows):
-            bad = _stall.mismatch_ranks([r[:2] for r in rows])
-            raise TensorMismatchError(
-                self.op,
-                self.name,
-                "ranks called different operations (or different root ranks / reduce ops)",
-                bad,
-            )
-        if any(r[2:SIG_LEN] != rows[0][2:SIG_LEN] for r in rows):
-            bad = _stall.mismatch_ranks([r[2:SIG_LEN] for r in rows])
-            seen = ", ".join(f"rank {r}: {describe(rows[r])}" for r in bad)
-            raise TensorMismatchError(self.op, self.name, f"shape or dtype differ ({seen})", bad)
-        return rows
-
-
-def _refusals(ranks: list[int]) -> str:
-    store = _state.require_init("refusal").store
-    why = []
-    for r in ranks:
-        try:
-            why.append(f"rank {r} raised {store.get(f'{_REFUSED_KEY}{r}').decode()}")
-        except Exception:  # the refusing rank is gone: name it without its reason
-            why.append(f"rank {r} refused its arguments")
-    return "; ".join(why) + " before the data moved"
-
-
-@contextmanager
-def refusal(state: _state.State, op: str, name: str) -> Iterator[None]:
-    """Run a collective's argument checks; when they raise, still take part in the check.
-
-    A rank that refuses its arguments (``op=Adasum``, a root outside the world) after the
-    others entered the collective would otherwise leave them waiting for it, and the next
-    collectives would pair with the wrong calls on the side group: "different operations"
-    for the rest of the run, or a gloo abort when the sizes differ. Instead the rank joins
-    the signature check with a "refused" signature, after writing its reason to the store;
-    the others raise TensorMismatchError quoting it, the refusing rank raises its own error,
-    and every rank is at the same point again. Ranks that skip the check (``changed`` mode,
-    repeating the last agreed call) find the refusal at the timeout instead.
-    """
-    try:
-        yield
-    except Exception as e:
-        if state.size > 1 and state.check_mode != "off":
-            state.store.set(f"{_REFUSED_KEY}{state.rank}", f"{type(e).__name__}: {e}")
-            sig = (_OPC_REFUSED, 0, 0, 0, *_PAD, 0)
-            state.last_sig = hash(sig) & 0x7FFFFFFF
-            try:
-                SigCheck(state, op, name, sig).wait()
-            except TensorMismatchError:
-                pass  # the others disagree, as expected: this rank's own error says why
-        raise
 
 
 class Handle:
@@ -274,36 +185,6 @@ def release_all() -> None:
             h.launched = True
     for holder in list(_HOLDERS):
         holder.release_works()
-
-
-def begin(op: str, name: str | None) -> tuple[_state.State, str]:
-    """Enter a collective: check init, count it for the stall report, default the name."""
-    state = _state.require_init(op)
-    state.seq += 1
-    state.last_op = op
-    state.last_sig = 0
-    return state, name if name is not None else f"{op}.noname.{state.seq}"
-
-
-def start(state: _state.State, op: str, name: str, sig: tuple[int, ...] | None, t0: int = 0) -> int:
-    """Verify op/dtype/shape across ranks before the data moves; return when it finished (ns).
-
-    The check must finish first: gloo aborts the whole process when a peer sends more bytes
-    than a rank expects. It is skipped when this call repeats the last signature all ranks
-    agreed on: ``verified_sig`` is the same on every rank, so ranks skip together only when
-    their signatures are equal; a rank that skips while another checks ends in the timeout,
-    and the stall report (heartbeats carry ``last_sig``) then names the mismatching ranks.
-
-    Returns:
-        The end of negotiation for the timeline (0 when ``t0`` is 0: no timeline).
-    """
-    if sig is not None:
-        state.last_sig = hash(sig) & 0x7FFFFFFF
-        mode = state.check_mode
-        if state.size > 1 and mode != "off" and (mode == "always" or sig != state.verified_sig):
-            SigCheck(state, op, name, sig).wait()
-            state.verified_sig = sig
-    return timeline.now_ns() if t0 else 0
 
 
 # gloo has no int16 kernels: its worker thread fails and the collective never completes on

@@ -8,7 +8,7 @@ collective fails or times out, :func:`diagnose` reads the other ranks' counters 
 * a rank whose heartbeat stopped is dead -> :class:`RankFailedError` naming it;
 * a rank whose counter is behind ours never arrived -> :class:`CollectiveTimeout` naming it.
 
-Shape/dtype agreement is checked before the data moves (:func:`hora.torch._handles.start`);
+Shape/dtype agreement is checked before the data moves (:mod:`hora.torch._engine`);
 when a rank skipped that check and the ranks disagree, the heartbeats' signatures name them
 here (:class:`TensorMismatchError`).
 """

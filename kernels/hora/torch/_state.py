@@ -66,8 +66,8 @@ class State:
         seq: number of collectives this rank has entered (the stall report compares them).
         last_op: the collective this rank entered last, for the stall report.
         last_sig: CRC of the last collective's op/dtype/shape, for the stall report.
-        verified_sig: the last signature every rank agreed on (later identical calls skip the
-            check; identical on every rank because only a completed check updates it).
+        comms: the process sets' communication state by id (0: the global set), see
+            :mod:`hora.torch._engine`.
     """
 
     rank: int
@@ -88,8 +88,6 @@ class State:
     join_epoch: int = 0
     last_op: str = ""
     last_sig: int = 0
-    verified_sig: tuple[int, ...] | None = None
-    check_mode: str = "changed"
     broken: bool = False
     rdzv_file: Path | None = None
     hb_store: Any = None
@@ -412,8 +410,6 @@ def _start(world: World, backend: str, start_s: float, timeout_s: float) -> Stat
 
 def _connect(world: World, backend: str, start_s: float, timeout_s: float) -> State:
     """Rendezvous, create (or adopt) the default group and the side group; no heartbeat yet."""
-    from hora.torch._handles import check_mode
-
     adopted = dist.is_initialized()
     world, backend, store, rdzv = _group(world, backend, start_s, timeout_s)
     device = torch.device("cpu")
@@ -437,7 +433,6 @@ def _connect(world: World, backend: str, start_s: float, timeout_s: float) -> St
         launcher=world.launcher,
         owns_group=not adopted,
         rdzv_file=rdzv,
-        check_mode=check_mode(),
     )
     return state
 
@@ -650,10 +645,9 @@ def rebuild(master_port: int, start_timeout_s: float | None = None) -> None:
         master_port=master_port,
     )
     fresh = _connect(world, state.backend, start_timeout_s or state.timeout_s, state.timeout_s)
-    for name in ("group", "side_group", "store", "owns_group", "check_mode"):
+    for name in ("group", "side_group", "store", "owns_group"):
         setattr(state, name, getattr(fresh, name))
     state.seq, state.join_epoch, state.last_op, state.last_sig = 0, 0, "", 0
-    state.verified_sig = None
     state.comms = {}
     state._hb_stop = threading.Event()
     _start_heartbeat(state)

@@ -2,10 +2,10 @@
 
 Same names, signatures and semantics as ``horovod.torch.mpi_ops``: out-of-place forms return a
 new tensor and leave the input alone, ``_`` forms work in place, ``_async`` forms return a
-handle for :func:`synchronize` / :func:`poll`. Each collective runs on the default process group
-(NCCL or gloo); a tiny shape/dtype check runs first on a gloo side group so that ranks
-passing different tensors get :class:`~hora.errors.TensorMismatchError` instead of garbage, a
-hang or a gloo abort (see :func:`hora.torch._handles.start`; ``HORA_CHECK_TENSORS``).
+handle for :func:`synchronize` / :func:`poll`. Each collective runs on its process set's group
+(NCCL or gloo) once every member submitted its name: the ranks negotiate on a gloo side group
+first (:mod:`hora.torch._engine`), so ranks passing different tensors get
+:class:`~hora.errors.TensorMismatchError` instead of garbage, a hang or a gloo abort.
 Failures and timeouts name the ranks at fault.
 """
 

@@ -644,7 +644,7 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's name: a factory that looks l
     if isinstance(groups, int):
         num_groups, groups = groups, None
     named = _named(optimizer, named_parameters)
-    state = _state.require_init("DistributedOptimizer")
+    _state.require_init("DistributedOptimizer")
     # as in Horovod, a rank outside the process set steps its optimizer locally
     member = process_set is None or process_set.included()
     comm = comm_of(process_set if member else None, "DistributedOptimizer")
