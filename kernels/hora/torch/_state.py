@@ -681,8 +681,10 @@ def shutdown() -> None:
     _await_host_close(state, 0.0 if state.broken else _HOST_CLOSE_WAIT_S)
 
 
-# How long shutdown() on a rank other than 0 waits for rank 0 to close the rendezvous store
+# How long shutdown() on a rank other than 0 waits for rank 0 to close the rendezvous store,
+# and then for its listening socket to go
 _HOST_CLOSE_WAIT_S = 1.0
+_LISTENER_GONE_WAIT_S = 0.1
 
 
 def _watch_host(world: World) -> socket.socket | None:
@@ -703,18 +705,31 @@ def _watch_host(world: World) -> socket.socket | None:
 
 
 def _await_host_close(state: State, timeout_s: float) -> None:
-    """Wait at most ``timeout_s`` for rank 0 to close its store; a slower rank 0 costs that."""
+    """Wait at most ``timeout_s`` for rank 0 to close its store; a slower rank 0 costs that.
+
+    The server drops its connections a moment before its listening socket: once the watch
+    connection ended, wait (briefly) for the port to refuse connections too.
+    """
     watch, state.host_watch = state.host_watch, None
     if watch is None:
         return
     try:
-        if timeout_s > 0:
-            watch.settimeout(timeout_s)
-            watch.recv(1)  # b"" (or a reset) once the server closed the connection
+        if timeout_s <= 0:
+            return
+        address = watch.getpeername()[:2]
+        watch.settimeout(timeout_s)
+        watch.recv(1)  # b"" (or a reset) once the server closed the connection
     except OSError:
-        pass
+        return  # the wait ran out, or rank 0 had gone before
     finally:
         watch.close()
+    deadline = time.monotonic() + _LISTENER_GONE_WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(address, timeout=_LISTENER_GONE_WAIT_S).close()
+        except OSError:
+            return
+        time.sleep(0.001)  # still listening: the old socket closing, or rank 0's next store
 
 
 def rebuild(master_port: int, start_timeout_s: float | None = None) -> None:
