@@ -684,7 +684,7 @@ def shutdown() -> None:
 # How long shutdown() on a rank other than 0 waits for rank 0 to close the rendezvous store,
 # and then for its listening socket to go
 _HOST_CLOSE_WAIT_S = 1.0
-_LISTENER_GONE_WAIT_S = 0.1
+_LISTENER_GONE_WAIT_S = 0.02
 
 
 def _watch_host(world: World) -> socket.socket | None:
@@ -723,13 +723,16 @@ def _await_host_close(state: State, timeout_s: float) -> None:
         return  # the wait ran out, or rank 0 had gone before
     finally:
         watch.close()
-    deadline = time.monotonic() + _LISTENER_GONE_WAIT_S
-    while time.monotonic() < deadline:
+    try:
+        probe = socket.create_connection(address, timeout=_LISTENER_GONE_WAIT_S)
+    except OSError:
+        return  # the old socket is gone and no new one is open yet
+    with probe:  # the old socket closing drops this connection; rank 0's next store keeps it
+        probe.settimeout(_LISTENER_GONE_WAIT_S)
         try:
-            socket.create_connection(address, timeout=_LISTENER_GONE_WAIT_S).close()
+            probe.recv(1)
         except OSError:
-            return
-        time.sleep(0.001)  # still listening: the old socket closing, or rank 0's next store
+            pass
 
 
 def rebuild(master_port: int, start_timeout_s: float | None = None) -> None:
