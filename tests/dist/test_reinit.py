@@ -110,10 +110,18 @@ def _launch(launcher: str, out: Path, size: int, timeout: float) -> str:
     port, job = _free_port(), f"reinit-{os.getpid()}-{out.name}"
     procs = []
     for r in range(size):
-        extra = _torchrun_env(r, size, port) if launcher == "torchrun" else _openmpi_env(r, size, job)
+        extra = (
+            _torchrun_env(r, size, port) if launcher == "torchrun" else _openmpi_env(r, size, job)
+        )
         log = open(out / f"log{r}.txt", "w")  # noqa: SIM115 - closed below
-        procs.append((subprocess.Popen(_rank_argv(out), env={**env, **extra}, stdout=log,
-                                       stderr=subprocess.STDOUT), log))
+        procs.append(
+            (
+                subprocess.Popen(
+                    _rank_argv(out), env={**env, **extra}, stdout=log, stderr=subprocess.STDOUT
+                ),
+                log,
+            )
+        )
     codes = []
     for proc, log in procs:
         try:

@@ -190,9 +190,11 @@ def _rdzv_path(world: World) -> Path:
 
 
 def _file_rendezvous(world: World, timeout_s: float, generation: int) -> tuple[Any, Path | None]:
-    """Rank 0 opens a store on a free port and publishes ``host port pid generation`` in a
-    file; the others wait for the file of this generation (the previous init()'s file may
-    still be there, naming a store that is closing)."""
+    """Rank 0 opens a store on a free port and names it in a file; the others wait for it.
+
+    The file says ``host port pid generation``: the previous ``init()``'s file may still be
+    there, naming a store that is closing, so a rank waits for this generation's.
+    """
     path = _rdzv_path(world)
     td = datetime.timedelta(seconds=timeout_s)
     if world.rank == 0:
@@ -224,7 +226,9 @@ def _make_store(world: World, timeout_s: float, generation: int) -> tuple[Any, P
         return _file_rendezvous(world, timeout_s, generation)
     if world.rank == 0:
         hosted_before = generation > 1
-        return _host_store(world.master_addr, world.master_port, world.size, td, hosted_before), None
+        return _host_store(
+            world.master_addr, world.master_port, world.size, td, hosted_before
+        ), None
     _await_listener(world.master_addr, world.master_port, timeout_s)
     try:
         store = dist.TCPStore(world.master_addr, world.master_port, world.size, False, timeout=td)
@@ -258,8 +262,11 @@ def _await_listener(addr: str, port: int, timeout_s: float) -> None:
         except OSError as e:
             if time.monotonic() > deadline:
                 raise CollectiveTimeout(
-                    "init", [0], timeout_s, name=f"rendezvous {addr}:{port}: rank 0 "
-                    f"(the rendezvous host) never opened it: {e}"
+                    "init",
+                    [0],
+                    timeout_s,
+                    name=f"rendezvous {addr}:{port}: rank 0 "
+                    f"(the rendezvous host) never opened it: {e}",
                 ) from None
             time.sleep(_POLL_S)
 
@@ -270,6 +277,10 @@ def _host_store(
     """Open the rendezvous store on rank 0; an address in use is said as such, not a timeout.
 
     Args:
+        addr: the rendezvous address.
+        port: the launcher's rendezvous port.
+        size: the number of ranks.
+        td: the store's timeout.
         hosted_before: whether this process hosted the store of an earlier ``init()`` at this
             address (only then is it worth waiting for the port to be freed).
 
@@ -735,6 +746,18 @@ def _await_host_close(state: State, timeout_s: float) -> None:
             pass
 
 
+# What rebuild() takes from the fresh connection into the State objects already hold
+_REBUILT_FIELDS = (
+    "group",
+    "side_group",
+    "store",
+    "owns_group",
+    "check_mode",
+    "host_watch",
+    "excepthooks",
+)
+
+
 def rebuild(master_port: int, start_timeout_s: float | None = None) -> None:
     """Replace the process group after a failed or stalled collective, keeping this process.
 
@@ -771,11 +794,10 @@ def rebuild(master_port: int, start_timeout_s: float | None = None) -> None:
         master_addr=detect_world(dict(os.environ)).master_addr or "127.0.0.1",
         master_port=master_port,
     )
-    fresh = _connect(world, state.backend, start_timeout_s or state.timeout_s, state.timeout_s)
     _await_host_close(state, 0.0)
-    _restore_excepthook(state)
-    names = ("group", "side_group", "store", "owns_group", "check_mode", "host_watch", "excepthooks")
-    for name in names:
+    _restore_excepthook(state)  # before init_process_group wraps the hook again
+    fresh = _connect(world, state.backend, start_timeout_s or state.timeout_s, state.timeout_s)
+    for name in _REBUILT_FIELDS:
         setattr(state, name, getattr(fresh, name))
     state.seq, state.join_epoch, state.last_op, state.last_sig = 0, 0, "", 0
     state.verified_sig = None
