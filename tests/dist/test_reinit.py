@@ -18,9 +18,10 @@ The launchers are the ways hora.torch ranks learn their world (:func:`hora.env.d
 
 Not separate runs, because they take one of these paths: Horovod's Gloo runner as hora's
 conformance run uses it (tests/conformance/_rank.py) sets ``HOROVOD_RANK`` / ``HOROVOD_SIZE``
-over ``hora run``'s variables, and hora reads no ``HOROVOD_*`` variable, so that is the
-``hora`` path; MPICH and Slurm differ from ``openmpi`` / ``torchrun`` only in variable names
-(tests/unit cover :func:`detect_world`). Notebook engines call ``init()`` once, from a
+over ``hora run``'s variables, and hora takes the world from no ``HOROVOD_*`` variable, so
+that is the ``hora`` path (``horovodrun`` itself, which sets only ``HOROVOD_*`` and its own HTTP
+rendezvous, is not supported); MPICH and Slurm differ from ``openmpi`` / ``torchrun`` only in
+variable names (tests/unit/test_torch_env.py covers :func:`detect_world`). Notebook engines call ``init()`` once, from a
 thread, with ``rank_env``'s variables (the ``hora`` path); they replace a group with
 ``rebuild()``, not ``shutdown()``/``init()``.
 
