@@ -48,7 +48,7 @@ HERE = Path(__file__).parent
 RANKS = HERE / "_reinit_rounds.py"
 ROUNDS = 200
 # RSS growth allowed between round 50 and the last. Measured on 2 ranks (gloo): hora's rounds
-# grow 0.5-1.6 MB in those 150 rounds; the two process groups of a round kept alive cost
+# grow 0.5-1.8 MB in those 150 rounds; the two process groups of a round kept alive cost
 # 170-230 kB a round, 25 MB or more in 150 (their threads and fds are caught above too).
 RSS_GROWTH_KB = 10_000
 ENV = {"HORA_TIMEOUT": "20", "HORA_START_TIMEOUT": "60", "RES_OPTIONS": "timeout:1 attempts:1"}
