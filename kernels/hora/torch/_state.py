@@ -255,6 +255,7 @@ def _await_listener(addr: str, port: int, timeout_s: float) -> None:
         CollectiveTimeout: when nothing listens there within ``timeout_s``.
     """
     deadline = time.monotonic() + timeout_s
+    delay = _POLL_S
     while True:
         try:
             socket.create_connection((addr, port), timeout=max(0.1, min(5.0, timeout_s))).close()
@@ -268,7 +269,8 @@ def _await_listener(addr: str, port: int, timeout_s: float) -> None:
                     name=f"rendezvous {addr}:{port}: rank 0 "
                     f"(the rendezvous host) never opened it: {e}",
                 ) from None
-            time.sleep(_POLL_S)
+            time.sleep(delay)  # a re-init finds the port in ms; a slow rank 0 start, later
+            delay = min(2 * delay, 0.1)
 
 
 def _host_store(
