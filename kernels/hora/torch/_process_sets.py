@@ -153,6 +153,8 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         side = dist.new_group(ranks=ranks, timeout=timeout, backend="gloo")
         set_id = max(state.comms) + 1 if state.comms else 1
         index = ranks.index(state.rank) if state.rank in ranks else -1
+        if index < 0:  # a non-member gets a marker (GroupMember.NON_GROUP_MEMBER), not a group
+            group = side = None
         state.comms[set_id] = Comm(set_id, ranks, index, group, side)
         ps.process_set_id = set_id
         return [], lambda: ps
@@ -182,6 +184,8 @@ def remove_process_set(process_set: ProcessSet) -> bool:
             return [], lambda: False
         del state.comms[target.set_id]
         for group in (target.group, target.side):
+            if group is None:
+                continue
             try:
                 dist.destroy_process_group(group)
             except Exception:  # already gone with a failed world: nothing to free

@@ -17,9 +17,11 @@ import importlib
 import logging
 import os
 import socket
+import sys
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,9 @@ log = logging.getLogger("hora.torch")
 DEFAULT_TIMEOUT_S = 60.0
 HEARTBEAT_S = 0.25
 _HB_KEY = "hora/hb/"
+# How often a waiting rank looks again for the store (TCPStore's own connect retries back off
+# to about a second: a rank that asked before rank 0 reopened the store waited 0.2-0.7 s).
+_POLL_S = 0.005
 
 
 @dataclass
@@ -92,6 +97,8 @@ class State:
     rdzv_file: Path | None = None
     hb_store: Any = None
     comms: dict[int, Any] = field(default_factory=dict)
+    host_watch: socket.socket | None = None
+    excepthooks: tuple[Any, Any] | None = None
     timeout_td: datetime.timedelta = field(init=False)
 
     def __post_init__(self) -> None:
@@ -180,39 +187,47 @@ def _rdzv_path(world: World) -> Path:
     return Path(tempfile.gettempdir(), f"hora-rdzv-{safe}")
 
 
-def _file_rendezvous(world: World, timeout_s: float) -> tuple[Any, Path | None]:
-    """Rank 0 opens a store on a free port and publishes ``host port`` in a file; others wait."""
+def _file_rendezvous(world: World, timeout_s: float, generation: int) -> tuple[Any, Path | None]:
+    """Rank 0 opens a store on a free port and names it in a file; the others wait for it.
+
+    The file says ``host port pid generation``: the previous ``init()``'s file may still be
+    there, naming a store that is closing, so a rank waits for this generation's.
+    """
     path = _rdzv_path(world)
     td = datetime.timedelta(seconds=timeout_s)
     if world.rank == 0:
         store = dist.TCPStore("0.0.0.0", 0, world.size, True, timeout=td, wait_for_workers=False)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(f"{socket.gethostname()} {store.port} {os.getpid()}\n")
+        tmp.write_text(f"{socket.gethostname()} {store.port} {os.getpid()} {generation}\n")
         os.replace(tmp, path)
         return store, path
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            host, port, _ = path.read_text().split()
-            break
+            host, port, _, written = path.read_text().split()
+            if int(written) == generation:
+                break
         except (FileNotFoundError, ValueError):
-            if time.monotonic() > deadline:
-                raise CollectiveTimeout(
-                    "init", [0], timeout_s, name=f"rendezvous file {path}"
-                ) from None
-            time.sleep(0.05)
+            pass
+        if time.monotonic() > deadline:
+            raise CollectiveTimeout("init", [0], timeout_s, name=f"rendezvous file {path}")
+        time.sleep(_POLL_S)
     addr = "127.0.0.1" if host == socket.gethostname() else host
     return dist.TCPStore(addr, int(port), world.size, False, timeout=td), None
 
 
-def _make_store(world: World, timeout_s: float) -> tuple[Any, Path | None]:
+def _make_store(world: World, timeout_s: float, generation: int) -> tuple[Any, Path | None]:
     td = datetime.timedelta(seconds=timeout_s)
     if world.size == 1 and world.master_port is None:
         return dist.TCPStore("127.0.0.1", 0, 1, True, timeout=td, wait_for_workers=False), None
     if world.master_addr is None or world.master_port is None:
-        return _file_rendezvous(world, timeout_s)
+        return _file_rendezvous(world, timeout_s, generation)
     if world.rank == 0:
-        return _host_store(world.master_addr, world.master_port, world.size, td), None
+        hosted_before = generation > 1
+        return _host_store(
+            world.master_addr, world.master_port, world.size, td, hosted_before
+        ), None
+    _await_listener(world.master_addr, world.master_port, timeout_s)
     try:
         store = dist.TCPStore(world.master_addr, world.master_port, world.size, False, timeout=td)
     except (RuntimeError, dist.DistError) as e:
@@ -231,14 +246,49 @@ def _make_store(world: World, timeout_s: float) -> tuple[Any, Path | None]:
 _PORT_FREE_WAIT_S = 5.0
 
 
-def _host_store(addr: str, port: int, size: int, td: datetime.timedelta) -> Any:
+def _await_listener(addr: str, port: int, timeout_s: float) -> None:
+    """Wait until rank 0's store accepts connections on ``addr:port``.
+
+    Raises:
+        CollectiveTimeout: when nothing listens there within ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    delay = _POLL_S
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=max(0.1, min(5.0, timeout_s))).close()
+            return
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise CollectiveTimeout(
+                    "init",
+                    [0],
+                    timeout_s,
+                    name=f"rendezvous {addr}:{port}: rank 0 "
+                    f"(the rendezvous host) never opened it: {e}",
+                ) from None
+            time.sleep(delay)  # a re-init finds the port in ms; a slow rank 0 start, later
+            delay = min(2 * delay, 0.1)
+
+
+def _host_store(
+    addr: str, port: int, size: int, td: datetime.timedelta, hosted_before: bool
+) -> Any:
     """Open the rendezvous store on rank 0; an address in use is said as such, not a timeout.
+
+    Args:
+        addr: the rendezvous address.
+        port: the launcher's rendezvous port.
+        size: the number of ranks.
+        td: the store's timeout.
+        hosted_before: whether this process hosted the store of an earlier ``init()`` at this
+            address (only then is it worth waiting for the port to be freed).
 
     Raises:
         RendezvousError: when the port stays in use (another process, or a Work of the
             previous ``init()`` that the script still holds).
     """
-    deadline = time.monotonic() + _PORT_FREE_WAIT_S
+    deadline = time.monotonic() + (_PORT_FREE_WAIT_S if hosted_before else 0.0)
     while True:
         try:
             return dist.TCPStore(addr, port, size, True, timeout=td, wait_for_workers=False)
@@ -246,12 +296,13 @@ def _host_store(addr: str, port: int, size: int, td: datetime.timedelta) -> Any:
             if "EADDRINUSE" not in str(e) and "address already in use" not in str(e).lower():
                 raise RendezvousError(f"{addr}:{port}", f"rank 0 could not open it: {e}") from None
             if time.monotonic() > deadline:
-                raise RendezvousError(
-                    f"{addr}:{port}",
-                    "address in use: another process listens on this port, or this process "
-                    "still holds a handle or optimizer of a previous init() with work in "
-                    "flight (synchronize or drop it before shutdown())",
-                ) from None
+                why = "address in use: another process listens on this port"
+                if hosted_before:
+                    why += (
+                        ", or this process still holds a handle or optimizer of a previous "
+                        "init() with work in flight (synchronize or drop it before shutdown())"
+                    )
+                raise RendezvousError(f"{addr}:{port}", why) from None
             gc.collect()
             time.sleep(0.05)
 
@@ -373,18 +424,18 @@ def _group(
     prefix = f"hora/g{generation}"
     deadline = time.monotonic() + start_s
     while True:
-        raw, rdzv = _make_store(world, start_s)
-        store = dist.PrefixStore(prefix, raw)
-        if backend == "nccl":
-            torch.cuda.set_device(_device_index(world))
         try:
+            raw, rdzv = _make_store(world, start_s, generation)
+            store = dist.PrefixStore(prefix, raw)
+            if backend == "nccl":
+                torch.cuda.set_device(_device_index(world))
             _init_group(world, backend, store, start_s, timeout_s)
             return world, backend, store, rdzv
-        except CollectiveTimeout as e:
+        except CollectiveTimeout as e:  # rank 0's previous store closed as we reached it
             if world.rank == 0 or time.monotonic() > deadline or not _reset(e):
                 raise
             log.debug("rendezvous store went away during init (%s); connecting again", e)
-            time.sleep(0.1)
+            time.sleep(_POLL_S)
 
 
 def _reset(e: BaseException) -> bool:
@@ -411,7 +462,9 @@ def _start(world: World, backend: str, start_s: float, timeout_s: float) -> Stat
 def _connect(world: World, backend: str, start_s: float, timeout_s: float) -> State:
     """Rendezvous, create (or adopt) the default group and the side group; no heartbeat yet."""
     adopted = dist.is_initialized()
+    hook = sys.excepthook
     world, backend, store, rdzv = _group(world, backend, start_s, timeout_s)
+    watch = None if adopted else _watch_host(world)
     device = torch.device("cpu")
     if "nccl" in backend and torch.cuda.is_available():
         device = torch.device("cuda", _device_index(world))
@@ -433,6 +486,8 @@ def _connect(world: World, backend: str, start_s: float, timeout_s: float) -> St
         launcher=world.launcher,
         owns_group=not adopted,
         rdzv_file=rdzv,
+        host_watch=watch,
+        excepthooks=None if sys.excepthook is hook else (hook, sys.excepthook),
     )
     return state
 
@@ -529,13 +584,37 @@ def _release(state: State, *, graceful: bool) -> None:
                 dist.distributed_c10d._abort_process_group()
         except Exception as e:  # a group already aborted by a failure: nothing left to free
             log.debug("releasing the process group: %s", e)
+    _restore_excepthook(state)
+    held = [weakref.ref(o) for o in (state.group, state.side_group, state.store) if o is not None]
     state.group = state.side_group = state.store = state.hb_store = None
     for comm in state.comms.values():  # an optimizer or a traceback may still hold one
+        groups = (comm.group, comm.side)
+        held += [weakref.ref(g) for g in groups if isinstance(g, dist.ProcessGroup)]
         comm.group = comm.side = None
         comm.pending.clear()
         comm.inflight.clear()
     state.comms = {}
-    gc.collect()  # the groups are in reference cycles with their Works and stores
+    # A group left in a reference cycle (with its Works, a hook's closure) keeps its gloo
+    # threads, sockets and rank 0's port. A full collection costs ~0.1 s with torch loaded, so
+    # it runs only when a young one did not free them.
+    gc.collect(1)
+    if any(ref() is not None for ref in held):
+        gc.collect()
+
+
+def _restore_excepthook(state: State) -> None:
+    """Put back the ``sys.excepthook`` that ``init_process_group`` wrapped.
+
+    torch wraps the hook (to prefix tracebacks with the rank) at every
+    ``init_process_group`` and never unwraps it: without this, every ``init()`` after a
+    ``shutdown()`` would add a closure to the chain (and a ``[rank0]:`` to each traceback line).
+    A hook the user installed since is left alone.
+    """
+    if state.excepthooks is not None:
+        before, installed = state.excepthooks
+        if sys.excepthook is installed:
+            sys.excepthook = before
+        state.excepthooks = None
 
 
 def _at_exit() -> None:
@@ -556,6 +635,7 @@ def _at_exit() -> None:
     _stop_heartbeat(state)
     _STATE = None
     _release(state, graceful=False)
+    _await_host_close(state, 0.0)
     if state.rdzv_file is not None:  # every rank found the store long ago
         state.rdzv_file.unlink(missing_ok=True)
 
@@ -578,6 +658,7 @@ def _drop_broken() -> None:
     _STATE = None
     release_all()
     _release(state, graceful=False)
+    _await_host_close(state, 0.0)
     if state.rdzv_file is not None:
         state.rdzv_file.unlink(missing_ok=True)
 
@@ -606,6 +687,72 @@ def shutdown() -> None:
     _release(state, graceful=not state.broken)  # a failed world may never finish its work
     if state.rdzv_file is not None:
         state.rdzv_file.unlink(missing_ok=True)
+    _await_host_close(state, 0.0 if state.broken else _HOST_CLOSE_WAIT_S)
+
+
+# How long shutdown() on a rank other than 0 waits for rank 0 to close the rendezvous store,
+# and then for its listening socket to go
+_HOST_CLOSE_WAIT_S = 1.0
+_LISTENER_GONE_WAIT_S = 0.02
+
+
+def _watch_host(world: World) -> socket.socket | None:
+    """On a rank other than 0, a plain connection to rank 0's store, to see it close.
+
+    The port is the launcher's, so the next ``init()`` reopens the store there. Under
+    Horovod's pattern (``barrier(); shutdown()`` on every rank, then ``init()``) a rank that
+    finished its shutdown first would reach rank 0's store while it closes: the connection
+    reset costs TCPStore's connect retry 0.3-1 s. ``shutdown()`` waits for this connection
+    to end instead (the server drops it on closing), without a word in torch's log.
+    """
+    if world.rank == 0 or world.master_addr is None or world.master_port is None:
+        return None
+    try:
+        return socket.create_connection((world.master_addr, world.master_port), timeout=5.0)
+    except OSError:  # rank 0 already left; nothing to wait for
+        return None
+
+
+def _await_host_close(state: State, timeout_s: float) -> None:
+    """Wait at most ``timeout_s`` for rank 0 to close its store; a slower rank 0 costs that.
+
+    The server drops its connections a moment before its listening socket: once the watch
+    connection ended, wait (briefly) for the port to refuse connections too.
+    """
+    watch, state.host_watch = state.host_watch, None
+    if watch is None:
+        return
+    try:
+        if timeout_s <= 0:
+            return
+        address = watch.getpeername()[:2]
+        watch.settimeout(timeout_s)
+        watch.recv(1)  # b"" (or a reset) once the server closed the connection
+    except OSError:
+        return  # the wait ran out, or rank 0 had gone before
+    finally:
+        watch.close()
+    try:
+        probe = socket.create_connection(address, timeout=_LISTENER_GONE_WAIT_S)
+    except OSError:
+        return  # the old socket is gone and no new one is open yet
+    with probe:  # the old socket closing drops this connection; rank 0's next store keeps it
+        probe.settimeout(_LISTENER_GONE_WAIT_S)
+        try:
+            probe.recv(1)
+        except OSError:
+            pass
+
+
+# What rebuild() takes from the fresh connection into the State objects already hold
+_REBUILT_FIELDS = (
+    "group",
+    "side_group",
+    "store",
+    "owns_group",
+    "host_watch",
+    "excepthooks",
+)
 
 
 def rebuild(master_port: int, start_timeout_s: float | None = None) -> None:
@@ -644,8 +791,10 @@ def rebuild(master_port: int, start_timeout_s: float | None = None) -> None:
         master_addr=detect_world(dict(os.environ)).master_addr or "127.0.0.1",
         master_port=master_port,
     )
+    _await_host_close(state, 0.0)
+    _restore_excepthook(state)  # before init_process_group wraps the hook again
     fresh = _connect(world, state.backend, start_timeout_s or state.timeout_s, state.timeout_s)
-    for name in ("group", "side_group", "store", "owns_group"):
+    for name in _REBUILT_FIELDS:
         setattr(state, name, getattr(fresh, name))
     state.seq, state.join_epoch, state.last_op, state.last_sig = 0, 0, "", 0
     state.comms = {}
