@@ -236,6 +236,22 @@ def _progress(comm: Comm, handle: Handle, block: bool) -> None:
         run_round(comm, handle.op, handle.name)
 
 
+def launch_planned(op: str, name: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """Launch one collective of a fixed plan that every rank builds alike, without a round.
+
+    The DistributedOptimizer's gradient buckets, SyncBatchNorm's statistics and the flat
+    buffers of ``broadcast_parameters`` (after its negotiated name/shape check) are launched
+    from hooks and inner loops where a negotiation round per call would cost what DDP does
+    not pay. They are counted for the stall report and their failures are converted exactly
+    like negotiated collectives (:func:`hora.torch._stall.run_guarded`); ``fn`` is the
+    torch.distributed call (``async_op=True`` returns its Work).
+    """
+    state = _state.require_init(op)
+    state.seq += 1
+    state.last_op = op
+    return _stall.run_guarded(op, name, fn, *args, **kwargs)
+
+
 def _forget(comm: Comm, name: str, handle: Handle) -> None:
     if comm.inflight.get(name) is handle:
         del comm.inflight[name]

@@ -19,8 +19,9 @@ import torch.distributed as dist
 
 from hora.errors import TensorMismatchError
 from hora.torch import _state
+from hora.torch._engine import launch_planned
 from hora.torch._process_sets import comm_of, global_process_set
-from hora.torch._stall import run_guarded, wait_work
+from hora.torch._stall import wait_work
 from hora.torch.mpi_ops import (
     Average,
     Max,
@@ -98,9 +99,7 @@ def _broadcast_flat(
             flat = torch.cat([t.detach().reshape(-1) for t in ts])
         else:
             flat = torch.empty(sum(t.numel() for t in ts), dtype=dtype, device=device)
-        state.seq += 1
-        state.last_op = op
-        work = run_guarded(op, str(dtype), dist.broadcast, flat, src=root,
+        work = launch_planned(op, str(dtype), dist.broadcast, flat, src=root,
                            group=_group_for(state, comm, device), async_op=True)
         works.append((work, flat, ts, dtype))
     for work, flat, ts, dtype in works:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from hora.errors import HoraError
 from hora.torch import _state, timeline
+from hora.torch._engine import launch_planned
 from hora.torch._grouped import sparse_allreduce_async
 from hora.torch._handles import hold_works
 from hora.torch._process_sets import comm_of, global_process_set
@@ -351,12 +352,10 @@ class _Reducer:
     def _launch(self, b: _Bucket) -> None:
         if b.solo and b.gathered:
             return  # its one gradient is sparse: nothing dense to reduce
-        st = self.state
-        st.seq += 1
-        st.last_op = "allreduce"
         if b.cast is None:
             b.wire, b.ctx = self.compression.compress(b.flat)
-        b.work = dist.all_reduce(b.wire, group=self.comm.group, async_op=True)
+        b.work = launch_planned("allreduce", b.names[0], dist.all_reduce, b.wire,
+                                group=self.comm.group, async_op=True)
         if self.tl:
             b.t_launch = timeline.now_ns()
             b.work.get_future().add_done_callback(

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from hora.torch import _state
+from hora.torch._engine import launch_planned
 from hora.torch._stall import wait_work
 
 __all__ = ["SyncBatchNorm"]
@@ -43,10 +44,9 @@ def _global_stats(x: torch.Tensor, state: _state.State) -> tuple[torch.Tensor, t
         var = torch.zeros_like(mean)
     mine = torch.cat([torch.tensor([float(n)], dtype=xf.dtype, device=x.device), mean, var * n])
     rows = [torch.empty_like(mine) for _ in range(state.size)]
-    state.seq += 1
-    state.last_op = "allgather"
-    wait_work(dist.all_gather(rows, mine, group=state.group, async_op=True), "allgather",
-              "SyncBatchNorm.stats")
+    work = launch_planned("allgather", "SyncBatchNorm.stats", dist.all_gather, rows, mine,
+                          group=state.group, async_op=True)
+    wait_work(work, "allgather", "SyncBatchNorm.stats")
     table = torch.stack(rows)
     counts, means, m2s = table[:, :1], table[:, 1 : 1 + x.size(1)], table[:, 1 + x.size(1) :]
     total = counts.sum()
@@ -88,9 +88,8 @@ class _SyncBNFunction(torch.autograd.Function):
             both = torch.cat([sum_dy, sum_dy_xhat])
             if both.dtype in (torch.float16, torch.bfloat16):  # float64 keeps its precision
                 both = both.float()
-            state.seq += 1
-            state.last_op = "allreduce"
-            work = dist.all_reduce(both, group=state.group, async_op=True)
+            work = launch_planned("allreduce", "SyncBatchNorm.grad", dist.all_reduce, both,
+                                  group=state.group, async_op=True)
             wait_work(work, "allreduce", "SyncBatchNorm.grad")
             c = dy.size(1)
             g_dy = (both[:c] / ctx.total).to(dy.dtype)
