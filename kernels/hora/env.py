@@ -215,7 +215,7 @@ def detect_world(environ: Mapping[str, str]) -> World:
 
     Raises:
         LauncherEnvError: when the variables are inconsistent or not integers (the message
-            names the variable).
+            names the variable), or when only ``horovodrun``'s variables are set.
 
     Example:
         >>> detect_world({"RANK": "1", "WORLD_SIZE": "2"}).rank
@@ -229,6 +229,14 @@ def detect_world(environ: Mapping[str, str]) -> World:
         return _mpich(environ)
     if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
         return _slurm(environ)
+    if environ.get("HOROVOD_SIZE", "1").strip() not in ("", "0", "1"):
+        # horovodrun --gloo: its rendezvous is Horovod's own HTTP key-value service, which
+        # hora cannot join; running every process as a world of one would be silently wrong
+        raise LauncherEnvError(
+            f"HOROVOD_SIZE={environ['HOROVOD_SIZE']} is set but no launcher hora understands "
+            "is: start the script with `hora run -np N`, torchrun or mpirun instead of "
+            "horovodrun (Horovod's Gloo rendezvous is not supported)"
+        )
     return World()
 
 

@@ -173,3 +173,13 @@ def test_bad_values_name_the_variable(env: dict[str, str], field: str) -> None:
 def test_rank_env_rejects_bad_worlds(args: tuple[int, int], msg: str) -> None:
     with pytest.raises(LauncherEnvError, match=msg):
         rank_env(*args)
+
+
+def test_horovodrun_alone_is_refused_not_a_world_of_one() -> None:
+    env = {"HOROVOD_RANK": "1", "HOROVOD_SIZE": "2", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "10.0.0.1"}
+    with pytest.raises(LauncherEnvError, match="HOROVOD_SIZE=2.*hora run"):
+        detect_world(env)
+    # the conformance run sets Horovod's variables on top of hora run's: hora run's win
+    world = detect_world({**env, "RANK": "1", "WORLD_SIZE": "2"})
+    assert (world.rank, world.size) == (1, 2)
+    assert detect_world({"HOROVOD_SIZE": "1"}).size == 1
