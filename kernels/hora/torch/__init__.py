@@ -11,7 +11,7 @@ Move a Horovod script over by changing one line::
 
 ``__all__`` is the compatibility list: the ``horovod.torch`` names hora provides, plus hora's
 error classes and metric helpers (``allreduce_metrics``, ``Metric``). Capabilities
-hora lacks (Adasum, process sets other than the global one, MPI communicators) raise
+hora lacks (Adasum, MPI communicators) raise
 :class:`hora.errors.UnsupportedError` when used. This package imports only torch, the
 standard library and hora.
 """
@@ -163,7 +163,7 @@ __all__ = [
     "join",
     "broadcast_object",
     "allgather_object",
-    # process sets (global only)
+    # process sets
     "ProcessSet",
     "global_process_set",
     "add_process_set",
