@@ -29,6 +29,7 @@ from hora.errors import (
     TensorMismatchError,
     UnsupportedError,
 )
+from hora.torch import _handles, _process_sets, timeline  # noqa: F401  (they hook into _state)
 from hora.torch._grouped import (
     grouped_allgather,
     grouped_allgather_async,

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from hora.errors import NotInitializedError
-from hora.torch import _stall, timeline
+from hora.torch import _stall, _state, timeline
 
 _DTYPES = [
     torch.float32,
@@ -233,3 +233,6 @@ def guarded(op: str, name: str, fn: Callable[..., Any], /, *args: Any, **kwargs:
     args = tuple(_swap(a, pairs) for a in args)
     work = _stall.run_guarded(op, name, fn, *args, **kwargs)
     return _Widened(work, pairs) if pairs and work is not None else work
+
+
+_state.register_release_hook(release_all)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import datetime
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -207,6 +207,15 @@ def add_initial(sets: Sequence[ProcessSet | Sequence[int]]) -> None:
         add_process_set(ps)
 
 
+def _add_at_init(_environ: Mapping[str, str], sets: Sequence[Any] | None) -> None:
+    """``init()``'s hook: add its ``process_sets`` (after the timeline started)."""
+    if sets:
+        add_initial(sets)
+
+
 def check_process_set(ps: Any) -> None:
     """Validate ``ps`` for a collective (kept for callers that only check)."""
     comm_of(ps, "collective")
+
+
+_state.register_init_hook(_add_at_init)

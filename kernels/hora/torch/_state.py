@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,33 @@ class State:
 
 
 _STATE: State | None = None
+
+# Hooks of the upper layers (timeline, handles, process sets), registered when they are
+# imported (``hora.torch`` imports them all), so this module imports none of them.
+InitHook = Callable[[Mapping[str, str], Sequence[Any] | None], None]
+StopHook = Callable[[bool], None]
+_INIT_HOOKS: list[InitHook] = []
+_STOP_HOOKS: list[StopHook] = []
+_RELEASE_HOOKS: list[Callable[[], None]] = []
+
+
+def register_init_hook(fn: InitHook) -> None:
+    """Call ``fn(environ, process_sets)`` at the end of every ``init()``, in registration order.
+
+    The timeline registers before the process sets (it is a lower layer, imported first), so
+    ``init(process_sets=...)`` adds its sets with the timeline already recording.
+    """
+    _INIT_HOOKS.append(fn)
+
+
+def register_stop_hook(fn: StopHook) -> None:
+    """Call ``fn(exiting)`` first thing in ``shutdown()`` (False) and at exit without it (True)."""
+    _STOP_HOOKS.append(fn)
+
+
+def register_release_hook(fn: Callable[[], None]) -> None:
+    """Call ``fn()`` once the state is dropped by ``shutdown()`` or after a failed collective."""
+    _RELEASE_HOOKS.append(fn)
 
 
 def require_init(op: str) -> State:
@@ -539,20 +567,8 @@ def init(
         "hora.torch initialised: rank %d of %d (%s)", _STATE.rank, _STATE.size, _STATE.backend
     )
     atexit.register(_at_exit)  # once per process: register() of a registered function is a no-op
-    path = environ.get("HORA_TIMELINE") or environ.get("HOROVOD_TIMELINE")
-    if path and path != "DYNAMIC":  # Horovod's DYNAMIC: started later by start_timeline()
-        from hora.torch import timeline
-
-        timeline.start_timeline(path)
-    if process_sets:
-        from hora.torch._process_sets import add_initial
-
-        add_initial(process_sets)
-
-
-# A script that exits without shutdown() (or by an exception) waits this long at most for the
-# other ranks' timeline parts before rank 0 merges; the hora run launcher merges the rest.
-_EXIT_TIMELINE_WAIT_S = 2.0
+    for hook in _INIT_HOOKS:  # the timeline starts, then init(process_sets=...) adds its sets
+        hook(environ, process_sets)
 
 
 def _stop_heartbeat(state: State) -> None:
@@ -628,10 +644,8 @@ def _at_exit() -> None:
     state = _STATE
     if state is None:
         return
-    from hora.torch import timeline
-
-    if timeline.enabled():
-        timeline.stop_timeline(_wait_s=_EXIT_TIMELINE_WAIT_S)
+    for stop in _STOP_HOOKS:
+        stop(True)
     _stop_heartbeat(state)
     _STATE = None
     _release(state, graceful=False)
@@ -652,11 +666,10 @@ def _drop_broken() -> None:
     if state is None:
         return
     log.warning("hora.torch: the last collective failed; init() starts a new world")
-    from hora.torch._handles import release_all
-
     _stop_heartbeat(state)
     _STATE = None
-    release_all()
+    for release in _RELEASE_HOOKS:
+        release()
     _release(state, graceful=False)
     _await_host_close(state, 0.0)
     if state.rdzv_file is not None:
@@ -675,15 +688,12 @@ def shutdown() -> None:
     state = _STATE
     if state is None:
         return
-    from hora.torch import timeline
-
-    if timeline.enabled():
-        timeline.stop_timeline()
+    for stop in _STOP_HOOKS:
+        stop(False)
     _stop_heartbeat(state)
     _STATE = None
-    from hora.torch._handles import release_all
-
-    release_all()
+    for release in _RELEASE_HOOKS:
+        release()
     _release(state, graceful=not state.broken)  # a failed world may never finish its work
     if state.rdzv_file is not None:
         state.rdzv_file.unlink(missing_ok=True)

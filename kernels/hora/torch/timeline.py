@@ -14,16 +14,21 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 from hora.timeline_merge import merge_parts, part_path
+from hora.torch import _state
 
 __all__ = ["enabled", "merge_parts", "now_ns", "record", "start_timeline", "stop_timeline"]
 
 # perf_counter_ns values are far below this; wall-clock time_ns values (since 1970) are above.
 _WALL_NS_MIN = 10**17
 _STOP_WAIT_S = 10.0
+# A script that exits without shutdown() (or by an exception) waits this long at most for the
+# other ranks' timeline parts before rank 0 merges; the hora run launcher merges the rest.
+_EXIT_WAIT_S = 2.0
 
 
 class _Writer:
@@ -134,8 +139,6 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
         >>> hvd.start_timeline("/tmp/timeline.json")
     """
     global _writer
-    from hora.torch import _state
-
     state = _state.require_init("start_timeline")
     if _writer is not None:
         stop_timeline()
@@ -165,8 +168,6 @@ def stop_timeline(*, _wait_s: float = _STOP_WAIT_S) -> None:
         >>> hvd.stop_timeline()
     """
     global _writer
-    from hora.torch import _state
-
     w, _writer = _writer, None
     if w is None:
         return
@@ -176,3 +177,20 @@ def stop_timeline(*, _wait_s: float = _STOP_WAIT_S) -> None:
         _wait_all_stopped(state, str(w.path), _wait_s)
     if w.rank == 0:
         merge_parts(w.path)
+
+
+def _start_at_init(environ: Mapping[str, str], _process_sets: Sequence[Any] | None) -> None:
+    """``init()``'s hook: start the timeline that ``HORA_TIMELINE`` names."""
+    path = environ.get("HORA_TIMELINE") or environ.get("HOROVOD_TIMELINE")
+    if path and path != "DYNAMIC":  # Horovod's DYNAMIC: started later by start_timeline()
+        start_timeline(path)
+
+
+def _stop_at_shutdown(exiting: bool) -> None:
+    """``shutdown()``'s hook (and the exit's, which waits less for the other ranks' parts)."""
+    if enabled():
+        stop_timeline(_wait_s=_EXIT_WAIT_S if exiting else _STOP_WAIT_S)
+
+
+_state.register_init_hook(_start_at_init)
+_state.register_stop_hook(_stop_at_shutdown)
