@@ -30,10 +30,9 @@ from hora.errors import (
     UnsupportedError,
 )
 from hora.torch import _handles, _process_sets, timeline  # noqa: F401  (they hook into _state)
+from hora.torch._autograd import grouped_allgather, grouped_reducescatter
 from hora.torch._grouped import (
-    grouped_allgather,
     grouped_allgather_async,
-    grouped_reducescatter,
     grouped_reducescatter_async,
     sparse_allreduce_async,
 )

@@ -1,8 +1,10 @@
 """Autograd for the out-of-place collectives, with Horovod's backward rules (data plane).
 
-When an input requires grad (and grad mode is on), the public collectives run through these
-Functions so that gradients flow back. Each backward is itself made of the public
-collectives, on the same process set as the forward:
+The public out-of-place collectives live here too (re-exported by :mod:`hora.torch.mpi_ops`):
+when an input requires grad (and grad mode is on), they run through these Functions so that
+gradients flow back; otherwise through the ops layer (:mod:`hora.torch._ops`,
+:mod:`~hora.torch._gather`, :mod:`~hora.torch._grouped`). Each backward is itself made of the
+public collectives, on the same process set as the forward:
 
 - allreduce: the allreduce of the gradient, with the same op and scale factors;
 - allgather: the gradient averaged over the ranks, then this rank's rows;
@@ -24,22 +26,18 @@ from typing import Any
 import torch
 
 from hora.torch import _state
-from hora.torch._gather import allgather, alltoall_async, reducescatter_async
-from hora.torch._grouped import (
-    grouped_allgather,
-    grouped_allgather_async,
-    grouped_reducescatter_async,
-)
-from hora.torch._process_sets import ProcessSet
-from hora.torch.compression import Compression
-from hora.torch.mpi_ops import (
+from hora.torch._gather import allgather_async, alltoall_async, reducescatter_async
+from hora.torch._grouped import grouped_allgather_async, grouped_reducescatter_async
+from hora.torch._ops import (
     Average,
     Sum,
-    allreduce,
+    _allreduce,
     broadcast_async,
-    grouped_allreduce,
+    grouped_allreduce_async,
     synchronize,
 )
+from hora.torch._process_sets import ProcessSet, comm_of, global_process_set
+from hora.torch.compression import Compression
 
 Grads = tuple[torch.Tensor | None, ...]
 
@@ -266,3 +264,297 @@ class GroupedReducescatterFn(torch.autograd.Function):
         gathered = grouped_allgather(list(grads), process_set=ps)
         return (None,) * 5 + tuple(_scaled(g, factor) for g in gathered)
 
+
+# The public out-of-place collectives: through the Functions above when an input requires grad.
+
+
+def allreduce(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    compression: Any = Compression.none,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
+    """Reduce a tensor over all ranks; the input is not modified.
+
+    Args:
+        tensor: the tensor to reduce; same shape and dtype on every rank.
+        average: deprecated Horovod flag; use ``op``.
+        name: a name for error messages and the timeline.
+        compression: ``hvd.Compression.none`` (default), ``fp16`` or ``bf16``: compress before
+            sending, decompress the result.
+        op: Average (default), Sum, Min, Max or Product. Average of integer tensors truncates
+            toward zero.
+        prescale_factor: multiply before reducing.
+        postscale_factor: multiply after reducing (and averaging).
+        process_set: the process set to run on (default: every rank).
+
+    Returns:
+        A new tensor with the reduced values.
+
+    Raises:
+        NotInitializedError: before ``init()``.
+        TensorMismatchError: ranks passed different shapes or dtypes.
+        CollectiveTimeout: ranks never arrived within the timeout (named).
+        RankFailedError: a rank died (named).
+        UnsupportedError: op=Adasum or another process set.
+
+    Example:
+        >>> avg = hvd.allreduce(torch.tensor([float(hvd.rank())]), name="r")
+    """
+    plain = compression is None or compression is Compression.none
+    wire, ctx = (tensor, None) if plain else compression.compress(tensor)
+    if wire.requires_grad and torch.is_grad_enabled():
+        comm_of(process_set, "allreduce")
+        out = AllreduceFn.apply(
+            wire, average, name, op, prescale_factor, postscale_factor, process_set
+        )
+        return out if plain else compression.decompress(out, ctx)  # type: ignore[no-any-return]
+    h = _allreduce(
+        wire, False, average, name, op, prescale_factor, postscale_factor, process_set, sync=True
+    )
+    return h.wait() if plain else compression.decompress(h.wait(), ctx)  # type: ignore[no-any-return]
+
+
+def grouped_allreduce(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    compression: Any = Compression.none,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> list[torch.Tensor]:
+    """Reduce a list of tensors over all ranks in one fused collective (inputs unchanged).
+
+    Args:
+        tensors: the tensors; the same list of shapes and dtypes on every rank.
+        average: deprecated; use ``op``.
+        name: a name for errors and the timeline.
+        compression: as in :func:`allreduce`.
+        op: as in :func:`allreduce`.
+        prescale_factor: multiply before reducing.
+        postscale_factor: multiply after reducing.
+        process_set: the process set to run on (default: every rank).
+
+    Returns:
+        New tensors, one per input.
+
+    Example:
+        >>> a, b = hvd.grouped_allreduce([torch.ones(2), torch.zeros(3)], op=hvd.Sum)
+    """
+    plain = compression is None or compression is Compression.none
+    packed = [(t, None) if plain else compression.compress(t) for t in tensors]
+    wires = [p[0] for p in packed]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in wires):
+        comm_of(process_set, "grouped_allreduce")
+        out = list(
+            GroupedAllreduceFn.apply(
+                average, name, op, prescale_factor, postscale_factor, process_set, *wires
+            )
+        )
+    else:
+        out = synchronize(
+            grouped_allreduce_async(
+                wires, average, name, op, prescale_factor, postscale_factor, process_set
+            )
+        )
+    if plain:
+        return out
+    return [compression.decompress(o, p[1]) for o, p in zip(out, packed, strict=True)]
+
+
+def broadcast(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
+    """Return root's ``tensor`` on every rank (the input is not modified).
+
+    Args:
+        tensor: same shape and dtype on every rank.
+        root_rank: the rank whose values everyone receives.
+        name: a name for errors and the timeline.
+        process_set: the process set to run on (default: every rank).
+
+    Returns:
+        A new tensor holding root's values.
+
+    Raises:
+        ValueError: root_rank outside the world.
+        TensorMismatchError: shapes or dtypes differ across ranks.
+
+    Example:
+        >>> w = hvd.broadcast(torch.randn(3), root_rank=0, name="w")
+    """
+    if tensor.requires_grad and torch.is_grad_enabled():
+        comm_of(process_set, "broadcast")
+        return BroadcastFn.apply(tensor, root_rank, name, process_set)  # type: ignore[no-any-return]
+    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+
+
+def allgather(
+    tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> torch.Tensor:
+    """Concatenate every rank's tensor along the first dimension (which may differ by rank).
+
+    Args:
+        tensor: same dtype and trailing dimensions on every rank.
+        name: a name for errors and the timeline.
+        process_set: the process set to run on (default: every rank).
+
+    Returns:
+        A new tensor: rank 0's rows, then rank 1's, ...
+
+    Raises:
+        TensorMismatchError: dtype or trailing dimensions differ across ranks.
+
+    Example:
+        >>> everyone = hvd.allgather(torch.full((hvd.rank() + 1, 2), hvd.rank()))
+    """
+    if tensor.requires_grad and torch.is_grad_enabled():
+        comm_of(process_set, "allgather")
+        return AllgatherFn.apply(tensor, name, process_set)  # type: ignore[no-any-return]
+    return synchronize(allgather_async(tensor, name, process_set))
+
+
+def alltoall(
+    tensor: torch.Tensor,
+    splits: Sequence[int] | torch.Tensor | None = None,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Any:
+    """Send rows ``splits[i]`` of ``tensor`` to rank i, and receive every rank's rows for us.
+
+    Args:
+        tensor: the rows to scatter (first dimension = sum of splits).
+        splits: rows for each rank, in rank order; default an equal split.
+        name: a name for errors and the timeline.
+        process_set: the process set to run on (default: every rank).
+
+    Returns:
+        The received tensor (rank order); with ``splits`` given, the pair
+        ``(tensor, received_splits)`` like Horovod (received_splits: int32, one per rank).
+
+    Raises:
+        ValueError: bad splits, or an equal split that does not divide the first dimension.
+        TensorMismatchError: dtype or trailing dimensions differ across ranks.
+
+    Example:
+        >>> out, got = hvd.alltoall(x, splits=[1, 3])
+    """
+    if tensor.requires_grad and torch.is_grad_enabled():
+        out, got = AlltoallFn.apply(tensor, splits, name, process_set)
+    else:
+        out, got = synchronize(alltoall_async(tensor, splits, name, process_set))
+    return out if splits is None else (out, got)
+
+
+def reducescatter(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: int = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    compression: Any = Compression.none,
+) -> torch.Tensor:
+    """Reduce over all ranks, then give rank r its block of rows (Horovod's split).
+
+    The first dimension is split in rank order; when it does not divide evenly, the first
+    ``rows % size`` ranks get one extra row.
+
+    Args:
+        tensor: same shape and dtype on every rank.
+        name: a name for errors and the timeline.
+        op: Average (default), Sum, Min, Max or Product.
+        process_set: the process set to run on (default: every rank).
+        prescale_factor: multiply before reducing.
+        postscale_factor: multiply after reducing.
+        compression: as in :func:`hora.torch.allreduce`.
+
+    Returns:
+        This rank's block of the reduced tensor.
+
+    Raises:
+        ValueError: for a scalar (0-d) tensor, on every rank alike (before any communication).
+
+    Example:
+        >>> block = hvd.reducescatter(torch.ones(4, 2), op=hvd.Sum)
+    """
+    plain = compression is None or compression is Compression.none
+    wire, ctx = (tensor, None) if plain else compression.compress(tensor)
+    if wire.requires_grad and torch.is_grad_enabled():
+        out = ReducescatterFn.apply(wire, name, op, process_set, prescale_factor, postscale_factor)
+    else:
+        out = synchronize(
+            reducescatter_async(wire, name, op, process_set, prescale_factor, postscale_factor)
+        )
+    return out if plain else compression.decompress(out, ctx)
+
+
+def grouped_allgather(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> list[torch.Tensor]:
+    """Allgather each tensor of a list (Horovod's grouped form); return the list of results.
+
+    Args:
+        tensors: the tensors; each follows :func:`hora.torch.allgather`'s rules.
+        name: a name for errors and the timeline (member i is named ``name.i``).
+        process_set: the process set to run on (default: every rank).
+
+    Returns:
+        One gathered tensor per input, in order.
+
+    Example:
+        >>> outs = hvd.grouped_allgather([torch.ones(2), torch.zeros(3, 1)])
+    """
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return list(GroupedAllgatherFn.apply(name, process_set, *tensors))
+    return synchronize(grouped_allgather_async(tensors, name, process_set))  # type: ignore[no-any-return]
+
+
+def grouped_reducescatter(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    op: int = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[torch.Tensor]:
+    """Reducescatter each tensor of a list (Horovod's grouped form).
+
+    Args:
+        tensors: the tensors; each follows :func:`hora.torch.reducescatter`'s rules.
+        name: a name for errors and the timeline (member i is named ``name.i``).
+        op: Average (default), Sum, Min, Max or Product.
+        process_set: the process set to run on (default: every rank).
+        prescale_factor: multiply before reducing.
+        postscale_factor: multiply after reducing.
+
+    Returns:
+        This rank's block of each reduced tensor, in order.
+
+    Raises:
+        ValueError: for a scalar (0-d) tensor, which has no rows to scatter.
+
+    Example:
+        >>> blocks = hvd.grouped_reducescatter([torch.ones(4, 2), torch.ones(6)], op=hvd.Sum)
+    """
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return list(
+            GroupedReducescatterFn.apply(
+                name, op, process_set, prescale_factor, postscale_factor, *tensors
+            )
+        )
+    handle = grouped_reducescatter_async(
+        tensors, name, op, process_set, prescale_factor, postscale_factor
+    )
+    return synchronize(handle)  # type: ignore[no-any-return]

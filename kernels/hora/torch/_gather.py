@@ -1,4 +1,4 @@
-"""allgather, alltoall and reducescatter with Horovod's semantics (data plane).
+"""allgather, alltoall and reducescatter with Horovod's semantics, without autograd (data plane).
 
 These need every rank's first dimension (or splits) before the data moves, so they first
 all_gather a small int64 row per rank on the gloo side group; the same row carries the
@@ -16,9 +16,7 @@ import torch.distributed as dist
 from hora.torch import _handles
 from hora.torch._engine import Comm, begin, refusal, submit
 from hora.torch._handles import Handle, guarded, signature
-from hora.torch._process_sets import ProcessSet, comm_of, global_process_set
-from hora.torch.compression import Compression
-from hora.torch.mpi_ops import (
+from hora.torch._ops import (
     _OPC_ALLGATHER,
     _OPC_ALLTOALL,
     _OPC_RSCATTER,
@@ -27,8 +25,8 @@ from hora.torch.mpi_ops import (
     _average,
     _resolve_op,
     _scale,
-    synchronize,
 )
+from hora.torch._process_sets import ProcessSet, comm_of, global_process_set
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns)
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -93,32 +91,6 @@ def allgather_async(
     return submit(comm, "allgather", name, key, [src.shape[0]], launch, nbytes)
 
 
-def allgather(
-    tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
-) -> torch.Tensor:
-    """Concatenate every rank's tensor along the first dimension (which may differ by rank).
-
-    Args:
-        tensor: same dtype and trailing dimensions on every rank.
-        name: a name for errors and the timeline.
-        process_set: the process set to run on (default: every rank).
-
-    Returns:
-        A new tensor: rank 0's rows, then rank 1's, ...
-
-    Raises:
-        TensorMismatchError: dtype or trailing dimensions differ across ranks.
-
-    Example:
-        >>> everyone = hvd.allgather(torch.full((hvd.rank() + 1, 2), hvd.rank()))
-    """
-    if tensor.requires_grad and torch.is_grad_enabled():
-        from hora.torch._autograd import AllgatherFn
-
-        comm_of(process_set, "allgather")
-        return AllgatherFn.apply(tensor, name, process_set)  # type: ignore[no-any-return]
-    return synchronize(allgather_async(tensor, name, process_set))
-
 
 def _check_splits(splits: Any, rows: int, size: int) -> list[int]:
     if splits is None:
@@ -168,39 +140,6 @@ def alltoall_async(
     return submit(comm, "alltoall", name, key, send, launch, src.numel() * src.element_size())
 
 
-def alltoall(
-    tensor: torch.Tensor,
-    splits: Sequence[int] | torch.Tensor | None = None,
-    name: str | None = None,
-    process_set: ProcessSet = global_process_set,
-) -> Any:
-    """Send rows ``splits[i]`` of ``tensor`` to rank i, and receive every rank's rows for us.
-
-    Args:
-        tensor: the rows to scatter (first dimension = sum of splits).
-        splits: rows for each rank, in rank order; default an equal split.
-        name: a name for errors and the timeline.
-        process_set: the process set to run on (default: every rank).
-
-    Returns:
-        The received tensor (rank order); with ``splits`` given, the pair
-        ``(tensor, received_splits)`` like Horovod (received_splits: int32, one per rank).
-
-    Raises:
-        ValueError: bad splits, or an equal split that does not divide the first dimension.
-        TensorMismatchError: dtype or trailing dimensions differ across ranks.
-
-    Example:
-        >>> out, got = hvd.alltoall(x, splits=[1, 3])
-    """
-    if tensor.requires_grad and torch.is_grad_enabled():
-        from hora.torch._autograd import AlltoallFn
-
-        out, got = AlltoallFn.apply(tensor, splits, name, process_set)
-    else:
-        out, got = synchronize(alltoall_async(tensor, splits, name, process_set))
-    return out if splits is None else (out, got)
-
 
 def reducescatter_async(
     tensor: torch.Tensor,
@@ -245,47 +184,3 @@ def reducescatter_async(
 
     return submit(comm, "reducescatter", name, key, [], launch, buf.numel() * buf.element_size())
 
-
-def reducescatter(
-    tensor: torch.Tensor,
-    name: str | None = None,
-    op: int = Average,
-    process_set: ProcessSet = global_process_set,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    compression: Any = Compression.none,
-) -> torch.Tensor:
-    """Reduce over all ranks, then give rank r its block of rows (Horovod's split).
-
-    The first dimension is split in rank order; when it does not divide evenly, the first
-    ``rows % size`` ranks get one extra row.
-
-    Args:
-        tensor: same shape and dtype on every rank.
-        name: a name for errors and the timeline.
-        op: Average (default), Sum, Min, Max or Product.
-        process_set: the process set to run on (default: every rank).
-        prescale_factor: multiply before reducing.
-        postscale_factor: multiply after reducing.
-        compression: as in :func:`hora.torch.allreduce`.
-
-    Returns:
-        This rank's block of the reduced tensor.
-
-    Raises:
-        ValueError: for a scalar (0-d) tensor, on every rank alike (before any communication).
-
-    Example:
-        >>> block = hvd.reducescatter(torch.ones(4, 2), op=hvd.Sum)
-    """
-    plain = compression is None or compression is Compression.none
-    wire, ctx = (tensor, None) if plain else compression.compress(tensor)
-    if wire.requires_grad and torch.is_grad_enabled():
-        from hora.torch._autograd import ReducescatterFn
-
-        out = ReducescatterFn.apply(wire, name, op, process_set, prescale_factor, postscale_factor)
-    else:
-        out = synchronize(
-            reducescatter_async(wire, name, op, process_set, prescale_factor, postscale_factor)
-        )
-    return out if plain else compression.decompress(out, ctx)

@@ -13,9 +13,10 @@ from typing import Any
 import torch
 
 from hora.torch._engine import GroupHandle
+from hora.torch._gather import allgather_async, reducescatter_async
 from hora.torch._handles import Handle
+from hora.torch._ops import Average, Sum, synchronize
 from hora.torch._process_sets import ProcessSet, global_process_set
-from hora.torch.mpi_ops import Average, Sum, allgather_async, reducescatter_async, synchronize
 
 
 def _group(op: str, name: str | None, handles: list[Handle]) -> Handle:
@@ -42,30 +43,6 @@ def grouped_allgather_async(
     return _group("grouped_allgather", name, handles)
 
 
-def grouped_allgather(
-    tensors: Sequence[torch.Tensor],
-    name: str | None = None,
-    process_set: ProcessSet = global_process_set,
-) -> list[torch.Tensor]:
-    """Allgather each tensor of a list (Horovod's grouped form); return the list of results.
-
-    Args:
-        tensors: the tensors; each follows :func:`hora.torch.allgather`'s rules.
-        name: a name for errors and the timeline (member i is named ``name.i``).
-        process_set: the process set to run on (default: every rank).
-
-    Returns:
-        One gathered tensor per input, in order.
-
-    Example:
-        >>> outs = hvd.grouped_allgather([torch.ones(2), torch.zeros(3, 1)])
-    """
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        from hora.torch._autograd import GroupedAllgatherFn
-
-        return list(GroupedAllgatherFn.apply(name, process_set, *tensors))
-    return synchronize(grouped_allgather_async(tensors, name, process_set))  # type: ignore[no-any-return]
-
 
 def grouped_reducescatter_async(
     tensors: Sequence[torch.Tensor],
@@ -82,46 +59,6 @@ def grouped_reducescatter_async(
     ]
     return _group("grouped_reducescatter", name, handles)
 
-
-def grouped_reducescatter(
-    tensors: Sequence[torch.Tensor],
-    name: str | None = None,
-    op: int = Average,
-    process_set: ProcessSet = global_process_set,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-) -> list[torch.Tensor]:
-    """Reducescatter each tensor of a list (Horovod's grouped form).
-
-    Args:
-        tensors: the tensors; each follows :func:`hora.torch.reducescatter`'s rules.
-        name: a name for errors and the timeline (member i is named ``name.i``).
-        op: Average (default), Sum, Min, Max or Product.
-        process_set: the process set to run on (default: every rank).
-        prescale_factor: multiply before reducing.
-        postscale_factor: multiply after reducing.
-
-    Returns:
-        This rank's block of each reduced tensor, in order.
-
-    Raises:
-        ValueError: for a scalar (0-d) tensor, which has no rows to scatter.
-
-    Example:
-        >>> blocks = hvd.grouped_reducescatter([torch.ones(4, 2), torch.ones(6)], op=hvd.Sum)
-    """
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        from hora.torch._autograd import GroupedReducescatterFn
-
-        return list(
-            GroupedReducescatterFn.apply(
-                name, op, process_set, prescale_factor, postscale_factor, *tensors
-            )
-        )
-    handle = grouped_reducescatter_async(
-        tensors, name, op, process_set, prescale_factor, postscale_factor
-    )
-    return synchronize(handle)  # type: ignore[no-any-return]
 
 
 def sparse_allreduce_async(

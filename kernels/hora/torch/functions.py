@@ -20,17 +20,10 @@ import torch.distributed as dist
 from hora.errors import TensorMismatchError
 from hora.torch import _state
 from hora.torch._engine import launch_planned
+from hora.torch._objects import allgather_object, broadcast_object
+from hora.torch._ops import Average, Max, Min, Sum, allreduce_
 from hora.torch._process_sets import comm_of, global_process_set
 from hora.torch._stall import wait_work
-from hora.torch.mpi_ops import (
-    Average,
-    Max,
-    Min,
-    Sum,
-    allgather_object,
-    allreduce_,
-    broadcast_object,
-)
 from hora.torch.optimizer import local_step
 
 __all__ = [

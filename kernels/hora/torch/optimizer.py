@@ -32,10 +32,10 @@ from hora.torch import _state, timeline
 from hora.torch._engine import launch_planned
 from hora.torch._grouped import sparse_allreduce_async
 from hora.torch._handles import hold_works
+from hora.torch._ops import Adasum, Average, Sum
 from hora.torch._process_sets import comm_of, global_process_set
 from hora.torch._stall import wait_work
 from hora.torch.compression import Compression, cast_dtype
-from hora.torch.mpi_ops import Adasum, Average, Sum
 
 __all__ = ["DistributedOptimizer", "GradientCountError", "fusion_threshold_bytes"]
 

@@ -1,0 +1,418 @@
+"""The reduce ops, the shared helpers and allreduce / broadcast without autograd (data plane).
+
+Horovod's reduce-op values, :func:`synchronize` and :func:`poll`, and the allreduce and
+broadcast forms that need no autograd: ``_async`` forms return a handle, ``_`` forms work in
+place. The differentiable out-of-place forms are in :mod:`hora.torch._autograd`; every public
+name is re-exported by :mod:`hora.torch.mpi_ops`. Each collective runs on its process set's
+group once every member submitted its name: the ranks negotiate on a gloo side group first
+(:mod:`hora.torch._engine`), so ranks passing different tensors get
+:class:`~hora.errors.TensorMismatchError` instead of garbage, a hang or a gloo abort.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hora.errors import UnsupportedError
+from hora.torch import _engine, _handles, timeline
+from hora.torch._engine import Comm, GroupHandle, begin, refusal, submit
+from hora.torch._handles import Handle, guarded, signature
+from hora.torch._process_sets import ProcessSet, comm_of, global_process_set
+
+# Horovod's reduce-op values.
+Average = 0
+Sum = 1
+Adasum = 2
+Min = 3
+Max = 4
+Product = 5
+
+_TORCH_OPS = {
+    Average: dist.ReduceOp.SUM,
+    Sum: dist.ReduceOp.SUM,
+    Min: dist.ReduceOp.MIN,
+    Max: dist.ReduceOp.MAX,
+    Product: dist.ReduceOp.PRODUCT,
+}
+_OPC_ALLREDUCE, _OPC_BROADCAST, _OPC_ALLGATHER, _OPC_ALLTOALL, _OPC_RSCATTER = 1, 2, 3, 4, 5
+
+
+def _resolve_op(op: int | None, average: bool | None) -> int:
+    if op is not None and average is not None:
+        raise ValueError("pass either op= or the deprecated average=, not both")
+    if op is None:
+        op = Sum if average is False else Average
+    if op == Adasum:
+        raise UnsupportedError("op=Adasum is not supported by hora.torch; use Average or Sum")
+    if op not in _TORCH_OPS:
+        raise ValueError(f"op={op!r} is not one of Average, Sum, Min, Max, Product")
+    return op
+
+
+def _scale(t: torch.Tensor, factor: float) -> None:
+    """Multiply in place; integer tensors truncate toward zero like Horovod's ScaleBuffer."""
+    if factor == 1.0:
+        return
+    if t.is_floating_point() or t.is_complex():
+        t.mul_(factor)
+    else:
+        t.copy_(torch.trunc(t.double() * factor))
+
+
+def _average(t: torch.Tensor, n: int, postscale: float) -> None:
+    if t.is_floating_point() or t.is_complex():
+        if postscale == 1.0:
+            t.div_(n)
+        else:
+            t.mul_(postscale / n)
+        return
+    t.copy_(torch.div(t, n, rounding_mode="trunc"))
+    _scale(t, postscale)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _allreduce_buffer(
+    comm: Comm,
+    out: torch.Tensor,
+    src: torch.Tensor | None,
+    name: str,
+    op: int,
+    pre: float,
+    post: float,
+    op_name: str = "allreduce",
+    ret: torch.Tensor | None = None,
+    key: tuple[int, ...] | None = None,
+) -> Handle:
+    """Reduce ``out`` in place (contiguous); copy into ``src`` at the end when it is a view.
+
+    The handle's result is ``ret`` when given (the caller's tensor for in-place forms).
+    """
+    key = key or signature(_OPC_ALLREDUCE, op, out.dtype, out.shape)
+
+    def launch(_rows: Any) -> tuple[list[Any], Any]:
+        _scale(out, pre)
+        wire = _handles.widen(out)
+        work = None
+        if out.numel() and comm.size > 1:
+            work = dist.all_reduce(wire, op=_TORCH_OPS[op], group=comm.group, async_op=True)
+
+        def finish() -> torch.Tensor:
+            if wire is not out:
+                out.copy_(wire)
+            if op == Average:
+                _average(out, comm.size, post)
+            else:
+                _scale(out, post)
+            if src is not None:
+                src.copy_(out)
+            return out if ret is None else ret
+
+        return [work], finish
+
+    return submit(comm, op_name, name, key, [], launch, _nbytes(out))
+
+
+def _serve_allreduce(comm: Comm, key: Sequence[int], _rows: Any) -> list[Any]:
+    """A joined rank's part of an allreduce: zeros."""
+    zeros = _handles.widen(torch.zeros(_handles.key_shape(key), dtype=_handles.key_dtype(key)))
+    return [dist.all_reduce(zeros, op=_TORCH_OPS[key[1]], group=comm.group, async_op=True)]
+
+
+def allreduce_async(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> Handle:
+    """Start reducing ``tensor`` over all ranks without changing it; see :func:`allreduce`.
+
+    Returns:
+        A handle for :func:`synchronize` (which returns the reduced tensor) or :func:`poll`.
+    """
+    return _allreduce(
+        tensor, False, average, name, op, prescale_factor, postscale_factor, process_set, sync=False
+    )
+
+
+def allreduce_async_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> Handle:
+    """Start reducing ``tensor`` in place over all ranks; see :func:`allreduce`.
+
+    Returns:
+        A handle; :func:`synchronize` returns ``tensor`` holding the result.
+    """
+    return _allreduce(
+        tensor, True, average, name, op, prescale_factor, postscale_factor, process_set, sync=False
+    )
+
+
+def _allreduce(
+    tensor: torch.Tensor,
+    inplace: bool,
+    average: bool | None,
+    name: str | None,
+    op: int | None,
+    pre: float,
+    post: float,
+    process_set: ProcessSet,
+    sync: bool = False,
+) -> Handle:
+    comm = comm_of(process_set, "allreduce")
+    state, name = begin(comm, "allreduce", name)
+    with refusal(comm, "allreduce", name):
+        op = _resolve_op(op, average)
+    t = tensor.detach()
+    if not inplace:
+        buf = t.clone(memory_format=torch.contiguous_format)
+        return _allreduce_buffer(comm, buf, None, name, op, pre, post)
+    if t.is_contiguous():
+        return _allreduce_buffer(comm, t, None, name, op, pre, post, ret=tensor)
+    return _allreduce_buffer(comm, t.contiguous(), t, name, op, pre, post, ret=tensor)
+
+
+
+def allreduce_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
+    """Reduce a tensor over all ranks in place; see :func:`allreduce`.
+
+    Returns:
+        ``tensor``, now holding the reduced values.
+
+    Example:
+        >>> hvd.allreduce_(t, op=hvd.Sum)
+    """
+    h = _allreduce(
+        tensor, True, average, name, op, prescale_factor, postscale_factor, process_set, sync=True
+    )
+    return h.wait()  # type: ignore[no-any-return]
+
+
+def _grouped(
+    tensors: Sequence[torch.Tensor],
+    inplace: bool,
+    average: bool | None,
+    name: str | None,
+    op: int | None,
+    pre: float,
+    post: float,
+    process_set: ProcessSet,
+) -> Handle:
+    comm = comm_of(process_set, "grouped_allreduce")
+    state, name = begin(comm, "grouped_allreduce", name)
+    with refusal(comm, "grouped_allreduce", name):
+        op = _resolve_op(op, average)
+    tensors = list(tensors)
+    if not tensors:
+        return Handle("grouped_allreduce", name, [], list)
+    t0 = timeline.now_ns() if timeline.enabled() else 0
+    if len({t.dtype for t in tensors}) != 1:
+        return _grouped_per_tensor(tensors, inplace, name, op, pre, post, process_set)
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    if t0:
+        timeline.record(name, "MEMCPY_IN_FUSION_BUFFER", t0, timeline.now_ns(), _nbytes(flat))
+    shapes = [t.shape for t in tensors]
+    crc = zlib.crc32(repr([list(s) for s in shapes]).encode())
+    key = (*signature(_OPC_ALLREDUCE, op, flat.dtype, flat.shape)[:-1], crc)
+    inner = _allreduce_buffer(comm, flat, None, name, op, pre, post, "grouped_allreduce", key=key)
+
+    def split(out: torch.Tensor) -> list[torch.Tensor]:
+        pieces = [
+            p.view(s) for p, s in zip(out.split([s.numel() for s in shapes]), shapes, strict=True)
+        ]
+        if inplace:
+            for t, p in zip(tensors, pieces, strict=True):
+                t.detach().copy_(p)
+            return tensors
+        return pieces
+
+    return GroupHandle("grouped_allreduce", name, [inner], lambda: split(inner.wait()))
+
+
+def _grouped_per_tensor(
+    tensors: list[torch.Tensor],
+    inplace: bool,
+    name: str,
+    op: int,
+    pre: float,
+    post: float,
+    process_set: ProcessSet,
+) -> Handle:
+    fn = allreduce_async_ if inplace else allreduce_async
+    handles = [
+        fn(t, None, f"{name}.{i}", op, pre, post, process_set) for i, t in enumerate(tensors)
+    ]
+    return GroupHandle("grouped_allreduce", name, handles, lambda: [h.wait() for h in handles])
+
+
+def grouped_allreduce_async(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> Handle:
+    """Start reducing a list of tensors as one fused collective; see :func:`grouped_allreduce`."""
+    return _grouped(
+        tensors, False, average, name, op, prescale_factor, postscale_factor, process_set
+    )
+
+
+def grouped_allreduce_async_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> Handle:
+    """Start reducing a list of tensors in place as one fused collective."""
+    return _grouped(
+        tensors, True, average, name, op, prescale_factor, postscale_factor, process_set
+    )
+
+
+
+def grouped_allreduce_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> list[torch.Tensor]:
+    """Reduce a list of tensors in place in one fused collective; returns the same tensors."""
+    return synchronize(
+        grouped_allreduce_async_(
+            tensors, average, name, op, prescale_factor, postscale_factor, process_set
+        )
+    )
+
+
+def _broadcast(
+    tensor: torch.Tensor, root_rank: int, name: str | None, inplace: bool, process_set: ProcessSet
+) -> Handle:
+    comm = comm_of(process_set, "broadcast")
+    state, name = begin(comm, "broadcast", name)
+    with refusal(comm, "broadcast", name):
+        if not isinstance(root_rank, int) or root_rank not in comm.ranks:
+            where = (
+                f"the world of size {state.size}"
+                if comm.set_id == 0
+                else f"process set {comm.ranks}"
+            )
+            raise ValueError(f"root_rank={root_rank!r} is outside {where}")
+    src = tensor.detach()
+    direct = inplace and src.is_contiguous()
+    buf = src if direct else src.clone(memory_format=torch.contiguous_format)
+    key = signature(_OPC_BROADCAST, root_rank, buf.dtype, buf.shape)
+
+    def launch(_rows: Any) -> tuple[list[Any], Any]:
+        work = None
+        if buf.numel() and comm.size > 1:
+            work = guarded("broadcast", name, dist.broadcast, buf, src=root_rank,
+                           group=comm.group, async_op=True)  # fmt: skip
+
+        def finish() -> torch.Tensor:
+            if inplace and not direct:
+                src.copy_(buf)
+                return tensor
+            return tensor if direct else buf
+
+        return [work], finish
+
+    return submit(comm, "broadcast", name, key, [], launch, _nbytes(buf))
+
+
+def broadcast_async(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Handle:
+    """Start broadcasting root's ``tensor`` into a new tensor on every rank."""
+    return _broadcast(tensor, root_rank, name, False, process_set)
+
+
+def broadcast_async_(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Handle:
+    """Start broadcasting root's ``tensor`` into ``tensor`` on every rank."""
+    return _broadcast(tensor, root_rank, name, True, process_set)
+
+
+
+def broadcast_(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
+    """Overwrite ``tensor`` with root's values on every rank and return it."""
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+def synchronize(handle: Handle) -> Any:
+    """Wait for an async collective and return its result (Horovod's ``synchronize``).
+
+    Args:
+        handle: what an ``*_async`` function returned.
+
+    Returns:
+        The output tensor (a list for grouped forms, a pair for alltoall with splits).
+
+    Example:
+        >>> h = hvd.allreduce_async(t); out = hvd.synchronize(h)
+    """
+    if not isinstance(handle, Handle):
+        raise TypeError(
+            f"synchronize() expects a handle from an *_async call, got {type(handle).__name__}"
+        )
+    return handle.wait()
+
+
+def poll(handle: Handle) -> bool:
+    """Return True when the async collective behind ``handle`` has finished.
+
+    Example:
+        >>> while not hvd.poll(h): do_other_work()
+    """
+    if not isinstance(handle, Handle):
+        raise TypeError(
+            f"poll() expects a handle from an *_async call, got {type(handle).__name__}"
+        )
+    return handle.poll()
+
+
+_engine.SERVERS[_OPC_ALLREDUCE] = _serve_allreduce
