@@ -1,0 +1,84 @@
+"""hora.torch's modules import one way: state -> diagnosis -> launch -> ops -> API.
+
+Each module may import (at top level or inside a function) only modules of its own layer or
+of lower ones, and no two modules import each other, directly or around a loop. The upper
+layers hook into the lower ones instead (``_state.register_init_hook`` and friends).
+The same table is in README.md ("Layering").
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import hora.torch
+
+LAYERS: dict[str, tuple[str, ...]] = {
+    "state": ("_state", "compression"),
+    "diagnosis": ("_stall", "timeline"),
+    "launch": ("_handles", "_engine", "_process_sets"),
+    "ops": ("_ops", "_gather", "_objects", "_grouped"),
+    "api": ("_autograd", "mpi_ops", "functions", "optimizer", "sync_batch_norm", "__init__"),
+}
+RANK = {mod: i for i, mods in enumerate(LAYERS.values()) for mod in mods}
+PACKAGE = Path(hora.torch.__file__).parent
+
+
+def _imports(source: str) -> set[str]:
+    """The hora.torch modules ``source`` imports anywhere (top level or in a function)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == "hora.torch":
+                found.update(a.name for a in node.names)
+            elif node.module.startswith("hora.torch."):
+                found.add(node.module.split(".")[2])
+        elif isinstance(node, ast.Import):
+            found.update(
+                a.name.split(".")[2] for a in node.names if a.name.startswith("hora.torch.")
+            )
+    return {m for m in found if (PACKAGE / f"{m}.py").exists()}
+
+
+def _graph() -> dict[str, set[str]]:
+    return {p.stem: _imports(p.read_text()) - {p.stem} for p in sorted(PACKAGE.glob("*.py"))}
+
+
+def test_every_module_has_a_layer() -> None:
+    assert sorted(_graph()) == sorted(RANK)
+
+
+def test_no_module_imports_from_a_higher_layer() -> None:
+    upward = [
+        f"{mod} ({_layer(mod)}) imports {dep} ({_layer(dep)})"
+        for mod, deps in _graph().items()
+        for dep in sorted(deps)
+        if RANK[dep] > RANK[mod]
+    ]
+    assert not upward, upward
+
+
+def test_no_import_cycle() -> None:
+    graph = _graph()
+    done: set[str] = set()
+
+    def visit(mod: str, path: list[str]) -> None:
+        if mod in path:
+            raise AssertionError("import cycle: " + " -> ".join([*path, mod]))
+        if mod not in done:
+            for dep in sorted(graph[mod]):
+                visit(dep, [*path, mod])
+            done.add(mod)
+
+    for mod in graph:
+        visit(mod, [])
+
+
+def test_lazy_imports_are_seen() -> None:
+    """The scan finds imports inside functions, not only at the top."""
+    src = "def f():\n    from hora.torch import timeline\n    import hora.torch._engine\n"
+    assert _imports(src) == {"timeline", "_engine"}
+
+
+def _layer(mod: str) -> str:
+    return next(name for name, mods in LAYERS.items() if mod in mods)
