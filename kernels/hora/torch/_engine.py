@@ -368,10 +368,9 @@ def _exchange(comm: Comm, mine: list[int], op: str, name: str) -> list[list[int]
     head = mine[:_CAP]
     first[1 : 1 + len(head)] = torch.tensor(head, dtype=torch.int64)
     rows = [torch.empty_like(first) for _ in range(comm.size)]
-    work = _stall.run_guarded(
-        op, name, dist.all_gather, rows, first, group=comm.side, async_op=True
-    )
-    _stall.wait_work(work, op, name)
+    # blocking: the side group's own timeout (init's) bounds it, and on this machine a
+    # blocking all_gather costs a third of an async one plus a timed wait (270 vs 780 µs)
+    _stall.run_guarded(op, name, dist.all_gather, rows, first, group=comm.side)
     lengths = [int(r[0]) for r in rows]
     if max(lengths) <= _CAP:
         return [r[1 : 1 + n].tolist() for r, n in zip(rows, lengths, strict=True)]
@@ -379,8 +378,7 @@ def _exchange(comm: Comm, mine: list[int], op: str, name: str) -> list[list[int]
     full = torch.zeros(top, dtype=torch.int64)
     full[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
     big = [torch.empty_like(full) for _ in range(comm.size)]
-    work = _stall.run_guarded(op, name, dist.all_gather, big, full, group=comm.side, async_op=True)
-    _stall.wait_work(work, op, name)
+    _stall.run_guarded(op, name, dist.all_gather, big, full, group=comm.side)
     return [r[:n].tolist() for r, n in zip(big, lengths, strict=True)]
 
 
