@@ -187,3 +187,26 @@ def test_a_duplicate_in_flight_name_raises_on_its_rank_only(world: list[dict[str
         if rank == 0:
             assert d["second"]["type"] == "ValueError", d["second"]
             assert "'dup' is already in flight" in d["second"]["msg"]
+
+
+def _unnegotiated(rank: int, size: int) -> dict[str, Any]:
+    import time
+
+    import hora.torch as hvd
+    import torch
+
+    hvd.init()
+    if rank == 0:
+        time.sleep(0.3)
+    last = hvd.join()
+    total = hvd.allreduce(torch.full((2,), float(rank)), op=hvd.Sum).tolist()
+    hvd.shutdown()
+    return {"last": last, "total": total}
+
+
+def test_without_negotiation_calls_run_in_order_and_join_waits(run_world: Any) -> None:
+    """``HORA_CHECK_TENSORS=off``: no rounds; join still waits and names the last rank."""
+    out = run_world(__file__, "_unnegotiated", 2, env={**FAST_ENV, "HORA_CHECK_TENSORS": "off"})
+    for r in out:
+        assert r["last"] == 0, "rank 0 arrived 0.3 s late: it is the last to join"
+        assert r["total"] == [1.0, 1.0]

@@ -523,8 +523,13 @@ def _serve(comm: Comm, rows: list[tuple[bool, tuple[int, ...], list[int]] | None
 def join(comm: Comm) -> int:
     """Serve the other members' collectives until every member joined; return the last joiner."""
     state = _state.require_init("join")
-    if comm.size == 1 or not negotiate():
+    if comm.size == 1:
         return state.rank
+    if not negotiate():  # no serving: wait for every member, name the last to arrive
+        mine = torch.tensor([int(time.time() * 1e6), comm.index], dtype=torch.int64)
+        rows = [torch.empty_like(mine) for _ in range(comm.size)]
+        _stall.run_guarded("join", "", dist.all_gather, rows, mine, group=comm.side)
+        return comm.ranks[int(max(rows, key=lambda r: (int(r[0]), int(r[1])))[1])]
     comm.joined = True
     comm.joined_at = int(time.time() * 1e6)
     comm.last_joined = -1
