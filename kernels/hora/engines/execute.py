@@ -40,7 +40,7 @@ log = logging.getLogger("hora.engines")
 
 POLL_S = 0.2
 DEATH_GRACE_S = 5.0
-INTERRUPT_GRACE_S = 3.0
+INTERRUPT_GRACE_S = 5.0  # a loaded 2-core machine took over 3 s to answer a KeyboardInterrupt
 # how soon ranks still running are checked for a collective once another rank failed
 ERROR_STALL_S = 2.0
 # how long ranks released from a collective may take to end their cell
