@@ -33,27 +33,27 @@ _DTYPES = [
     torch.complex128,
 ]
 _DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
-_MAXDIM = 6
-SIG_LEN = 4 + _MAXDIM + 1
-_PAD = (-1,) * _MAXDIM
+MAXDIM = 6
+SIG_LEN = 4 + MAXDIM + 1
+_PAD = (-1,) * MAXDIM
 
 
 def signature(opcode: int, extra: int, dtype: torch.dtype, shape: Sequence[int]) -> tuple[int, ...]:
     """Encode (op, extra, dtype, shape) as SIG_LEN ints; long shapes go into a CRC slot."""
     ndim = len(shape)
-    if ndim <= _MAXDIM:
+    if ndim <= MAXDIM:
         return (opcode, extra, _DTYPE_CODE.get(dtype, 99), ndim, *shape, *_PAD[ndim:], 0)
     dims = list(shape)
-    tail = zlib.crc32(repr(dims[_MAXDIM:]).encode())
-    return (opcode, extra, _DTYPE_CODE.get(dtype, 99), ndim, *dims[:_MAXDIM], tail)
+    tail = zlib.crc32(repr(dims[MAXDIM:]).encode())
+    return (opcode, extra, _DTYPE_CODE.get(dtype, 99), ndim, *dims[:MAXDIM], tail)
 
 
 def describe(sig: Sequence[int]) -> str:
     """Render a signature for an error message: dtype and shape."""
     dtype = _DTYPES[sig[2]] if sig[2] < len(_DTYPES) else "other"
     ndim = sig[3]
-    shape = tuple(sig[4 : 4 + min(ndim, _MAXDIM)])
-    dots = "..." if ndim > _MAXDIM else ""
+    shape = tuple(sig[4 : 4 + min(ndim, MAXDIM)])
+    dots = "..." if ndim > MAXDIM else ""
     return f"{str(dtype).replace('torch.', '')}{list(shape)}{dots}"
 
 
@@ -65,7 +65,7 @@ def key_dtype(key: Sequence[int]) -> torch.dtype:
 def key_shape(key: Sequence[int]) -> list[int]:
     """Return the shape a signature names (up to six dimensions are kept exactly)."""
     ndim = key[3]
-    if ndim > _MAXDIM:
+    if ndim > MAXDIM:
         raise ValueError(f"a {ndim}-d tensor's shape is not kept in its signature")
     return list(key[4 : 4 + ndim])
 

@@ -213,9 +213,4 @@ def _add_at_init(_environ: Mapping[str, str], sets: Sequence[Any] | None) -> Non
         add_initial(sets)
 
 
-def check_process_set(ps: Any) -> None:
-    """Validate ``ps`` for a collective (kept for callers that only check)."""
-    comm_of(ps, "collective")
-
-
 _state.register_init_hook(_add_at_init)

@@ -91,7 +91,6 @@ class State:
     launcher: str
     owns_group: bool
     seq: int = 0
-    join_epoch: int = 0
     last_op: str = ""
     last_sig: int = 0
     broken: bool = False
@@ -806,7 +805,7 @@ def rebuild(master_port: int, start_timeout_s: float | None = None) -> None:
     fresh = _connect(world, state.backend, start_timeout_s or state.timeout_s, state.timeout_s)
     for name in _REBUILT_FIELDS:
         setattr(state, name, getattr(fresh, name))
-    state.seq, state.join_epoch, state.last_op, state.last_sig = 0, 0, "", 0
+    state.seq, state.last_op, state.last_sig = 0, "", 0
     state.comms = {}
     state._hb_stop = threading.Event()
     _start_heartbeat(state)
