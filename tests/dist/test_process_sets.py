@@ -77,6 +77,11 @@ def _join(hvd: Any, torch: Any, rank: int, size: int) -> dict[str, Any]:
             out["gather"] = {"type": "no error"}
         except Exception as e:  # noqa: BLE001
             out["gather"] = _err(e)
+        try:  # a joined rank cannot rebuild a 7-d shape from the 6 dimensions a signature keeps
+            hvd.allreduce(torch.ones([1] * 7), name="join.7d")
+            out["seven_d"] = {"type": "no error"}
+        except Exception as e:  # noqa: BLE001
+            out["seven_d"] = _err(e)
         out["join"] = hvd.join()
     out["after"] = hvd.allreduce(torch.ones(1), op=hvd.Sum, name="join.after").item()
     return out
@@ -177,6 +182,8 @@ def test_a_joined_rank_serves_allreduce_with_zeros(world: list[dict[str, Any]]) 
             assert j["served"] == [pytest.approx(expected)] * 4
             assert j["gather"]["type"] == "UnsupportedError", j["gather"]
             assert "joined" in j["gather"]["msg"]
+            assert j["seven_d"]["type"] == "UnsupportedError", j["seven_d"]
+            assert "7-d" in j["seven_d"]["msg"]
 
 
 def test_a_duplicate_in_flight_name_raises_on_its_rank_only(world: list[dict[str, Any]]) -> None:

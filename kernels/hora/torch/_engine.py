@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from hora.errors import CollectiveTimeout, HoraError, TensorMismatchError, UnsupportedError
 from hora.torch import _stall, _state, timeline
-from hora.torch._handles import SIG_LEN, Handle, describe
+from hora.torch._handles import MAXDIM, SIG_LEN, Handle, describe
 
 # A launcher gets every member's payload row (None for a member that joined and serves) and
 # returns the Works in flight and the finishing step (average, copy back) for the handle, and
@@ -382,16 +382,13 @@ def _exchange(comm: Comm, mine: list[int], op: str, name: str) -> list[list[int]
     return [r[:n].tolist() for r, n in zip(big, lengths, strict=True)]
 
 
-def run_round(comm: Comm, op: str = "", name: str = "") -> bool:
+def run_round(comm: Comm, op: str, name: str) -> bool:
     """Run one negotiation round on ``comm``; return whether anything was decided.
 
     ``op`` and ``name`` name the collective the caller waits for, in a timeout's error. When
     the round itself fails (a member never reached a hora call, or died), every pending
     collective of this rank fails with that error and the set leaves its joined state.
     """
-    if not op:
-        what = comm.pending[-1] if comm.pending else None
-        op, name = (what.kind, what.name) if what else ("join" if comm.joined else "round", "")
     try:
         tables = [_decode(r) for r in _exchange(comm, _encode(comm), op, name)]
     except BaseException as e:
@@ -494,6 +491,11 @@ def _verdict(
         return UnsupportedError(
             f"{kind} {name!r}: ranks {[comm.ranks[m] for m in joined]} have joined; as in "
             "Horovod, a joined rank serves allreduces only"
+        )
+    if joined and keys[0][3] > MAXDIM:  # the signature keeps six dimensions, not the shape
+        return UnsupportedError(
+            f"{kind} {name!r}: ranks {[comm.ranks[m] for m in joined]} have joined and cannot "
+            f"serve a {keys[0][3]}-d tensor (at most {MAXDIM} dimensions; reshape it)"
         )
     return None
 
