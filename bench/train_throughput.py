@@ -16,6 +16,8 @@ Rows, per shape:
   moves a ratio on this machine (not part of the target)
 * ``hora_fp16``: hvd.DistributedOptimizer(compression=hvd.Compression.fp16)
 * ``ddp_fp16``:  DDP with torch's ``fp16_compress_hook`` (hora_fp16's fair baseline)
+* ``hora_gloo``: hvd.DistributedOptimizer with its buckets on gloo, as ``HORA_SHM=off`` does
+  (the ``hora`` row reduces CPU buckets of same-host ranks through shared memory)
 * ``hora_before`` (with ``--before GIT_REF``): the DistributedOptimizer of that commit, loaded
   next to the current one, for before/after comparisons in the same processes
 
@@ -49,7 +51,7 @@ from typing import Any
 from _world import run_ranks
 
 TARGET = 1.0
-ROWS = ["ddp", "hora", "ddp_aa", "hora_fp16", "ddp_fp16"]
+ROWS = ["ddp", "hora", "ddp_aa", "hora_fp16", "ddp_fp16", "hora_gloo"]
 SHAPES = {"large": 64, "small": 64, "cnn": 32}  # shape -> batch per process
 FP16_TOL, FP32_TOL = 2e-3, 1e-5
 
@@ -120,6 +122,8 @@ class Runner:
                 hvd.DistributedOptimizer)
             comp = hvd.Compression.fp16 if kind == "hora_fp16" else hvd.Compression.none
             opt = wrap(opt, named_parameters=model.named_parameters(), compression=comp)
+            if kind == "hora_gloo":  # HORA_SHM=off's path, for this optimizer only
+                opt._hora._ring = lambda _wire: None  # noqa: SLF001
         return model, fwd, opt
 
     def run(self, kind: str, steps: int) -> tuple[float, float]:
@@ -295,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         "target": TARGET, "pass": ok, "ratios": ratios,
         "cpu_ratios": {s: round(r["hora"]["cpu"], 4) for s, r in rows.items()},
         "aa_ratios": {s: round(r["ddp_aa"]["ratio"], 4) for s, r in rows.items()},
+        "gloo_ratios": {s: round(r["hora_gloo"]["ratio"], 4) for s, r in rows.items()},
         "fp16_ratios": {s: round(r["hora_fp16"]["ratio"], 4) for s, r in rows.items()},
         "fp16_vs_ddp_fp16": {s: round(r["fp16_vs_ddp_fp16"]["ratio"], 4)
                              for s, r in rows.items()},

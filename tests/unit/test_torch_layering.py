@@ -16,7 +16,7 @@ import hora.torch
 LAYERS: dict[str, tuple[str, ...]] = {
     "state": ("_state", "compression"),
     "diagnosis": ("_stall", "timeline"),
-    "launch": ("_handles", "_engine", "_process_sets"),
+    "launch": ("_handles", "_shm", "_engine", "_process_sets"),
     "ops": ("_ops", "_gather", "_objects", "_grouped"),
     "api": ("_autograd", "mpi_ops", "functions", "optimizer", "sync_batch_norm", "__init__"),
 }

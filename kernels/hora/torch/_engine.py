@@ -106,6 +106,8 @@ class Comm:
         counters: per-op counters for unnamed collectives ("allreduce.noname.3").
         joined: this rank called ``join()`` and serves the others until all joined.
         joined_before: members seen joined in the last round (to name the last joiner).
+        shm: the members' shared-memory segment (:mod:`hora.torch._shm`), when they have one.
+        shm_decided: whether the members decided on ``shm`` yet (they do it once, together).
     """
 
     set_id: int
@@ -120,6 +122,8 @@ class Comm:
     joined_at: int = 0
     joined_before: frozenset[int] = frozenset()
     last_joined: int = -1
+    shm: Any = None
+    shm_decided: bool = False
 
     @property
     def size(self) -> int:

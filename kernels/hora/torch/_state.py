@@ -606,6 +606,9 @@ def _release(state: State, *, graceful: bool) -> None:
         groups = (comm.group, comm.side)
         held += [weakref.ref(g) for g in groups if isinstance(g, dist.ProcessGroup)]
         comm.group = comm.side = None
+        if comm.shm is not None:  # the shared-memory segment (hora.torch._shm.Ring)
+            comm.shm.close()
+            comm.shm = None
         comm.pending.clear()
         comm.inflight.clear()
     state.comms = {}

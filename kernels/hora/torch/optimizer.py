@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from hora.errors import HoraError
-from hora.torch import _state, timeline
+from hora.torch import _shm, _state, timeline
 from hora.torch._engine import launch_planned
 from hora.torch._grouped import sparse_allreduce_async
 from hora.torch._handles import hold_works
@@ -354,12 +354,24 @@ class _Reducer:
             return  # its one gradient is sparse: nothing dense to reduce
         if b.cast is None:
             b.wire, b.ctx = self.compression.compress(b.flat)
-        b.work = launch_planned("allreduce", b.names[0], dist.all_reduce, b.wire,
-                                group=self.comm.group, async_op=True)
+        ring = self._ring(b.wire)
+        if ring is not None:  # same host, CPU: through shared memory, run in bucket order
+            label = f"DistributedOptimizer.bucket{b.index}:{b.names[0]}"
+            b.work = launch_planned("allreduce", b.names[0], _shm.Work, ring, b.wire,
+                                    "allreduce", label)
+        else:
+            b.work = launch_planned("allreduce", b.names[0], dist.all_reduce, b.wire,
+                                    group=self.comm.group, async_op=True)
         if self.tl:
             b.t_launch = timeline.now_ns()
             b.work.get_future().add_done_callback(
                 lambda _f, b=b: setattr(b, "t_done", timeline.now_ns()))
+
+    def _ring(self, wire: torch.Tensor | None) -> Any:
+        """The process set's shared-memory segment for a CPU bucket (None: use the group)."""
+        if wire is None or wire.device.type != "cpu" or self.comm.size < 2:
+            return None
+        return _shm.ring_of(self.comm, "DistributedOptimizer")
 
     # -- synchronize ------------------------------------------------------------------------
     def synchronize(self) -> None:

@@ -1,0 +1,384 @@
+"""Same-host shared-memory allreduce for CPU tensors (data plane, launch layer).
+
+On CPU, gloo carries an allreduce between two processes of one machine over TCP loopback:
+every byte goes through the kernel's socket buffers, in chunks, on gloo's threads. When every
+member of a process set can map the same file in ``/dev/shm`` (they run on one host, in one
+IPC namespace), the DistributedOptimizer reduces its CPU gradient buckets through that file
+instead (MPI does the same within a node):
+
+1. each rank copies its bucket into its own slot;
+2. barrier; each rank sums one slice of every slot into its own slot (reduce-scatter);
+3. barrier; each rank copies every reduced slice into its bucket (allgather).
+
+Each slice is summed by exactly one rank and copied by all, so every rank ends with the same
+bits. Buckets larger than a slot go in chunks; consecutive chunks use alternate halves of the
+segment, so a rank that runs ahead never overwrites what a slower one still reads.
+
+A barrier is a per-rank counter in the segment. Next to it each rank writes what it reduces
+(element count, chunk, a checksum of name and dtype); members that reached different tensors
+all raise TensorMismatchError at the same point, still in step, instead of summing unrelated
+bytes. A wait spins briefly, then sleeps in growing steps, within the group timeout: a member
+whose process exited is named at once (RankFailedError), one that never arrives is named at
+the timeout (CollectiveTimeout).
+
+Used only where it is safe: x86-64 (its store order, plus a locked instruction before each
+counter store, makes a rank's data visible before its counter), CPU tensors, every member
+mapped the segment. Otherwise, or with ``HORA_SHM=off``, buckets go over gloo as before. The
+decision is taken together, once per process set, on the set's gloo side group. The file is
+unlinked as soon as every member has mapped it, so nothing is left in ``/dev/shm`` even when a
+process is killed.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import platform
+import secrets
+import threading
+import time
+import zlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hora.errors import CollectiveTimeout, HoraError, RankFailedError, TensorMismatchError
+from hora.torch import _state
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+MAGIC = 0x686F7261_73686D31  # "horashm1"
+LINE = 64  # one counter per cache line
+ALIGN = 4096
+SPIN = 400  # counter checks before the first sleep
+SLEEP_MAX_S = 1e-3
+PID_CHECK_S = 0.5
+# Total segment: 2 halves x members x slot. A slot of 4 MiB for 2 ranks (16 MiB in all),
+# never over 32 MiB in all (Docker's default /dev/shm is 64 MiB), never under 256 KiB.
+SEGMENT_BUDGET = 32 * 1024 * 1024
+SLOT_MAX = 4 * 1024 * 1024
+SLOT_MIN = 256 * 1024
+
+_FENCE = threading.Lock()
+
+
+def enabled(environ: dict[str, str] | None = None) -> bool:
+    """Whether this process offers the shared-memory path (``HORA_SHM``, the CPU, /dev/shm).
+
+    Args:
+        environ: the environment to read (default ``os.environ``).
+
+    Returns:
+        False when ``HORA_SHM`` is 0/off/false/no, the machine is not x86-64, or there is no
+        writable ``/dev/shm``.
+
+    Example:
+        >>> enabled({"HORA_SHM": "off"})
+        False
+    """
+    env = os.environ if environ is None else environ
+    if env.get("HORA_SHM", "").strip().lower() in ("0", "off", "false", "no"):
+        return False
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
+
+
+def slot_bytes(members: int) -> int:
+    """Bytes of one rank's slot in one half of the segment, for ``members`` ranks."""
+    per = SEGMENT_BUDGET // (2 * max(members, 1))
+    per = max(SLOT_MIN, min(SLOT_MAX, per))
+    return per - per % ALIGN
+
+
+def _header_bytes(members: int) -> int:
+    raw = LINE * (2 * members + 1)
+    return -(-raw // ALIGN) * ALIGN
+
+
+def _start_time(pid: int) -> int:
+    """The start time of a process (clock ticks since boot); -1 when it exited (or is a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return -1
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    if fields[0] in (b"Z", b"X"):  # exited, not yet reaped by its parent
+        return -1
+    return int(fields[19])
+
+
+class Ring:
+    """One process set's mapped segment on this rank, and the allreduce over it.
+
+    Args:
+        mm: the mapped segment.
+        ranks: the members' global ranks (slot ``i`` belongs to ``ranks[i]``).
+        index: this rank's position in ``ranks``.
+        slot: bytes per slot.
+    """
+
+    def __init__(self, mm: mmap.mmap, ranks: list[int], index: int, slot: int) -> None:
+        self.mm, self.ranks, self.index, self.slot = mm, ranks, index, slot
+        n = len(ranks)
+        self.header = _header_bytes(n)
+        self.ctl = memoryview(mm)[: self.header].cast("q")
+        step = LINE // 8
+        self.counter = [step * (1 + i) for i in range(n)]
+        self.pid_cell = [step * (1 + n + i) for i in range(n)]
+        self.others = [self.counter[i] for i in range(n) if i != index]
+        self.data = torch.frombuffer(mm, dtype=torch.uint8, offset=self.header,
+                                     count=2 * n * slot)
+        self.halves = [[self.data[(h * n + i) * slot : (h * n + i + 1) * slot] for i in range(n)]
+                       for h in (0, 1)]
+        self.epoch = 0
+        self.ops = 0
+        self.peers: dict[int, tuple[int, int]] = {}  # member index -> (pid, start time)
+
+    # -- set-up -------------------------------------------------------------------------------
+    def publish_pid(self) -> None:
+        """Write this process's pid and start time where the other members can read them."""
+        pid = os.getpid()
+        self.ctl[self.pid_cell[self.index]] = (pid << 32) | (_start_time(pid) & 0xFFFFFFFF)
+
+    def read_pids(self) -> None:
+        """Remember the members whose process this rank can see (same PID namespace)."""
+        for i, cell in enumerate(self.pid_cell):
+            if i == self.index:
+                continue
+            packed = self.ctl[cell]
+            pid, start = packed >> 32, packed & 0xFFFFFFFF
+            if pid > 0 and (_start_time(pid) & 0xFFFFFFFF) == start:
+                self.peers[i] = (pid, start)
+
+    def close(self) -> None:
+        """Unmap the segment (every view of it is dropped first)."""
+        self.halves = []
+        self.data = torch.empty(0, dtype=torch.uint8)
+        self.ctl.release()
+        try:
+            self.mm.close()
+        except BufferError:  # a view is still referenced (a traceback): freed with it
+            log.debug("shared-memory segment still referenced; unmapped when freed")
+
+    # -- allreduce ----------------------------------------------------------------------------
+    def allreduce_(self, t: torch.Tensor, op: str, name: str) -> None:
+        """Sum ``t`` (contiguous, CPU) over the members, in place.
+
+        Raises:
+            CollectiveTimeout: a member did not arrive within the group timeout (named).
+            RankFailedError: a member's process exited (named).
+        """
+        if self.mm.closed:
+            raise HoraError(f"{op} {name!r}: hora.torch was shut down while this was in flight")
+        flat = t.view(-1)
+        n, me = len(self.ranks), self.index
+        chunk = self.slot // t.element_size()
+        total = flat.numel()
+        sig = zlib.crc32(f"{name}|{t.dtype}".encode())
+        for start in range(0, total, chunk):
+            part = flat[start : start + chunk]
+            m = part.numel()
+            slots = [s.view(t.dtype)[:m] for s in self.halves[self.ops & 1]]
+            self.ops += 1
+            slots[me].copy_(part)
+            self._sign(total, start, sig)
+            self._barrier(op, name)
+            self._check_signs(op, name, total, start, sig)
+            lo, hi = _bounds(m, n, me)
+            if hi > lo:
+                acc = slots[me][lo:hi]
+                for j in range(n):
+                    if j != me:
+                        acc.add_(slots[j][lo:hi])
+            self._barrier(op, name)
+            for j in range(n):
+                a, b = _bounds(m, n, j)
+                if b > a:
+                    part[a:b].copy_(slots[j][a:b])
+
+    def _sign(self, total: int, start: int, sig: int) -> None:
+        """Publish what this rank reduces now (checked by every member after the barrier)."""
+        at = self.counter[self.index]
+        self.ctl[at + 1], self.ctl[at + 2], self.ctl[at + 3] = total, start, sig
+
+    def _check_signs(self, op: str, name: str, total: int, start: int, sig: int) -> None:
+        """Every member sees the same table, so every member raises alike, still in step."""
+        ctl, mine = self.ctl, (total, start, sig)
+        rows = [(ctl[c + 1], ctl[c + 2], ctl[c + 3]) for c in self.counter]
+        if all(r == mine for r in rows):
+            return
+        what = "; ".join(f"rank {self.ranks[i]}: {r[0]} elements" + (
+            f" (chunk at {r[1]})" if r[1] else "") for i, r in enumerate(rows))
+        raise TensorMismatchError(
+            op, name, "members reached different tensors (synchronize optimizers and reduce "
+            f"buckets in the same order on every rank): {what}", self.ranks)
+
+    def _barrier(self, op: str, name: str) -> None:
+        self.epoch += 1
+        e, ctl = self.epoch, self.ctl
+        with _FENCE:  # a locked instruction: the data stores above are visible first
+            pass
+        ctl[self.counter[self.index]] = e
+        others = self.others
+        for _ in range(SPIN):
+            if all(ctl[c] >= e for c in others):
+                return
+        self._wait(e, op, name)
+
+    def _wait(self, e: int, op: str, name: str) -> None:
+        state = _state.require_init(op)
+        t0 = time.monotonic()
+        deadline = t0 + state.timeout_s
+        next_check = t0 + PID_CHECK_S
+        nap = 2e-5
+        while True:
+            if all(self.ctl[c] >= e for c in self.others):
+                return
+            now = time.monotonic()
+            if now >= next_check:
+                self._check_peers(op, name, state)
+                next_check = now + PID_CHECK_S
+            if now >= deadline:
+                missing = [self.ranks[i] for i, c in enumerate(self.counter)
+                           if self.ctl[c] < e]
+                state.broken = True
+                raise CollectiveTimeout(op, missing, state.timeout_s, name=name)
+            time.sleep(nap)
+            nap = min(nap * 2, SLEEP_MAX_S)
+
+    def _check_peers(self, op: str, name: str, state: Any) -> None:
+        for i, (pid, start) in self.peers.items():
+            if (_start_time(pid) & 0xFFFFFFFF) != start:
+                state.broken = True
+                raise RankFailedError(self.ranks[i], detail=(
+                    f"its process (pid {pid}) exited during {op} {name!r}"))
+
+
+def _bounds(m: int, n: int, i: int) -> tuple[int, int]:
+    """Slice ``i`` of ``n`` near-equal slices of ``m`` elements."""
+    base, extra = divmod(m, n)
+    lo = i * base + min(i, extra)
+    return lo, lo + base + (1 if i < extra else 0)
+
+
+class Work:
+    """A deferred shared-memory allreduce: it runs when waited for (buckets wait in order).
+
+    Waiting in bucket order on every rank keeps the members in step; the optimizer's
+    ``synchronize()`` does that. ``get_future()`` completes when the reduction has run.
+    """
+
+    def __init__(self, ring: Ring, tensor: torch.Tensor, op: str, name: str) -> None:
+        self.ring, self.tensor, self.op, self.name = ring, tensor, op, name
+        self.future: Any = torch.futures.Future()
+        self.done = False
+
+    def wait(self, timeout: Any = None) -> bool:
+        if not self.done:
+            self.done = True
+            self.ring.allreduce_(self.tensor, self.op, self.name)
+            self.future.set_result(None)
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def get_future(self) -> Any:
+        return self.future
+
+
+def ring_of(comm: Any, op: str) -> Ring | None:
+    """The process set's segment, set up together by its members on the first call.
+
+    Every member must make the first call at the same point (the optimizer does it at its
+    first bucket). Returns None, on every member alike, when any member cannot use it.
+    """
+    if comm.shm_decided:
+        return comm.shm
+    comm.shm_decided = True
+    if comm.size < 2 or comm.side is None:
+        return None
+    n, me = comm.size, comm.index
+    slot = slot_bytes(n)
+    size = _header_bytes(n) + 2 * n * slot
+    want = enabled()
+    path = ""
+    if me == 0 and want:
+        path = _create(size)
+    box = [path]
+    dist.broadcast_object_list(box, src=comm.ranks[0], group=comm.side)
+    path = box[0] or ""
+    mm = _open(path, size) if (want and path) else None
+    ring = Ring(mm, comm.ranks, me, slot) if mm is not None else None
+    if ring is not None:
+        ring.publish_pid()
+    flag = torch.tensor([1 if ring is not None else 0], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=comm.side)
+    if me == 0 and path:
+        with _suppress_os():
+            os.unlink(path)
+    if int(flag.item()) == 0:
+        if ring is not None:
+            ring.close()
+        log.debug("%s: shared memory not usable by every member; gloo carries the buckets", op)
+        return None
+    assert ring is not None  # noqa: S101  (flag is 1 only when every member mapped it)
+    ring.read_pids()
+    # no member leaves set-up (and may exit) before every member has seen its process
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=comm.side)
+    comm.shm = ring
+    return ring
+
+
+class _suppress_os:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> bool:
+        return kind is not None and issubclass(kind, OSError)
+
+
+def _create(size: int) -> str:
+    """Create and fully reserve the segment file; '' when /dev/shm cannot hold it."""
+    path = os.path.join(SHM_DIR, f"hora-{os.getpid()}-{secrets.token_hex(8)}")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as e:
+        log.debug("shared memory: cannot create %s: %s", path, e)
+        return ""
+    try:
+        os.posix_fallocate(fd, 0, size)  # ENOSPC now, never SIGBUS on first touch
+        os.pwrite(fd, MAGIC.to_bytes(8, "little"), 0)
+    except OSError as e:
+        log.debug("shared memory: cannot reserve %d bytes in %s: %s", size, SHM_DIR, e)
+        os.close(fd)
+        with _suppress_os():
+            os.unlink(path)
+        return ""
+    os.close(fd)
+    return path
+
+
+def _open(path: str, size: int) -> mmap.mmap | None:
+    """Map the segment; None when it is not there (another host or IPC namespace)."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        if os.fstat(fd).st_size != size:
+            return None
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if int.from_bytes(mm[:8], "little") != MAGIC:
+        mm.close()
+        return None
+    return mm

@@ -1,0 +1,256 @@
+"""The same-host shared-memory allreduce (hora.torch._shm) on 2 and 3 real gloo ranks.
+
+One healthy world per size checks, in order:
+
+* the ring against gloo's own allreduce of the same tensors: dtypes float32/float64/float16/
+  bfloat16/int64/int32, sizes 0, 1, 7, a slot plus a few elements and 2.5 slots (chunked, odd
+  counts that do not split evenly): every rank ends with the same bits, equal to gloo's sum
+  (exactly for integers and for 2 ranks; within rounding for 3 floats, summed in another order);
+* members that reach different tensors (another size and name on the last rank) all raise
+  TensorMismatchError naming the sizes, and the next reduction works on every rank;
+* the DistributedOptimizer reduces its CPU buckets through the ring (its op counter moves),
+  and three SGD steps end where one process training on every rank's batch ends;
+* after ``shutdown()`` no segment file is left in /dev/shm;
+* after ``init()`` again, with ``HORA_SHM=off`` on the last rank only: no member uses the ring
+  (they decide together), and the optimizer's result is the same over gloo.
+
+Failures, each in a world of its own:
+
+* a member that never arrives: the others' reduction fails at the group timeout with
+  CollectiveTimeout naming it;
+* a member whose process exits: the others fail at once (well before the timeout) with
+  RankFailedError naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+DTYPES = ["float32", "float64", "float16", "bfloat16", "int64", "int32"]
+
+
+def _data(torch: Any, dtype: Any, numel: int, rank: int) -> Any:
+    g = torch.Generator().manual_seed(100 + rank)
+    if dtype.is_floating_point:
+        return torch.randn(numel, generator=g).to(dtype)
+    return torch.randint(-1000, 1000, (numel,), generator=g).to(dtype)
+
+
+def _ring_vs_gloo(hvd: Any, torch: Any, rank: int) -> dict[str, Any]:
+    import torch.distributed as dist
+    from hora.torch import _shm
+    from hora.torch._process_sets import comm_of
+
+    comm = comm_of(None, "test")
+    ring = _shm.ring_of(comm, "test")
+    assert ring is not None, "the ring is not available on this machine"
+    out: dict[str, Any] = {"slot": ring.slot}
+    for name in DTYPES:
+        dtype = getattr(torch, name)
+        per_slot = ring.slot // dtype.itemsize
+        for numel in (0, 1, 7, per_slot + 5, per_slot * 5 // 2):
+            mine = _data(torch, dtype, numel, rank)
+            ref = mine.clone()
+            dist.all_reduce(ref, group=comm.group)
+            ring.allreduce_(mine, "allreduce", f"{name}.{numel}")
+            # every rank's result, to compare bits across ranks
+            every = [torch.empty_like(mine) for _ in range(hvd.size())]
+            dist.all_gather(every, mine, group=comm.group)
+            key = f"{name}/{numel}"
+            out[key] = {
+                "same_on_every_rank": all(torch.equal(e, mine) for e in every),
+                "equal_to_gloo": bool(torch.equal(mine, ref)),
+                "max_diff": float((mine.double() - ref.double()).abs().max()) if numel else 0.0,
+            }
+    out["ops"] = ring.ops
+    # members reaching different tensors: every member raises, and they stay in step
+    odd = rank == hvd.size() - 1
+    try:
+        ring.allreduce_(torch.ones(12 if odd else 10), "allreduce", "b" if odd else "a")
+        out["mismatch"] = {"type": "no error"}
+    except Exception as e:  # noqa: BLE001
+        out["mismatch"] = {"type": type(e).__name__, "msg": str(e)}
+    after = torch.full((5,), float(rank))
+    ring.allreduce_(after, "allreduce", "after")
+    out["after_mismatch"] = after.tolist()
+    return out
+
+
+def _model(torch: Any) -> Any:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
+
+
+def _batch(torch: Any, rank: int) -> tuple[Any, Any]:
+    g = torch.Generator().manual_seed(7 + rank)
+    return torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
+
+
+def _train(hvd: Any, torch: Any, rank: int) -> list[list[float]]:
+    model = _model(torch)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    x, y = _batch(torch, rank)
+    for _ in range(3):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return [p.detach().reshape(-1).tolist() for p in model.parameters()]
+
+
+def _leftovers(pid: int) -> list[str]:
+    return sorted(p.name for p in Path("/dev/shm").glob(f"hora-{pid}-*"))
+
+
+def _rank_body(rank: int, size: int) -> dict[str, Any]:
+    import hora.torch as hvd
+    import torch
+    from hora.torch._process_sets import comm_of
+
+    torch.set_num_threads(1)
+    hvd.init()
+    res: dict[str, Any] = {"pid": os.getpid(), "ring": _ring_vs_gloo(hvd, torch, rank)}
+    ring = comm_of(None, "test").shm
+    before = ring.ops
+    res["params"] = _train(hvd, torch, rank)
+    res["optimizer_ring_ops"] = ring.ops - before
+    res["files_in_use"] = len(_leftovers(os.getpid())) if rank == 0 else 0
+    hvd.shutdown()
+    res["files_after"] = _leftovers(os.getpid())
+    if rank == size - 1:
+        os.environ["HORA_SHM"] = "off"
+    hvd.init()
+    res["off_params"] = _train(hvd, torch, rank)
+    res["off_ring"] = comm_of(None, "test").shm is not None
+    hvd.shutdown()
+    return res
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"np{n}")
+def world(request: pytest.FixtureRequest, run_world: Any) -> list[dict[str, Any]]:
+    return run_world(__file__, "_rank_body", request.param, timeout=180)  # type: ignore[no-any-return]
+
+
+def test_ring_sums_like_gloo_with_the_same_bits_on_every_rank(
+    world: list[dict[str, Any]],
+) -> None:
+    size = len(world)
+    for rank, r in enumerate(world):
+        cases = {k: v for k, v in r["ring"].items() if "/" in k}
+        assert len(cases) == len(DTYPES) * 5
+        mismatch = r["ring"]["mismatch"]
+        assert mismatch["type"] == "TensorMismatchError", mismatch
+        assert "reached different tensors" in mismatch["msg"], mismatch
+        assert f"rank {size - 1}: 12 elements" in mismatch["msg"], mismatch
+        assert r["ring"]["after_mismatch"] == [float(sum(range(size)))] * 5
+        for key, c in cases.items():
+            assert c["same_on_every_rank"], (rank, key)
+            exact = size == 2 or key.startswith("int")
+            if exact:
+                assert c["equal_to_gloo"], (rank, key, c["max_diff"])
+            else:  # 3 floats summed in another order: rounding only
+                tol = {"float16": 1e-2, "bfloat16": 1e-1}.get(key.split("/")[0], 1e-5)
+                assert c["max_diff"] <= tol, (rank, key, c["max_diff"])
+        # two chunked sizes per dtype ran more than one chunk each
+        assert r["ring"]["ops"] > len(DTYPES) * 5
+
+
+def test_optimizer_reduces_cpu_buckets_through_the_ring(world: list[dict[str, Any]]) -> None:
+    import torch
+
+    size = len(world)
+    assert all(r["optimizer_ring_ops"] >= 3 for r in world)  # at least a bucket per step
+    # reference: one process, every rank's batch, the mean of the per-rank losses
+    model = _model(torch)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    batches = [_batch(torch, r) for r in range(size)]
+    for _ in range(3):
+        opt.zero_grad()
+        loss = sum(torch.nn.functional.cross_entropy(model(x), y) for x, y in batches) / size
+        loss.backward()
+        opt.step()
+    ref = [p.detach().reshape(-1) for p in model.parameters()]
+    for r in world:
+        assert r["params"] == world[0]["params"]  # the same bits on every rank
+        for got, want in zip(r["params"], ref, strict=True):
+            assert torch.allclose(torch.tensor(got), want, atol=1e-5), "diverged from reference"
+
+
+def test_segment_file_is_gone_while_in_use_and_after_shutdown(
+    world: list[dict[str, Any]],
+) -> None:
+    assert world[0]["files_in_use"] == 0  # unlinked once every member mapped it
+    assert all(r["files_after"] == [] for r in world)
+    assert not any(list(Path("/dev/shm").glob(f"hora-{r['pid']}-*")) for r in world)
+
+
+def test_one_member_without_shm_makes_every_member_use_gloo(world: list[dict[str, Any]]) -> None:
+    assert [r["off_ring"] for r in world] == [False] * len(world)
+    for r in world:
+        for a, b in zip(r["off_params"], world[0]["params"], strict=True):
+            assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-6
+
+
+# -- failures -----------------------------------------------------------------------------------
+TIMEOUT_S = 3.0
+
+
+def _rank_absent(rank: int, size: int, mode: str) -> None:
+    import hora.torch as hvd
+    import torch
+    from hora.torch import _shm
+    from hora.torch._process_sets import comm_of
+
+    hvd.init()
+    ring = _shm.ring_of(comm_of(None, "test"), "test")
+    assert ring is not None
+    if rank == size - 1:
+        if mode == "exit":
+            os._exit(0)  # noqa: SLF001  (the process dies without a word)
+        time.sleep(TIMEOUT_S + 6)
+        return
+    t0 = time.monotonic()
+    try:
+        ring.allreduce_(torch.ones(10), "allreduce", "absent")
+        got = {"type": "no error"}
+    except Exception as e:  # noqa: BLE001
+        got = {"type": type(e).__name__, "msg": str(e)}
+    got["elapsed"] = time.monotonic() - t0
+    print("RESULT " + json.dumps(got), flush=True)
+    time.sleep(2)  # the other survivors see the absent rank first, not this one leaving
+    os._exit(0)  # the world is broken: skip the exit handlers' waits
+
+
+def _results(outputs: list[tuple[int | None, str]]) -> list[dict[str, Any]]:
+    found = []
+    for _code, out in outputs[:-1]:
+        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+        assert lines, out[-3000:]
+        found.append(json.loads(lines[-1][len("RESULT "):]))
+    return found
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_member_that_never_arrives_is_named_at_the_timeout(run_world: Any, size: int) -> None:
+    outputs = run_world(__file__, "_rank_absent", size, args=("late",), timeout=60,
+                        env={"HORA_TIMEOUT": f"{TIMEOUT_S:g}"}, expect_failure=True)
+    for got in _results(outputs):
+        assert got["type"] == "CollectiveTimeout", got
+        assert f"missing ranks: {size - 1}" in got["msg"], got
+        assert TIMEOUT_S * 0.9 <= got["elapsed"] < TIMEOUT_S + 5, got
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_member_whose_process_exited_is_named_at_once(run_world: Any, size: int) -> None:
+    outputs = run_world(__file__, "_rank_absent", size, args=("exit",), timeout=90,
+                        env={"HORA_TIMEOUT": "60"}, expect_failure=True)
+    for got in _results(outputs):
+        assert got["type"] == "RankFailedError", got
+        assert f"rank {size - 1}" in got["msg"], got
+        assert got["elapsed"] < 10, got  # the timeout is 60 s
