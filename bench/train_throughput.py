@@ -24,8 +24,9 @@ Rows, per shape:
 All rows of a shape are built first and stay alive side by side. Correctness first: every row
 trains ``--check-steps`` steps from the same weights and must end with DDP's parameters (1e-5
 relative for fp32, 2e-3 for the fp16 rows). Then one warm-up round and ``--pairs`` timed rounds;
-a round trains every row ``--steps`` steps, the row order reversed in every other round, so a
-slow spell of a noisy machine hits the rows alike. Ratio = ddp time / row time in the same
+a round trains every row ``--steps`` steps, the row order rotated by one each round and
+reversed every other cycle (every row takes every position alike), so a slow spell of a noisy
+machine hits the rows alike. Ratio = ddp time / row time in the same
 round; the table gives its median, min and max over rounds, samples/s, and the same median
 ratio of CPU time (rank 0, all its threads), which other processes on the machine disturb less.
 
@@ -190,7 +191,7 @@ def worker(args: argparse.Namespace) -> None:
         check = _check(runner, args.check_steps)
         rounds = []
         for r in range(args.pairs + 1):
-            order = rows if r % 2 == 0 else rows[::-1]
+            order = _order(rows, r)
             rounds.append({k: runner.run(k, args.steps) for k in order})
         result["shapes"][shape] = {"batch": SHAPES[shape], "params": _count(torch, shape),
                                    "check": check, "rounds": rounds[1:]}
@@ -199,6 +200,17 @@ def worker(args: argparse.Namespace) -> None:
     if hvd.rank() == 0:
         Path(args.out).write_text(json.dumps(result))
     hvd.shutdown()
+
+
+def _order(rows: list[str], r: int) -> list[str]:
+    """Round ``r``'s row order: rotated by one each round, reversed every other full cycle.
+
+    Every row takes every position equally often (first after the barrier, last before the
+    next one, in the middle), after every other row: no row keeps a place that favours it.
+    """
+    k = r % len(rows)
+    order = rows[k:] + rows[:k]
+    return order[::-1] if (r // len(rows)) % 2 else order
 
 
 def _count(torch: Any, shape: str) -> tuple[int, int]:

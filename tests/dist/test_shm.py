@@ -10,6 +10,7 @@ One healthy world per size checks, in order:
   TensorMismatchError naming the sizes, and the next reduction works on every rank;
 * the DistributedOptimizer reduces its CPU buckets through the ring (its op counter moves),
   and three SGD steps end where one process training on every rank's batch ends;
+* a plain ``hvd.allreduce`` negotiates through the ring (its round moves the counter);
 * after ``shutdown()`` no segment file is left in /dev/shm;
 * after ``init()`` again, with ``HORA_SHM=off`` on the last rank only: no member uses the ring
   (they decide together), and the optimizer's result is the same over gloo.
@@ -120,6 +121,9 @@ def _rank_body(rank: int, size: int) -> dict[str, Any]:
     before = ring.ops
     res["params"] = _train(hvd, torch, rank)
     res["optimizer_ring_ops"] = ring.ops - before
+    before = ring.ops
+    res["allreduce"] = hvd.allreduce(torch.ones(3), op=hvd.Sum, name="through.a.round").tolist()
+    res["round_ring_ops"] = ring.ops - before  # its negotiation round went through the ring
     res["files_in_use"] = len(_leftovers(os.getpid())) if rank == 0 else 0
     hvd.shutdown()
     res["files_after"] = _leftovers(os.getpid())
@@ -180,6 +184,13 @@ def test_optimizer_reduces_cpu_buckets_through_the_ring(world: list[dict[str, An
         assert r["params"] == world[0]["params"]  # the same bits on every rank
         for got, want in zip(r["params"], ref, strict=True):
             assert torch.allclose(torch.tensor(got), want, atol=1e-5), "diverged from reference"
+
+
+def test_negotiation_rounds_go_through_the_ring(world: list[dict[str, Any]]) -> None:
+    size = len(world)
+    for r in world:
+        assert r["allreduce"] == [float(size)] * 3
+        assert r["round_ring_ops"] >= 1
 
 
 def test_segment_file_is_gone_while_in_use_and_after_shutdown(

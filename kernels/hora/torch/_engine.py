@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from hora.errors import CollectiveTimeout, HoraError, TensorMismatchError, UnsupportedError
-from hora.torch import _stall, _state, timeline
+from hora.torch import _shm, _stall, _state, timeline
 from hora.torch._handles import MAXDIM, SIG_LEN, Handle, describe
 
 # A launcher gets every member's payload row (None for a member that joined and serves) and
@@ -366,7 +366,17 @@ def _decode(row: list[int]) -> tuple[int, list[tuple[int, bool, tuple[int, ...],
 
 
 def _exchange(comm: Comm, mine: list[int], op: str, name: str) -> list[list[int]]:
-    """All-gather every member's table (one all_gather, two when a table is long)."""
+    """All-gather every member's table.
+
+    Through the members' shared memory when they share a machine (:mod:`hora.torch._shm`,
+    set up by every member at its first round), else one all_gather on the side group (two
+    when a table is long).
+    """
+    ring = _shm.ring_of(comm, op)
+    if ring is not None:
+        tables = ring.allgather_ints(mine, op, name)
+        if tables is not None:
+            return tables
     first = torch.zeros(_CAP + 1, dtype=torch.int64)
     first[0] = len(mine)
     head = mine[:_CAP]

@@ -1,10 +1,11 @@
-"""Same-host shared-memory allreduce for CPU tensors (data plane, launch layer).
+"""Same-host shared memory for a process set's CPU traffic (data plane, launch layer).
 
-On CPU, gloo carries an allreduce between two processes of one machine over TCP loopback:
+On CPU, gloo carries a collective between two processes of one machine over TCP loopback:
 every byte goes through the kernel's socket buffers, in chunks, on gloo's threads. When every
 member of a process set can map the same file in ``/dev/shm`` (they run on one host, in one
-IPC namespace), the DistributedOptimizer reduces its CPU gradient buckets through that file
-instead (MPI does the same within a node):
+IPC namespace), two kinds of traffic go through that file instead: the engine's negotiation
+rounds (:meth:`Ring.allgather_ints`: one barrier) and the DistributedOptimizer's CPU gradient
+buckets (:meth:`Ring.allreduce_`; MPI does the same within a node):
 
 1. each rank copies its bucket into its own slot;
 2. barrier; each rank sums one slice of every slot into its own slot (reduce-scatter);
@@ -21,12 +22,17 @@ bytes. A wait spins briefly, then sleeps in growing steps, within the group time
 whose process exited is named at once (RankFailedError), one that never arrives is named at
 the timeout (CollectiveTimeout).
 
+Both kinds run in the calling thread, in program order, which is the same on every member (rounds
+pair with rounds, buckets are reduced in bucket order in ``synchronize()``), so one channel
+serves both. Plain ``hvd.allreduce`` data stays on gloo: it must progress in the background
+while the script computes (Horovod's async semantics), which a same-thread path cannot do.
+
 Used only where it is safe: x86-64 (its store order, plus a locked instruction before each
-counter store, makes a rank's data visible before its counter), CPU tensors, every member
-mapped the segment. Otherwise, or with ``HORA_SHM=off``, buckets go over gloo as before. The
-decision is taken together, once per process set, on the set's gloo side group. The file is
-unlinked as soon as every member has mapped it, so nothing is left in ``/dev/shm`` even when a
-process is killed.
+counter store, makes a rank's data visible before its counter), every member mapped the
+segment. Otherwise, or with ``HORA_SHM=off``, everything goes over gloo as before. The
+decision is taken together, once per process set (at its first negotiation round or bucket),
+on the set's gloo side group. The file is unlinked as soon as every member has mapped it, so
+nothing is left in ``/dev/shm`` even when a process is killed.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ SLOT_MAX = 4 * 1024 * 1024
 SLOT_MIN = 256 * 1024
 
 _FENCE = threading.Lock()
+_TABLES = zlib.crc32(b"negotiation tables")  # the checksum an allgather_ints publishes
 
 
 def enabled(environ: dict[str, str] | None = None) -> bool:
@@ -201,15 +208,44 @@ class Ring:
                 if b > a:
                     part[a:b].copy_(slots[j][a:b])
 
+    def allgather_ints(self, mine: list[int], op: str, name: str) -> list[list[int]] | None:
+        """Every member's list of ints (the engine's negotiation tables), in member order.
+
+        One barrier: a member writes its list into its slot and reads the others' after it.
+        Returns None, on every member alike, when some list does not fit a slot (the caller
+        then uses the group).
+        """
+        if self.mm.closed:
+            raise HoraError(f"{op} {name!r}: hora.torch was shut down while this was in flight")
+        cap = self.slot // 8 - 1
+        slots = [s.view(torch.int64) for s in self.halves[self.ops & 1]]
+        self.ops += 1
+        row = slots[self.index]
+        row[0] = len(mine)
+        if len(mine) <= cap:
+            row[1 : 1 + len(mine)] = torch.tensor(mine, dtype=torch.int64)
+        self._sign(0, 0, _TABLES)
+        self._barrier(op, name)
+        self._check_signs(op, name, 0, 0, _TABLES)
+        lengths = [int(s[0]) for s in slots]
+        if max(lengths) > cap:
+            return None
+        return [s[1 : 1 + n].tolist() for s, n in zip(slots, lengths, strict=True)]
+
     def _sign(self, total: int, start: int, sig: int) -> None:
-        """Publish what this rank reduces now (checked by every member after the barrier)."""
-        at = self.counter[self.index]
-        self.ctl[at + 1], self.ctl[at + 2], self.ctl[at + 3] = total, start, sig
+        """Publish what this rank reduces now (checked by every member after the barrier).
+
+        Like the data, the signature has a place per half of the segment: a member that
+        has passed this op's barrier and signs the next op never overwrites what a slower
+        member is still checking.
+        """
+        at = self.counter[self.index] + 1 + 3 * ((self.ops - 1) & 1)
+        self.ctl[at], self.ctl[at + 1], self.ctl[at + 2] = total, start, sig
 
     def _check_signs(self, op: str, name: str, total: int, start: int, sig: int) -> None:
         """Every member sees the same table, so every member raises alike, still in step."""
-        ctl, mine = self.ctl, (total, start, sig)
-        rows = [(ctl[c + 1], ctl[c + 2], ctl[c + 3]) for c in self.counter]
+        ctl, mine, off = self.ctl, (total, start, sig), 1 + 3 * ((self.ops - 1) & 1)
+        rows = [(ctl[c + off], ctl[c + off + 1], ctl[c + off + 2]) for c in self.counter]
         if all(r == mine for r in rows):
             return
         what = "; ".join(f"rank {self.ranks[i]}: {r[0]} elements" + (
