@@ -20,7 +20,11 @@ Failures, each in a world of its own:
 * a member that never arrives: the others' reduction fails at the group timeout with
   CollectiveTimeout naming it;
 * a member whose process exits: the others fail at once (well before the timeout) with
-  RankFailedError naming it.
+  RankFailedError naming it;
+* a SIGINT while a member waits is held until the reduction ends (like a collective in C++),
+  then raised; the members stay in step;
+* a member that aborts its process group (as the notebook engines do to release a blocked
+  peer): the others, waiting for it, fail at once with RankFailedError naming it.
 """
 
 from __future__ import annotations
@@ -264,4 +268,87 @@ def test_a_member_whose_process_exited_is_named_at_once(run_world: Any, size: in
     for got in _results(outputs):
         assert got["type"] == "RankFailedError", got
         assert f"rank {size - 1}" in got["msg"], got
+        assert got["elapsed"] < 10, got  # the timeout is 60 s
+
+
+def _rank_interrupted(rank: int, size: int) -> dict[str, Any]:
+    import signal
+    import threading
+
+    import hora.torch as hvd
+    import torch
+    from hora.torch import _shm
+    from hora.torch._process_sets import comm_of
+
+    hvd.init()
+    ring = _shm.ring_of(comm_of(None, "test"), "test")
+    assert ring is not None
+    out: dict[str, Any] = {}
+    t = torch.ones(4)
+    if rank == 0:  # SIGINT while it waits for the others (who come 1.5 s later)
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        t0 = time.monotonic()
+        try:
+            ring.allreduce_(t, "allreduce", "held")
+            out["first"] = {"type": "no error"}
+        except KeyboardInterrupt:
+            out["first"] = {"type": "KeyboardInterrupt"}
+        out["waited"] = time.monotonic() - t0
+    else:
+        time.sleep(1.5)
+        ring.allreduce_(t, "allreduce", "held")
+        out["first"] = {"type": "no error"}
+    out["value"] = t.tolist()  # completed before the interrupt was raised
+    after = torch.ones(2)
+    ring.allreduce_(after, "allreduce", "after")  # still in step
+    out["after"] = after.tolist()
+    hvd.shutdown()
+    return out
+
+
+def test_an_interrupt_during_a_wait_is_raised_after_the_operation_ends(run_world: Any) -> None:
+    size = 2
+    res = run_world(__file__, "_rank_interrupted", size, timeout=60, env={"HORA_TIMEOUT": "20"})
+    assert res[0]["first"] == {"type": "KeyboardInterrupt"}, res[0]
+    assert res[0]["waited"] >= 0.9  # it went on waiting after the SIGINT at 0.5 s
+    for r in res:
+        assert r["value"] == [float(size)] * 4
+        assert r["after"] == [float(size)] * 2
+
+
+def _rank_aborted(rank: int, size: int) -> None:
+    import hora.torch as hvd
+    import torch
+    from hora.torch import _shm, _state
+    from hora.torch._process_sets import comm_of
+
+    hvd.init()
+    ring = _shm.ring_of(comm_of(None, "test"), "test")
+    assert ring is not None
+    if rank == size - 1:  # what the notebook engines do to release a blocked peer
+        time.sleep(1.0)
+        _state.abort()
+        time.sleep(3)
+        os._exit(0)
+    t0 = time.monotonic()
+    try:
+        ring.allreduce_(torch.ones(3), "allreduce", "released")
+        got = {"type": "no error"}
+    except Exception as e:  # noqa: BLE001
+        got = {"type": type(e).__name__, "msg": str(e)}
+    got["elapsed"] = time.monotonic() - t0
+    print("RESULT " + json.dumps(got), flush=True)
+    time.sleep(2)
+    os._exit(0)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_member_that_aborts_its_group_releases_the_others_at_once(
+    run_world: Any, size: int
+) -> None:
+    outputs = run_world(__file__, "_rank_aborted", size, timeout=90,
+                        env={"HORA_TIMEOUT": "60"}, expect_failure=True)
+    for got in _results(outputs):
+        assert got["type"] == "RankFailedError", got
+        assert f"rank {size - 1} failed: it left allreduce 'released' early" in got["msg"], got
         assert got["elapsed"] < 10, got  # the timeout is 60 s

@@ -69,6 +69,7 @@ SLOT_MAX = 4 * 1024 * 1024
 SLOT_MIN = 256 * 1024
 
 _FENCE = threading.Lock()
+ABORTED = -1  # a counter value: this member left an operation early, the ring is unusable
 _TABLES = zlib.crc32(b"negotiation tables")  # the checksum an allgather_ints publishes
 
 
@@ -143,6 +144,8 @@ class Ring:
         self.halves = [[self.data[(h * n + i) * slot : (h * n + i + 1) * slot] for i in range(n)]
                        for h in (0, 1)]
         self.epoch = 0
+        self.broken = ""  # why this ring cannot be used any more ("" while it can)
+        self.interrupted = False  # a SIGINT arrived during a wait (raised at the end)
         self.ops = 0
         self.peers: dict[int, tuple[int, int]] = {}  # member index -> (pid, start time)
 
@@ -178,10 +181,59 @@ class Ring:
 
         Raises:
             CollectiveTimeout: a member did not arrive within the group timeout (named).
-            RankFailedError: a member's process exited (named).
+            RankFailedError: a member's process exited or left a collective early (named).
+            TensorMismatchError: the members reached different tensors (on every member).
         """
+        self._run(op, name, self._allreduce, t, op, name)
+
+    def allgather_ints(self, mine: list[int], op: str, name: str) -> list[list[int]] | None:
+        """Every member's list of ints (the engine's negotiation tables), in member order.
+
+        One barrier: a member writes its list into its slot and reads the others' after it.
+        Returns None, on every member alike, when some list does not fit a slot (the caller
+        then uses the group). Raises like :meth:`allreduce_`.
+        """
+        return self._run(op, name, self._allgather, mine, op, name)  # type: ignore[no-any-return]
+
+    def _run(self, op: str, name: str, body: Any, *args: Any) -> Any:
+        """Run one operation to its end, or leave the ring unusable and tell the members.
+
+        A SIGINT while waiting is held until the operation ends (a collective in C++ is deaf
+        to it the same way), so an interrupted rank leaves in step with the others. A timeout
+        or a dead member ends the operation on every waiting member alike (the world is then
+        marked broken, as after a gloo timeout: ``init()`` starts anew). Anything else that
+        ends it midway on this rank (an interrupt outside the wait, an unexpected error)
+        leaves the ring unusable here and sets this rank's counter to ABORTED, so members
+        waiting for it fail at once, naming it; later operations here fail at once too.
+        """
+        if self.broken:
+            raise HoraError(f"{op} {name!r}: {self.broken}; call hvd.shutdown() and hvd.init()")
         if self.mm.closed:
             raise HoraError(f"{op} {name!r}: hora.torch was shut down while this was in flight")
+        try:
+            out = body(*args)
+        except TensorMismatchError:  # raised by every member at the same point: in step
+            raise
+        except HoraError:  # a timeout or a dead member: every waiting member sees it alike
+            raise
+        except BaseException as e:  # interrupted or failed here: only the counter tells
+            self.abort(f"an earlier collective ({op} {name!r}) ended early on this rank "
+                       f"({type(e).__name__})")
+            _state.require_init(op).broken = True
+            raise
+        if self.interrupted:
+            self.interrupted = False
+            raise KeyboardInterrupt
+        return out
+
+    def abort(self, reason: str = "the process group was aborted") -> None:
+        """Make the ring unusable here and tell the members (their waits fail at once)."""
+        if not self.broken:
+            self.broken = reason
+        if not self.mm.closed:
+            self.ctl[self.counter[self.index]] = ABORTED
+
+    def _allreduce(self, t: torch.Tensor, op: str, name: str) -> None:
         flat = t.view(-1)
         n, me = len(self.ranks), self.index
         chunk = self.slot // t.element_size()
@@ -208,15 +260,7 @@ class Ring:
                 if b > a:
                     part[a:b].copy_(slots[j][a:b])
 
-    def allgather_ints(self, mine: list[int], op: str, name: str) -> list[list[int]] | None:
-        """Every member's list of ints (the engine's negotiation tables), in member order.
-
-        One barrier: a member writes its list into its slot and reads the others' after it.
-        Returns None, on every member alike, when some list does not fit a slot (the caller
-        then uses the group).
-        """
-        if self.mm.closed:
-            raise HoraError(f"{op} {name!r}: hora.torch was shut down while this was in flight")
+    def _allgather(self, mine: list[int], op: str, name: str) -> list[list[int]] | None:
         cap = self.slot // 8 - 1
         slots = [s.view(torch.int64) for s in self.halves[self.ops & 1]]
         self.ops += 1
@@ -273,8 +317,12 @@ class Ring:
         next_check = t0 + PID_CHECK_S
         nap = 2e-5
         while True:
-            if all(self.ctl[c] >= e for c in self.others):
-                return
+            try:
+                if self._arrived(e, op, name):
+                    return
+            except KeyboardInterrupt:  # held until the operation ends (see _run)
+                self.interrupted = True
+                continue
             now = time.monotonic()
             if now >= next_check:
                 self._check_peers(op, name, state)
@@ -284,8 +332,23 @@ class Ring:
                            if self.ctl[c] < e]
                 state.broken = True
                 raise CollectiveTimeout(op, missing, state.timeout_s, name=name)
-            time.sleep(nap)
+            try:
+                time.sleep(nap)
+            except KeyboardInterrupt:
+                self.interrupted = True
             nap = min(nap * 2, SLEEP_MAX_S)
+
+    def _arrived(self, e: int, op: str, name: str) -> bool:
+        ctl = self.ctl
+        if all(ctl[c] >= e for c in self.others):
+            return True
+        for i, c in enumerate(self.counter):
+            if i != self.index and ctl[c] == ABORTED:
+                _state.require_init(op).broken = True
+                raise RankFailedError(self.ranks[i], detail=(
+                    f"it left {op} {name!r} early (interrupted, timed out, or its process "
+                    "group was aborted)"))
+        return False
 
     def _check_peers(self, op: str, name: str, state: Any) -> None:
         for i, (pid, start) in self.peers.items():

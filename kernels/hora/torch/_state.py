@@ -607,6 +607,8 @@ def _release(state: State, *, graceful: bool) -> None:
         held += [weakref.ref(g) for g in groups if isinstance(g, dist.ProcessGroup)]
         comm.group = comm.side = None
         if comm.shm is not None:  # the shared-memory segment (hora.torch._shm.Ring)
+            if not graceful:  # members still waiting in it fail at once
+                comm.shm.abort()
             comm.shm.close()
             comm.shm = None
         comm.pending.clear()
@@ -828,6 +830,10 @@ def abort() -> None:
         _STATE.group = _STATE.side_group = None
         for comm in _STATE.comms.values():
             comm.group = comm.side = None
+            if comm.shm is not None:  # members waiting in the shared-memory ring fail now
+                comm.shm.abort()
+                comm.shm.close()
+                comm.shm = None
         _STATE.comms = {}
         gc.collect()
 
