@@ -16,11 +16,12 @@ bits. Buckets larger than a slot go in chunks; consecutive chunks use alternate 
 segment, so a rank that runs ahead never overwrites what a slower one still reads.
 
 A barrier is a per-rank counter in the segment. Next to it each rank writes what it reduces
-(element count, chunk, a checksum of name and dtype); members that reached different tensors
-all raise TensorMismatchError at the same point, still in step, instead of summing unrelated
-bytes. A wait spins briefly, then sleeps in growing steps, within the group timeout: a member
-whose process exited is named at once (RankFailedError), one that never arrives is named at
-the timeout (CollectiveTimeout).
+(element count, chunk, a checksum of name and dtype, the operation's number). Members that
+reached different tensors all raise TensorMismatchError at the same point, still in step,
+instead of summing unrelated bytes; members that drifted an operation apart raise it too,
+instead of reading each other's stale slots. A wait spins briefly, then sleeps in growing
+steps, within the group timeout: a member whose process exited is named at once
+(RankFailedError), one that never arrives is named at the timeout (CollectiveTimeout).
 
 Both kinds run in the calling thread, in program order, which is the same on every member (rounds
 pair with rounds, buckets are reduced in bucket order in ``synchronize()``), so one channel
@@ -69,6 +70,7 @@ SLOT_MAX = 4 * 1024 * 1024
 SLOT_MIN = 256 * 1024
 
 _FENCE = threading.Lock()
+_OPS_MASK = 0xFFFFFF  # the operation number's bits in a signature (it wraps, harmlessly)
 ABORTED = -1  # a counter value: this member left an operation early, the ring is unusable
 _TABLES = zlib.crc32(b"negotiation tables")  # the checksum an allgather_ints publishes
 
@@ -245,9 +247,10 @@ class Ring:
             slots = [s.view(t.dtype)[:m] for s in self.halves[self.ops & 1]]
             self.ops += 1
             slots[me].copy_(part)
-            self._sign(total, start, sig)
+            at = sig | ((self.ops & _OPS_MASK) << 32)  # members an op apart disagree here
+            self._sign(total, start, at)
             self._barrier(op, name)
-            self._check_signs(op, name, total, start, sig)
+            self._check_signs(op, name, total, start, at)
             lo, hi = _bounds(m, n, me)
             if hi > lo:
                 acc = slots[me][lo:hi]
@@ -268,9 +271,10 @@ class Ring:
         row[0] = len(mine)
         if len(mine) <= cap:
             row[1 : 1 + len(mine)] = torch.tensor(mine, dtype=torch.int64)
-        self._sign(0, 0, _TABLES)
+        at = _TABLES | ((self.ops & _OPS_MASK) << 32)
+        self._sign(0, 0, at)
         self._barrier(op, name)
-        self._check_signs(op, name, 0, 0, _TABLES)
+        self._check_signs(op, name, 0, 0, at)
         lengths = [int(s[0]) for s in slots]
         if max(lengths) > cap:
             return None
@@ -293,7 +297,8 @@ class Ring:
         if all(r == mine for r in rows):
             return
         what = "; ".join(f"rank {self.ranks[i]}: {r[0]} elements" + (
-            f" (chunk at {r[1]})" if r[1] else "") for i, r in enumerate(rows))
+            f" (chunk at {r[1]})" if r[1] else "") + f" (operation {r[2] >> 32})"
+            for i, r in enumerate(rows))
         raise TensorMismatchError(
             op, name, "members reached different tensors (synchronize optimizers and reduce "
             f"buckets in the same order on every rank): {what}", self.ranks)

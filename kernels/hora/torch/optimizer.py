@@ -371,6 +371,11 @@ class _Reducer:
         """The process set's shared-memory segment for a CPU bucket (None: use the group)."""
         if wire is None or wire.device.type != "cpu" or self.comm.size < 2:
             return None
+        if self.comm.side is None and self.comm.shm is None:
+            # the group was rebuilt (notebook engines after a failure): every member's
+            # optimizer picks up the new set here, at the same bucket
+            with contextlib.suppress(ValueError):
+                self.comm = comm_of(self.process_set, "DistributedOptimizer")
         return _shm.ring_of(self.comm, "DistributedOptimizer")
 
     # -- synchronize ------------------------------------------------------------------------
