@@ -43,6 +43,7 @@ import mmap
 import os
 import platform
 import secrets
+import signal
 import threading
 import time
 import zlib
@@ -146,8 +147,9 @@ class Ring:
         self.halves = [[self.data[(h * n + i) * slot : (h * n + i + 1) * slot] for i in range(n)]
                        for h in (0, 1)]
         self.epoch = 0
+        self.closed = False
         self.broken = ""  # why this ring cannot be used any more ("" while it can)
-        self.interrupted = False  # a SIGINT arrived during a wait (raised at the end)
+        self.interrupted = False  # a SIGINT arrived during an operation (delivered at its end)
         self.ops = 0
         self.peers: dict[int, tuple[int, int]] = {}  # member index -> (pid, start time)
 
@@ -169,6 +171,9 @@ class Ring:
 
     def close(self) -> None:
         """Unmap the segment (every view of it is dropped first)."""
+        if self.closed:
+            return
+        self.closed = True
         self.halves = []
         self.data = torch.empty(0, dtype=torch.uint8)
         self.ctl.release()
@@ -200,39 +205,56 @@ class Ring:
     def _run(self, op: str, name: str, body: Any, *args: Any) -> Any:
         """Run one operation to its end, or leave the ring unusable and tell the members.
 
-        A SIGINT while waiting is held until the operation ends (a collective in C++ is deaf
-        to it the same way), so an interrupted rank leaves in step with the others. A timeout
+        A SIGINT is held until the operation ends (a collective in C++ is deaf to it the same
+        way), then delivered to the handler that was there, so an interrupted rank leaves in
+        step with the others. A timeout
         or a dead member ends the operation on every waiting member alike (the world is then
         marked broken, as after a gloo timeout: ``init()`` starts anew). Anything else that
-        ends it midway on this rank (an interrupt outside the wait, an unexpected error)
+        ends it midway on this rank (an unexpected error)
         leaves the ring unusable here and sets this rank's counter to ABORTED, so members
         waiting for it fail at once, naming it; later operations here fail at once too.
         """
         if self.broken:
             raise HoraError(f"{op} {name!r}: {self.broken}; call hvd.shutdown() and hvd.init()")
-        if self.mm.closed:
+        if self.closed:
             raise HoraError(f"{op} {name!r}: hora.torch was shut down while this was in flight")
+        before = self._hold_sigint()
         try:
-            out = body(*args)
-        except TensorMismatchError:  # raised by every member at the same point: in step
+            return body(*args)
+        except HoraError:  # a timeout, a dead member, a mismatch: every member sees it alike
             raise
-        except HoraError:  # a timeout or a dead member: every waiting member sees it alike
-            raise
-        except BaseException as e:  # interrupted or failed here: only the counter tells
+        except BaseException as e:  # failed here: only the counter tells the others
             self.abort(f"an earlier collective ({op} {name!r}) ended early on this rank "
                        f"({type(e).__name__})")
             _state.require_init(op).broken = True
             raise
-        if self.interrupted:
-            self.interrupted = False
-            raise KeyboardInterrupt
-        return out
+        finally:
+            if before is not None:
+                signal.signal(signal.SIGINT, before)
+                if self.interrupted:  # delivered now, to whatever handler was there
+                    self.interrupted = False
+                    signal.raise_signal(signal.SIGINT)
+
+    def _hold_sigint(self) -> Any:
+        """In the main thread, make SIGINT only note itself until the operation ends.
+
+        Returns the handler to put back (None off the main thread, which never gets SIGINT).
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        if signal.getsignal(signal.SIGINT) is None:  # set outside Python: cannot put it back
+            return None
+
+        def note(_sig: int, _frame: Any) -> None:
+            self.interrupted = True
+
+        return signal.signal(signal.SIGINT, note)
 
     def abort(self, reason: str = "the process group was aborted") -> None:
         """Make the ring unusable here and tell the members (their waits fail at once)."""
         if not self.broken:
             self.broken = reason
-        if not self.mm.closed:
+        if not self.closed:
             self.ctl[self.counter[self.index]] = ABORTED
 
     def _allreduce(self, t: torch.Tensor, op: str, name: str) -> None:
@@ -322,12 +344,8 @@ class Ring:
         next_check = t0 + PID_CHECK_S
         nap = 2e-5
         while True:
-            try:
-                if self._arrived(e, op, name):
-                    return
-            except KeyboardInterrupt:  # held until the operation ends (see _run)
-                self.interrupted = True
-                continue
+            if self._arrived(e, op, name):
+                return
             now = time.monotonic()
             if now >= next_check:
                 self._check_peers(op, name, state)
@@ -337,10 +355,7 @@ class Ring:
                            if self.ctl[c] < e]
                 state.broken = True
                 raise CollectiveTimeout(op, missing, state.timeout_s, name=name)
-            try:
-                time.sleep(nap)
-            except KeyboardInterrupt:
-                self.interrupted = True
+            time.sleep(nap)
             nap = min(nap * 2, SLEEP_MAX_S)
 
     def _arrived(self, e: int, op: str, name: str) -> bool:
