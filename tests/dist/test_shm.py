@@ -6,6 +6,8 @@ One healthy world per size checks, in order:
   bfloat16/int64/int32, sizes 0, 1, 7, a slot plus a few elements and 2.5 slots (chunked, odd
   counts that do not split evenly): every rank ends with the same bits, equal to gloo's sum
   (exactly for integers and for 2 ranks; within rounding for 3 floats, summed in another order);
+* ``allgather_ints`` returns every member's list, and None on every member when one list is
+  longer than a slot (the engine then falls back to gloo);
 * members that reach different tensors (another size and name on the last rank) all raise
   TensorMismatchError naming the sizes, and the next reduction works on every rank;
 * the DistributedOptimizer reduces its CPU buckets through the ring (its op counter moves),
@@ -74,6 +76,11 @@ def _ring_vs_gloo(hvd: Any, torch: Any, rank: int) -> dict[str, Any]:
                 "max_diff": float((mine.double() - ref.double()).abs().max()) if numel else 0.0,
             }
     out["ops"] = ring.ops
+    # one member's table longer than a slot: every member gets None (the engine then uses gloo)
+    cap = ring.slot // 8 - 1
+    big = list(range(cap + 1)) if rank == 0 else [rank]
+    out["too_long"] = ring.allgather_ints(big, "test", "too long")
+    out["tables"] = ring.allgather_ints([rank, 7], "test", "tables")
     # members reaching different tensors: every member raises, and they stay in step
     odd = rank == hvd.size() - 1
     try:
@@ -157,6 +164,8 @@ def test_ring_sums_like_gloo_with_the_same_bits_on_every_rank(
         assert "reached different tensors" in mismatch["msg"], mismatch
         assert f"rank {size - 1}: 12 elements" in mismatch["msg"], mismatch
         assert r["ring"]["after_mismatch"] == [float(sum(range(size)))] * 5
+        assert r["ring"]["too_long"] is None
+        assert r["ring"]["tables"] == [[m, 7] for m in range(size)]
         for key, c in cases.items():
             assert c["same_on_every_rank"], (rank, key)
             exact = size == 2 or key.startswith("int")
@@ -228,6 +237,13 @@ def _rank_absent(rank: int, size: int, mode: str) -> None:
     if rank == size - 1:
         if mode == "exit":
             os._exit(0)  # noqa: SLF001  (the process dies without a word)
+        if mode == "abort":  # what the notebook engines do to release a blocked peer
+            time.sleep(1.0)
+            from hora.torch import _state
+
+            _state.abort()
+            time.sleep(3)
+            os._exit(0)
         time.sleep(TIMEOUT_S + 6)
         return
     t0 = time.monotonic()
@@ -316,39 +332,13 @@ def test_an_interrupt_during_a_wait_is_raised_after_the_operation_ends(run_world
         assert r["after"] == [float(size)] * 2
 
 
-def _rank_aborted(rank: int, size: int) -> None:
-    import hora.torch as hvd
-    import torch
-    from hora.torch import _shm, _state
-    from hora.torch._process_sets import comm_of
-
-    hvd.init()
-    ring = _shm.ring_of(comm_of(None, "test"), "test")
-    assert ring is not None
-    if rank == size - 1:  # what the notebook engines do to release a blocked peer
-        time.sleep(1.0)
-        _state.abort()
-        time.sleep(3)
-        os._exit(0)
-    t0 = time.monotonic()
-    try:
-        ring.allreduce_(torch.ones(3), "allreduce", "released")
-        got = {"type": "no error"}
-    except Exception as e:  # noqa: BLE001
-        got = {"type": type(e).__name__, "msg": str(e)}
-    got["elapsed"] = time.monotonic() - t0
-    print("RESULT " + json.dumps(got), flush=True)
-    time.sleep(2)
-    os._exit(0)
-
-
 @pytest.mark.parametrize("size", [2, 3])
 def test_a_member_that_aborts_its_group_releases_the_others_at_once(
     run_world: Any, size: int
 ) -> None:
-    outputs = run_world(__file__, "_rank_aborted", size, timeout=90,
+    outputs = run_world(__file__, "_rank_absent", size, args=("abort",), timeout=90,
                         env={"HORA_TIMEOUT": "60"}, expect_failure=True)
     for got in _results(outputs):
         assert got["type"] == "RankFailedError", got
-        assert f"rank {size - 1} failed: it left allreduce 'released' early" in got["msg"], got
+        assert f"rank {size - 1} failed: it left allreduce 'absent' early" in got["msg"], got
         assert got["elapsed"] < 10, got  # the timeout is 60 s

@@ -38,6 +38,7 @@ nothing is left in ``/dev/shm`` even when a process is killed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -54,6 +55,7 @@ import torch.distributed as dist
 
 from hora.errors import CollectiveTimeout, HoraError, RankFailedError, TensorMismatchError
 from hora.torch import _state
+from hora.torch._stall import run_guarded
 
 log = logging.getLogger(__name__)
 
@@ -169,10 +171,17 @@ class Ring:
             if pid > 0 and (_start_time(pid) & 0xFFFFFFFF) == start:
                 self.peers[i] = (pid, start)
 
-    def close(self) -> None:
-        """Unmap the segment (every view of it is dropped first)."""
+    def close(self, abort: bool = False) -> None:
+        """Unmap the segment (every view of it is dropped first).
+
+        Args:
+            abort: first tell the members (their waits for this rank fail at once), for a
+                group that is aborted rather than shut down cleanly.
+        """
         if self.closed:
             return
+        if abort:
+            self.abort()
         self.closed = True
         self.halves = []
         self.data = torch.empty(0, dtype=torch.uint8)
@@ -244,11 +253,10 @@ class Ring:
             return None
         if signal.getsignal(signal.SIGINT) is None:  # set outside Python: cannot put it back
             return None
+        return signal.signal(signal.SIGINT, self._note_sigint)
 
-        def note(_sig: int, _frame: Any) -> None:
-            self.interrupted = True
-
-        return signal.signal(signal.SIGINT, note)
+    def _note_sigint(self, _sig: int, _frame: Any) -> None:
+        self.interrupted = True
 
     def abort(self, reason: str = "the process group was aborted") -> None:
         """Make the ring unusable here and tell the members (their waits fail at once)."""
@@ -404,9 +412,6 @@ class Work:
             self.future.set_result(None)
         return True
 
-    def is_completed(self) -> bool:
-        return self.done
-
     def get_future(self) -> Any:
         return self.future
 
@@ -414,8 +419,10 @@ class Work:
 def ring_of(comm: Any, op: str) -> Ring | None:
     """The process set's segment, set up together by its members on the first call.
 
-    Every member must make the first call at the same point (the optimizer does it at its
-    first bucket). Returns None, on every member alike, when any member cannot use it.
+    Every member must make the first call at the same point (the engine's first round or
+    the optimizer's first bucket). Returns None, on every member alike, when any member
+    cannot use it. The set-up's collectives run on the side group, within its timeout, and
+    fail like any other (CollectiveTimeout or RankFailedError naming the rank).
     """
     if comm.shm_decided:
         return comm.shm
@@ -430,16 +437,16 @@ def ring_of(comm: Any, op: str) -> Ring | None:
     if me == 0 and want:
         path = _create(size)
     box = [path]
-    dist.broadcast_object_list(box, src=comm.ranks[0], group=comm.side)
+    run_guarded(op, "shm", dist.broadcast_object_list, box, src=comm.ranks[0], group=comm.side)
     path = box[0] or ""
     mm = _open(path, size) if (want and path) else None
     ring = Ring(mm, comm.ranks, me, slot) if mm is not None else None
     if ring is not None:
         ring.publish_pid()
     flag = torch.tensor([1 if ring is not None else 0], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=comm.side)
+    run_guarded(op, "shm", dist.all_reduce, flag, op=dist.ReduceOp.MIN, group=comm.side)
     if me == 0 and path:
-        with _suppress_os():
+        with contextlib.suppress(OSError):
             os.unlink(path)
     if int(flag.item()) == 0:
         if ring is not None:
@@ -449,17 +456,9 @@ def ring_of(comm: Any, op: str) -> Ring | None:
     assert ring is not None  # noqa: S101  (flag is 1 only when every member mapped it)
     ring.read_pids()
     # no member leaves set-up (and may exit) before every member has seen its process
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=comm.side)
+    run_guarded(op, "shm", dist.all_reduce, flag, op=dist.ReduceOp.MIN, group=comm.side)
     comm.shm = ring
     return ring
-
-
-class _suppress_os:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: Any, exc: Any, tb: Any) -> bool:
-        return kind is not None and issubclass(kind, OSError)
 
 
 def _create(size: int) -> str:
@@ -476,7 +475,7 @@ def _create(size: int) -> str:
     except OSError as e:
         log.debug("shared memory: cannot reserve %d bytes in %s: %s", size, SHM_DIR, e)
         os.close(fd)
-        with _suppress_os():
+        with contextlib.suppress(OSError):
             os.unlink(path)
         return ""
     os.close(fd)

@@ -607,9 +607,7 @@ def _release(state: State, *, graceful: bool) -> None:
         held += [weakref.ref(g) for g in groups if isinstance(g, dist.ProcessGroup)]
         comm.group = comm.side = None
         if comm.shm is not None:  # the shared-memory segment (hora.torch._shm.Ring)
-            if not graceful:  # members still waiting in it fail at once
-                comm.shm.abort()
-            comm.shm.close()
+            comm.shm.close(abort=not graceful)  # aborted: members waiting in it fail at once
             comm.shm = None
         comm.pending.clear()
         comm.inflight.clear()
@@ -831,8 +829,7 @@ def abort() -> None:
         for comm in _STATE.comms.values():
             comm.group = comm.side = None
             if comm.shm is not None:  # members waiting in the shared-memory ring fail now
-                comm.shm.abort()
-                comm.shm.close()
+                comm.shm.close(abort=True)
                 comm.shm = None
         _STATE.comms = {}
         gc.collect()
