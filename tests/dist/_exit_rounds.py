@@ -15,7 +15,7 @@ Every rank registers, before ``hvd.init()``, an atexit handler that runs after h
 and writes how many threads the process still has: gloo's worker threads must be gone by then
 (a worker thread that drops a finished Work while Python finalises aborts the process, the
 "terminate called without an active exception" exit 134). One line per rank goes to OUT:
-``world rank mode expected exit_code threads_at_exit``.
+``world rank mode expected exit_code threads_at_exit other_thread_names``.
 """
 
 from __future__ import annotations
@@ -51,8 +51,17 @@ def _rank(out: str, world: int, rank: int, port: int) -> None:
     os.environ.update(rank_env(rank, 2, master_port=port))  # a fresh child, not a server
 
     def note_threads() -> None:
+        tasks = os.listdir("/proc/self/task")
+        names = []  # the other threads' names, so that a failure says whose thread is left
+        for tid in tasks:
+            try:
+                if int(tid) != os.getpid():
+                    with open(f"/proc/self/task/{tid}/comm") as comm:
+                        names.append(comm.read().strip().replace(" ", "_") or "?")
+            except FileNotFoundError:  # it ended since the listing: still counted as left
+                names.append("ended")
         with open(_threads_file(out, world, rank), "w") as f:
-            f.write(str(len(os.listdir("/proc/self/task"))))
+            f.write(f"{len(tasks)} {','.join(names) or '-'}")
 
     atexit.register(note_threads)  # before init(): runs after hora's own handler
     mode = MODES[world % len(MODES)]
@@ -98,7 +107,7 @@ def main() -> None:
             with open(_threads_file(out, world, rank)) as f:
                 threads = f.read()
         except FileNotFoundError:
-            threads = "-1"
+            threads = "-1 -"
         lines.append(f"{world} {rank} {mode} {EXPECTED[mode]} {code} {threads}\n")
     with open(out, "w") as f:
         f.writelines(lines)

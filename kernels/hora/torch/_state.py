@@ -574,6 +574,22 @@ def _stop_heartbeat(state: State) -> None:
     state._hb_stop.set()
     if state._hb_thread is not None:
         state._hb_thread.join(timeout=2 * HEARTBEAT_S + 1)
+        _await_os_thread_end(state._hb_thread, 0.5)
+
+
+def _await_os_thread_end(thread: threading.Thread, timeout_s: float) -> None:
+    """Wait (at most ``timeout_s``) until a joined thread's OS thread has ended too.
+
+    ``Thread.join()`` returns once the thread cleared its Python state; the OS thread exits a
+    moment later (on a busy machine, after the main thread moved on: an exit handler could
+    still count it). Linux only; elsewhere, and for a thread still running, it returns at once.
+    """
+    task = f"/proc/self/task/{thread.native_id}"
+    if thread.is_alive() or thread.native_id is None or not os.path.isdir("/proc/self/task"):
+        return
+    deadline = time.monotonic() + timeout_s
+    while os.path.exists(task) and time.monotonic() < deadline:
+        time.sleep(0.0005)
 
 
 def _release(state: State, *, graceful: bool) -> None:
