@@ -89,6 +89,35 @@ class CollectiveTimeout(HoraError):
         self.name = name
 
 
+class CollectiveDeadlock(CollectiveTimeout):
+    """Every rank waits in a collective that the others never submitted: none can complete.
+
+    Raised on every rank as soon as that is certain (every member of the process set is
+    blocked, none in a collective that all of them submitted), instead of at the timeout. The
+    ranks are then at different points of the script, so the world must start anew with
+    ``hvd.init()``. A CollectiveTimeout: ``missing_ranks`` names the ranks that never
+    submitted this collective, and handlers written for timeouts still catch it; ``waits``
+    says where those ranks wait instead.
+    """
+
+    def __init__(
+        self, op: str, missing_ranks: Sequence[int], name: str, waits: str, waited_s: float
+    ) -> None:
+        missing = ", ".join(map(str, missing_ranks))
+        HoraError.__init__(
+            self,
+            f"{op} on tensor {name!r} can never complete: missing ranks {missing} wait in "
+            f"other collectives ({waits}) and every rank is blocked (for {waited_s:.1f} s). "
+            "An exception skipped a collective on some ranks, or they call collectives in "
+            "different orders; call hvd.init() on every rank to start a new world",
+        )
+        self.op = op
+        self.missing_ranks = list(missing_ranks)
+        self.timeout_s = waited_s
+        self.name = name
+        self.waits = waits
+
+
 class TensorMismatchError(HoraError, ValueError, RuntimeError):
     """Ranks passed tensors of different shape or dtype to the same collective.
 

@@ -18,10 +18,12 @@ Cases (the odd rank is the last one):
   user code; every rank then goes on with the same collectives;
 * ``order``: ranks start two named async allreduces in opposite orders: both complete with
   the right values (collectives are matched by name, as in Horovod);
-* ``skip`` (last): the odd rank skips a named allreduce (an exception jumped over it): the
-  others' call fails with CollectiveTimeout naming the odd rank, not a stale mismatch. What
-  follows is not checked: the odd rank waited in its next collective while the others waited
-  for the skipped one, and which of the two gives up first is a race (README, "Limits").
+* ``skip`` (last): the odd rank skips a named allreduce (an exception jumped over it) and
+  waits in its next collective while the others wait in the skipped one. Within about a
+  second (not at the timeout) both waits fail with CollectiveDeadlock, each naming where the
+  other side waits; the ranks are now a collective apart, so every later collective fails at
+  once saying so (never pairing with the wrong one) until ``hvd.init()``, after which the
+  next collectives work again.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import pytest
 TIMEOUT_S = 3.0
 FAST_ENV = {"HORA_TIMEOUT": f"{TIMEOUT_S:g}"}
 CASES = ["shape", "op", "root", "local-op", "local-root", "exception", "order", "skip"]
-# after a skipped collective the next ones are not checked (see the docstring)
+# after a skipped collective the next ones are refused until init() (see the docstring)
 IN_STEP_AFTER = [c for c in CASES if c != "skip"]
 # (case, the exception type every rank must see, words the message must hold)
 EXPECTED: dict[str, dict[str, tuple[str, str]]] = {
@@ -50,7 +52,7 @@ EXPECTED: dict[str, dict[str, tuple[str, str]]] = {
         "others": ("TensorMismatchError", "raised ValueError: root_rank="),
     },
     "exception": {"odd": ("KeyError", "boom"), "others": ("no error", "")},
-    "skip": {"odd": ("no error", ""), "others": ("CollectiveTimeout", "missing ranks")},
+    "skip": {"odd": ("no error", ""), "others": ("CollectiveDeadlock", "can never complete")},
     "order": {"all": ("no error", "")},
 }
 STALE = ("different ops", "different operations", "timed out")
@@ -141,6 +143,8 @@ def _rank_body(rank: int, size: int) -> dict[str, Any]:
             got = _err(e)
         got["elapsed"] = time.monotonic() - t0
         results[case] = {"error": got, "after": _after(hvd, torch, rank, size)}
+    hvd.init()  # after "skip" the world is out of step: a new one
+    results["reinit"] = {"after": _after(hvd, torch, rank, size)}
     return results
 
 
@@ -167,9 +171,10 @@ def test_failure_names_the_true_reason(desync_world: list[dict[str, Any]], case:
         assert words in got.get("msg", ""), f"rank {rank}: {got}"
         if got["type"] == "TensorMismatchError":  # the refusing rank alone, or both sides
             assert got["ranks"] == ([size - 1] if "odd" in EXPECTED[case] else [0, size - 1])
-        if got["type"] == "CollectiveTimeout":  # the rank that skipped it, and only it
+        if got["type"] == "CollectiveDeadlock":  # the rank that skipped it, and only it
             assert got["ranks"] == [size - 1], f"rank {rank}: {got}"
-            assert got["elapsed"] < 3 * TIMEOUT_S, f"rank {rank}: {got}"
+            assert f"rank {size - 1} in allreduce 'allreduce.noname." in got["msg"], got
+            assert got["elapsed"] < TIMEOUT_S, f"found at once, not at the timeout: {got}"
 
 
 @pytest.mark.parametrize("case", IN_STEP_AFTER)
@@ -178,3 +183,20 @@ def test_next_collectives_work_on_every_rank(desync_world: list[dict[str, Any]],
         for op, got in r[case]["after"].items():
             assert got["type"] == "ok", f"rank {rank}, {op} after {case}: {got}"
             assert not any(s in got.get("msg", "") for s in STALE), got
+
+
+def test_after_a_deadlock_every_rank_refuses_until_init(desync_world: list[dict[str, Any]]) -> None:
+    size = len(desync_world)
+    for rank, r in enumerate(desync_world):
+        after = r["skip"]["after"]
+        if rank == size - 1:  # it skipped "bad.skip": its next collective is the deadlocked one
+            first = after.pop("allreduce")
+            assert first["type"] == "CollectiveDeadlock", first
+            assert first["ranks"] == list(range(size - 1)), first
+            assert "in allreduce 'bad.skip'" in first["msg"], first
+        for op, got in after.items():
+            assert got["type"] == "HoraError", f"rank {rank}, {op}: {got}"
+            assert "out of step since a deadlock" in got["msg"], f"rank {rank}, {op}: {got}"
+            assert "hvd.init()" in got["msg"]
+        for op, got in r["reinit"]["after"].items():
+            assert got["type"] == "ok", f"rank {rank}, {op} after init(): {got}"

@@ -203,5 +203,5 @@ def test_init_after_a_failed_collective_starts_a_world_in_step(
         __file__, "_recover_after_a_skipped_collective", 2, env={"HORA_TIMEOUT": "4"}
     )
     for r in results:
-        assert r["first"] in ("CollectiveTimeout", "RankFailedError", "TensorMismatchError")
+        assert r["first"] == "CollectiveDeadlock", r  # both ranks blocked: found at once
         assert r["after"] == [2.0, 2.0]

@@ -19,7 +19,11 @@ gets the same table, so every member reaches the same decision without a coordin
   joined, as in Horovod);
 * an entry whose submitter has waited longer than the timeout is published as *expired*: every
   holder then gets :class:`~hora.errors.CollectiveTimeout` naming the ranks that never
-  submitted it, and the entry leaves every table at once, so the world stays in step.
+  submitted it, and the entry leaves every table at once, so the world stays in step;
+* when every member is blocked (each publishes the collective it waits on), none in a
+  collective all of them submitted, nobody can ever go on: after ``DEADLOCK_GRACE_S`` every
+  pending collective fails with :class:`~hora.errors.CollectiveDeadlock` and the world is
+  out of step until ``init()`` (:func:`_break_deadlock`).
 
 Submitting a collective runs one round (so the data moves while the caller goes on, as with
 Horovod's background thread); ``synchronize``, ``poll``, ``barrier`` and ``join`` run rounds
@@ -41,7 +45,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hora.errors import CollectiveTimeout, HoraError, TensorMismatchError, UnsupportedError
+from hora.errors import (
+    CollectiveDeadlock,
+    CollectiveTimeout,
+    HoraError,
+    TensorMismatchError,
+    UnsupportedError,
+)
 from hora.torch import _shm, _stall, _state, timeline
 from hora.torch._handles import MAXDIM, SIG_LEN, Handle, describe
 
@@ -57,6 +67,11 @@ OPC_BARRIER = 9
 _CAP = 96  # ints in the first all_gather of a round; longer tables take a second one
 _REFUSED_KEY = "hora/refused/"
 _BACKOFF_S = (0.0, 0.0002, 0.001, 0.003, 0.01)
+# How long every member must have been blocked, none in a collective all of them submitted,
+# before the longest waiter gives up (CollectiveDeadlock): time for a submission from
+# another thread of some rank, which would unblock them, to arrive
+DEADLOCK_GRACE_S = 1.0
+_WAIT_TEXT_MAX = 120  # bytes of "kind 'name'" a blocked member publishes
 
 SERVERS: dict[int, Serve] = {}
 
@@ -86,6 +101,7 @@ class Entry:
     deadline: float
     expired: bool = False
     hashed: int = 0
+    since: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
         self.hashed = name_hash(self.name)
@@ -108,6 +124,8 @@ class Comm:
         joined_before: members seen joined in the last round (to name the last joiner).
         shm: the members' shared-memory segment (:mod:`hora.torch._shm`), when they have one.
         shm_decided: whether the members decided on ``shm`` yet (they do it once, together).
+        waiting: the name hash of the collective this rank blocks on (in ``synchronize``,
+            ``barrier``, a blocking call), 0 while it does not; published in every round.
     """
 
     set_id: int
@@ -124,6 +142,7 @@ class Comm:
     last_joined: int = -1
     shm: Any = None
     shm_decided: bool = False
+    waiting: int = 0
 
     @property
     def size(self) -> int:
@@ -214,6 +233,7 @@ def submit(
             f"{kind}: a collective named {name!r} is already in flight on this rank; "
             "concurrent collectives need distinct names"
         )
+    check_in_step(kind, name)
     state = _state.require_init(kind)
     t0 = timeline.now_ns() if timeline.enabled() else 0
     handle = Handle(kind, name, [], _not_launched, nbytes, t0)
@@ -250,6 +270,7 @@ def launch_planned(op: str, name: str, fn: Callable[..., Any], /, *args: Any, **
     like negotiated collectives (:func:`hora.torch._stall.run_guarded`); ``fn`` is the
     torch.distributed call (``async_op=True`` returns its Work).
     """
+    check_in_step(op, name)
     state = _state.require_init(op)
     state.seq += 1
     state.last_op = op
@@ -329,21 +350,72 @@ class GroupHandle(Handle):
 
 
 def wait_launched(comm: Comm, handle: Handle) -> None:
-    """Run rounds until ``handle``'s collective was launched or failed (bounded by the timeout)."""
+    """Run rounds until ``handle``'s collective was launched or failed (bounded by the timeout).
+
+    Meanwhile the rounds tell the other members that this rank is blocked on it, so that a
+    set whose members all wait, none in a collective they all submitted, is found
+    (:func:`_break_deadlock`).
+    """
     backoff = 0
-    while not handle.launched and handle.error is None:
-        progressed = run_round(comm, handle.op, handle.name)
-        backoff = 0 if progressed else min(backoff + 1, len(_BACKOFF_S) - 1)
-        if _BACKOFF_S[backoff]:
-            time.sleep(_BACKOFF_S[backoff])
+    before, comm.waiting = comm.waiting, name_hash(handle.name)
+    try:
+        while not handle.launched and handle.error is None:
+            progressed = run_round(comm, handle.op, handle.name)
+            backoff = 0 if progressed else min(backoff + 1, len(_BACKOFF_S) - 1)
+            if _BACKOFF_S[backoff]:
+                time.sleep(_BACKOFF_S[backoff])
+    finally:
+        comm.waiting = before
 
 
 # -- rounds ----------------------------------------------------------------------------------
 
 
+@dataclass
+class Table:
+    """One member's row of a round, decoded.
+
+    Attributes:
+        joined_at: when the member joined, in µs (0 when it has not).
+        waiting: the name hash of the collective the member blocks on (0: not blocked).
+        waited_us: how long ago the member submitted that collective.
+        wait_text: "kind 'name'" of it, once the member has waited half the grace period.
+        entries: (name hash, expired, signature, payload) of each pending collective.
+    """
+
+    joined_at: int
+    waiting: int
+    waited_us: int
+    wait_text: str
+    entries: list[tuple[int, bool, tuple[int, ...], list[int]]]
+
+
+def _pack(text: str) -> list[int]:
+    raw = text.encode()[:_WAIT_TEXT_MAX]
+    raw += b"\0" * (-len(raw) % 8)
+    return [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, len(raw), 8)]
+
+
+def _unpack(ints: list[int]) -> str:
+    raw = b"".join(int(v).to_bytes(8, "little", signed=True) for v in ints)
+    return raw.rstrip(b"\0").decode(errors="replace")
+
+
 def _encode(comm: Comm) -> list[int]:
     now = time.monotonic()
-    out = [1 if comm.joined else 0, comm.joined_at, len(comm.pending)]
+    waited = next((e for e in comm.pending if e.hashed == comm.waiting), None)
+    text: list[int] = []
+    if waited is not None and now - waited.since >= DEADLOCK_GRACE_S / 2:
+        text = _pack(f"{waited.kind} {waited.name!r}")
+    out = [
+        1 if comm.joined else 0,
+        comm.joined_at,
+        0 if waited is None else waited.hashed,
+        0 if waited is None else int((now - waited.since) * 1e6),
+        len(text),
+        *text,
+        len(comm.pending),
+    ]
     for e in comm.pending:
         if not e.expired and now > e.deadline:
             e.expired = True
@@ -351,10 +423,13 @@ def _encode(comm: Comm) -> list[int]:
     return out
 
 
-def _decode(row: list[int]) -> tuple[int, list[tuple[int, bool, tuple[int, ...], list[int]]]]:
-    """Return (the time the member joined in µs, 0 when it has not; its entries)."""
-    joined, n = row[1] if row[0] else 0, row[2]
-    entries, i = [], 3
+def _decode(row: list[int]) -> Table:
+    """Decode one member's row of a round (what :func:`_encode` wrote)."""
+    tlen = row[4]
+    text = _unpack(row[5 : 5 + tlen]) if tlen else ""
+    i = 5 + tlen
+    n = row[i]
+    entries, i = [], i + 1
     for _ in range(n):
         h, exp = row[i], bool(row[i + 1])
         key = tuple(row[i + 2 : i + 2 + SIG_LEN])
@@ -362,7 +437,7 @@ def _decode(row: list[int]) -> tuple[int, list[tuple[int, bool, tuple[int, ...],
         payload = row[i + 3 + SIG_LEN : i + 3 + SIG_LEN + plen]
         entries.append((h, exp, key, payload))
         i += 3 + SIG_LEN + plen
-    return joined, entries
+    return Table(row[1] if row[0] else 0, row[2], row[3], text, entries)
 
 
 def _exchange(comm: Comm, mine: list[int], op: str, name: str) -> list[list[int]]:
@@ -412,23 +487,23 @@ def run_round(comm: Comm, op: str, name: str) -> bool:
             if failed.handle is not None and failed.handle.error is None:
                 failed.handle.fail(e)
         raise
-    joined = [m for m, (j, _) in enumerate(tables) if j]
+    joined = [m for m, t in enumerate(tables) if t.joined_at]
     active = [m for m in range(comm.size) if m not in joined]
     progressed = False
     if not active:  # everyone joined: join() returns the last member to join
         new = [m for m in joined if m not in comm.joined_before] or joined
-        last = max(new, key=lambda m: (tables[m][0], m))
+        last = max(new, key=lambda m: (tables[m].joined_at, m))
         comm.last_joined = comm.ranks[last]
         comm.joined_before = frozenset()
         comm.joined = False
         return True
     comm.joined_before = frozenset(joined)
-    by_member = [{h: (exp, key, payload) for h, exp, key, payload in t[1]} for t in tables]
+    by_member = [{h: (exp, key, payload) for h, exp, key, payload in t.entries} for t in tables]
     mine = {e.hashed: e for e in comm.pending}
-    order = [h for h, *_ in tables[active[0]][1]]
+    order = [h for h, *_ in tables[active[0]].entries]
     seen = set(order)
     for m in range(comm.size):  # an expired entry ends everywhere, whoever submitted it
-        for h, exp, *_ in tables[m][1]:
+        for h, exp, *_ in tables[m].entries:
             if exp and h not in seen:
                 seen.add(h)
                 order.append(h)
@@ -469,7 +544,73 @@ def run_round(comm: Comm, op: str, name: str) -> bool:
         payloads = [None if r is None else r[2] for r in rows]
         assert entry.launch is not None
         _launch(entry.handle, entry.launch, payloads, entry.kind, entry.name)
+    if not progressed:
+        progressed = _break_deadlock(comm, tables, active, by_member)
     return progressed
+
+
+def _break_deadlock(
+    comm: Comm,
+    tables: list[Table],
+    active: list[int],
+    by_member: list[dict[int, tuple[bool, tuple[int, ...], list[int]]]],
+) -> bool:
+    """End waits that can never end; return whether they were ended.
+
+    When every member that has not joined is blocked, each on a collective that not every
+    member submitted, and nothing was decided in this round, no member can submit what would
+    unblock the others (each is inside a hora call): the ranks are at different points of
+    the script (an exception skipped a collective on some of them, or they call collectives
+    in different orders). Which side is right cannot be told from here: giving up on one
+    side's collective lets that side run on into its next one, still a step apart. So once
+    every member has waited ``DEADLOCK_GRACE_S``, every pending collective fails on every
+    member with :class:`~hora.errors.CollectiveDeadlock` (naming where each rank waits), the
+    world is marked out of step, and later collectives fail at once (:func:`check_in_step`)
+    until ``init()`` starts a new world. Every member reads the same table, so every member
+    decides alike, in the same round.
+    """
+    if not active or any(not tables[m].waiting for m in active):
+        return False
+    if min(tables[m].waited_us for m in active) < DEADLOCK_GRACE_S * 1e6:
+        return False
+    if any(tables[m].waiting not in by_member[m] for m in active):
+        return False  # published from a stale pending list: look again next round
+    state = _state.require_init("deadlock")
+    waited = max(tables[m].waited_us for m in active) / 1e6
+    pending, comm.pending = comm.pending, []
+    mine: HoraError | None = None
+    for entry in pending:
+        missing = [m for m in active if entry.hashed not in by_member[m]]
+        by_text: dict[str, list[int]] = {}
+        for m in missing:
+            by_text.setdefault(tables[m].wait_text or "a collective", []).append(comm.ranks[m])
+        waits = "; ".join(
+            f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))} in {t}"
+            for t, r in by_text.items()
+        )
+        error = CollectiveDeadlock(entry.kind, [comm.ranks[m] for m in missing], entry.name,
+                                   waits, waited)  # fmt: skip
+        if entry.hashed == comm.waiting or mine is None:
+            mine = error
+        if entry.handle is not None and entry.handle.error is None:
+            entry.handle.fail(error)
+    state.broken = True
+    state.out_of_step = str(mine) if mine is not None else "a deadlock"
+    return True
+
+
+def check_in_step(op: str, name: str) -> None:
+    """Refuse a collective once a deadlock left the ranks out of step (until ``init()``).
+
+    Raises:
+        HoraError: naming the deadlock and what to do.
+    """
+    state = _state.require_init(op)
+    if state.out_of_step:
+        raise HoraError(
+            f"{op} {name!r} not started: the ranks are out of step since a deadlock "
+            f"({state.out_of_step}); call hvd.init() on every rank to start a new world"
+        )
 
 
 def _verdict(

@@ -74,6 +74,9 @@ class State:
         last_sig: CRC of the last collective's op/dtype/shape, for the stall report.
         comms: the process sets' communication state by id (0: the global set), see
             :mod:`hora.torch._engine`.
+        broken: a collective timed out, lost a rank or deadlocked: ``init()`` starts anew.
+        out_of_step: why the ranks are at different points of the script (a deadlock);
+            collectives are refused until ``init()`` ("" while they are in step).
     """
 
     rank: int
@@ -94,6 +97,7 @@ class State:
     last_op: str = ""
     last_sig: int = 0
     broken: bool = False
+    out_of_step: str = ""
     rdzv_file: Path | None = None
     hb_store: Any = None
     comms: dict[int, Any] = field(default_factory=dict)
