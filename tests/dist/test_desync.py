@@ -200,3 +200,34 @@ def test_after_a_deadlock_every_rank_refuses_until_init(desync_world: list[dict[
             assert "hvd.init()" in got["msg"]
         for op, got in r["reinit"]["after"].items():
             assert got["type"] == "ok", f"rank {rank}, {op} after init(): {got}"
+
+
+def _deadlock_beside_a_joined_rank(rank: int, size: int) -> dict[str, Any]:
+    import hora.torch as hvd
+    import torch
+
+    hvd.init()
+    t0 = time.monotonic()
+    try:
+        if rank == size - 1:
+            hvd.join()  # serves allreduces that every other rank submitted: none here
+        else:
+            hvd.allreduce(torch.ones(2), name=f"only.rank{rank}")
+        got: dict[str, Any] = {"type": "no error"}
+    except Exception as e:  # noqa: BLE001
+        got = _err(e)
+    got["elapsed"] = time.monotonic() - t0
+    return got
+
+
+def test_a_deadlock_beside_a_joined_rank_ends_its_join_too(run_world: Any) -> None:
+    results = run_world(__file__, "_deadlock_beside_a_joined_rank", 3, env=FAST_ENV, timeout=60)
+    for rank, got in enumerate(results[:-1]):
+        assert got["type"] == "CollectiveDeadlock", f"rank {rank}: {got}"
+        other = 1 - rank
+        assert got["ranks"] == [other], got
+        assert f"rank {other} in allreduce 'only.rank{other}'" in got["msg"], got
+        assert got["elapsed"] < TIMEOUT_S, got
+    joined = results[-1]
+    assert joined["type"] == "HoraError" and "out of step" in joined["msg"], joined
+    assert joined["elapsed"] < TIMEOUT_S, joined

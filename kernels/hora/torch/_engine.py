@@ -594,6 +594,7 @@ def _break_deadlock(
             mine = error
         if entry.handle is not None and entry.handle.error is None:
             entry.handle.fail(error)
+    comm.joined = False  # a member serving the others in join() leaves it too
     state.broken = True
     state.out_of_step = str(mine) if mine is not None else "a deadlock"
     return True
@@ -680,6 +681,7 @@ def _serve(comm: Comm, rows: list[tuple[bool, tuple[int, ...], list[int]] | None
 def join(comm: Comm) -> int:
     """Serve the other members' collectives until every member joined; return the last joiner."""
     state = _state.require_init("join")
+    check_in_step("join", "")
     if comm.size == 1:
         return state.rank
     if not negotiate():  # no serving: wait for every member, name the last to arrive
@@ -696,6 +698,7 @@ def join(comm: Comm) -> int:
         backoff = 0 if progressed else min(backoff + 1, len(_BACKOFF_S) - 1)
         if _BACKOFF_S[backoff] and comm.joined:
             time.sleep(_BACKOFF_S[backoff])
+    check_in_step("join", "")  # the members still in collectives deadlocked meanwhile
     return comm.last_joined
 
 
