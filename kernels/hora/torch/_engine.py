@@ -233,8 +233,8 @@ def submit(
             f"{kind}: a collective named {name!r} is already in flight on this rank; "
             "concurrent collectives need distinct names"
         )
-    check_in_step(kind, name)
     state = _state.require_init(kind)
+    check_in_step(state, kind, name)
     t0 = timeline.now_ns() if timeline.enabled() else 0
     handle = Handle(kind, name, [], _not_launched, nbytes, t0)
     handle.launched = False
@@ -270,8 +270,8 @@ def launch_planned(op: str, name: str, fn: Callable[..., Any], /, *args: Any, **
     like negotiated collectives (:func:`hora.torch._stall.run_guarded`); ``fn`` is the
     torch.distributed call (``async_op=True`` returns its Work).
     """
-    check_in_step(op, name)
     state = _state.require_init(op)
+    check_in_step(state, op, name)
     state.seq += 1
     state.last_op = op
     return _stall.run_guarded(op, name, fn, *args, **kwargs)
@@ -573,8 +573,6 @@ def _break_deadlock(
         return False
     if min(tables[m].waited_us for m in active) < DEADLOCK_GRACE_S * 1e6:
         return False
-    if any(tables[m].waiting not in by_member[m] for m in active):
-        return False  # published from a stale pending list: look again next round
     state = _state.require_init("deadlock")
     waited = max(tables[m].waited_us for m in active) / 1e6
     pending, comm.pending = comm.pending, []
@@ -600,13 +598,12 @@ def _break_deadlock(
     return True
 
 
-def check_in_step(op: str, name: str) -> None:
+def check_in_step(state: _state.State, op: str, name: str) -> None:
     """Refuse a collective once a deadlock left the ranks out of step (until ``init()``).
 
     Raises:
         HoraError: naming the deadlock and what to do.
     """
-    state = _state.require_init(op)
     if state.out_of_step:
         raise HoraError(
             f"{op} {name!r} not started: the ranks are out of step since a deadlock "
@@ -681,7 +678,7 @@ def _serve(comm: Comm, rows: list[tuple[bool, tuple[int, ...], list[int]] | None
 def join(comm: Comm) -> int:
     """Serve the other members' collectives until every member joined; return the last joiner."""
     state = _state.require_init("join")
-    check_in_step("join", "")
+    check_in_step(state, "join", "")
     if comm.size == 1:
         return state.rank
     if not negotiate():  # no serving: wait for every member, name the last to arrive
@@ -698,7 +695,7 @@ def join(comm: Comm) -> int:
         backoff = 0 if progressed else min(backoff + 1, len(_BACKOFF_S) - 1)
         if _BACKOFF_S[backoff] and comm.joined:
             time.sleep(_BACKOFF_S[backoff])
-    check_in_step("join", "")  # the members still in collectives deadlocked meanwhile
+    check_in_step(state, "join", "")  # the members still in collectives deadlocked meanwhile
     return comm.last_joined
 
 

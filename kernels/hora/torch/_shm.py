@@ -216,10 +216,9 @@ class Ring:
 
         A SIGINT is held until the operation ends (a collective in C++ is deaf to it the same
         way), then delivered to the handler that was there, so an interrupted rank leaves in
-        step with the others. A timeout
-        or a dead member ends the operation on every waiting member alike (the world is then
-        marked broken, as after a gloo timeout: ``init()`` starts anew). Anything else that
-        ends it midway on this rank (an unexpected error)
+        step with the others. A timeout or a dead member ends the operation on every waiting
+        member alike (the world is then marked broken, as after a gloo timeout: ``init()``
+        starts anew). Anything else that ends it midway on this rank (an unexpected error)
         leaves the ring unusable here and sets this rank's counter to ABORTED, so members
         waiting for it fail at once, naming it; later operations here fail at once too.
         """

@@ -588,9 +588,9 @@ def _await_os_thread_end(thread: threading.Thread, timeout_s: float) -> None:
     moment later (on a busy machine, after the main thread moved on: an exit handler could
     still count it). Linux only; elsewhere, and for a thread still running, it returns at once.
     """
-    task = f"/proc/self/task/{thread.native_id}"
     if thread.is_alive() or thread.native_id is None or not os.path.isdir("/proc/self/task"):
         return
+    task = f"/proc/self/task/{thread.native_id}"
     deadline = time.monotonic() + timeout_s
     while os.path.exists(task) and time.monotonic() < deadline:
         time.sleep(0.0005)
