@@ -1,10 +1,12 @@
 """Horovod's own PyTorch test suite, unmodified, against hora.torch (conformance).
 
-``../shared/conformance/horovod/`` (beside the repository; CI clones it there) holds
-``test/parallel/test_torch.py`` as Horovod ships it. This module never copies or edits it: it
-writes a ``horovod`` package into a temporary folder whose ``horovod/torch/__init__.py``
-re-exports ``hora.torch`` (``horovod/runner/util/threads.py`` is linked from the shared copy,
-as its README says; ``mock`` is the standard library's ``unittest.mock``), and runs the file
+Horovod's suite is not in this repository: ``HORA_HOROVOD_SUITE`` says where it is (default
+``../shared/conformance/horovod`` beside the repository, CI's layout; tests/helpers/horovod.py
+says which files and where to get them, and the ``horovod_suite`` fixture skips these tests,
+with that reason, where it is not set up). This module never copies or edits it: it writes a
+``horovod`` package into a temporary folder whose ``horovod/torch/__init__.py`` re-exports
+``hora.torch`` (``horovod/runner/util/threads.py`` is linked from the suite's directory;
+``mock`` is the standard library's ``unittest.mock``), and runs ``test/parallel/test_torch.py``
 with pytest under ``hora run -np N`` in Horovod's Gloo-runner mode (each rank gets
 ``HOROVOD_RANK`` / ``HOROVOD_SIZE``: the suite shuts down and re-initialises around every
 test; tests/conformance/_rank.py). Nothing is deselected; GPU-only tests skip themselves.
@@ -13,8 +15,8 @@ A test passes when it passed on every rank, is skipped when every rank skipped i
 otherwise. The module prints the figures per world size and fails when a test outside
 KNOWN_INCOMPATIBLE fails.
 
-It runs in the default suite and in CI, at 2 and 3 ranks (about 2.5 minutes each on 2
-cores); README.md ("Coming from Horovod") shows the figures.
+It runs in the default suite and in CI (which sets ``HORA_HOROVOD_SUITE`` and fails when the
+suite is missing), at 2 and 3 ranks (about 2.5 minutes each on 2 cores).
 """
 
 from __future__ import annotations
@@ -29,9 +31,6 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-HOROVOD = REPO.parent / "shared" / "conformance" / "horovod"
-SUITE = HOROVOD / "test" / "parallel" / "test_torch.py"
 RANK_MAIN = Path(__file__).with_name("_rank.py")
 
 _MUON = (
@@ -54,7 +53,7 @@ KNOWN_INCOMPATIBLE: dict[str, tuple[tuple[int, ...], str]] = {
 }
 
 
-def _shim(root: Path) -> Path:
+def _shim(root: Path, horovod: Path) -> Path:
     pkg = root / "horovod"
     (pkg / "torch").mkdir(parents=True)
     (pkg / "runner" / "util").mkdir(parents=True)
@@ -64,7 +63,7 @@ def _shim(root: Path) -> Path:
         '"""horovod.torch for the conformance run: hora.torch under Horovod\'s name."""\n'
         "from hora.torch import *  # noqa: F403\n"
     )
-    threads = HOROVOD / "horovod" / "runner" / "util" / "threads.py"
+    threads = horovod / "horovod" / "runner" / "util" / "threads.py"
     (pkg / "runner" / "util" / "threads.py").symlink_to(threads)
     (root / "mock.py").write_text("from unittest.mock import *  # noqa: F403\n")
     (root / "pytest.ini").write_text("[pytest]\n")
@@ -100,15 +99,15 @@ def _merge(per_rank: list[dict[str, str]]) -> dict[str, str]:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("np", [2, 3])
 def test_horovod_torch_suite_passes_under_hora_run(
-    np: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    np: int, horovod_suite: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert SUITE.is_file(), f"Horovod's suite is not at {SUITE} (clone it beside the repository)"
-    shim, out = _shim(tmp_path / "shim"), tmp_path / "out"
+    suite = horovod_suite / "test" / "parallel" / "test_torch.py"
+    shim, out = _shim(tmp_path / "shim", horovod_suite), tmp_path / "out"
     out.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "RANK", "MASTER_"))}
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HORA_TIMEOUT="20")
     argv = [sys.executable, "-m", "hora.cli", "run", "-np", str(np), "--",
-            sys.executable, str(RANK_MAIN), str(shim), str(SUITE), str(out)]  # fmt: skip
+            sys.executable, str(RANK_MAIN), str(shim), str(suite), str(out)]  # fmt: skip
     t0 = time.monotonic()
     res = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=840, cwd=tmp_path)
     took = time.monotonic() - t0

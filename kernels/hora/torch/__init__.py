@@ -24,12 +24,15 @@ from hora.errors import (
     HorovodInternalError,
     HostsUpdatedInterrupt,
     NotInitializedError,
+    PeerFailedError,
     RankFailedError,
     RendezvousError,
     TensorMismatchError,
     UnsupportedError,
 )
-from hora.torch import _handles, _process_sets, timeline  # noqa: F401  (they hook into _state)
+
+# hooks; preflight's init hook runs after the timeline's and the process sets'
+from hora.torch import _handles, _process_sets, elastic, preflight, timeline  # noqa: F401
 from hora.torch._autograd import grouped_allgather, grouped_reducescatter
 from hora.torch._grouped import (
     grouped_allgather_async,
@@ -176,6 +179,8 @@ __all__ = [
     "allreduce_metrics",
     "Metric",
     "SyncBatchNorm",
+    # elastic training (hvd.elastic.run, TorchState, ElasticSampler...)
+    "elastic",
     # timeline
     "start_timeline",
     "stop_timeline",
@@ -188,5 +193,6 @@ __all__ = [
     "UnsupportedError",
     "RendezvousError",
     "HorovodInternalError",
+    "PeerFailedError",
     "HostsUpdatedInterrupt",
 ]

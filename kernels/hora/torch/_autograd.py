@@ -446,7 +446,8 @@ def alltoall(
         TensorMismatchError: dtype or trailing dimensions differ across ranks.
 
     Example:
-        >>> out, got = hvd.alltoall(x, splits=[1, 3])
+        >>> x = torch.arange(2.0 * hvd.size())
+        >>> out, got = hvd.alltoall(x, splits=[2] * hvd.size())   # 2 rows to every rank
     """
     if tensor.requires_grad and torch.is_grad_enabled():
         out, got = AlltoallFn.apply(tensor, splits, name, process_set)

@@ -204,7 +204,9 @@ def allreduce_(
         ``tensor``, now holding the reduced values.
 
     Example:
-        >>> hvd.allreduce_(t, op=hvd.Sum)
+        >>> t = torch.ones(3)
+        >>> hvd.allreduce_(t, op=hvd.Sum) is t
+        True
     """
     h = _allreduce(
         tensor, True, average, name, op, prescale_factor, postscale_factor, process_set, sync=True
@@ -406,7 +408,10 @@ def poll(handle: Handle) -> bool:
     """Return True when the async collective behind ``handle`` has finished.
 
     Example:
-        >>> while not hvd.poll(h): do_other_work()
+        >>> h = hvd.allreduce_async(t)
+        >>> while not hvd.poll(h):
+        ...     pass  # compute something else meanwhile
+        >>> out = hvd.synchronize(h)
     """
     if not isinstance(handle, Handle):
         raise TypeError(

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hora.errors import CollectiveTimeout, HoraError, RankFailedError, TensorMismatchError
+from hora.errors import CollectiveTimeout, HoraError, PeerFailedError, TensorMismatchError
 from hora.torch import _state
 from hora.torch._stall import run_guarded
 
@@ -372,7 +372,7 @@ class Ring:
         for i, c in enumerate(self.counter):
             if i != self.index and ctl[c] == ABORTED:
                 _state.require_init(op).broken = True
-                raise RankFailedError(self.ranks[i], detail=(
+                raise PeerFailedError(self.ranks[i], detail=(
                     f"it left {op} {name!r} early (interrupted, timed out, or its process "
                     "group was aborted)"))
         return False
@@ -381,7 +381,7 @@ class Ring:
         for i, (pid, start) in self.peers.items():
             if (_start_time(pid) & 0xFFFFFFFF) != start:
                 state.broken = True
-                raise RankFailedError(self.ranks[i], detail=(
+                raise PeerFailedError(self.ranks[i], detail=(
                     f"its process (pid {pid}) exited during {op} {name!r}"))
 
 

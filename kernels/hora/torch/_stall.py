@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from hora.errors import CollectiveTimeout, HoraError, RankFailedError, TensorMismatchError
+from hora.errors import CollectiveTimeout, HoraError, PeerFailedError, TensorMismatchError
 from hora.torch import _state
 
 _BACKEND_ERRORS: tuple[type[BaseException], ...] = (RuntimeError,)
@@ -60,13 +60,13 @@ def diagnose(op: str, name: str, exc: BaseException | None = None) -> HoraError:
         second = _snapshot(state)
     except Exception as e:  # the store lives on rank 0: unreachable store means rank 0 is gone
         if state.rank != 0:
-            return RankFailedError(
+            return PeerFailedError(
                 0, detail=f"rank 0 (host of the rendezvous store) is unreachable ({e}); {detail}"
             )
         return CollectiveTimeout(op, [], state.timeout_s, name=name)
     dead = [r for r in first if second[r] is None or first[r] == second[r]]
     if dead:
-        return RankFailedError(
+        return PeerFailedError(
             dead[0], detail=f"stopped responding during {detail}", others=dead[1:]
         )
     behind = [r for r, v in second.items() if v is not None and v[0] < state.seq]

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hora.env import World, detect_world
+from hora.env import RDZV_SECRET_VAR, World, detect_world
 from hora.errors import (
     CollectiveTimeout,
     LauncherEnvError,
@@ -121,6 +121,29 @@ StopHook = Callable[[bool], None]
 _INIT_HOOKS: list[InitHook] = []
 _STOP_HOOKS: list[StopHook] = []
 _RELEASE_HOOKS: list[Callable[[], None]] = []
+
+
+# Where init() learns its world: ``source(environ, failure)`` returns it; after a failed
+# rendezvous it is asked again with the failure, and raises to give up. By default the
+# launcher's variables, once; hora.torch.elastic (under ``hora run --min-np/--max-np``)
+# registers its rendezvous, whose next generation replaces a member that died meanwhile.
+WorldSource = Callable[[dict[str, str], "CollectiveTimeout | RendezvousError | None"], World]
+
+
+def _launcher_world(
+    environ: dict[str, str], failure: CollectiveTimeout | RendezvousError | None
+) -> World:
+    if failure is not None:
+        raise failure
+    return detect_world(environ)
+
+
+_WORLD_SOURCE: list[WorldSource] = [_launcher_world]
+
+
+def set_world_source(fn: WorldSource) -> None:
+    """Make ``init()`` ask ``fn(environ, failure)`` for its world (see ``WorldSource``)."""
+    _WORLD_SOURCE[0] = fn
 
 
 def register_init_hook(fn: InitHook) -> None:
@@ -452,12 +475,15 @@ def _group(
     importlib.import_module("torch.distributed._shard.sharded_tensor")
     address = (world.master_addr, world.master_port)
     _GENERATIONS[address] = generation = _GENERATIONS.get(address, 0) + 1
-    prefix = f"hora/g{generation}"
+    # torchrun's agent keeps its store (which ranks share) across --max-restarts: keys of the
+    # attempt before must not answer this one
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    prefix = f"hora/r{restart}g{generation}" if restart else f"hora/g{generation}"
     deadline = time.monotonic() + start_s
     while True:
         try:
             raw, rdzv = _make_store(world, start_s, generation)
-            store = dist.PrefixStore(prefix, raw)
+            store = _sealed_store(dist.PrefixStore(prefix, raw), os.environ)
             if backend == "nccl":
                 torch.cuda.set_device(_device_index(world))
             _init_group(world, backend, store, start_s, timeout_s)
@@ -467,6 +493,22 @@ def _group(
                 raise
             log.debug("rendezvous store went away during init (%s); connecting again", e)
             time.sleep(_POLL_S)
+
+
+def _sealed_store(store: Any, environ: Mapping[str, str]) -> Any:
+    """The rendezvous store sealed with the launch's secret, when the launcher gave one.
+
+    hora's launchers (the service, ``hora run``, notebook engines) give every rank of a world
+    the same ``HORA_RDZV_SECRET``; a process without it cannot read, write or join the
+    store (:mod:`hora.torch._sealed`). Without one (a plain torchrun), the store is as torch
+    makes it.
+    """
+    secret = environ.get(RDZV_SECRET_VAR, "")
+    if not secret:
+        return store
+    from hora.torch._sealed import SealedStore, store_key
+
+    return SealedStore(store, store_key(secret))
 
 
 def _reset(e: BaseException) -> bool:
@@ -562,10 +604,15 @@ def init(
             return
         _drop_broken()
     environ = dict(os.environ)
-    world = detect_world(environ)
-    timeout_s = _timeout(timeout, environ)
-    start_s = _start_timeout(timeout, environ, timeout_s)
-    _STATE = _start(world, _backend(backend, environ), start_s, timeout_s)
+    failure: CollectiveTimeout | RendezvousError | None = None
+    while _STATE is None:
+        world = _WORLD_SOURCE[0](environ, failure)
+        timeout_s = _timeout(timeout, environ)
+        start_s = _start_timeout(timeout, environ, timeout_s)
+        try:
+            _STATE = _start(world, _backend(backend, environ), start_s, timeout_s)
+        except (CollectiveTimeout, RendezvousError) as e:
+            failure = e
     log.debug(
         "hora.torch initialised: rank %d of %d (%s)", _STATE.rank, _STATE.size, _STATE.backend
     )
@@ -596,7 +643,7 @@ def _await_os_thread_end(thread: threading.Thread, timeout_s: float) -> None:
         time.sleep(0.0005)
 
 
-def _release(state: State, *, graceful: bool) -> None:
+def _release(state: State, *, graceful: bool, abort_shm: bool | None = None) -> None:
     """Free the groups init() made, the store and its connections, while Python is alive.
 
     gloo's worker threads drop the last reference to a finished Work (and the tensors it
@@ -610,6 +657,7 @@ def _release(state: State, *, graceful: bool) -> None:
         state: the state being released (already detached from ``_STATE``).
         graceful: destroy the groups (in-flight work completes or times out) rather than
             abort them (their connections close at once; in-flight work fails).
+        abort_shm: mark the shared-memory ring aborted (default: when not graceful).
     """
     if state.owns_group and dist.is_initialized():
         try:
@@ -627,7 +675,8 @@ def _release(state: State, *, graceful: bool) -> None:
         held += [weakref.ref(g) for g in groups if isinstance(g, dist.ProcessGroup)]
         comm.group = comm.side = None
         if comm.shm is not None:  # the shared-memory segment (hora.torch._shm.Ring)
-            comm.shm.close(abort=not graceful)  # aborted: members waiting in it fail at once
+            # aborted: members waiting in it fail at once
+            comm.shm.close(abort=not graceful if abort_shm is None else abort_shm)
             comm.shm = None
         comm.pending.clear()
         comm.inflight.clear()
@@ -670,7 +719,10 @@ def _at_exit() -> None:
         stop(True)
     _stop_heartbeat(state)
     _STATE = None
-    _release(state, graceful=False)
+    # An exiting rank finished every ring operation it entered (one it left early marked
+    # the ring itself): a peer still reading the last one's result must not see it aborted;
+    # a peer waiting for one this rank never joins finds its process gone (_shm.PID_CHECK_S)
+    _release(state, graceful=False, abort_shm=False)
     _await_host_close(state, 0.0)
     if state.rdzv_file is not None:  # every rank found the store long ago
         state.rdzv_file.unlink(missing_ok=True)

@@ -289,6 +289,7 @@ def allreduce_metrics(values: Any, op: int = Average, name: str | None = None) -
         >>> m = hvd.allreduce_metrics({"val_loss": loss_sum / n, "val_acc": correct / n})
         >>> if hvd.rank() == 0:
         ...     print(m["val_acc"])
+        0.625
     """
     state = _state.require_init("allreduce_metrics")
     if op not in (Average, Sum, Min, Max):
@@ -323,7 +324,7 @@ class Metric:
         >>> val_loss = hvd.Metric("val_loss")
         >>> for x, y in val_loader:
         ...     val_loss.update(F.cross_entropy(model(x), y), n=len(y))
-        >>> print(val_loss.avg)          # the same on every rank
+        >>> avg = val_loss.avg          # the same on every rank
     """
 
     def __init__(self, name: str) -> None:

@@ -87,11 +87,14 @@ class _Writer:
 
 
 _writer: _Writer | None = None
+# In-process listeners (``%%distributed --profile``): each gets every event ``record`` gets,
+# as ``(name, phase, start_ns, end_ns, nbytes, args)``, with or without a timeline file.
+LISTENERS: list[Any] = []
 
 
 def enabled() -> bool:
     """Return whether a timeline is being recorded (check it before building event args)."""
-    return _writer is not None
+    return _writer is not None or bool(LISTENERS)
 
 
 def now_ns() -> int:
@@ -123,6 +126,8 @@ def record(
     w = _writer
     if w is not None:
         w.write(name, phase, start_ns, end_ns, nbytes, args)
+    for listener in LISTENERS:
+        listener(name, phase, start_ns, end_ns, nbytes, args)
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:

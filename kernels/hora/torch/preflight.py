@@ -1,0 +1,562 @@
+"""Communication preflight: latency and bandwidth of the world's collective paths (data plane).
+
+Every rank calls :func:`run` at the same point of an initialised world (``hvd.init()`` does
+it when ``HORA_PREFLIGHT=1``; ``%dist_start`` does it on the engines). In well under a
+second it measures, on each path the ranks will use:
+
+* **latency**: a few allreduces of one float (median per rank, microseconds);
+* **bandwidth**: allreduces of a few sizes (CPU: 4 KiB, 256 KiB, 4 MiB; GPU: 1, 8 and
+  64 MiB), each preceded by a timed local copy of the same bytes (the rank's own memory
+  bandwidth). Bus bandwidth follows the nccl-tests definition for allreduce:
+  ``algbw = bytes / time`` and ``busbw = algbw * 2 (n - 1) / n``, with the time of the
+  slowest rank (the collective ends when its last rank does);
+* **links**: a ping-pong of 1 MiB (GPU: 64 MiB) between ring neighbours
+  ``(i, i + 1 mod n)``, each link's bandwidth counted both ways (``2 * bytes / round trip``).
+
+The paths are ``gloo`` (or ``nccl`` on GPUs: the default group), and ``shm`` (hora's
+same-host shared-memory ring, :mod:`hora.torch._shm`) when every rank is on one host and
+the ring is usable. The figures are gathered on every rank, so every rank returns the same
+:class:`PreflightReport` and takes the same decision.
+
+A rank, link or path *far below* its reference is named in ``report.findings``: the
+reference is the node's recorded baseline (``<baseline_dir>/<host>.json``, written by
+:func:`save_baseline`) where there is one, else the median of the other ranks (links: of
+the other links). "Far below" is under ``warn_below`` of the reference (default 0.5; env
+``HORA_PREFLIGHT_WARN_BELOW``). With ``fail_below`` (env ``HORA_PREFLIGHT_FAIL_BELOW``) a
+finding under that fraction raises :class:`PreflightError` on every rank.
+
+This module imports only torch, the standard library and hora.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hora.errors import HoraError
+from hora.torch import _shm, _state
+from hora.torch._process_sets import comm_of
+from hora.torch._stall import run_guarded
+
+log = logging.getLogger("hora.torch.preflight")
+
+KIB, MIB = 1024, 1024 * 1024
+CPU_SIZES = (4 * KIB, 256 * KIB, 4 * MIB)
+GPU_SIZES = (1 * MIB, 8 * MIB, 64 * MIB)
+CPU_LINK_BYTES, GPU_LINK_BYTES = 1 * MIB, 64 * MIB
+LATENCY_ITERS = 5
+REPS = 2  # timed allreduces per size (the latency rounds warm the path up)
+EXTRA_COPIES = 3  # more timed local copies of the largest size
+DEFAULT_WARN_BELOW = 0.5
+LINE_TAG = "HORA_PREFLIGHT"  # rank 0's log line at init: "HORA_PREFLIGHT {json}"
+
+# Fault injection for tests: each is called with the phase ("copy" or "link") on this rank
+# inside the timed region. Empty in normal use.
+SLOW_HOOKS: list[Callable[[str], None]] = []
+
+
+class PreflightError(HoraError):
+    """A rank, link or path measured below the fail threshold (raised on every rank)."""
+
+
+@dataclass
+class RankFigures:
+    """One rank's own measurements on one path."""
+
+    rank: int
+    host: str
+    latency_us: float
+    copy_gbps: float  # best local copy of the largest size (bytes / s / 1e9)
+    busbw_gbps: float  # largest size, from this rank's own median time
+    coll_s: float  # time this rank spent in the timed allreduces
+    wait_s: float = 0.0  # of which waiting for later ranks (vs the fastest rank, per op)
+
+
+@dataclass
+class LinkFigures:
+    """A ring neighbour pair's ping-pong."""
+
+    a: int
+    b: int
+    latency_us: float
+    gbps: float
+
+
+@dataclass
+class PathFigures:
+    """The world's figures on one path."""
+
+    path: str
+    sizes: list[int]
+    busbw_gbps: list[float]  # one per size, nccl-tests' definition (slowest rank's time)
+    algbw_gbps: list[float]
+    latency_us: float  # median over ranks
+    ranks: list[RankFigures]
+    links: list[LinkFigures] = field(default_factory=list)
+
+
+@dataclass
+class Finding:
+    """A rank, link or path far below its reference."""
+
+    kind: str  # "rank", "link" or "path"
+    who: str  # "rank 1", "link 0<->1", "path gloo"
+    path: str
+    figure: str  # what was compared ("copy_gbps", "gbps", "busbw_gbps")
+    value: float
+    reference: float
+    against: str  # "baseline" or "other ranks" / "other links"
+
+    @property
+    def fraction(self) -> float:
+        """``value / reference`` (0 when the reference is 0)."""
+        return self.value / self.reference if self.reference > 0 else 0.0
+
+    def text(self) -> str:
+        """One phrase naming it, e.g. ``rank 1 (gloo copy_gbps 0.05, 3% of other ranks)``."""
+        return (
+            f"{self.who} ({self.path} {self.figure} {self.value:.3g}, "
+            f"{100 * self.fraction:.0f}% of {self.against} {self.reference:.3g})"
+        )
+
+
+@dataclass
+class PreflightReport:
+    """What :func:`run` measured; the same on every rank."""
+
+    size: int
+    backend: str
+    seconds: float
+    paths: list[PathFigures]
+    findings: list[Finding] = field(default_factory=list)
+    warn_below: float = DEFAULT_WARN_BELOW
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (``findings`` carry their ``text``)."""
+        out = asdict(self)
+        out["findings"] = [asdict(f) | {"text": f.text()} for f in self.findings]
+        return out
+
+    def slowest(self) -> str:
+        """The findings as one phrase ("" when nothing is far below)."""
+        return "; ".join(f.text() for f in self.findings)
+
+    def line(self) -> str:
+        """One line of figures, e.g. for ``%dist_start``'s output."""
+        if not self.paths:
+            return "preflight: one rank, no collective path to measure"
+        parts = []
+        for p in self.paths:
+            top = _human(p.sizes[-1])
+            part = f"{p.path} {top} busbw {p.busbw_gbps[-1]:.2f} GB/s, {p.latency_us:.0f} us"
+            if p.links:
+                lo = min(k.gbps for k in p.links)
+                hi = max(k.gbps for k in p.links)
+                part += f", links {lo:.2f}-{hi:.2f} GB/s"
+            parts.append(part)
+        slow = self.slowest()
+        tail = f"; SLOW: {slow}" if slow else "; no rank or link far below its reference"
+        return f"preflight ({self.size} ranks, {self.seconds:.2f}s): " + "; ".join(parts) + tail
+
+
+def _human(n: int) -> str:
+    return f"{n // MIB} MiB" if n >= MIB else f"{n // KIB} KiB"
+
+
+def _fraction(value: str | None, name: str) -> float | None:
+    if value is None or value.strip() == "":
+        return None
+    try:
+        f = float(value)
+    except ValueError:
+        raise PreflightError(f"{name} must be a fraction such as 0.5, got {value!r}") from None
+    if not 0.0 < f <= 1.0:
+        raise PreflightError(f"{name} must be in (0, 1], got {value!r}")
+    return f
+
+
+# --- measuring ---------------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _hooks(phase: str) -> None:
+    for hook in SLOW_HOOKS:
+        hook(phase)
+
+
+class _Path:
+    """How one path reduces a tensor in place (gloo/NCCL group, or the shared-memory ring)."""
+
+    def __init__(self, name: str, state: _state.State, ring: Any = None) -> None:
+        self.name, self.state, self.ring = name, state, ring
+
+    def allreduce(self, t: torch.Tensor, tag: str) -> None:
+        if self.ring is not None:
+            self.ring.allreduce_(t, "preflight", tag)
+        else:
+            run_guarded("preflight", tag, dist.all_reduce, t, group=self.state.group)
+        _sync(t.device)
+
+
+def _timed_allreduce(path: _Path, t: torch.Tensor, tag: str) -> float:
+    t0 = time.perf_counter()
+    path.allreduce(t, tag)
+    return time.perf_counter() - t0
+
+
+def _timed_copy(dst: torch.Tensor, src: torch.Tensor) -> float:
+    _sync(dst.device)
+    t0 = time.perf_counter()
+    dst.copy_(src)
+    _hooks("copy")
+    _sync(dst.device)
+    return time.perf_counter() - t0
+
+
+def _measure_path(path: _Path, sizes: tuple[int, ...]) -> dict[str, Any]:
+    """This rank's raw timings on ``path``: latency rounds, then per size copy + allreduce.
+
+    The copies go into a buffer already written once (no first-touch page faults); the
+    largest size's copy is the best of ``REPS + EXTRA_COPIES`` (a descheduled rank is not
+    named for one slow copy).
+    """
+    device = path.state.device
+    one = torch.ones(1, device=device)
+    lat = [_timed_allreduce(path, one, f"{path.name}.lat") for _ in range(LATENCY_ITERS)]
+    copies, colls = [], []
+    for size in sizes:
+        src = torch.ones(size // 4, device=device)
+        buf = src.clone()
+        best_copy, times = math.inf, []
+        for _ in range(REPS):
+            best_copy = min(best_copy, _timed_copy(buf, src))
+            times.append(_timed_allreduce(path, buf, f"{path.name}.{size}"))
+        if size == sizes[-1]:
+            best_copy = min([best_copy] + [_timed_copy(buf, src) for _ in range(EXTRA_COPIES)])
+        copies.append(best_copy)
+        colls.append(times)
+    return {"lat": lat, "copy": copies, "coll": colls}
+
+
+def _ring_pairs(n: int) -> list[tuple[int, int]]:
+    if n < 2:
+        return []
+    return [(0, 1)] if n == 2 else [(i, (i + 1) % n) for i in range(n)]
+
+
+def _ping(state: _state.State, t: torch.Tensor, a: int, b: int, tag: str) -> float:
+    """One round trip a -> b -> a; its time on ``a`` (0 on ``b``)."""
+    t0 = time.perf_counter()
+    if state.rank == a:
+        run_guarded("preflight", tag, dist.send, t, b, group=state.group)
+        run_guarded("preflight", tag, dist.recv, t, b, group=state.group)
+        _hooks("link")
+    else:
+        run_guarded("preflight", tag, dist.recv, t, a, group=state.group)
+        _hooks("link")
+        run_guarded("preflight", tag, dist.send, t, a, group=state.group)
+    _sync(t.device)
+    return time.perf_counter() - t0 if state.rank == a else 0.0
+
+
+def _measure_links(state: _state.State, nbytes: int) -> dict[str, list[float]]:
+    """Ping-pong each ring neighbour pair this rank is in; times kept by the pair's first rank."""
+    small = torch.zeros(1, device=state.device)
+    big = torch.zeros(nbytes // 4, device=state.device)
+    out: dict[str, list[float]] = {}
+    for a, b in _ring_pairs(state.size):
+        if state.rank not in (a, b):
+            continue
+        tag = f"link.{a}.{b}"
+        lat = min(_ping(state, small, a, b, tag) for _ in range(3))
+        bw = min(_ping(state, big, a, b, tag) for _ in range(2))  # best of 2: less noise
+        if state.rank == a:
+            out[f"{a}-{b}"] = [lat, bw]
+    return out
+
+
+def _shm_ring(state: _state.State) -> Any:
+    """The shared-memory ring when the world's CPU buckets will use it, else None."""
+    if state.device.type != "cpu" or state.size < 2 or state.local_size != state.size:
+        return None
+    return _shm.ring_of(comm_of(None, "preflight"), "preflight")
+
+
+# --- summarising -------------------------------------------------------------------------------
+def _busbw(nbytes: int, seconds: float, n: int) -> tuple[float, float]:
+    """``(algbw, busbw)`` in GB/s for an allreduce (nccl-tests' definitions)."""
+    if seconds <= 0:
+        return 0.0, 0.0
+    alg = nbytes / seconds / 1e9
+    return alg, alg * 2 * (n - 1) / n
+
+
+def _summarise(name: str, sizes: tuple[int, ...], raws: list[dict[str, Any]],
+               hosts: list[str]) -> PathFigures:
+    n = len(raws)
+    busbw, algbw = [], []
+    for i, size in enumerate(sizes):
+        worst = max(statistics.median(r["coll"][i]) for r in raws)
+        alg, bus = _busbw(size, worst, n)
+        algbw.append(alg)
+        busbw.append(bus)
+    ranks = []
+    for r, raw in enumerate(raws):
+        mine = [statistics.median(t) for t in raw["coll"]]
+        ranks.append(RankFigures(
+            rank=r, host=hosts[r], latency_us=1e6 * statistics.median(raw["lat"]),
+            copy_gbps=sizes[-1] / raw["copy"][-1] / 1e9 if raw["copy"][-1] > 0 else 0.0,
+            busbw_gbps=_busbw(sizes[-1], mine[-1], n)[1], coll_s=sum(sum(t) for t in raw["coll"]),
+        ))
+    for i in range(len(sizes)):  # waiting: this rank's time beyond the fastest rank's, per op
+        for k in range(REPS):
+            fastest = min(raw["coll"][i][k] for raw in raws)
+            for r, raw in enumerate(raws):
+                ranks[r].wait_s += raw["coll"][i][k] - fastest
+    lat = statistics.median(x.latency_us for x in ranks)
+    return PathFigures(name, list(sizes), busbw, algbw, lat, ranks)
+
+
+def _links(raw_links: list[dict[str, list[float]]], nbytes: int) -> list[LinkFigures]:
+    out = []
+    for mine in raw_links:
+        for key, (lat, rt) in mine.items():
+            a, b = (int(x) for x in key.split("-"))
+            gbps = 2 * nbytes / rt / 1e9 if rt > 0 else 0.0
+            out.append(LinkFigures(a, b, 1e6 * lat / 2, gbps))
+    return sorted(out, key=lambda k: (k.a, k.b))
+
+
+def load_baseline(directory: str | os.PathLike[str] | None, host: str) -> dict[str, Any]:
+    """The node's recorded baseline (``{path: {figure: value}}``), or {} when there is none.
+
+    Args:
+        directory: where the per-node files are (``<host>.json``); None: no baseline.
+        host: the node's host name.
+    """
+    if not directory:
+        return {}
+    file = Path(directory) / f"{Path(host).name}.json"
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return {}
+    paths = data.get("paths") if isinstance(data, dict) else None
+    return paths if isinstance(paths, dict) else {}
+
+
+def save_baseline(report: PreflightReport, directory: str | os.PathLike[str]) -> list[Path]:
+    """Record ``report`` as the baseline of every node in it (one ``<host>.json`` each).
+
+    Each node's figures are the median of its ranks (links: of the links its ranks start).
+    Call it on one rank, on a healthy world.
+
+    Returns:
+        The files written.
+    """
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    written = []
+    for host in sorted({r.host for p in report.paths for r in p.ranks}):
+        paths: dict[str, dict[str, float]] = {}
+        for p in report.paths:
+            mine = [r for r in p.ranks if r.host == host]
+            ranks_here = {r.rank for r in mine}
+            links = [k.gbps for k in p.links if k.a in ranks_here]
+            paths[p.path] = {
+                "busbw_gbps": p.busbw_gbps[-1],
+                "copy_gbps": statistics.median(r.copy_gbps for r in mine),
+                "latency_us": statistics.median(r.latency_us for r in mine),
+            } | ({"link_gbps": statistics.median(links)} if links else {})
+        file = root / f"{host}.json"
+        file.write_text(json.dumps({"host": host, "size": report.size, "paths": paths}, indent=1))
+        written.append(file)
+    return written
+
+
+def _reference(base: Mapping[str, Any], figure: str, others: list[float]) -> tuple[float, str]:
+    value = base.get(figure)
+    if isinstance(value, int | float) and value > 0:
+        return float(value), "baseline"
+    return (statistics.median(others), "") if others else (0.0, "")
+
+
+def _judge(p: PathFigures, bases: dict[str, dict[str, Any]], below: float) -> list[Finding]:
+    found = []
+    for r in p.ranks:
+        base = bases.get(r.host, {}).get(p.path, {})
+        others = [x.copy_gbps for x in p.ranks if x.rank != r.rank]
+        ref, against = _reference(base, "copy_gbps", others)
+        if ref > 0 and r.copy_gbps < below * ref:
+            found.append(Finding("rank", f"rank {r.rank}", p.path, "copy_gbps", r.copy_gbps,
+                                 ref, against or "other ranks"))
+    host_of = {r.rank: r.host for r in p.ranks}
+    for k in p.links:
+        base = bases.get(host_of.get(k.a, ""), {}).get(p.path, {})
+        others = [x.gbps for x in p.links if (x.a, x.b) != (k.a, k.b)]
+        ref, against = _reference(base, "link_gbps", others)
+        if ref > 0 and k.gbps < below * ref:
+            found.append(Finding("link", f"link {k.a}<->{k.b}", p.path, "gbps", k.gbps, ref,
+                                 against or "other links"))
+    refs = [b[p.path]["busbw_gbps"] for b in bases.values()
+            if isinstance(b.get(p.path, {}).get("busbw_gbps"), int | float)]
+    if refs and p.busbw_gbps[-1] < below * min(refs):
+        found.append(Finding("path", f"path {p.path}", p.path, "busbw_gbps", p.busbw_gbps[-1],
+                             min(refs), "baseline"))
+    return _merge_links(found, p)
+
+
+def _merge_links(found: list[Finding], p: PathFigures) -> list[Finding]:
+    """Name a rank instead of its links when every link it is in is slow (3+ ranks)."""
+    if len(p.ranks) < 3:
+        return found
+    slow = {f.who for f in found if f.kind == "link" and f.path == p.path}
+    for r in p.ranks:
+        mine = {f"link {k.a}<->{k.b}" for k in p.links if r.rank in (k.a, k.b)}
+        if not mine or not mine <= slow:
+            continue
+        worst = min((f for f in found if f.who in mine), key=lambda f: f.fraction)
+        found = [f for f in found if f.who not in mine]
+        found.append(Finding("rank", f"rank {r.rank}", p.path, "link_gbps", worst.value,
+                             worst.reference, worst.against))
+        slow -= mine
+    return found
+
+
+# --- running -----------------------------------------------------------------------------------
+def _sizes(sizes: tuple[int, ...] | list[int] | None, gpu: bool) -> tuple[int, ...]:
+    if not sizes:
+        return GPU_SIZES if gpu else CPU_SIZES
+    out = tuple(int(s) for s in sizes)
+    bad = [s for s in out if s < 4 or s % 4 or s > 64 * MIB]
+    if bad:
+        raise PreflightError(f"preflight sizes: {bad[0]} is not a multiple of 4 in 4..64 MiB")
+    return tuple(sorted(out))
+
+
+def _settings(
+    env: Mapping[str, str], warn_below: float | None, fail_below: float | None
+) -> tuple[float, float | None]:
+    warn = warn_below or _fraction(env.get("HORA_PREFLIGHT_WARN_BELOW"),
+                                   "HORA_PREFLIGHT_WARN_BELOW") or DEFAULT_WARN_BELOW
+    fail = fail_below if fail_below is not None else _fraction(
+        env.get("HORA_PREFLIGHT_FAIL_BELOW"), "HORA_PREFLIGHT_FAIL_BELOW")
+    return warn, fail
+
+
+def run(
+    *,
+    sizes: tuple[int, ...] | list[int] | None = None,
+    baseline_dir: str | os.PathLike[str] | None = None,
+    warn_below: float | None = None,
+    fail_below: float | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> PreflightReport:
+    """Measure the world's collective paths (every rank calls it at the same point).
+
+    Args:
+        sizes: allreduce sizes in bytes (multiples of 4, at most 64 MiB); default
+            ``CPU_SIZES`` or ``GPU_SIZES``.
+        baseline_dir: where each node's ``<host>.json`` baseline is (default env
+            ``HORA_PREFLIGHT_BASELINE``; none: ranks are compared with each other).
+        warn_below: name what is under this fraction of its reference (default 0.5).
+        fail_below: raise when something is under this fraction (default env
+            ``HORA_PREFLIGHT_FAIL_BELOW``; unset: warn only).
+        environ: the settings' environment (default ``os.environ``).
+
+    Returns:
+        The same report on every rank.
+
+    Raises:
+        NotInitializedError: before ``hvd.init()``.
+        PreflightError: on every rank, when ``fail_below`` is set and something is under it
+            (the message names it), or a setting is invalid.
+        CollectiveTimeout, RankFailedError: a rank did not take part (named).
+    """
+    state = _state.require_init("preflight")
+    env = os.environ if environ is None else environ
+    warn, fail = _settings(env, warn_below, fail_below)
+    gpu = state.device.type == "cuda"
+    chosen = _sizes(sizes, gpu)
+    if state.size < 2:
+        return PreflightReport(1, state.backend, 0.0, [], warn_below=warn)
+    t0 = time.perf_counter()
+    host = socket.gethostname()
+    paths = [_Path(state.backend, state)]
+    ring = _shm_ring(state)
+    if ring is not None:
+        paths.append(_Path("shm", state, ring))
+    raws = {p.name: _measure_path(p, chosen) for p in paths}
+    link_bytes = GPU_LINK_BYTES if gpu else CPU_LINK_BYTES
+    links = _measure_links(state, link_bytes)
+    base = load_baseline(baseline_dir or env.get("HORA_PREFLIGHT_BASELINE"), host)
+    mine = {"host": host, "raws": raws, "links": links, "base": base,
+            "s": time.perf_counter() - t0}
+    every: list[Any] = [None] * state.size
+    run_guarded("preflight", "gather", dist.all_gather_object, every, mine,
+                group=state.side_group)
+    report = _report(state, chosen, every, link_bytes, max(warn, fail or 0.0))
+    report.warn_below = warn
+    if fail is not None:
+        bad = [f for f in report.findings if f.fraction < fail]
+        if bad:
+            raise PreflightError(
+                f"preflight: below {fail:g} of the reference: "
+                + "; ".join(f.text() for f in bad)
+            )
+    return report
+
+
+def _report(state: _state.State, sizes: tuple[int, ...], every: list[dict[str, Any]],
+            link_bytes: int, below: float) -> PreflightReport:
+    hosts = [e["host"] for e in every]
+    bases = {e["host"]: e["base"] for e in every}
+    figures = []
+    for name in every[0]["raws"]:
+        p = _summarise(name, sizes, [e["raws"][name] for e in every], hosts)
+        if name != "shm":  # links are measured on the group's transport
+            p.links = _links([e["links"] for e in every], link_bytes)
+        figures.append(p)
+    findings = [f for p in figures for f in _judge(p, bases, below)]
+    seconds = max(e["s"] for e in every)
+    return PreflightReport(state.size, state.backend, seconds, figures, findings)
+
+
+def _at_init(environ: Mapping[str, str], _process_sets: Any) -> None:
+    """``hvd.init()`` hook: run the preflight when ``HORA_PREFLIGHT`` asks; rank 0 logs it.
+
+    Rank 0 writes one line ``HORA_PREFLIGHT {json}`` to stderr (the job's log), which the
+    service reads; every rank logs a warning naming what is far below its reference.
+    """
+    if environ.get("HORA_PREFLIGHT", "").strip().lower() not in ("1", "on", "true", "yes"):
+        return
+    try:
+        report = run(environ=environ)
+    except PreflightError:
+        raise  # the threshold was crossed (or a setting is wrong): init() fails, naming it
+    except Exception as e:  # noqa: BLE001  (a check must not stop training that would work)
+        log.warning("preflight: no figures (%s: %s)", type(e).__name__, e)
+        return
+    if report.findings:
+        log.warning("preflight: far below the reference: %s", report.slowest())
+    if _state.require_init("preflight").rank == 0:
+        sys.stderr.write(f"{LINE_TAG} {json.dumps(report.to_dict(), separators=(',', ':'))}\n")
+        sys.stderr.flush()
+
+
+_state.register_init_hook(_at_init)
