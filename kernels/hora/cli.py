@@ -7,6 +7,7 @@ Each target module exposes ``main(argv: list[str]) -> int``.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 
@@ -33,6 +34,25 @@ def _usage() -> str:
     lines = ["usage: hora <command> [args...]", "", "commands:"]
     lines += [f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()]
     return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return a parser that describes the ``hora`` command and its subcommands (for the docs).
+
+    ``main`` dispatches on the first word itself; each subcommand's own parser reads the rest.
+
+    Example:
+        >>> build_parser().parse_args(["run"]).command
+        'run'
+    """
+    parser = argparse.ArgumentParser(
+        prog="hora", description="Jupyter-first data-parallel PyTorch."
+    )
+    parser.add_argument("--version", action="store_true", help="print hora's version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="<command>")
+    for name, (_, text) in COMMANDS.items():
+        sub.add_parser(name, help=text, add_help=False)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,15 +17,14 @@ import json
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 import httpx
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import ValidationError
 
 from hora.client_config import ClientConfig, config_path, load_config, save_config
 from hora.errors import HoraError, SpecError
-from hora.spec import JobSpec, JobState
+from hora.spec import JobInfo, JobSpec, JobState, QueueEntry
 
 _LOG_EVENT = "message"
 
@@ -107,37 +106,6 @@ def _render_detail(detail: Any) -> str:
                 parts.append(str(err))
         return "; ".join(parts)
     return str(detail)
-
-
-class JobInfo(BaseModel):
-    """A job as the service reports it (the fields a client needs; others are kept)."""
-
-    model_config = ConfigDict(extra="allow", frozen=True)
-
-    id: int
-    user: str
-    spec: JobSpec
-    state: JobState
-    attempt: int = 0
-    reason: str | None = None
-    exit_codes: dict[int, int | None] = {}
-    slots: list[int] = []
-    created_at: datetime | None = None
-    started_at: datetime | None = None
-    finished_at: datetime | None = None
-    transitions: list[dict[str, Any]] = []
-    kind: str = "job"  # or "session": a notebook's engines, scheduled with the jobs
-
-    @field_validator("exit_codes", mode="before")
-    @classmethod
-    def _codes_by_rank(cls, v: Any) -> Any:
-        # accept a list indexed by rank as well as a {rank: code} mapping
-        return dict(enumerate(v)) if isinstance(v, list) else v
-
-    @property
-    def name(self) -> str:
-        """The job's name from its spec."""
-        return self.spec.name
 
 
 @dataclass(frozen=True)
@@ -275,6 +243,27 @@ class Client:
             params["state"] = JobState(state).value
         data = self.request("GET", "/v1/jobs", params=params).json()
         return [JobInfo.model_validate(j) for j in data["items"]], int(data["total"])
+
+    def handoff(self, session_id: int, spec: JobSpec) -> Job:
+        """Submit ``spec`` and hand it the running session's slots (the session stops)."""
+        body = spec.model_dump(mode="json", exclude_none=True)
+        info = JobInfo.model_validate(
+            self.request("POST", f"/v1/sessions/{int(session_id)}/handoff", json=body).json()
+        )
+        return Job(self, info.id, info)
+
+    def queue(self) -> list[QueueEntry]:
+        """The queue in order; our entries carry their reason (another user's only a place).
+
+        An older service without ``/v1/queue`` answers an empty list.
+        """
+        try:
+            data = self.request("GET", "/v1/queue").json()
+        except ServiceError as e:
+            if e.status == 404:
+                return []
+            raise
+        return [QueueEntry.model_validate(e) for e in data]
 
     def gpus(self) -> list[dict[str, Any]]:
         """Every GPU / CPU slot and the job holding it."""

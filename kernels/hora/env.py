@@ -13,12 +13,27 @@ Neither touches ``os.environ``: callers pass the mapping in and hand the result 
 from __future__ import annotations
 
 import re
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from hora.errors import LauncherEnvError
 
 DEFAULT_MASTER_PORT = 29500
+# The rendezvous secret a launcher gives all the ranks of one world (and no one else):
+# hora.torch.init() seals every key and value of its rendezvous store with it, so a process
+# that reaches the store without it can neither read, write nor join (hora.torch._sealed).
+RDZV_SECRET_VAR = "HORA_RDZV_SECRET"
+
+
+def new_rdzv_secret() -> str:
+    """A fresh rendezvous secret (256 random bits, hex) for the ranks of one launch.
+
+    Example:
+        >>> len(new_rdzv_secret())
+        64
+    """
+    return secrets.token_hex(32)
 
 
 @dataclass(frozen=True)

@@ -139,15 +139,22 @@ class UnsupportedError(HoraError, NotImplementedError):
 
 
 class HorovodInternalError(HoraError, RuntimeError):
-    """Horovod's error for a failed collective; hora raises its more specific errors instead.
+    """Horovod's error for a collective that failed because the world broke (a peer died).
 
-    Kept so that ``except hvd.HorovodInternalError`` in Horovod scripts (elastic training
-    loops, its test suite) still parses; hora's own errors are not subclasses of it.
+    hora raises :class:`PeerFailedError` (also a :class:`RankFailedError`) in that case, so
+    ``except hvd.HorovodInternalError`` in Horovod scripts (elastic training loops) catches it.
+    """
+
+
+class PeerFailedError(RankFailedError, HorovodInternalError):
+    """A collective failed because rank ``rank`` died or left it: Horovod's internal error.
+
+    ``hvd.elastic.run`` catches it, goes back to the last commit and re-forms the world.
     """
 
 
 class HostsUpdatedInterrupt(HoraError, RuntimeError):
-    """Horovod elastic's signal that the host set changed; hora never raises it.
+    """Horovod elastic's signal that the host set changed (``state.commit()`` raises it).
 
     Args:
         skip_sync: Horovod's flag (skip the state sync after the reset).

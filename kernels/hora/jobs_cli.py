@@ -18,7 +18,7 @@ import argparse
 import io
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
@@ -76,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--image", default=None, help="container image: the job runs in it (docker runtime)"
     )
     s.add_argument(
-        "--runtime", default=None, help="local or docker (default: docker with --image, else local)"
+        "--runtime",
+        default=None,
+        help="local, docker or slurm (default: docker with --image, else local)",
     )
     s.add_argument(
         "--wait", action="store_true", help="follow progress and rank 0's log until the end"
@@ -187,11 +189,19 @@ def age(when: datetime | None, now: datetime | None = None) -> str:
     return f"{secs}s"
 
 
-def jobs_table(jobs: Sequence[JobInfo], now: datetime | None = None, unit: str = "GPU") -> str:
+def jobs_table(
+    jobs: Sequence[JobInfo],
+    now: datetime | None = None,
+    unit: str = "GPU",
+    waits: Mapping[int, str] | None = None,
+) -> str:
     """The ``hora jobs`` table (``unit``: "GPU", or "slot" on a service without GPUs).
 
     KIND is ``job``, or ``session`` for a notebook's engines (they share the slots).
+    REASON is why a waiting job waits (``waits``: job id -> reason, from ``/v1/queue``),
+    else why it failed or was cancelled.
     """
+    waits = waits or {}
     rows = [
         [
             j.id,
@@ -202,7 +212,7 @@ def jobs_table(jobs: Sequence[JobInfo], now: datetime | None = None, unit: str =
             f"{j.spec.workers}x{j.spec.gpus_per_worker}",
             j.attempt,
             age(j.created_at, now),
-            _short(j.reason or ""),
+            _short(waits.get(j.id) or j.reason or ""),
         ]
         for j in jobs
     ]
@@ -232,13 +242,22 @@ def status_text(job: JobInfo, unit: str = "GPU") -> str:
         + (f"  timeout {s.timeout_s:g}s" if s.timeout_s else ""),
         f"slots:    {', '.join(map(str, job.slots)) or '-'}",
     ]
+    if job.queue is not None:
+        place = f"position {job.queue.position}; " if job.queue.position else ""
+        kind = job.queue.why.kind if job.queue.why is not None else "wait"
+        lines.append(f"waiting:  {place}{job.queue.reason} [{kind}]")
     if job.exit_codes:
         codes = [[r, "-" if c is None else c] for r, c in sorted(job.exit_codes.items())]
         lines += ["", format_table(["RANK", "EXIT"], codes)]
     if job.transitions:
-        rows = [[t.get("state"), t.get("at"), t.get("reason") or ""] for t in job.transitions]
+        rows = [[t.state.value, _iso(t.at), t.reason or ""] for t in job.transitions]
         lines += ["", format_table(["STATE", "AT", "REASON"], rows)]
     return "\n".join(lines)
+
+
+def _iso(at: datetime) -> str:
+    """A UTC time as the service's JSON writes it (``...Z``)."""
+    return at.isoformat().replace("+00:00", "Z")
 
 
 def slot_unit(slots: Sequence[dict[str, Any]]) -> str:
@@ -337,12 +356,13 @@ def cmd_jobs(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         page = 500 if args.all else max(1, min(args.limit, 500))
         jobs, total = client.jobs(args.state, limit=page)
         unit = slot_unit(client.gpus())
+        waits = {e.id: e.reason.text for e in client.queue() if e.id and e.reason}
         while args.all and len(jobs) < total:
             more, total = client.jobs(args.state, limit=page, offset=len(jobs))
             if not more:
                 break
             jobs += more
-    _out(out, jobs_table(jobs, unit=unit) + "\n")
+    _out(out, jobs_table(jobs, unit=unit, waits=waits) + "\n")
     if len(jobs) < total:
         _out(err, f"({len(jobs)} of {total} jobs; --all shows every one)\n")
     return 0

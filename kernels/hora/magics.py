@@ -145,8 +145,10 @@ class HoraMagics(Magics):
         # count tells when they were restarted, by %dist_restart or after a stuck interrupt)
         self.history: list[Any] = []
         self._history_of = 0
+        self._last_size: int | None = None  # ranks of the engines %dist_stop stopped
         # how engines are started: (kernel-local forced, idle timeout asked of the service)
         self._mode: tuple[bool, float | None] = (False, None)
+        self._preflight = True  # %dist_start --no-preflight turns it off
 
     def pre_run_cell(self, info: Any) -> None:
         """Note the number the notebook shows for the cell that starts (engines count apart).
@@ -222,6 +224,10 @@ class HoraMagics(Magics):
                 title,
             )
         )
+        if self._preflight:
+            from hora.engines.profile import run_preflight
+
+            run_preflight(self.cluster)
 
     def _record(self, record: Any) -> None:
         if self.cluster.starts != self._history_of:  # fresh engines: earlier cells are gone
@@ -270,6 +276,11 @@ class HoraMagics(Magics):
         default=None,
         help="seconds of idle engines before the service frees their slots (its default: 1 h)",
     )
+    @argument(
+        "--no-preflight",
+        action="store_true",
+        help="skip the communication preflight (latency, bandwidth) after start",
+    )
     @line_magic
     def dist_start(self, line: str) -> None:
         """Start engines, bind one GPU each, and initialise hora.torch in them.
@@ -291,12 +302,22 @@ class HoraMagics(Magics):
             )
             return
         self._mode = (args.local, args.idle_timeout)
+        self._preflight = not args.no_preflight
         self._start(options)
 
     @line_magic
     def dist_stop(self, line: str) -> None:
-        """Stop the engines and the controller. Example: ``%dist_stop``."""
+        """Stop the engines and the controller. Example: ``%dist_stop``.
+
+        The cells they ran stay the notebook's: ``%dist_submit`` still submits them.
+        """
+        self._stop_engines()
+
+    def _stop_engines(self) -> None:
         if self.cluster is not None:
+            if self.cluster.starts != self._history_of:
+                self.history = []
+            self._last_size = self.cluster.size
             self.cluster.stop()
         self.cluster = None
 
@@ -371,6 +392,11 @@ class HoraMagics(Magics):
         default=None,
         help="gather this engine variable from every rank into a notebook list",
     )
+    @argument(
+        "--profile",
+        action="store_true",
+        help="report per rank: compute, collectives, waiting, bandwidth; slowest rank",
+    )
     @line_cell_magic
     def distributed(self, line: str, cell: str | None = None) -> None:
         """Run the cell on every rank; ``%distributed stmt`` runs one statement.
@@ -381,7 +407,8 @@ class HoraMagics(Magics):
             print(hvd.rank(), hvd.allreduce(torch.ones(1)))
         """
         if cell is None:
-            self._run_cell(line, shown_all=False, rank=None, timeout=None, out=None, n=None)
+            self._run_cell(line, shown_all=False, rank=None, timeout=None, out=None, n=None,
+                           profile=False)
             return
         args = parse_argstring(self.distributed, line)
         if args.all and args.rank is not None:
@@ -389,7 +416,8 @@ class HoraMagics(Magics):
         if args.out is not None:
             _names([args.out], "--out")
         self._run_cell(
-            cell, shown_all=args.all, rank=args.rank, timeout=args.timeout, out=args.out, n=args.n
+            cell, shown_all=args.all, rank=args.rank, timeout=args.timeout, out=args.out, n=args.n,
+            profile=args.profile,
         )
 
     def _run_cell(
@@ -401,6 +429,7 @@ class HoraMagics(Magics):
         timeout: float | None,
         out: str | None,
         n: int | None,
+        profile: bool,
     ) -> None:
         if not self._is_up():
             from hora.engines import ClusterOptions
@@ -417,6 +446,10 @@ class HoraMagics(Magics):
             raise UsageError(f"--timeout must be > 0 seconds, got {timeout:g}")
         shown = list(range(cluster.size)) if shown_all else [0 if rank is None else rank]
         sink = DisplaySink(prefix=shown_all)
+        if profile:
+            from hora.engines import profile as prof
+
+            prof.start_profile(cluster)
         try:
             cluster.run(
                 code,
@@ -425,8 +458,14 @@ class HoraMagics(Magics):
                 timeout=timeout,
                 cell_number=self.cell_number,
             )
+        except BaseException:
+            if profile:
+                prof.abandon_profile(cluster)
+            raise
         finally:
             sink.flush()
+        if profile:
+            _show_profile(prof.finish_profile(cluster))
         from hora.engines.script import CellRecord
 
         self._record(CellRecord(self.cell_number, code))
@@ -438,24 +477,32 @@ class HoraMagics(Magics):
     @argument("--name", default="notebook", help="job name (default notebook)")
     @argument("--gpus", type=int, default=1, help="GPUs (or CPU slots) per worker, default 1")
     @argument("--wait", action="store_true", help="wait for the job, showing rank 0's log")
+    @argument(
+        "--handoff",
+        action="store_true",
+        help="stop this notebook's session and give its slots straight to the job",
+    )
     @line_magic
     def dist_submit(self, line: str) -> Any:
         """Submit the %%distributed cells that ran, in order, as a job of the hora service.
 
-        The pushed values go with them. Returns the :class:`hora.Job`.
+        The pushed values go with them; it works after ``%dist_stop`` too. With
+        ``--handoff`` the session's engines stop and the job starts on their slots at once
+        (no queued job takes them in between). Returns the :class:`hora.Job`.
 
         Example: ``job = %dist_submit --workers 2 --name digits --wait``
         """
-        from hora.client import Client
+        from hora.client import Client, parse_spec
         from hora.engines.script import CellRecord, pushed_blobs, render_script
         from hora.errors import SpecError
 
         args = parse_argstring(self.dist_submit, line)
-        workers = args.workers or (self.cluster.size if self._is_up() else None)
+        workers = args.workers or (self.cluster.size if self._is_up() else self._last_size)
         if workers is None:
             raise UsageError("%dist_submit: no engines are running; pass --workers N")
+        session = self._session_id() if args.handoff else None
         try:
-            if self.cluster is None or self.cluster.starts != self._history_of:
+            if self.cluster is not None and self.cluster.starts != self._history_of:
                 self.history = []
             text, blobs = render_script(self.history), pushed_blobs(self.history)
         except SpecError as e:
@@ -464,12 +511,14 @@ class HoraMagics(Magics):
         n = sum(isinstance(r, CellRecord) for r in self.history)
         # not closed here: the returned Job keeps using it (job.logs(), job.wait())
         client = Client()
-        job = client.submit(
-            [sys.executable, str(script), str(values)],
-            workers=workers,
-            gpus=args.gpus,
-            name=args.name,
-        )
+        command = [sys.executable, str(script), str(values)]
+        if session is None:
+            job = client.submit(command, workers=workers, gpus=args.gpus, name=args.name)
+        else:
+            data = {"command": command, "workers": workers, "gpus_per_worker": args.gpus}
+            job = client.handoff(session, parse_spec(data | {"name": args.name}))
+            self._stop_engines()  # the service stops the engines; this ends the controller
+            sys.stdout.write(f"session {session}'s slots handed to job {job.id}\n")
         sys.stdout.write(
             f"submitted job {job.id} ({args.name}): {n} cells of this notebook, {script}\n"
             f"follow it: hora logs -f {job.id}  (hora status {job.id}, hora cancel {job.id})\n"
@@ -477,6 +526,15 @@ class HoraMagics(Magics):
         if args.wait:
             _wait_for_job(job)
         return job
+
+    def _session_id(self) -> int:
+        session = getattr(self.cluster, "session", None) if self._is_up() else None
+        if session is None:
+            raise UsageError(
+                "%dist_submit --handoff: no session of the hora service is running here "
+                "(kernel-local engines hold no slots of the service)"
+            )
+        return int(session.id)
 
     def stop(self) -> None:
         """Stop this kernel's engines (unload or shutdown)."""
@@ -518,6 +576,20 @@ class _Text:
 
     def __repr__(self) -> str:
         return self.text
+
+
+def _show_profile(report: Any) -> None:
+    """Display ``%%distributed --profile``'s table, chart and verdict."""
+    from IPython.display import display
+
+    from hora.engines.profile import ChartHTML
+
+    if report is None:
+        sys.stderr.write("--profile: some rank recorded nothing (was the cell interrupted?)\n")
+        return
+    display(Table(report.rows(), "scaling report (--profile)"))
+    display(ChartHTML(report))
+    sys.stdout.write(report.verdict() + "\n")
 
 
 def _notify(text: str) -> None:

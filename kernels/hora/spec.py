@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from datetime import datetime
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -56,6 +56,11 @@ class RuntimeName(StrEnum):
     slurm = "slurm"
 
 
+# what an image reference may contain (Docker's grammar is checked by the service); the schema
+# says so too, so a NUL or a space is refused by the schema and the service alike
+IMAGE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]*$"
+
+
 class JobSpec(BaseModel):
     """What a user asks to run: ``workers`` processes of ``command``, each with its GPUs.
 
@@ -86,7 +91,7 @@ class JobSpec(BaseModel):
     max_retries: Annotated[int, Field(ge=0, le=100)] = 0
     timeout_s: Annotated[float | None, Field(gt=0, le=30 * 24 * 3600, allow_inf_nan=False)] = None
     runtime: RuntimeName = RuntimeName.local
-    image: Annotated[str | None, Field(max_length=512)] = None
+    image: Annotated[str | None, Field(max_length=512, pattern=IMAGE_PATTERN)] = None
     submission_id: Annotated[
         str | None, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")
     ] = None
@@ -152,6 +157,29 @@ class JobState(StrEnum):
         return self in (JobState.succeeded, JobState.failed, JobState.cancelled)
 
 
+class Transition(BaseModel):
+    """One state change of a job, with when and why (service and client)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    state: JobState
+    at: datetime
+    reason: str | None = None
+
+
+class SlotInfo(BaseModel):
+    """One schedulable GPU (or CPU slot) and the job holding it (``GET /v1/gpus``)."""
+
+    index: int
+    kind: str = Field(description="gpu or cpu")
+    name: str
+    job_id: int | None = None
+    user: str | None = None
+    holder_kind: str | None = Field(default=None, description="job or session")
+    node: str | None = Field(default=None, description="the Slurm node of a cluster GPU")
+    slurm_job: str | None = Field(default=None, description="the Slurm job holding it")
+
+
 class HolderInfo(BaseModel):
     """A job or session holding slots, as a queued session is shown it (service and kernel)."""
 
@@ -177,3 +205,105 @@ class QueueInfo(BaseModel):
     holders: list[HolderInfo]
     estimate_at: datetime | None = None
     reason: str
+    why: WaitReason | None = None
+
+
+class ReasonKind(StrEnum):
+    """Why a queued job or session waits (the ``kind`` of a :class:`WaitReason`).
+
+    A client must accept kinds it does not know (a newer service or runtime may add some):
+    :class:`WaitReason` keeps ``kind`` a plain string and always carries ``text``.
+    """
+
+    slots = "slots"  # not enough free slots now (asked, free, total, holders, estimate)
+    quota = "quota"  # the user's own jobs and sessions hold their GPU quota
+    running_limit = "running_limit"  # the user runs max_running_jobs_per_user already
+    priority = "priority"  # it would fit, but a job ahead of it holds a reservation
+    gang = "gang"  # more slots than any node has (refused at submission on one machine)
+    image = "image"  # its container image is being pulled
+    backoff = "backoff"  # a failed attempt; the next one starts at retry_at
+    runtime = "runtime"  # the runtime's own pending reason (e.g. Slurm's squeue %r)
+
+
+class WaitReason(BaseModel):
+    """A structured reason for a wait: ``kind``, the figures behind it, and ``text`` for people.
+
+    Example:
+        >>> WaitReason(kind="slots", text="waiting for 2 slot(s); 1 of 4 free", asked=2).asked
+        2
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    kind: str
+    text: str
+    asked: int | None = None
+    free: int | None = None
+    total: int | None = None
+    holders: list[HolderInfo] = Field(default_factory=list)
+    estimate_at: datetime | None = None
+    limit: int | None = None
+    used: int | None = None
+    ahead: int | None = Field(default=None, description="the job ahead that holds a reservation")
+    ahead_priority: str | None = None
+    retry_at: datetime | None = None
+    image: str | None = None
+    source: str | None = Field(default=None, description="who gave the reason: e.g. slurm")
+    detail: str | None = Field(default=None, description="the source's own words")
+
+
+class QueueEntry(BaseModel):
+    """One queued job or session in the queue view (``GET /v1/queue``), in queue order.
+
+    Another user's entry shows no name, id or reason to a non-admin: only that it is there.
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    position: int
+    id: int | None = None
+    kind: str = "job"
+    user: str | None = None
+    name: str | None = None
+    need: int
+    priority: str
+    queued_at: datetime | None = None
+    reason: WaitReason | None = None
+QueueInfo.model_rebuild()
+
+
+class JobInfo(BaseModel):
+    """A job as the service reports it: the one wire model of a job, for client and service.
+
+    The client reads ``GET /v1/jobs`` answers into it (fields it does not know are kept);
+    the service's stored record, ``hora_service.models.JobRecord``, extends it with its own
+    fields (``user_id``, ``container_id``) and hides secrets when it answers.
+    """
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    id: int
+    user: str
+    spec: JobSpec
+    state: JobState
+    attempt: int = 0
+    reason: str | None = None
+    exit_codes: dict[int, int | None] = {}
+    slots: list[int] = []
+    created_at: datetime | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    transitions: list[Transition] = []
+    kind: str = "job"  # or "session": a notebook's engines, scheduled with the jobs
+    queue: QueueInfo | None = None  # while it waits: its place and structured reason
+
+    @field_validator("exit_codes", mode="before")
+    @classmethod
+    def _codes_by_rank(cls, v: Any) -> Any:
+        # accept a list indexed by rank as well as a {rank: code} mapping
+        return dict(enumerate(v)) if isinstance(v, list) else v
+
+    @property
+    def name(self) -> str:
+        """The job's name from its spec."""
+        return self.spec.name

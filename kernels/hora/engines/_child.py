@@ -69,11 +69,28 @@ def _engine(args: list[str]) -> None:
 CONNECTION_VAR = "HORA_ENGINE_CONNECTION"
 
 
+def _remove_on_stop(home: str) -> None:
+    """Remove ``home`` (it holds the controller's key) when the service stops the engine.
+
+    The service stops a session with SIGTERM (SIGKILL after its grace period): until
+    ipyparallel installs its own handler (which ends the engine through ``atexit``), a SIGTERM
+    removes the directory, then ends the engine by the same signal.
+    """
+
+    def stop(signum: int, frame: object) -> None:
+        shutil.rmtree(home, ignore_errors=True)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def _session_engine() -> None:
     """An engine of a service session: connect with the info the service passed (see above)."""
     info = json.loads(os.environ.pop(CONNECTION_VAR))  # not inherited by the user's children
     home = tempfile.mkdtemp(prefix="hora-session-engine-")  # mode 0700: the key stays ours
     atexit.register(shutil.rmtree, home, True)
+    _remove_on_stop(home)
     url = os.path.join(home, "engine.json")
     with open(os.open(url, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
         json.dump(info, f)

@@ -48,7 +48,8 @@ from hora.engines.execute import (
 from hora.engines.recovery import Recovery
 from hora.engines.report import CellNumbers, log_tail
 from hora.engines.state import State
-from hora.launch.config import free_port
+from hora.env import new_rdzv_secret
+from hora.net import free_port
 
 log = logging.getLogger("hora.engines")
 
@@ -85,12 +86,12 @@ class Cluster(Recovery):
         cuda_check: returns whether the kernel already holds a CUDA context (injectable for
             tests: a CUDA context cannot be created on a CPU-only machine).
 
-    Example:
+    Example (starts engines, so not run as a test):
         >>> c = Cluster(plan.ClusterOptions(n=2))
-        >>> c.start()
-        >>> c.run("x = hvd.rank()").elapsed_s > 0
+        >>> table = c.start()  # doctest: +SKIP
+        >>> c.run("x = hvd.rank()").elapsed_s > 0  # doctest: +SKIP
         True
-        >>> c.stop()
+        >>> c.stop()  # doctest: +SKIP
     """
 
     def __init__(
@@ -112,6 +113,7 @@ class Cluster(Recovery):
         self.numbers = CellNumbers()
         self._devices: list[str | None] = []
         self._logs_of: dict[int, Path] = {}
+        self._rdzv_secret = ""
         self._pending: list[tuple[int, subprocess.Popen[bytes]]] = []
         self._controller: subprocess.Popen[bytes] | None = None
         self._procs: list[subprocess.Popen[bytes]] = []
@@ -182,6 +184,7 @@ class Cluster(Recovery):
         self.backend = self.options.backend or ("nccl" if devices[0] is not None else "gloo")
         self._devices = list(devices)
         self._logs_of = {}
+        self._rdzv_secret = new_rdzv_secret()  # a replacement engine gets the same one
         base = {k: v for k, v in os.environ.items()}
         self._controller = self._spawn(plan.controller_argv(self._dir), base, "controller")
         port = free_port()
@@ -200,6 +203,7 @@ class Cluster(Recovery):
             timeout_s=self.options.timeout_s,
             threads=self.options.threads,
             gpus=[d for d in self._devices if d is not None],
+            rdzv_secret=self._rdzv_secret,
         )
         stack = self._dir / f"stack{rank}.txt"
         stack.touch()

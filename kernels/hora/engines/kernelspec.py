@@ -116,7 +116,7 @@ def install_kernel_spec(
 
     Example:
         >>> path = install_kernel_spec(prefix="/tmp/env")  # doctest: +SKIP
-        >>> path
+        >>> path  # doctest: +SKIP
         '/tmp/env/share/jupyter/kernels/hora'
     """
     from jupyter_client.kernelspec import KernelSpecManager
@@ -162,7 +162,13 @@ def uninstall_kernel_spec(name: str = DEFAULT_NAME) -> str:
         raise KernelSpecError(f"name: no kernel spec named {name!r} is installed") from exc
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """Return the ``hora kernel`` argument parser (``install`` and ``uninstall``).
+
+    Example:
+        >>> build_parser().parse_args(["install", "--user"]).user
+        True
+    """
     parser = argparse.ArgumentParser(
         prog="hora kernel", description="Manage the 'Python 3 (hora)' Jupyter kernel spec."
     )
@@ -194,7 +200,7 @@ def main(argv: list[str]) -> int:
     """
     args = list(argv[1:] if argv and argv[0] == "kernel" else argv)
     try:
-        ns = _parser().parse_args(args)
+        ns = build_parser().parse_args(args)
     except SystemExit as exc:  # argparse already printed the usage message
         return int(exc.code or 0)
     try:

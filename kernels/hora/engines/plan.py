@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hora.engines.errors import CudaInitializedError, NotEnoughGpusError
-from hora.env import rank_env
+from hora.env import RDZV_SECRET_VAR, rank_env
 from hora.errors import SpecError
-from hora.inventory import GpuInfo, parse_gpu_apps
+from hora.inventory import GpuInfo
 
-# the names this module had before the one inventory module (tests and users import them here)
-parse_nvidia_smi = parse_gpu_apps
-__all__ = ["GpuInfo", "parse_nvidia_smi"]
+# GpuInfo's home before the one inventory module (users import it here); the GPU listing
+# parser is hora.inventory.parse_gpu_apps (hora.inventory.parse_nvidia_smi lists slots)
+__all__ = ["GpuInfo"]
 
 DEFAULT_CPU_ENGINES = 2
 DEFAULT_TIMEOUT_S = 60.0
@@ -48,6 +48,7 @@ _STRIP = (
     "OMPI_COMM_WORLD_RANK",
     "PMI_RANK",
     "SLURM_PROCID",
+    RDZV_SECRET_VAR,
 )
 
 
@@ -164,6 +165,7 @@ def engine_env(
     timeout_s: float,
     threads: int = 1,
     gpus: Sequence[str] = (),
+    rdzv_secret: str = "",
 ) -> dict[str, str]:
     """Build one engine's environment from the kernel's (which is left untouched).
 
@@ -177,6 +179,8 @@ def engine_env(
         timeout_s: collective timeout (``HORA_TIMEOUT``).
         threads: OMP_NUM_THREADS for CPU engines when ``base`` sets none.
         gpus: the GPU ids of every engine, by rank (default: ``device`` alone).
+        rdzv_secret: the engines' rendezvous secret (``HORA_RDZV_SECRET``), the same for
+            every engine of one cluster; empty: none (the store is not sealed).
 
     Returns:
         A new dict: the launcher variables are replaced by this rank's.
@@ -200,6 +204,8 @@ def engine_env(
             "MPLBACKEND": INLINE_MPL,
         }
     )
+    if rdzv_secret:
+        env[RDZV_SECRET_VAR] = rdzv_secret
     if device is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus) if gpus else device
         env["HORA_GPU"] = device

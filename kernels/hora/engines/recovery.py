@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from hora.engines import bootstrap
 from hora.engines.errors import RECOVER, RankDiedError, rank_ranges
 from hora.engines.state import State
-from hora.launch.config import free_port
+from hora.net import free_port
 
 if TYPE_CHECKING:  # pragma: no cover
     from hora.engines.execute import Engine

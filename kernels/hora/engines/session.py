@@ -39,7 +39,7 @@ from hora.engines.errors import RECOVER, EngineError, EngineStartError, RankDied
 from hora.engines.execute import CellResult
 from hora.engines.state import State
 from hora.errors import HoraError, SpecError
-from hora.launch.config import free_port
+from hora.net import free_port
 from hora.spec import QueueInfo
 
 log = logging.getLogger("hora.engines")

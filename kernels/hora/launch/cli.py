@@ -2,18 +2,22 @@
 
 ``main(["run", "-np", "2", "--", "python", "train.py"])`` returns the exit code ``hora run``
 exits with: 0, the first non-zero rank exit code, 128 + N after signal N, or 2 for bad
-arguments. The launcher's own messages go to stderr prefixed ``hora run:``.
+arguments. The launcher's own messages go to stderr prefixed ``hora run:``. Inside a
+multi-node Slurm allocation it becomes one ``srun`` (:mod:`hora.launch.slurm`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
 from hora.errors import HoraError, RankFailedError, SpecError
 from hora.launch.config import PROG, make_parser, parse_args
+from hora.launch.elastic import launch_elastic
 from hora.launch.launcher import LaunchResult, launch
+from hora.launch.slurm import allocation_nodes, srun_argv
 
 log = logging.getLogger("hora.launch")
 
@@ -69,12 +73,23 @@ def main(argv: Sequence[str]) -> int:
     except SpecError as e:
         sys.stderr.write(f"{PROG}: error: {e}\n{PROG}: try `hora run --help`\n")
         return 2
+    nodes = allocation_nodes(os.environ)
+    if nodes > 1 and config.elastic is None:  # a multi-node Slurm allocation: Slurm starts them
+        try:
+            argv_srun = srun_argv(config.np, config.command, nodes)
+        except SpecError as e:
+            sys.stderr.write(f"{PROG}: error: {e}\n")
+            return 2
+        os.execvp(argv_srun[0], argv_srun)
     handler = _handler()
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     log.propagate = False
     try:
-        result = launch(config, adopt_orphans=True)
+        if config.elastic is not None:
+            result = launch_elastic(config)
+        else:
+            result = launch(config, adopt_orphans=True)
     except HoraError as e:
         log.error("%s", e)
         return 1
@@ -93,8 +108,12 @@ def _command_start(args: list[str]) -> int:
         return args.index("--")
     flags_with_value = {"-np", "--num-proc", "--nproc-per-node", "--nproc_per_node", "-H",
                         "--hosts", "--timeline-filename", "--start-timeout", "--master-port",
-                        "--backend", "--grace-period"}
+                        "--backend", "--grace-period", "--min-np", "--max-np",
+                        "--host-discovery-script", "--reset-limit", "--elastic-timeout"}
     i = 0
     while i < len(args) and args[i].startswith("-"):
+        if args[i] == "--blacklist-cooldown-range":
+            i += 3
+            continue
         i += 1 if "=" in args[i] or args[i] not in flags_with_value else 2
     return i

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from hora.env import rank_env
+from hora.env import RDZV_SECRET_VAR, new_rdzv_secret, rank_env
 from hora.errors import SpecError
 
 PROG = "hora run"
@@ -28,8 +28,34 @@ _PARENT_LAUNCHER_VARS = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "GROUP_RANK",
     "CROSS_RANK", "CROSS_SIZE", "MASTER_ADDR", "MASTER_PORT", "HORA_LAUNCHER",
     "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-    "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_RANK", "PMI_SIZE", "SLURM_PROCID",
+    "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_RANK", "PMI_SIZE", "SLURM_PROCID", RDZV_SECRET_VAR,
 )
+
+
+@dataclass(frozen=True)
+class ElasticConfig:
+    """The elastic part of a ``hora run`` (any of ``--min-np``, ``--max-np``, discovery).
+
+    Attributes:
+        min_np: fewer live workers than this: the others wait (``timeout``) for capacity.
+        max_np: never more workers than this.
+        discovery: the host discovery script as an argument list, or None (this machine's
+            slots: ``-H localhost:S``, else ``-np``).
+        slots: the slots of this machine when there is no discovery script.
+        reset_limit: stop the job after this many re-formed worlds (None: no limit).
+        timeout: seconds the workers may wait below ``min_np`` (``HORA_ELASTIC_TIMEOUT``).
+        cooldown: the blacklist's cool-down range in seconds (low, high).
+        blacklist_threshold: failures of a host's workers within a minute that blacklist it.
+    """
+
+    min_np: int
+    max_np: int
+    discovery: tuple[str, ...] | None = None
+    slots: int = 1
+    reset_limit: int | None = None
+    timeout: float = 600.0
+    cooldown: tuple[float, float] = (10.0, 300.0)
+    blacklist_threshold: int = 3
 
 
 @dataclass(frozen=True)
@@ -46,6 +72,7 @@ class LaunchConfig:
         master_addr: rendezvous address (one machine: the loopback address).
         backend: ``gloo`` or ``nccl``, or None to let ``hvd.init()`` choose.
         grace_period: seconds between SIGTERM and SIGKILL when ranks are stopped.
+        elastic: the elastic settings, or None for a fixed world.
     """
 
     np: int
@@ -56,6 +83,7 @@ class LaunchConfig:
     master_addr: str = "127.0.0.1"
     backend: str | None = None
     grace_period: float = DEFAULT_GRACE_S
+    elastic: ElasticConfig | None = None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -100,6 +128,20 @@ def make_parser() -> argparse.ArgumentParser:
                    help="torch.distributed backend (default: nccl with CUDA, else gloo)")
     p.add_argument("--grace-period", default=str(DEFAULT_GRACE_S), metavar="S",
                    help="seconds between SIGTERM and SIGKILL when stopping ranks (default 5)")
+    e = p.add_argument_group("elastic training (hvd.elastic.run; any of these makes it elastic)")
+    e.add_argument("--min-np", default=None, metavar="A",
+                   help="below A live workers, the others wait for capacity (default: -np)")
+    e.add_argument("--max-np", default=None, metavar="B",
+                   help="at most B workers; more slots grow the world at the next commit")
+    e.add_argument("--host-discovery-script", default=None, metavar="S",
+                   help="executable printing one host:slots per line (run every second)")
+    e.add_argument("--reset-limit", default=None, metavar="K",
+                   help="stop after K re-formed worlds (default: no limit)")
+    e.add_argument("--elastic-timeout", default="600", metavar="S",
+                   help="seconds workers wait below --min-np before the job fails (default 600)")
+    e.add_argument("--blacklist-cooldown-range", nargs=2, default=("10", "300"),
+                   metavar=("LOW", "HIGH"),
+                   help="a failing host stays out LOW s, doubling up to HIGH (default 10 300)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program to run on each rank")
     return p
 
@@ -183,6 +225,36 @@ def _np(raw_np: str | None, hosts: str | None) -> int:
     return np
 
 
+def _elastic(ns: argparse.Namespace, np: int, cwd: Path) -> ElasticConfig | None:
+    """The elastic settings, when any elastic flag was given."""
+    if ns.min_np is None and ns.max_np is None and ns.host_discovery_script is None:
+        return None
+    min_np = int(_number("--min-np", ns.min_np, int, 1, 4096)) if ns.min_np else np
+    max_np = int(_number("--max-np", ns.max_np, int, 1, 4096)) if ns.max_np else None
+    if max_np is None:
+        max_np = 4096 if ns.host_discovery_script else max(np, min_np)
+    if not min_np <= np <= max_np:
+        raise SpecError("-np", f"{np} must be between --min-np {min_np} and --max-np {max_np}")
+    script = None
+    if ns.host_discovery_script is not None:
+        path = (cwd / ns.host_discovery_script).resolve()
+        if not os.access(path, os.X_OK) or path.is_dir():
+            raise SpecError("--host-discovery-script", f"{str(path)!r} is not an executable file")
+        script = (str(path),)
+    low, high = (_number("--blacklist-cooldown-range", v, float, 0.0, 1e6)
+                 for v in ns.blacklist_cooldown_range)  # fmt: skip
+    if low > high:
+        raise SpecError("--blacklist-cooldown-range", f"LOW {low:g} is above HIGH {high:g}")
+    limit = ns.reset_limit
+    return ElasticConfig(
+        min_np=min_np, max_np=max_np, discovery=script,
+        slots=parse_hosts(ns.hosts, [socket.gethostname()]) if ns.hosts else np,
+        reset_limit=int(_number("--reset-limit", limit, int, 0, 1e9)) if limit else None,
+        timeout=_number("--elastic-timeout", ns.elastic_timeout, float, 0.1, 1e7),
+        cooldown=(low, high),
+    )
+
+
 def parse_args(argv: Sequence[str], cwd: Path | None = None) -> LaunchConfig:
     """Parse the arguments after ``run`` into a validated :class:`LaunchConfig`.
 
@@ -206,34 +278,17 @@ def parse_args(argv: Sequence[str], cwd: Path | None = None) -> LaunchConfig:
         raise SpecError("--backend", f"must be one of {', '.join(BACKENDS)}, got {ns.backend!r}")
     port = ns.master_port
     timeout = ns.start_timeout
+    np = _np(ns.np, ns.hosts)
     return LaunchConfig(
-        np=_np(ns.np, ns.hosts),
+        np=np,
         command=_command(list(ns.command)),
         timeline_filename=_timeline(ns.timeline_filename, cwd or Path.cwd()),
         start_timeout=_number("--start-timeout", timeout, float, 0.001, 1e7) if timeout else None,
         master_port=int(_number("--master-port", port, int, 1, 65535)) if port else None,
         backend=backend,
         grace_period=_number("--grace-period", ns.grace_period, float, 0.0, 3600.0),
+        elastic=_elastic(ns, np, cwd or Path.cwd()),
     )
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port that is free on ``host`` right now.
-
-    Args:
-        host: the address to probe.
-
-    Returns:
-        A port number the OS just handed out (another process may take it later; the
-        rendezvous then fails with a clear error instead of hanging).
-
-    Example:
-        >>> 0 < free_port() < 65536
-        True
-    """
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def launch_extra(config: LaunchConfig) -> dict[str, str]:
@@ -262,7 +317,10 @@ def launch_extra(config: LaunchConfig) -> dict[str, str]:
 
 
 def build_rank_envs(
-    config: LaunchConfig, base_env: Mapping[str, str], master_port: int
+    config: LaunchConfig,
+    base_env: Mapping[str, str],
+    master_port: int,
+    rdzv_secret: str | None = None,
 ) -> list[dict[str, str]]:
     """Return the full environment of every rank, in rank order.
 
@@ -275,6 +333,8 @@ def build_rank_envs(
         config: the launch description.
         base_env: the environment to start from (the launcher's ``os.environ``).
         master_port: the rendezvous port every rank connects to.
+        rdzv_secret: the ranks' rendezvous secret (``HORA_RDZV_SECRET``); None: a fresh one,
+            so a launch inside a job never shares the job's own.
 
     Returns:
         ``config.np`` new dicts; ``base_env`` is not modified.
@@ -287,7 +347,7 @@ def build_rank_envs(
     base = {k: v for k, v in base_env.items() if k not in _PARENT_LAUNCHER_VARS}
     base.setdefault("PYTHONUNBUFFERED", "1")
     base.setdefault("OMP_NUM_THREADS", "1")
-    extra = launch_extra(config)
+    extra = {**launch_extra(config), RDZV_SECRET_VAR: rdzv_secret or new_rdzv_secret()}
     return [
         {**base, **rank_env(r, config.np, master_addr=config.master_addr,
                             master_port=master_port, extra=extra)}

@@ -32,8 +32,9 @@ from types import FrameType
 from typing import IO, Any, cast
 
 from hora.launch import procs
-from hora.launch.config import LaunchConfig, build_rank_envs, free_port
+from hora.launch.config import LaunchConfig, build_rank_envs
 from hora.launch.output import PrefixedSink, prefix, start_pump
+from hora.net import free_port
 
 log = logging.getLogger("hora.launch")
 
