@@ -2,8 +2,8 @@
 
 Chosen by name from :data:`REGISTRY`, whose factories import their module only when used.
 ``local`` runs one process per rank on this machine, ``docker`` one container per attempt
-holding every rank (:mod:`hora_service.runtimes.docker`); ``slurm`` arrives with its own
-issue and is refused at submission until then. A factory takes the service's settings.
+holding every rank (:mod:`hora_service.runtimes.docker`), ``slurm`` one Slurm batch job per
+attempt (:mod:`hora_service.runtimes.slurm`). A factory takes the service's settings.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ __all__ = ["REGISTRY", "AttemptPlan", "Exit", "RankProcess", "Runtime", "availab
 REGISTRY: dict[str, str] = {
     "local": "hora_service.runtimes.local:LocalRuntime.from_settings",
     "docker": "hora_service.runtimes.docker:DockerRuntime.from_settings",
+    "slurm": "hora_service.runtimes.slurm:SlurmRuntime.from_settings",
 }
 
 

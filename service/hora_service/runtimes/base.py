@@ -16,13 +16,16 @@ import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hora.spec import JobSpec
 
 from hora_service.identity import RunAs
+from hora_service.reasons import ReasonBoard
 from hora_service.runtimes.containment import Container
+from hora_service.runtimes.limits import Hits, JobLimits, hits
+from hora_service.runtimes.runfiles import UntrustedRunFile
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,20 @@ class AttemptPlan:
         container: the attempt's process container (cgroup); None: no containment beyond
             the ranks' process groups (only tests that drive a runtime directly).
         log_bytes: most log bytes the attempt keeps, split evenly over its ranks.
+        limits: memory, pids and CPU limits of the attempt (None: none).
+        umask: the ranks' file mode creation mask.
+        preflight_env: the ``HORA_PREFLIGHT*`` variables the service sets in every rank
+            (``HORA_PREFLIGHT`` itself only where the job's ``env`` does not set it).
+        rdzv_secret: the ranks' rendezvous secret (``HORA_RDZV_SECRET``), fresh for each
+            attempt; empty: none. Never in the plan's repr.
+        private_network: the attempt's sockets are its own (setting
+            ``job_private_network``; never for sessions): a network (and mount) namespace
+            in the local runtime, ``--network none`` in docker.
+        work_root: the service's work root, which stays visible in the attempt's mount
+            namespace with ``workdir`` even when it lies under ``/tmp`` (None: ``workdir``
+            alone).
+        tmp_paths: more host directories under ``/tmp`` that stay visible there (setting
+            ``job_tmp_paths``).
     """
 
     job_id: int
@@ -58,6 +75,13 @@ class AttemptPlan:
     run_as: RunAs | None = None
     container: Container | None = None
     log_bytes: int = 256 << 20
+    limits: JobLimits | None = None
+    umask: int = 0o077
+    preflight_env: tuple[tuple[str, str], ...] = ()
+    rdzv_secret: str = field(default="", repr=False)
+    private_network: bool = False
+    work_root: Path | None = None
+    tmp_paths: tuple[Path, ...] = ()
 
     def rank_slots(self, rank: int) -> tuple[int, ...]:
         """The slots of one rank: ``gpus_per_worker`` consecutive ones of the job's."""
@@ -107,10 +131,34 @@ class RankProcess(ABC):
         """Send ``sig`` to the rank's whole process group; no error if it is gone."""
 
 
+def rank_status(rank: RankProcess) -> RankStatus:
+    """``rank.poll()``; a run file the job planted ends the rank as lost, saying why.
+
+    The runtimes read the shim's files with :mod:`~hora_service.runtimes.runfiles`, which
+    refuses a symlink, a FIFO or a file of another owner instead of reading it; the rank is
+    then over for the manager (its attempt is stopped and cleared) and the reason names
+    the file.
+    """
+    try:
+        return rank.poll()
+    except UntrustedRunFile as e:
+        rank.note = str(e)
+        return Exit.lost
+
+
 class Runtime(ABC):
-    """Starts and re-adopts the ranks of an attempt (see the module docstring)."""
+    """Starts and re-adopts the ranks of an attempt (see the module docstring).
+
+    Attributes:
+        name: the runtime's name (the spec's ``runtime``).
+        uses_cgroup: whether the ranks run in the attempt's own cgroup (``plan.container``),
+            which :meth:`start` then creates; docker's ranks run in the container's.
+    """
 
     name = "runtime"
+    uses_cgroup = True
+    # where the runtime posts why a job it holds back waits (set by the job manager)
+    waits: ReasonBoard | None = None
 
     def check(self, spec: JobSpec) -> None:
         """Refuse at submission a spec this runtime can never run.
@@ -136,7 +184,7 @@ class Runtime(ABC):
         """
         t0 = time.perf_counter()
         prepare_run_dir(plan)
-        if plan.container is not None:
+        if plan.container is not None and self.uses_cgroup:
             plan.container.create()
         ranks = self._start(plan, base_env)
         log.info(
@@ -171,6 +219,30 @@ class Runtime(ABC):
 
     def _clear(self, plan: AttemptPlan) -> bool:
         return plan.container.clear() if plan.container is not None else True
+
+    def cpu_seconds(self, plan: AttemptPlan) -> float | None:
+        """CPU seconds the attempt's processes have used; None where it cannot be told.
+
+        The service's own measure of whether an attempt computes (a session's idle time
+        does not rest on what its kernel says).
+        """
+        try:
+            return self._cpu_seconds(plan)
+        except OSError as e:
+            log.debug("job %d: no CPU time: %s", plan.job_id, e)
+            return None
+
+    def _cpu_seconds(self, plan: AttemptPlan) -> float | None:
+        if plan.container is None or not self.uses_cgroup:
+            return None
+        return plan.container.cpu_seconds()
+
+    def limit_hits(self, plan: AttemptPlan) -> Hits:
+        """How often the attempt ran into its memory and pids limits (read from its cgroup)."""
+        box = plan.container
+        if box is None or box.kind == "tag":
+            return Hits()
+        return hits(box.kind, box.dirs)
 
     @abstractmethod
     def _start(self, plan: AttemptPlan, base_env: dict[str, str]) -> list[RankProcess]: ...

@@ -2,16 +2,21 @@
 
 The docker runtime starts each container with this file as ``python -I container_init.py
 RUN_DIR`` (found by its path, so only the standard library is imported); it runs as the container's
-PID 1 (as the job's account) and reads ``RUN_DIR/container.json``, which the service wrote:
+PID 1 and reads ``RUN_DIR/container.json``, which the service wrote: ``ranks`` (the ranks this
+container runs).
 
-``ranks`` (the ranks this container runs) and ``command`` (the user's argument list).
-
-For each rank it starts ``python -I -S shim.py RUN_DIR RANK -- COMMAND...`` in a session of
-its own with ``rank<R>.log`` as its output, exactly as the local runtime does on the host, so
-the per-rank logs, pid and exit files, exit codes and signals behave the same. A signal the
-engine delivers (``docker stop``: SIGTERM) is passed to every rank's process group; as PID 1
-it also reaps whatever its ranks leave orphaned. It exits once every shim has: 0 when every
-rank succeeded, else the first failing rank's status. Standard library only.
+It runs as the container's root, with every capability dropped but ``CAP_SETUID``,
+``CAP_SETGID`` and ``CAP_KILL``, under ``no-new-privileges``: the privileged writer of the run
+directory, which belongs to the service's account (root on the host, the container's root
+here) and which the job's account can read but not write. For each rank it starts ``python -I
+-S shim.py RUN_DIR RANK`` in a session of its own with ``rank<R>.log`` as its output, exactly
+as the local runtime does on the host; the shim reads the rank's command and account from its
+launch file and drops the command to the job's uid and gid before ``exec`` (no capability
+survives that), so per-rank logs, pid and exit files, exit codes and signals behave the same,
+and no rank can rewrite its log or exit file. A signal the engine delivers (``docker stop``:
+SIGTERM) is passed to every rank's process group; as PID 1 it also reaps whatever its ranks
+leave orphaned. It exits once every shim has: 0 when every rank succeeded, else the first
+failing rank's status. Standard library only.
 """
 
 import json
@@ -35,12 +40,12 @@ def _forward(signum: int, frame: object) -> None:
             pass
 
 
-def _start(run_dir: str, rank: int, command: list[str]) -> int:
+def _start(run_dir: str, rank: int) -> int:
     log = os.path.join(run_dir, f"rank{rank}.log")
-    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o640)
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", SHIM, run_dir, str(rank), "--", *command],
+            [sys.executable, "-I", "-S", SHIM, run_dir, str(rank)],
             env={},
             stdin=subprocess.DEVNULL,
             stdout=fd,
@@ -64,7 +69,7 @@ def main(argv: list[str]) -> int:
     with open(os.path.join(run_dir, "container.json")) as f:
         box = json.load(f)
     for rank in box["ranks"]:
-        _shims[_start(run_dir, int(rank), list(box["command"]))] = int(rank)
+        _shims[_start(run_dir, int(rank))] = int(rank)
     for sig in set(_pending):  # a stop that came while the shims were starting
         _forward(sig, None)
     codes: dict[int, int] = {}

@@ -11,7 +11,9 @@ Backends, chosen by :func:`detect` (setting ``containment``):
 * ``cgroup2`` where ``/sys/fs/cgroup`` is the unified hierarchy: ``hora/<instance>/<job>-<attempt>``
   under it (``cgroup.kill``, or ``cgroup.freeze`` on kernels before 5.14).
 * ``cgroup1`` where the ``freezer`` and ``pids`` controllers are mounted and writable:
-  ``/sys/fs/cgroup/{freezer,pids}/hora/<instance>/<job>-<attempt>``.
+  ``/sys/fs/cgroup/{freezer,pids}/hora/<instance>/<job>-<attempt>`` (and the same under
+  ``memory`` and ``cpu`` where those are writable, for the attempt's limits: see
+  :mod:`hora_service.runtimes.limits`).
 * ``cgroup2`` on the ``/sys/fs/cgroup/unified`` mount of a hybrid setup, when v1 is not usable.
 * ``tag`` otherwise (no cgroup can be created, e.g. the service is not root): every rank's
   environment carries ``HORA_ATTEMPT=<instance>/<job>/<attempt>``, inherited by its
@@ -31,6 +33,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +45,7 @@ CGROUP_FS = Path("/sys/fs/cgroup")
 TAG_VAR = "HORA_ATTEMPT"
 FREEZE_WAIT_S = 2.0
 KINDS = ("cgroup2", "cgroup1", "tag")
+V1_LIMITS = ("memory", "cpu")  # v1 hierarchies an attempt also joins when writable
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,19 @@ class Container:
             with contextlib.suppress(FileNotFoundError):
                 found |= {int(p) for p in (d / "cgroup.procs").read_text().split()}
         return found
+
+    def cpu_seconds(self) -> float:
+        """CPU time its processes used: the cgroup's own count on v2, else theirs summed.
+
+        The sum misses processes that have ended (unless a live one waited for them); it
+        serves to see whether the attempt computes at all (session idle time).
+        """
+        if self.kind == "cgroup2" and self.dirs:
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                for line in (self.dirs[0] / "cpu.stat").read_text().splitlines():
+                    if line.startswith("usage_usec "):
+                        return int(line.split()[1]) / 1e6
+        return cpu_seconds(self.pids())
 
     def kill(self) -> None:
         """SIGKILL every process of the attempt, forks in flight included where cgroups allow."""
@@ -170,6 +187,8 @@ def detect(preference: str, data_dir: Path, fs: Path = CGROUP_FS) -> Containment
     order += [("cgroup1", [fs / "freezer", fs / "pids"]), ("cgroup2", [fs / "unified"])]
     for kind, roots in order:
         if preference in ("auto", kind) and _usable(roots):
+            if kind == "cgroup1":  # resource limits (runtimes.limits), where mounted
+                roots += [fs / c for c in V1_LIMITS if _usable([fs / c])]
             return Containment(kind, instance, tuple(roots))
     if preference not in ("auto", "tag"):
         raise OSError(f"containment {preference!r} is not usable here (no writable cgroup)")
@@ -192,6 +211,25 @@ def _usable(roots: list[Path]) -> bool:
         if not os.access(root / "hora", os.W_OK):
             return False
     return True
+
+
+def cpu_seconds(pids: Iterable[int]) -> float:
+    """User and system CPU seconds of ``pids`` and the children they waited for."""
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
+            t = psutil.Process(pid).cpu_times()
+            total += t.user + t.system + t.children_user + t.children_system
+    return total
+
+
+def tree_cpu_seconds(pid: int) -> float | None:
+    """:func:`cpu_seconds` of ``pid`` and all its descendants; None if it is gone."""
+    try:
+        top = psutil.Process(pid)
+        return cpu_seconds([pid, *(p.pid for p in top.children(recursive=True))])
+    except psutil.NoSuchProcess:
+        return None
 
 
 def _write(path: Path, text: str) -> None:

@@ -1,16 +1,20 @@
 """The docker runtime: one container per attempt and host, with the job's GPUs (control plane).
 
 Like Determined, SkyPilot and dstack, a job gets **one container per host** with all of its
-GPUs on that host (``--gpus device=...``), the host's network and a large ``/dev/shm``: NCCL's
+GPUs on that host (``--gpus device=...``), a network of its own and a large ``/dev/shm``: NCCL's
 CUDA-IPC and NVLink paths need ranks that see each other's GPUs, which containers of one
 GPU each never do. The container's init (:mod:`hora_service.runtimes.container_init`) starts
 every rank under the same rank shim as the local runtime, so logs, pid/exit files, exit codes,
 signals and ``HORA_RESTART_COUNT`` behave exactly as in ``local``.
 
 Only the job's working directory (at the same path) and the attempt's run directory (logs,
-launch and exit files) are bind-mounted; hora itself comes from the image. The container runs
-as the job's account (never root, no capabilities, ``no-new-privileges``, never the Docker
-socket), with the rank environment of :func:`~hora_service.runtimes.local.rank_environment`
+launch and exit files) are bind-mounted; hora itself comes from the image. The ranks run as
+the job's account (never root, no capabilities, ``no-new-privileges``, never the Docker
+socket); with a service running as root, the container's init and the rank shims run as the
+container's root with only ``CAP_SETUID``, ``CAP_SETGID`` and ``CAP_KILL``, so the run
+directory stays the service's and no rank can rewrite its log or exit file. The ranks run within
+the attempt's memory, pids and CPU limits (:func:`~hora_service.runtimes.limits.docker_limits`)
+and get the rank environment of :func:`~hora_service.runtimes.local.rank_environment`
 over the image's own. Containers carry the labels ``hora.instance``, ``hora.job`` and
 ``hora.attempt``: a restarted service finds its running containers again and removes the ones
 whose attempt has ended. The Engine API is reached through the ``docker`` SDK; what the
@@ -19,7 +23,6 @@ container is made of is a pure function (:func:`container_config`).
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import logging
 import os
@@ -31,14 +34,18 @@ from typing import Any
 
 import docker
 import docker.errors
-import requests.exceptions
 from docker.types import DeviceRequest, Mount, Ulimit
-from hora.errors import HoraError, SpecError
+from hora.errors import SpecError
 from hora.spec import JobSpec
 
 from hora_service.identity import RunAs
+from hora_service.imageref import IMAGE_ID, ImageRef
+from hora_service.reasons import image_reason
 from hora_service.runtimes.base import AttemptPlan, Exit, RankProcess, RankStatus, Runtime
-from hora_service.runtimes.containment import instance_id
+from hora_service.runtimes.containment import CGROUP_FS, instance_id, tree_cpu_seconds
+from hora_service.runtimes.docker_images import UNREACHABLE, EngineError, check_image, resolve_image
+from hora_service.runtimes.docker_images import short as _short
+from hora_service.runtimes.limits import Hits, counter, docker_limits
 from hora_service.runtimes.local import ALLOWED, ALLOWED_PREFIXES, rank_environment, read_exit
 from hora_service.settings import Settings
 
@@ -56,14 +63,7 @@ UNKNOWN_TTL_S = 2.0  # an engine that does not answer is asked again only this o
 ENGINE_GRACE_S = 15.0  # an engine that does not answer for this long has lost its ranks
 API_TIMEOUT_S = 30
 CONTAINER_HOME = "/tmp"  # the account's home on the host is not mounted
-# what the engine's errors look like when it cannot be reached
-UNREACHABLE = (docker.errors.DockerException, requests.exceptions.RequestException, OSError)
-
-
-class EngineError(HoraError):
-    """The Docker engine cannot do what an attempt needs (down, image missing, refused)."""
-
-
+INIT_CAPS = ("SETUID", "SETGID", "KILL")  # all the container's root keeps: drop uid, signal
 @dataclass(frozen=True)
 class DockerConfig:
     """The docker settings of the service (see :class:`~hora_service.settings.Settings`).
@@ -106,8 +106,20 @@ class DockerConfig:
         )
 
     def allows(self, image: str) -> bool:
-        """Whether ``image`` matches one of the allowed patterns."""
-        return any(fnmatch.fnmatchcase(image, p) for p in self.allowed_images)
+        """Whether ``image``, normalized, matches an allowed pattern (see ``imageref``).
+
+        Raises:
+            SpecError: (field ``image``) not a valid image reference.
+        """
+        if IMAGE_ID.match(image):
+            return image in self.allowed_images
+        return ImageRef.parse(image).allowed(self.allowed_images)
+
+    def pulls(self, image: str) -> bool:
+        """Whether ``image`` may be pulled: the policy allows it, its pattern names a registry."""
+        if self.pull == "never" or IMAGE_ID.match(image):
+            return False
+        return ImageRef.parse(image).pullable(self.allowed_images)
 
 
 def parse_ulimit(text: str) -> Ulimit:
@@ -199,13 +211,23 @@ def container_env(
     return env
 
 
-def container_config(plan: AttemptPlan, config: DockerConfig, who: RunAs) -> dict[str, Any]:
+def container_config(
+    plan: AttemptPlan, config: DockerConfig, who: RunAs, root_init: bool = True
+) -> dict[str, Any]:
     """The keyword arguments of ``containers.create`` for one attempt (pure).
+
+    With ``root_init`` (a service running as root) the container's init runs as the
+    container's root with only ``CAP_SETUID``, ``CAP_SETGID`` and ``CAP_KILL``: it owns the run
+    directory and its shims drop each rank to ``who`` (see
+    :mod:`~hora_service.runtimes.container_init`). Without it (a service that cannot give
+    the run directory to anyone else) everything runs as ``who`` with no capability. Either
+    way ``no-new-privileges`` holds, so no rank regains what was dropped.
 
     Args:
         plan: the attempt.
         config: the service's docker settings.
-        who: the account the container runs as.
+        who: the account the ranks run as.
+        root_init: run the init and the shims as the container's root (see above).
 
     Returns:
         Keyword arguments for :meth:`docker.models.containers.ContainerCollection.create`.
@@ -230,23 +252,50 @@ def container_config(plan: AttemptPlan, config: DockerConfig, who: RunAs) -> dic
         "command": [run_dir],
         "name": container_name(config, plan.job_id, plan.attempt),
         "labels": {**labels(config, plan.job_id, plan.attempt), **config.labels},
-        "user": f"{who.uid}:{who.gid}",
-        "working_dir": workdir,
+        **_privileges(who, root_init, run_dir, workdir),
         "environment": {},
         "mounts": mounts,
-        "network_mode": config.network,
+        "network_mode": network_mode(plan, config),
         "ipc_mode": config.ipc,
         "shm_size": config.shm_size,
         "ulimits": [parse_ulimit(u) for u in config.ulimits],
         "devices": [f"{d}:{d}:rwm" for d in config.devices],
         "device_requests": [DeviceRequest(device_ids=gpus, capabilities=[["gpu"]])] if gpus else [],
-        "cap_drop": ["ALL"],
-        "security_opt": ["no-new-privileges"],
-        "privileged": False,
+        **docker_limits(plan.limits),
         "stdin_open": False,
         "tty": False,
         "detach": True,
     }
+
+
+def _privileges(who: RunAs, root_init: bool, run_dir: str, workdir: str) -> dict[str, Any]:
+    """Who the container's init runs as, where, and with what (see :func:`container_config`)."""
+    return {
+        "user": "0:0" if root_init else f"{who.uid}:{who.gid}",
+        # the shims enter the job's directory as the job's account; the init stays here
+        "working_dir": run_dir if root_init else workdir,
+        "cap_drop": ["ALL"],
+        "cap_add": list(INIT_CAPS) if root_init else [],
+        "security_opt": ["no-new-privileges"],
+        "privileged": False,
+    }
+
+
+def network_mode(plan: AttemptPlan, config: DockerConfig) -> str:
+    """The container's network: ``none`` when the attempt's sockets are to be its own.
+
+    ``none`` gives the container a loopback of its own; otherwise (sessions, whose engines
+    reach the notebook's controller, or ``job_private_network`` off) ``docker_network``.
+
+    The runtime runs one container per attempt and host, so a job's ranks, its rendezvous
+    store and its gloo / NCCL listeners all meet on that loopback, out of every other
+    process's reach.
+
+    Example:
+        >>> network_mode(plan, DockerConfig(instance="ab12"))  # doctest: +SKIP
+        'none'
+    """
+    return "none" if plan.private_network else config.network
 
 
 class Box:
@@ -347,6 +396,7 @@ class DockerRuntime(Runtime):
     """One container per attempt on this host (see the module docstring)."""
 
     name = "docker"
+    uses_cgroup = False  # the ranks are in the container's cgroup, limited by the engine
 
     def __init__(self, config: DockerConfig, service_env: Mapping[str, str] | None = None):
         self.config = config
@@ -368,15 +418,7 @@ class DockerRuntime(Runtime):
         return self._client
 
     def _check(self, spec: JobSpec) -> None:
-        if spec.image is None:
-            raise SpecError("image", "the docker runtime needs an image (--image)")
-        if not self.config.allows(spec.image):
-            allowed = ", ".join(self.config.allowed_images) or "none"
-            raise SpecError(
-                "image",
-                f"image {spec.image!r} is not allowed on this service (allowed: {allowed}); "
-                "an admin can add patterns to HORA_DOCKER_ALLOWED_IMAGES",
-            )
+        check_image(lambda: self.client, self.config, spec.image)
 
     def find(self, plan: AttemptPlan) -> Any:
         """The attempt's container, or None (raises what the SDK raises when the engine is down)."""
@@ -385,32 +427,24 @@ class DockerRuntime(Runtime):
         )
         return found[0] if found else None
 
-    def _image_env(self, image: str) -> list[str]:
-        """The image's environment, pulling it first when the policy allows."""
-        try:
-            found = self.client.images.get(image)
-        except docker.errors.ImageNotFound:
-            if self.config.pull == "never":
-                raise EngineError(
-                    f"image {image!r} is not on the Docker engine and the pull policy is never"
-                ) from None
-            try:
-                found = self.client.images.pull(image)
-            except UNREACHABLE as e:
-                raise EngineError(f"cannot pull image {image!r}: {_short(e)}") from None
-        env = (found.attrs.get("Config") or {}).get("Env") or []
-        return [str(e) for e in env]
-
     def _start(self, plan: AttemptPlan, base_env: dict[str, str]) -> list[RankProcess]:
         assert plan.spec.image is not None
         who = job_account(plan, self.config)
         try:
-            image_env = self._image_env(plan.spec.image)
+            if self.waits is not None:  # the job page says so while the image is pulled
+                self.waits.post(plan.job_id, image_reason(plan.spec.image))
+            try:
+                image_id, image_env = resolve_image(self.client, self.config, plan.spec.image)
+            finally:
+                if self.waits is not None:
+                    self.waits.clear(plan.job_id)
             self._sweep()
             self._remove(plan)  # one left by a service that died while starting this attempt
             ranks = list(range(plan.spec.workers))
-            self._write_run_files(plan, who, image_env, ranks)
-            created = self.client.containers.create(**container_config(plan, self.config, who))
+            root_init = os.geteuid() == 0
+            self._write_run_files(plan, who, image_env, ranks, root_init)
+            config = {**container_config(plan, self.config, who, root_init), "image": image_id}
+            created = self.client.containers.create(**config)
             try:
                 created.start()
             except UNREACHABLE:
@@ -426,35 +460,72 @@ class DockerRuntime(Runtime):
         return [DockerRank(rank, box) for rank in ranks]
 
     def _write_run_files(
-        self, plan: AttemptPlan, who: RunAs, image_env: Sequence[str], ranks: Sequence[int]
+        self,
+        plan: AttemptPlan,
+        who: RunAs,
+        image_env: Sequence[str],
+        ranks: Sequence[int],
+        root_init: bool,
     ) -> None:
-        """The container's ``container.json`` and each rank's launch file, for the job's group.
+        """The container's ``container.json`` and each rank's launch file.
 
-        In the container the shim runs as the job's account: it reads its launch file and
-        writes the logs and pid/exit files, so the run directory is group-writable there.
+        With ``root_init`` the container's root reads them and writes the logs and pid/exit
+        files; the run directory stays the service's (mode 0750) and the job's account can
+        write nothing in it. Without it the container runs as the service's own account,
+        which owns the directory anyway.
         """
-        _group_file(plan.run_dir / "container.json", who.gid, json.dumps(
-            {"ranks": list(ranks), "command": list(plan.spec.command)}
-        ))  # fmt: skip
+        _group_file(plan.run_dir / "container.json", who.gid, json.dumps({"ranks": list(ranks)}))
         for rank in ranks:
             launch: dict[str, object] = {
+                "command": list(plan.spec.command),
                 "env": container_env(
                     plan, rank, image_env, self.service_env, self.config.passthrough
                 ),
-                "uid": None,  # the container already runs as the job's account
-                "gid": None,
+                # the shim drops the command to the job's account (else it already is)
+                "uid": who.uid if root_init else None,
+                "gid": who.gid if root_init else None,
                 "cgroups": [],  # the container is the attempt's cgroup
                 "log_limit": plan.rank_log_bytes,
+                "cwd": str(plan.workdir),
+                "umask": plan.umask,
             }
             _group_file(plan.run_dir / f"rank{rank}.launch", who.gid, json.dumps(launch))
-        if os.geteuid() == 0:
-            os.chown(plan.run_dir, -1, who.gid)
-        plan.run_dir.chmod(0o770)
+        plan.run_dir.chmod(0o750)
 
     def _adopt(self, plan: AttemptPlan) -> list[RankProcess]:
         box = Box(self, plan, None)
         box.state()
         return [DockerRank(rank, box) for rank in range(plan.spec.workers)]
+
+    def _cpu_seconds(self, plan: AttemptPlan) -> float | None:
+        """CPU time of the container's processes: its init's and every descendant's."""
+        try:
+            found = self.find(plan)
+        except UNREACHABLE:
+            return None
+        pid = int(((found.attrs.get("State") or {}).get("Pid") or 0) if found else 0)
+        return tree_cpu_seconds(pid) if pid > 0 else None
+
+    def limit_hits(self, plan: AttemptPlan) -> Hits:
+        """The container's OOM kill (the engine's ``OOMKilled``) and refused forks (its cgroup)."""
+        try:
+            found = self.find(plan)
+        except UNREACHABLE:
+            return Hits()
+        if found is None:
+            return Hits()
+        oom = int(bool((found.attrs.get("State") or {}).get("OOMKilled")))
+        # the container's cgroup: cgroupfs driver on v1, on v2, and systemd's driver on v2
+        v1 = ("{}/docker/" + found.id,)
+        v2 = ("docker/" + found.id, f"system.slice/docker-{found.id}.scope")
+        for d in (*(w.format("memory") for w in v1), *v2):
+            oom = max(oom, counter(CGROUP_FS / d / "memory.oom_control", "oom_kill"))
+            oom = max(oom, counter(CGROUP_FS / d / "memory.events", "oom_kill"))
+        pids = max(
+            counter(CGROUP_FS / d / "pids.events", "max")
+            for d in (*(w.format("pids") for w in v1), *v2)
+        )
+        return Hits(oom_kills=oom, pids_max=pids)
 
     def _clear(self, plan: AttemptPlan) -> bool:
         """Remove the attempt's container; with the engine gone, nothing of it can run.
@@ -509,9 +580,3 @@ def _group_file(path: Path, gid: int, text: str) -> None:
         os.write(fd, text.encode())
     finally:
         os.close(fd)
-
-
-def _short(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0][:300] if text else type(e).__name__
-

@@ -3,7 +3,9 @@
 Each rank runs under the rank shim (:mod:`hora_service.runtimes.shim`) in a session of its
 own, so signals reach its whole process group and it outlives a crash of the service. The
 shim starts with an empty environment and reads the rank's from a launch file; the rank's
-command runs in the attempt's cgroup as the job's account (``plan.run_as``). The argument
+command runs in the attempt's cgroup (with its limits, :mod:`hora_service.runtimes.limits`)
+as the job's account (``plan.run_as``), and enters its working directory and sets its umask
+only once it runs as that account. The argument
 list and the environment are built by pure functions (:func:`rank_argv`,
 :func:`allowed_env`, :func:`rank_environment`); nothing passes through a shell.
 """
@@ -11,6 +13,7 @@ list and the environment are built by pure functions (:func:`rank_argv`,
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -20,10 +23,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import psutil
-from hora.env import rank_env
+from hora.env import RDZV_SECRET_VAR, rank_env
 
+from hora_service.runtimes import namespaces
 from hora_service.runtimes.base import AttemptPlan, Exit, RankProcess, RankStatus, Runtime
 from hora_service.runtimes.containment import TAG_VAR
+from hora_service.runtimes.limits import apply_cgroup
+from hora_service.runtimes.runfiles import UntrustedRunFile, read_int
+
+logger = logging.getLogger(__name__)
 
 SHIM = Path(__file__).with_name("shim.py")
 PID_WAIT_S = 5.0
@@ -33,15 +41,16 @@ ALLOWED_PREFIXES = ("LC_",)
 
 
 def rank_argv(plan: AttemptPlan, rank: int, python: str = sys.executable) -> list[str]:
-    """The argument list that starts rank ``rank``: the shim, then the user's command.
+    """The argument list that starts rank ``rank``: the shim, its run directory and rank.
+
+    The user's command is in the launch file (:func:`launch_file`), not here: the shim's
+    command line is readable by every account in ``/proc``.
 
     Example:
-        >>> rank_argv(plan, 0)[-2:]  # doctest: +SKIP
-        ['python', 'train.py']
+        >>> rank_argv(plan, 0)[-1:]  # doctest: +SKIP
+        ['0']
     """
-    return [
-        python, "-I", "-S", str(SHIM), str(plan.run_dir), str(rank), "--", *plan.spec.command
-    ]  # fmt: skip
+    return [python, "-I", "-S", str(SHIM), str(plan.run_dir), str(rank)]
 
 
 def allowed_env(service_env: Mapping[str, str], passthrough: Sequence[str] = ()) -> dict[str, str]:
@@ -72,7 +81,8 @@ def rank_environment(plan: AttemptPlan, rank: int, base: Mapping[str, str]) -> d
     pins each rank to ``cuda:LOCAL_RANK``), ``HORA_SLOTS`` (this rank's own; ``HORA_GPU`` too on
     GPU slots), ``HORA_JOB_ID``,
     ``HORA_RESTART_COUNT`` (0 on the first attempt), ``HORA_ATTEMPT`` (the attempt's
-    containment tag) and ``PYTHONUNBUFFERED=1`` so that logs stream as they are written.
+    containment tag), ``HORA_RDZV_SECRET`` (the attempt's rendezvous secret, which seals
+    its store) and ``PYTHONUNBUFFERED=1`` so that logs stream as they are written.
     """
     env = dict(base)
     if plan.run_as is not None:
@@ -97,8 +107,12 @@ def rank_environment(plan: AttemptPlan, rank: int, base: Mapping[str, str]) -> d
     env["HORA_JOB_ID"] = str(plan.job_id)
     env["HORA_RESTART_COUNT"] = str(plan.attempt - 1)
     env["PYTHONUNBUFFERED"] = "1"
+    for key, value in plan.preflight_env:  # the job may turn its own preflight off
+        env[key] = env.get(key, value) if key == "HORA_PREFLIGHT" else value
     if plan.container is not None:
         env[TAG_VAR] = plan.container.tag
+    if plan.rdzv_secret:
+        env[RDZV_SECRET_VAR] = plan.rdzv_secret
     return env
 
 
@@ -106,11 +120,14 @@ def launch_file(plan: AttemptPlan, rank: int, base: Mapping[str, str]) -> dict[s
     """What the shim reads from ``rank<R>.launch`` (see :mod:`hora_service.runtimes.shim`)."""
     who = plan.run_as
     return {
+        "command": list(plan.spec.command),
         "env": rank_environment(plan, rank, base),
         "uid": who.uid if who is not None else None,
         "gid": who.gid if who is not None else None,
         "cgroups": [str(d) for d in plan.container.dirs] if plan.container is not None else [],
         "log_limit": plan.rank_log_bytes,
+        "cwd": str(plan.workdir),  # entered by the command once it runs as the job's account
+        "umask": plan.umask,
     }
 
 
@@ -127,19 +144,21 @@ def _private_file(path: Path, gid: int, mode: int, text: str = "") -> None:
 
 
 def read_exit(run_dir: Path, rank: int) -> int | None:
-    """The exit code the shim recorded for ``rank``, or None if it recorded none."""
-    try:
-        return int((run_dir / f"rank{rank}.exit").read_text().strip())
-    except (FileNotFoundError, ValueError):
-        return None
+    """The exit code the shim recorded for ``rank``, or None if it recorded none.
+
+    Raises:
+        UntrustedRunFile: the file is not one the shim wrote (a symlink, a FIFO, ...).
+    """
+    return read_int(run_dir / f"rank{rank}.exit")
 
 
 def read_pid(run_dir: Path, rank: int) -> int | None:
-    """The shim's pid for ``rank``, or None if it never started."""
-    try:
-        return int((run_dir / f"rank{rank}.pid").read_text().strip())
-    except (FileNotFoundError, ValueError):
-        return None
+    """The shim's pid for ``rank``, or None if it never started.
+
+    Raises:
+        UntrustedRunFile: the file is not one the shim wrote (a symlink, a FIFO, ...).
+    """
+    return read_int(run_dir / f"rank{rank}.pid")
 
 
 def write_pid(run_dir: Path, rank: int, pid: int) -> None:
@@ -195,7 +214,11 @@ class AdoptedRank(RankProcess):
 
     def _find(self) -> int | None:
         if self.pid is None:
-            self.pid = read_pid(self.run_dir, self.rank)
+            try:
+                self.pid = read_pid(self.run_dir, self.rank)
+            except UntrustedRunFile as e:  # poll() says so; the cgroup still ends the rank
+                self.note = str(e)
+                return None
             if self.pid is not None and self._owed is not None:
                 sig, self._owed = self._owed, None
                 self.signal(sig)
@@ -236,28 +259,51 @@ class LocalRuntime(Runtime):
 
     name = "local"
 
+    def __init__(self) -> None:
+        # each started attempt's namespace holder (multi-user mode), reaped at its clear()
+        self._holders: dict[tuple[int, int], namespaces.Holder] = {}
+
     @classmethod
     def from_settings(cls, settings: object = None) -> LocalRuntime:
         """The local runtime (it has no settings of its own)."""
         return cls()
 
     def _start(self, plan: AttemptPlan, base_env: dict[str, str]) -> list[RankProcess]:
+        box = plan.container
+        if box is not None and box.kind != "tag" and plan.limits is not None:
+            missed = apply_cgroup(box.kind, box.dirs, plan.limits)
+            if missed:
+                logger.warning("job %d: limits not enforced: %s", plan.job_id, ", ".join(missed))
+        holder = namespaces.start(plan) if namespaces.wanted(plan) else None
+        if holder is not None:
+            self._holders[(plan.job_id, plan.attempt)] = holder
+        try:
+            return self._start_ranks(plan, base_env, holder)
+        finally:
+            if holder is not None:
+                holder.close_fds()  # each shim has its own copies
+
+    def _start_ranks(
+        self, plan: AttemptPlan, base_env: dict[str, str], holder: namespaces.Holder | None
+    ) -> list[RankProcess]:
         ranks: list[RankProcess] = []
         try:
             gid = plan.run_as.gid if plan.run_as is not None else os.getegid()
             for rank in range(plan.spec.workers):
-                launch = json.dumps(launch_file(plan, rank, base_env))
+                fields = {**launch_file(plan, rank, base_env), **namespaces.launch_fields(holder)}
+                launch = json.dumps(fields)
                 _private_file(plan.run_dir / f"rank{rank}.launch", os.getegid(), 0o600, launch)
                 _private_file(plan.log_path(rank), gid, 0o640)
                 with plan.log_path(rank).open("ab") as log:
                     proc = subprocess.Popen(
                         rank_argv(plan, rank),
                         env={},
-                        cwd=plan.workdir,
+                        cwd=plan.run_dir,  # the shim's; the command enters workdir itself
                         stdin=subprocess.DEVNULL,
                         stdout=log,
                         stderr=subprocess.STDOUT,
                         start_new_session=True,
+                        pass_fds=holder.fds if holder is not None else (),
                     )
                 # the shim writes this too; writing it here means a job recorded as running
                 # always has its pid files, whatever instant the service dies at
@@ -271,3 +317,9 @@ class LocalRuntime(Runtime):
 
     def _adopt(self, plan: AttemptPlan) -> list[RankProcess]:
         return [AdoptedRank(rank, plan.run_dir) for rank in range(plan.spec.workers)]
+
+    def _clear(self, plan: AttemptPlan) -> bool:
+        holder = self._holders.pop((plan.job_id, plan.attempt), None)
+        if holder is not None:  # an adopted attempt's holder dies with its cgroup
+            holder.stop()
+        return super()._clear(plan)

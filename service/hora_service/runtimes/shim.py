@@ -1,18 +1,25 @@
 """Rank shim: runs one rank's command as the job's user and records its pid, output and exit.
 
-Control plane helper, started by the local runtime as
-``python -I -S shim.py RUN_DIR RANK -- COMMAND...`` in the rank's own session. ``-I -S``
+Control plane helper, started by the local runtime (and by a docker container's init) as
+``python -I -S shim.py RUN_DIR RANK`` in the rank's own session. ``-I -S``
 (isolated, no ``site``) makes it ignore ``PYTHON*`` variables and user site directories, so
 nothing a job controls can replace its modules; it is started with an empty environment and
 reads everything else from ``RUN_DIR/rank<R>.launch``, a JSON file the service wrote and only
 the service's account can read:
 
-``env`` (the command's whole environment), ``uid`` / ``gid`` (the account to run as, or null
-for the shim's own), ``cgroups`` (directories whose ``cgroup.procs`` the command joins) and
-``log_limit`` (most bytes ``RUN_DIR/rank<R>.log`` keeps).
+``command`` (the rank's argument list: it is not on the shim's own command line, which every
+account can read in ``/proc``), ``env`` (the command's whole environment), ``uid`` / ``gid``
+(the account to run as, or null for the shim's own), ``cgroups`` (directories whose
+``cgroup.procs`` the command joins), ``log_limit`` (most bytes ``RUN_DIR/rank<R>.log`` keeps)
+and, optionally, ``cwd`` (the command's working directory, entered after the uid is dropped;
+else the shim's own), ``umask`` (default ``077``) and ``namespaces`` (descriptors the shim
+inherited of the attempt's network and mount namespaces, see
+:mod:`hora_service.runtimes.namespaces`: the command enters them, as root, before it drops
+privileges).
 
 It writes ``rank<R>.pid``, starts the command (which joins the cgroups, clears its
-supplementary groups, and sets its gid then its uid before ``exec``), copies the command's
+supplementary groups, sets its gid then its uid, then enters ``cwd`` and sets ``umask``
+before ``exec``), copies the command's
 output into the log (past ``log_limit`` the log keeps its newest half after a truncation
 marker), waits for the command, and writes ``rank<R>.exit`` (the exit code; minus the signal
 number when killed) before exiting with the same status. The exit file's space is reserved
@@ -149,16 +156,53 @@ class Log:
         self.size = len(mark) + min(from_file, self.size) + min(len(data), keep)
 
 
-def _become(uid: object, gid: object, cgroups: list[str]) -> None:
-    """In the command's process, before exec: join the cgroups, then drop privileges."""
+def _enter(fds: list[int]) -> None:
+    """``setns`` into each namespace descriptor (entering a mount namespace resets the cwd)."""
+    import ctypes  # only attempts with namespaces pay for it
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for fd in fds:
+        if libc.setns(fd, 0) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"cannot enter the attempt's namespaces: {os.strerror(err)}")
+
+
+def _become(
+    uid: object,
+    gid: object,
+    cgroups: list[str],
+    cwd: object = None,
+    umask: int = 0o077,
+    namespaces: object = (),
+) -> None:
+    """In the command's process, before exec: join the cgroups, drop privileges, enter ``cwd``.
+
+    ``cwd`` is entered only once the process is the job's account, so a directory that
+    account cannot reach is never entered with the shim's rights: the command ends with
+    status 126 and the reason in its log. It sets the job's umask too. The attempt's
+    namespaces are entered first, as root; that resets the working directory, so without
+    ``cwd`` the shim's own is entered again.
+    """
     pid = str(os.getpid())
     for d in cgroups:
         with open(os.path.join(d, "cgroup.procs"), "w") as f:
             f.write(pid)
+    fds = [int(fd) for fd in namespaces] if isinstance(namespaces, list) else []
+    if fds and not isinstance(cwd, str):
+        cwd = os.getcwd()
+    if fds:
+        _enter(fds)
     if isinstance(uid, int) and isinstance(gid, int):
         os.setgroups([])
         os.setgid(gid)
         os.setuid(uid)
+    os.umask(umask)
+    if isinstance(cwd, str):
+        try:
+            os.chdir(cwd)
+        except OSError as e:
+            os.write(2, f"hora: cannot enter the working directory {cwd}: {e.strerror}\n".encode())
+            os._exit(126)
 
 
 def _pump(child: "subprocess.Popen[bytes]", out: int, log: Log) -> int:
@@ -184,19 +228,22 @@ def _pump(child: "subprocess.Popen[bytes]", out: int, log: Log) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """Run ``argv = [RUN_DIR, RANK, "--", COMMAND...]``; return the command's status."""
+    """Run ``argv = [RUN_DIR, RANK]``; return the command's status."""
     global _started
-    for stop in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    # USR2 too: Slurm's preemption / time-limit warning reaches the whole process group, and
+    # its default action would end the shim before the command could react
+    for stop in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2):
         signal.signal(stop, _on_signal)
-    run_dir, rank, sep, command = argv[0], int(argv[1]), argv[2], argv[3:]
-    if sep != "--" or not command:
-        sys.stderr.write("usage: shim.py RUN_DIR RANK -- COMMAND...\n")
+    if len(argv) != 2 or not argv[1].isdigit():
+        sys.stderr.write("usage: shim.py RUN_DIR RANK\n")
         return 2
+    run_dir, rank = argv[0], int(argv[1])
     base = os.path.join(run_dir, f"rank{rank}")
     _write(base + ".pid", str(os.getpid()))
     reserved = _reserve(base)
     with open(base + ".launch") as f:
         launch = json.load(f)
+    command = [str(a) for a in launch["command"]]
     log = Log(base + ".log", int(launch["log_limit"]))
     read_end, write_end = os.pipe()
     try:
@@ -206,7 +253,10 @@ def main(argv: list[str]) -> int:
             stdin=subprocess.DEVNULL,
             stdout=write_end,
             stderr=write_end,
-            preexec_fn=lambda: _become(launch["uid"], launch["gid"], launch["cgroups"]),
+            preexec_fn=lambda: _become(
+                launch["uid"], launch["gid"], launch["cgroups"], launch.get("cwd"),
+                int(launch.get("umask", 0o077)), launch.get("namespaces") or [],
+            ),
         )
         _started = True
         for sig in _early:
@@ -218,6 +268,8 @@ def main(argv: list[str]) -> int:
         return 127
     finally:
         os.close(write_end)
+        for fd in launch.get("namespaces") or []:  # the command holds them now
+            os.close(fd)
     code = _pump(child, read_end, log)
     _record_exit(base, code, reserved)
     return code if code >= 0 else 128 - code
