@@ -5,13 +5,17 @@
 falls back to its ``HORA_*`` variable, then to the default. Stopping it (Ctrl-C, SIGTERM)
 leaves running jobs alive; the next start re-adopts them.
 
-``hora user add NAME [--admin] [--quota N] [--uid N] [--idle-timeout S] [--data-dir DIR]``
-prints the new user's token once (only its hash is stored). In multi-user mode (the service
-runs as root) it also creates the OS account ``hora-NAME`` the user's jobs run as, or
-assigns the existing account ``--uid N``; in single-user mode it refuses a second user (see
-:mod:`hora_service.identity`). ``hora user set NAME --idle-timeout S|none`` changes the
-idle timeout of the user's new notebook sessions (``none``: the service's default). ``hora
-user list`` and ``hora user remove NAME`` do what they say; removing a user keeps their OS
+``hora user add NAME [--admin] [--quota N] [--uid N] [--idle-timeout S] [--work-root DIR]
+[--data-dir DIR]`` prints the new user's token once (only its hash is stored). In multi-user
+mode (the service runs as root) it also creates the OS account ``hora-NAME`` the user's jobs
+run as (home 0700), or assigns the existing account ``--uid N``, and makes the user's working
+directory ``WORK_ROOT/NAME`` (see :mod:`hora_service.homes`); in single-user mode it refuses
+a second user (see :mod:`hora_service.identity`). ``hora user set NAME --idle-timeout
+S|none`` changes the idle timeout of the user's new notebook sessions (``none``: the
+service's default); ``--memory``, ``--pids`` and ``--cpus`` set their own job limits per
+attempt (``auto``, ``none``, a value, or ``default``: the service's setting; see
+:mod:`hora_service.runtimes.limits`). ``hora user list`` and ``hora user remove NAME`` do what
+they say; removing a user keeps their OS
 account (it may own their files).
 """
 
@@ -29,6 +33,7 @@ from typing import Any
 from hora.errors import HoraError
 
 SETTING_ARGS = ("host", "port", "data_dir", "gpus", "cpu_slots", "work_root")
+UNSET: Any = object()  # an option not given (None means "back to the default")
 IDLE_HELP = "idle timeout in seconds of this user's notebook sessions that ask for none"
 
 
@@ -77,13 +82,22 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument(
         "--idle-timeout", type=idle_seconds, metavar="S", help=IDLE_HELP + " (default: none)"
     )
+    add.add_argument(
+        "--work-root", type=Path, help="multi-user mode: where their working directory is made"
+    )
     _data_dir(add)
     change = verbs.add_parser("set", help="change a user's settings")
     change.add_argument("name")
     change.add_argument(
-        "--idle-timeout", type=idle_seconds, metavar="S|none", required=True,
+        "--idle-timeout", type=idle_seconds, metavar="S|none", default=UNSET,
         help=IDLE_HELP + "; none: the service's default",
     )  # fmt: skip
+    for kind, example in (("memory", "16g"), ("pids", "8192"), ("cpus", "4")):
+        change.add_argument(
+            f"--{kind}", metavar="VALUE",
+            help=f"this user's {kind} limit per attempt: auto, none, a value ({example}), or "
+            "default (the service's setting)",
+        )  # fmt: skip
     _data_dir(change)
     _data_dir(verbs.add_parser("list", help="list users"))
     remove = verbs.add_parser("remove", help="delete a user (their token stops working)")
@@ -156,7 +170,7 @@ def user(args: argparse.Namespace) -> int:
                 "the token above is shown only once\n"
             )
         elif args.verb == "set":
-            return set_user(manager, args.name, args.idle_timeout)
+            return set_user(manager, args)
         elif args.verb == "list":
             for u in manager.list_users():
                 sys.stdout.write(user_line(u) + "\n")
@@ -168,14 +182,30 @@ def user(args: argparse.Namespace) -> int:
     return 0
 
 
-def set_user(manager: Any, name: str, idle_timeout_s: float | None) -> int:
+def set_user(manager: Any, args: argparse.Namespace) -> int:
     """``hora user set``: 0, or 1 with one line on stderr when there is no such user."""
-    if not manager.users.set_idle_timeout(name, idle_timeout_s):
+    name, idle_timeout_s = args.name, args.idle_timeout
+    changes = {k: getattr(args, k) for k in ("memory", "pids", "cpus") if getattr(args, k)}
+    if idle_timeout_s is UNSET and not changes:
+        sys.stderr.write("hora user set: nothing to change (--idle-timeout, --memory, ...)\n")
+        return 2
+    if idle_timeout_s is not UNSET and not manager.users.set_idle_timeout(name, idle_timeout_s):
         sys.stderr.write(f"hora user: no user {name!r}\n")
         return 1
-    idle = "the service's default" if idle_timeout_s is None else f"{idle_timeout_s:g}s"
-    sys.stderr.write(f"user {name}: idle timeout of new sessions: {idle}\n")
+    if changes and not manager.users.set_limits(name, changes):
+        sys.stderr.write(f"hora user: no user {name!r}\n")
+        return 1
+    if idle_timeout_s is not UNSET:
+        idle = "the service's default" if idle_timeout_s is None else f"{idle_timeout_s:g}s"
+        sys.stderr.write(f"user {name}: idle timeout of new sessions: {idle}\n")
+    if changes:
+        own = manager.users.limits_of(name)
+        sys.stderr.write(f"user {name}: job limits: {_limits_text(own) or 'the defaults'}\n")
     return 0
+
+
+def _limits_text(limits: dict[str, str]) -> str:
+    return "  ".join(f"{k}={v}" for k, v in sorted(limits.items()))
 
 
 def user_line(u: Any) -> str:
@@ -188,7 +218,8 @@ def user_line(u: Any) -> str:
     line = u.name + ("  (admin)" if u.is_admin else "")
     line += "" if u.gpu_quota is None else f"  quota={u.gpu_quota}"
     line += "" if u.os_uid is None else f"  uid={u.os_uid}"
-    return line + ("" if u.idle_timeout_s is None else f"  idle_timeout={u.idle_timeout_s:g}s")
+    line += "" if u.idle_timeout_s is None else f"  idle_timeout={u.idle_timeout_s:g}s"
+    return line + (f"  {_limits_text(u.limits)}" if u.limits else "")
 
 
 def main(argv: list[str]) -> int:

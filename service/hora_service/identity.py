@@ -18,6 +18,7 @@ Every process is built from an argument list (``useradd`` included); nothing rea
 
 from __future__ import annotations
 
+import logging
 import os
 import pwd
 import re
@@ -26,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hora.errors import SpecError
+
+log = logging.getLogger(__name__)
 
 ACCOUNT_PREFIX = "hora-"
 # what useradd accepts everywhere (Debian's default NAME_REGEX), 32 characters at most
@@ -126,6 +129,25 @@ def useradd_argv(account: str) -> list[str]:
     ]  # fmt: skip
 
 
+def check_account_free(user: str) -> str:
+    """The name of the account :func:`create_account` would create for ``user``.
+
+    Raises:
+        IdentityError: it exists already (it may hold another user's files: reuse it
+            knowingly with ``--uid``), or the name is not a valid account name.
+    """
+    account = account_name(user)
+    try:
+        found = pwd.getpwnam(account)
+    except KeyError:
+        return account
+    raise IdentityError(
+        "name",
+        f"the OS account {account} (uid {found.pw_uid}) exists already; it may hold an "
+        f"earlier user's files: remove it (userdel -r {account}) or assign it with --uid",
+    )
+
+
 def create_account(user: str) -> RunAs:
     """Create the OS account of hora user ``user`` (see :func:`account_name`).
 
@@ -133,17 +155,7 @@ def create_account(user: str) -> RunAs:
         IdentityError: the account exists already (it may hold another user's files: reuse
             it knowingly with ``--uid``), or ``useradd`` failed.
     """
-    account = account_name(user)
-    try:
-        found = pwd.getpwnam(account)
-    except KeyError:
-        pass
-    else:
-        raise IdentityError(
-            "name",
-            f"the OS account {account} (uid {found.pw_uid}) exists already; it may hold an "
-            f"earlier user's files: remove it (userdel -r {account}) or assign it with --uid",
-        )
+    account = check_account_free(user)
     try:
         done = subprocess.run(
             useradd_argv(account), capture_output=True, text=True, timeout=USERADD_TIMEOUT_S
@@ -153,3 +165,22 @@ def create_account(user: str) -> RunAs:
     if done.returncode != 0:
         raise IdentityError("name", f"useradd {account} failed: {done.stderr.strip()}")
     return run_as(pwd.getpwnam(account).pw_uid)
+
+
+def remove_account(user: str) -> None:
+    """Remove the OS account :func:`create_account` made for ``user`` (and its home).
+
+    Used to undo a ``hora user add`` that failed after the account was made; a failure to
+    remove it is logged, not raised (the original error matters more).
+    """
+    account = account_name(user)
+    try:
+        done = subprocess.run(
+            ["userdel", "--remove", "--force", account],
+            capture_output=True, text=True, timeout=USERADD_TIMEOUT_S,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.error("cannot remove the OS account %s after a failed user add: %s", account, e)
+        return
+    if done.returncode not in (0, 6):  # 6: no such user (it is gone already)
+        log.error("userdel %s failed: %s", account, done.stderr.strip())

@@ -5,7 +5,8 @@ from the repository's ``docker/`` folder through the Docker Engine API and print
 last:
 
 * ``--cpu`` (``hora:cpu``, ``docker/cpu.Dockerfile``): what jobs need to run hora's examples
-  (hora, the CPU build of torch, numpy, scikit-learn) on a minimal Debian. Its context is the
+  (hora, the CPU build of torch, numpy, scikit-learn, and ipyparallel for session engines) on a
+  minimal Debian. Its context is the
   Dockerfile and ``wheels/``: those packages at the versions of ``constraints/``, made on this
   machine with ``pip wheel`` (and its pip settings), so the build downloads nothing. Without
   ``--base`` it uses ``hora-base:bookworm`` and, when the engine lacks it, makes it with
@@ -47,7 +48,7 @@ KINDS = {  # kind -> (default tag, Dockerfile under docker/)
     "notebook": ("hora:notebook", "notebook.Dockerfile"),
 }
 STEP_TIMEOUT_S = 1800
-CPU_PACKAGES = ("torch", "numpy", "scikit-learn")
+CPU_PACKAGES = ("torch", "numpy", "scikit-learn", "ipyparallel")
 SOURCE_LABEL = "hora.source"
 
 
@@ -118,11 +119,11 @@ def wheel_argvs(
     """The ``pip wheel`` commands that gather the CPU image's packages at the lock's versions.
 
     hora itself without its dependencies into ``hora`` (jobs use only its data plane), then
-    torch, numpy and scikit-learn with theirs into ``wheels``.
+    torch, numpy, scikit-learn and ipyparallel with theirs into ``wheels``.
 
     Example:
         >>> [argv[-1] for argv in wheel_argvs(Path("/r"), Path("/w"), Path("/h"), "py")]
-        ['/r', 'scikit-learn']
+        ['/r', 'ipyparallel']
     """
     constraints = [
         arg for name in ("cpu.txt", "test.txt") if (repo / "constraints" / name).exists()
@@ -213,7 +214,8 @@ def cpu_context(repo: Path, cache: Path, into: Path) -> None:
     """Assemble the CPU image's build context: its Dockerfile, ``wheels/`` and ``hora/``."""
     wheels = cache / "wheels-cpu"
     wheels.mkdir(parents=True, exist_ok=True)
-    _say("gathering wheels with pip (hora, torch, numpy, scikit-learn; versions of constraints/)")
+    _say("gathering wheels with pip (hora, torch, numpy, scikit-learn, ipyparallel; versions of "
+         "constraints/)")
     for argv in wheel_argvs(repo, wheels, into / "hora"):
         _run(argv, "pip wheel")
     shutil.copy(repo / "docker" / "cpu.Dockerfile", into / "Dockerfile")

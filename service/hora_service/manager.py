@@ -34,23 +34,29 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hora.env import new_rdzv_secret
 from hora.errors import HoraError, SpecError
-from hora.launch.config import free_port
+from hora.net import free_port
 from hora.spec import PRIORITY_RANK, JobSpec, JobState
 from sqlalchemy import Connection
+from sqlalchemy.exc import SQLAlchemyError
 
 from hora_service import identity, runtimes
+from hora_service.bounds import Bounds
 from hora_service.inventory import Slot, inventory
+from hora_service.jobpreflight import PreflightBook
 from hora_service.journal import Journal, Write
 from hora_service.models import JobRecord, MetricsSnapshot, SlotInfo, User
 from hora_service.quotas import OverLimit, spec_bytes, within_running_limit
+from hora_service.reasons import ReasonBoard
 from hora_service.runtimes import AttemptPlan, Exit, RankProcess, Runtime
-from hora_service.runtimes.base import RankStatus, first_failure
+from hora_service.runtimes.base import RankStatus, first_failure, rank_status
 from hora_service.runtimes.containment import Containment, detect
 from hora_service.runtimes.local import allowed_env
 from hora_service.scheduler import INF, Holding, Pending, queue_order, reserve, schedule
 from hora_service.settings import Settings
 from hora_service.store import Store, StoreUnavailable, is_unavailable
+from hora_service.usage import Usage
 from hora_service.users import Users
 
 log = logging.getLogger(__name__)
@@ -103,6 +109,7 @@ class Holder:
     slots: tuple[int, ...]
     since: float
     ends_at: float | None
+    stopping: bool = False  # its processes are being stopped: the slots are draining
 
 
 @dataclass(frozen=True)
@@ -124,6 +131,11 @@ class QueueView:
     holders: tuple[Holder, ...]
     estimate: float | None
     over_quota: bool
+
+
+def _outside(spec: JobSpec) -> bool:
+    """The job runs on resources its runtime owns (Slurm's nodes), not the service's slots."""
+    return spec.runtime.value == "slurm"
 
 
 def describe(rank: int, status: RankStatus, note: str | None = None) -> str:
@@ -179,7 +191,11 @@ class JobManager:
         self._dirty = True
         self._runtimes: dict[str, Runtime] = dict(runtimes or {})
         self._base_env = allowed_env(os.environ, settings.job_env_passthrough)
-        self.users = Users(identity.resolve_mode(settings.user_mode), self.open_store)
+        self.users = Users(
+            identity.resolve_mode(settings.user_mode), self.open_store, settings.work_root,
+            settings.disk_bytes,
+        )  # fmt: skip
+        self.bounds = Bounds(settings, self.users, self._base_env, len(self.inventory))
         self._containment: Containment | None = None
         self._latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
         self._latency_sum = 0.0
@@ -194,6 +210,12 @@ class JobManager:
         self._quota_memo: dict[str, int] = {}
         # called with the time at the end of every monitor pass (sessions' leases, idle culling)
         self.hooks: list[Callable[[float], None]] = []
+        self.waits = ReasonBoard()  # reasons runtimes post for jobs they hold back
+        for given in self._runtimes.values():
+            given.waits = self.waits
+        self.usage = Usage()  # queue waits and slot-hours by user, for /metrics
+        self.preflight = PreflightBook()  # the jobs' preflight figures, for pages and /metrics
+        self._handoffs: dict[int, int] = {}  # session id -> the job that takes its slots
 
     # lifecycle --------------------------------------------------------------------------
 
@@ -228,6 +250,7 @@ class JobManager:
                 "directories; set HORA_WORK_ROOT to a directory they can enter",
                 root,
             )
+        self.users.make_homes_private()
         with self._lock:
             self._recover()
         self._stopping.clear()
@@ -389,7 +412,7 @@ class JobManager:
         total, need = len(self.inventory), spec.total_gpus
         unit = "GPUs" if self._kind == "gpu" else "slots"
         field = "workers" if spec.gpus_per_worker == 1 else "gpus_per_worker"
-        if need > total:
+        if need > total and not _outside(spec):
             raise SpecError(
                 field,
                 f"asks for {need} {unit} ({spec.workers} workers x {spec.gpus_per_worker}); "
@@ -398,33 +421,19 @@ class JobManager:
         quota = self._quotas().get(user, self.settings.user_gpu_quota)
         if quota is not None and need > quota:
             raise SpecError(field, f"asks for {need} {unit}; your quota is {quota}")
-        if self.user_mode == "multi":
-            self.users.run_as_of(user)
-        if spec.image is not None and spec.runtime.value != "docker":
+        who = self.users.run_as_of(user) if self.user_mode == "multi" else None
+        if spec.image is not None and spec.runtime.value not in ("docker", "slurm"):
             raise SpecError("image", "an image is used only by the docker runtime")
         self._runtime(spec.runtime.value).check(spec)
-        self.workdir(spec)
+        self.bounds.preflight(spec, self.workdir(spec, user), who)
 
-    def workdir(self, spec: JobSpec) -> Path:
-        """The ranks' working directory: ``working_dir`` under the work root (default: it).
+    def workdir(self, spec: JobSpec, user: str | None = None) -> Path:
+        """The ranks' working directory (see :meth:`hora_service.bounds.Bounds.workdir`).
 
         Raises:
             SpecError: it escapes the work root or is not an existing directory.
         """
-        root = self.settings.work_root
-        if spec.working_dir is None:
-            return root
-        try:
-            path = (root / spec.working_dir).resolve()
-            is_dir = path.is_dir()
-        except (OSError, RuntimeError, ValueError) as e:  # a symlink loop, a name too long
-            why = getattr(e, "strerror", None) or str(e)
-            raise SpecError("working_dir", f"{spec.working_dir!r} cannot be used: {why}") from None
-        if not path.is_relative_to(root):
-            raise SpecError("working_dir", f"{spec.working_dir!r} is outside the work root {root}")
-        if not is_dir:
-            raise SpecError("working_dir", f"{spec.working_dir!r} is not an existing directory")
-        return path
+        return self.bounds.workdir(spec, user)
 
     def get(self, job_id: int) -> JobRecord | None:
         """One job as the monitor knows it (with changes the store has yet to take), or None."""
@@ -525,6 +534,28 @@ class JobManager:
         assert found is not None
         return found
 
+    def handoff(self, session_id: int, user: str, spec: JobSpec) -> JobRecord:
+        """Submit ``spec`` for ``user`` and give it the running session's slots.
+
+        The session is stopped; once its processes are gone the job starts on its slots,
+        before the next scheduling pass (no queued job can take them in between).
+
+        Raises:
+            HoraError: the session is not running.
+            SpecError: the job needs more slots than the session holds, or cannot run here.
+        """
+        with self._lock:
+            attempt = self._attempts.get(session_id)
+            if attempt is None or attempt.kind != "session" or attempt.stop_state is not None:
+                raise HoraError(f"session {session_id} is not running; submit the job instead")
+            have, field = len(attempt.plan.slots), "workers"
+            if spec.total_gpus > have:
+                raise SpecError(field, f"asks for {spec.total_gpus} slots; the session has {have}")
+            job, _ = self.submit_or_find(user, spec)
+            self._handoffs[session_id] = job.id
+        self.cancel(session_id, reason=f"stopped: its slots were handed to job {job.id}")
+        return job
+
     def delete(self, job_id: int) -> None:
         """Remove a finished job and its logs.
 
@@ -574,6 +605,34 @@ class JobManager:
             for s in self.inventory
         ]
 
+    def cpu_seconds(self, job_id: int) -> float | None:
+        """CPU seconds the running attempt of ``job_id`` has used (None: none, or unknown)."""
+        with self._lock:
+            attempt = self._attempts.get(job_id)
+        if attempt is None:
+            return None
+        try:
+            runtime = self._runtime(attempt.plan.spec.runtime.value)
+        except HoraError:
+            return None
+        return runtime.cpu_seconds(attempt.plan)
+
+    def cluster_slots(self) -> list[SlotInfo]:
+        """The Slurm cluster's GPUs and their holders (none unless ``slurm_conf`` is set)."""
+        if self.settings.slurm_conf is None:
+            return []
+        with self._lock:
+            holders = {
+                r.container_id.removeprefix("slurm:"): (a.job_id, a.user, a.kind)
+                for a in self._attempts.values()
+                for r in a.ranks[:1]
+                if r.container_id and r.container_id.startswith("slurm:")
+            }
+        from hora_service.runtimes.slurm import SlurmRuntime  # only where Slurm is used
+
+        runtime = self._runtime("slurm")
+        return runtime.cluster_slots(holders) if isinstance(runtime, SlurmRuntime) else []
+
     def queue_view(self, job_id: int, now: float | None = None) -> QueueView:
         """Where queued ``job_id`` stands (position 0 when it is not queued)."""
         now = time.time() if now is None else now
@@ -599,13 +658,39 @@ class JobManager:
             quota is not None and used + job.need > quota,
         )  # fmt: skip
 
+    def queue_snapshot(self) -> tuple[list[tuple[Pending, float | None]], tuple[Holder, ...]]:
+        """The queued jobs (with their retry time) and the holders, oldest first, at once."""
+        with self._lock:
+            pending = list(self._pending.values())
+            attempts = sorted(self._attempts.values(), key=lambda a: a.started)
+        holders = tuple(
+            Holder(
+                a.job_id, a.kind, a.user, a.plan.slots, a.started, a.deadline,
+                a.stop_state is not None,
+            )  # fmt: skip
+            for a in attempts
+        )
+        return pending, holders
+
+    def quota_of(self, user: str) -> int | None:
+        """Most slots ``user``'s jobs and sessions may hold (None: no limit)."""
+        return self._quotas().get(user, self.settings.user_gpu_quota)
+
     def metrics(self) -> MetricsSnapshot:
         """Jobs by state, queue length, slots, and submit-to-running latency."""
         counts = self.open_store().count_by_state()
+        now = time.time()
         with self._lock:
             lat = sorted(self._latencies)
             allocated = sum(len(a.plan.slots) for a in self._attempts.values())
+            running: dict[str, float] = {}
+            for a in self._attempts.values():
+                held = len(a.plan.slots) * max(0.0, now - a.started)
+                running[a.user] = running.get(a.user, 0.0) + held
         return MetricsSnapshot(
+            slot_kind=self._kind,
+            queue_wait=self.usage.wait_rows(),
+            slot_hours=self.usage.slot_hours(running),
             jobs_by_state=counts,
             queue_length=counts.get("queued", 0) + counts.get("retrying", 0),
             slots_total=len(self.inventory),
@@ -616,6 +701,7 @@ class JobManager:
             schedule_latency_count=self._latency_count,
             schedule_pass_seconds=self._last_pass_s,
             store_pending_writes=len(self.journal),
+            preflight_bandwidth_gbps=self.preflight.by_node(),
         )
 
     # the monitor loop -------------------------------------------------------------------
@@ -638,12 +724,15 @@ class JobManager:
 
     def _poll(self, attempt: Attempt, now: float) -> None:
         grace = self.settings.kill_grace_s
-        attempt.codes = [r.poll() for r in attempt.ranks]
+        attempt.codes = [rank_status(r) for r in attempt.ranks]
         if attempt.stop_state is None:
             failed = first_failure(attempt.codes)
             if failed is not None:
                 first, status = failed
                 why = describe(first, status, attempt.ranks[first].note)
+                why = self.bounds.explain(
+                    self._runtime(attempt.plan.spec.runtime.value), attempt.plan, first, why, status
+                )
                 attempt.stop(JobState.failed, why, now, grace, retry=True)
             elif attempt.deadline is not None and now > attempt.deadline:
                 timeout = attempt.plan.spec.timeout_s or 0
@@ -699,6 +788,12 @@ class JobManager:
         """The attempt's processes are all gone: free its slots and record the outcome."""
         del self._attempts[attempt.job_id]
         self._dirty = True
+        self.usage.held(attempt.user, len(attempt.plan.slots), now - attempt.started)
+        if attempt.plan.preflight_env:  # keep the figures rank 0 logged (for /metrics)
+            self.preflight.note(attempt.job_id, attempt.plan.attempt, attempt.plan.log_path(0))
+        heir = self._handoffs.pop(attempt.job_id, None)
+        if heir in self._pending:  # the session's slots go straight to the job it handed to
+            self._launch(heir, attempt.plan.slots[: self._pending[heir][0].need])
         codes = {r: (c if isinstance(c, int) else None) for r, c in enumerate(attempt.codes)}
         spec = attempt.plan.spec
         if (
@@ -722,6 +817,9 @@ class JobManager:
         ready = [p for p, due in self._pending.values() if due is None or due <= now]
         running = collections.Counter(a.user for a in self._attempts.values())
         ready = within_running_limit(ready, running, self.settings.max_running_jobs_per_user)
+        # jobs whose runtime owns its resources (slurm) take none of the service's slots
+        outside = [p for p in ready if p.need == 0]
+        ready = [p for p in ready if p.need > 0]
         held = {s for a in self._attempts.values() for s in a.plan.slots}
         free = [s.index for s in self.inventory if s.index not in held]
         holding = [
@@ -738,6 +836,8 @@ class JobManager:
         self._last_pass_s = time.perf_counter() - t0
         for placement in placements:
             self._launch(placement.job_id, placement.slots)
+        for p in outside:
+            self._launch(p.id, ())
 
     def _launch(self, job_id: int, slots: tuple[int, ...]) -> None:
         job = self._record(job_id)
@@ -757,10 +857,23 @@ class JobManager:
             self._pending[job_id] = entry
             self._dirty = True
             return
-        plan = self._plan(job, n, slots, self.settings.work_root, 0)
+        try:  # the user's limits come from the store: a sick store starts nothing
+            plan = self._plan(job, n, slots, self.settings.work_root, 0)
+        except SQLAlchemyError as e:
+            log.warning("job %d: the store cannot be read (%s); it waits to start", job_id, e)
+            self._pending[job_id] = entry
+            self._dirty = True
+            return
+        retry = True
         try:
             who = self.users.run_as(job.user_id) if self.user_mode == "multi" else None
-            plan = self._plan(job, n, slots, self.workdir(job.spec), free_port(), who)
+            workdir = self.workdir(job.spec, job.user)
+            plan = self._plan(job, n, slots, workdir, free_port(), who)
+            try:
+                self.bounds.preflight(job.spec, workdir, who)
+            except SpecError:
+                retry = False  # the job's account cannot start it: a retry would not either
+                raise
             ranks = self._runtime(job.spec.runtime.value).start(plan, self._base_env)
         except (OSError, HoraError) as e:
             reason = f"could not start the ranks: {e}"
@@ -769,7 +882,7 @@ class JobManager:
             self._attempts[job_id] = attempt = Attempt(
                 job_id, job.user, plan, [], now, None, kind=job.kind
             )
-            attempt.stop(JobState.failed, reason, now, 0.0, retry=True)
+            attempt.stop(JobState.failed, reason, now, 0.0, retry=retry)
             self._poll(attempt, now)
             return
         running = time.time()
@@ -788,6 +901,7 @@ class JobManager:
             self._latencies.append(latency)
             self._latency_sum += latency
             self._latency_count += 1
+            self.usage.started(job.user, job.spec.priority.value, latency)
 
     def _plan(
         self,
@@ -813,7 +927,26 @@ class JobManager:
             run_as=run_as,
             container=self._containment.container(job.id, attempt),
             log_bytes=self.settings.log_bytes_per_attempt,
+            limits=self.bounds.limits(job.user, len(slots)),
+            umask=int(self.settings.job_umask, 8),
+            # sessions' engines are measured by %dist_start, in the notebook
+            preflight_env=self._preflight_env() if job.kind == "job" else (),
+            rdzv_secret=new_rdzv_secret(),
+            private_network=self.settings.job_private_network and job.kind != "session",
+            work_root=self.settings.work_root,
+            tmp_paths=tuple(self.settings.job_tmp_paths),
         )
+
+    def _preflight_env(self) -> tuple[tuple[str, str], ...]:
+        s = self.settings
+        if not s.job_preflight:
+            return ()
+        env = [("HORA_PREFLIGHT", "1")]
+        if s.job_preflight_fail_below is not None:
+            env.append(("HORA_PREFLIGHT_FAIL_BELOW", f"{s.job_preflight_fail_below:g}"))
+        if s.job_preflight_baseline_dir is not None:
+            env.append(("HORA_PREFLIGHT_BASELINE", str(s.job_preflight_baseline_dir)))
+        return tuple(env)
 
     # recovery ---------------------------------------------------------------------------
 
@@ -841,7 +974,7 @@ class JobManager:
         for job_id, user, need, priority, spec_json, retry_at in store.pending_rows():
             spec = JobSpec.model_validate_json(spec_json)
             self._pending[job_id] = (
-                Pending(job_id, user, need, priority, spec.timeout_s),
+                Pending(job_id, user, 0 if _outside(spec) else need, priority, spec.timeout_s),
                 retry_at,
             )
         self._dirty = True
@@ -853,9 +986,8 @@ class JobManager:
     # helpers ----------------------------------------------------------------------------
 
     def _enqueue(self, job_id: int, user: str, spec: JobSpec, due: float | None) -> None:
-        pending = Pending(
-            job_id, user, spec.total_gpus, PRIORITY_RANK[spec.priority], spec.timeout_s
-        )
+        need = 0 if _outside(spec) else spec.total_gpus
+        pending = Pending(job_id, user, need, PRIORITY_RANK[spec.priority], spec.timeout_s)
         with self._lock:
             self._pending[job_id] = (pending, due)
             self._dirty = True
@@ -931,4 +1063,5 @@ class JobManager:
     def _runtime(self, name: str) -> Runtime:
         if name not in self._runtimes:
             self._runtimes[name] = runtimes.create(name, self.settings)
+            self._runtimes[name].waits = self.waits
         return self._runtimes[name]

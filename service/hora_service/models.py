@@ -9,13 +9,16 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from hora.spec import JobSpec, JobState
+from hora.spec import JobInfo, JobSpec, SlotInfo, Transition
 from pydantic import BaseModel, ConfigDict, Field, field_serializer
 
 # environment values the API never shows: a session's engine connection key would let whoever
 # reads it (an admin, a log) run code in the owner's engines
 SECRET_ENV = ("HORA_ENGINE_CONNECTION",)
 HIDDEN = "(hidden)"
+
+# the wire models the client shares live in hora.spec; importable here as before
+__all__ = ["HIDDEN", "SECRET_ENV", "JobRecord", "MetricsSnapshot", "SlotInfo", "Transition", "User"]
 
 
 class User(BaseModel):
@@ -30,6 +33,8 @@ class User(BaseModel):
         os_uid: the OS account this user's jobs run as (multi-user mode).
         idle_timeout_s: idle timeout of this user's new sessions when a session asks for
             none; None: the service's ``session_idle_timeout_s``.
+        limits: their own job limits by kind (``memory``, ``pids``, ``cpus``), as written;
+            a kind not there: the service's setting (:mod:`hora_service.runtimes.limits`).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -40,20 +45,14 @@ class User(BaseModel):
     gpu_quota: int | None = None
     os_uid: int | None = None
     idle_timeout_s: float | None = None
+    limits: dict[str, str] = Field(default_factory=dict)
 
 
-class Transition(BaseModel):
-    """One state change of a job, with when and why."""
-
-    model_config = ConfigDict(frozen=True)
-
-    state: JobState
-    at: datetime
-    reason: str | None = None
-
-
-class JobRecord(BaseModel):
+class JobRecord(JobInfo):
     """A job as stored: its spec, where it is in its lifecycle, and how its ranks ended.
+
+    The wire model :class:`hora.spec.JobInfo` (what the client reads) with the service's
+    own fields; ``created_at`` is always set here.
 
     Attributes:
         id: the job's id (positive, increasing).
@@ -72,25 +71,19 @@ class JobRecord(BaseModel):
         kind: ``job``, or ``session`` for a notebook's interactive engines (see
             :mod:`hora_service.sessions`).
         container_id: the container of the current attempt (docker runtime), else None.
+        queue: while it waits (queued, retrying, or held back while starting), its place
+            and structured reason; only ``GET /v1/jobs/{id}`` fills it (``GET /v1/queue``
+            lists them all).
+        preflight: the communication preflight rank 0 logged at ``hora.torch.init()``
+            (:mod:`hora_service.jobpreflight`); only ``GET /v1/jobs/{id}`` fills it.
     """
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True)
 
-    id: int
-    user: str
-    spec: JobSpec
-    state: JobState
-    attempt: int = 0
-    reason: str | None = None
-    exit_codes: dict[int, int | None] = Field(default_factory=dict)
-    slots: list[int] = Field(default_factory=list)
     created_at: datetime
-    started_at: datetime | None = None
-    finished_at: datetime | None = None
-    transitions: list[Transition] = Field(default_factory=list)
     user_id: int | None = None
     container_id: str | None = None
-    kind: str = "job"
+    preflight: dict[str, Any] | None = None
 
     @field_serializer("spec")
     def _hide_secrets(self, spec: JobSpec) -> dict[str, Any]:
@@ -99,17 +92,6 @@ class JobRecord(BaseModel):
             if name in data["env"]:
                 data["env"][name] = HIDDEN
         return data
-
-
-class SlotInfo(BaseModel):
-    """One schedulable GPU (or CPU slot) and the job holding it."""
-
-    index: int
-    kind: str = Field(description="gpu or cpu")
-    name: str
-    job_id: int | None = None
-    user: str | None = None
-    holder_kind: str | None = Field(default=None, description="job or session")
 
 
 class MetricsSnapshot(BaseModel):
@@ -126,4 +108,23 @@ class MetricsSnapshot(BaseModel):
     schedule_pass_seconds: float = 0.0
     store_pending_writes: int = Field(
         default=0, description="job state changes waiting for the store to take them"
+    )
+    slot_kind: str = "gpu"
+    queue_wait: list[tuple[str, str, float, int]] = Field(
+        default_factory=list,
+        description="(user, priority, seconds, count): queue waits of first attempts",
+    )
+    slot_hours: dict[str, float] = Field(
+        default_factory=dict, description="user -> slot-hours held (GPU-hours on GPUs)"
+    )
+    waiting: list[tuple[str, str, str, int]] = Field(
+        default_factory=list,
+        description="(state, kind, reason kind, count) of waiting jobs and sessions",
+    )
+    waiting_longest_s: list[tuple[str, str, float]] = Field(
+        default_factory=list, description="(user, priority, seconds) of the longest wait now"
+    )
+    preflight_bandwidth_gbps: dict[str, dict[str, float]] = Field(
+        default_factory=dict,
+        description="node -> collective path -> GB/s of the last preflight (filled by preflight)",
     )

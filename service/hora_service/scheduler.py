@@ -23,7 +23,6 @@ thousands of random events and benchmarks can time one pass.
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -158,26 +157,3 @@ def schedule(
         out.append(Placement(job.id, slots, backfill))
     return out
 
-
-def bench_inputs(n: int, slots: int, seed: int = 0) -> tuple[tuple[object, ...], dict[str, object]]:
-    """Arguments for a worst-case pass over ``n`` queued jobs (for ``bench/service.py``).
-
-    The head job cannot fit and leaves no extra slots, and no other job has a timeout, so
-    the pass computes a reservation and then examines every queued job as a backfill
-    candidate without placing any: a full scan.
-    """
-    rng = random.Random(seed)
-    held = slots // 2
-    holding = [Holding(-1, "busy", tuple(range(held)), ends_at=3600.0)]
-    queue = [Pending(0, "u0", slots, 3, None)]  # the head: first in order, needs every slot
-    queue += [
-        Pending(i, f"u{i % 7}", rng.randint(1, slots), rng.randint(0, 2), None) for i in range(1, n)
-    ]
-    queue.sort(key=queue_order)
-    kwargs: dict[str, object] = {
-        "holding": holding,
-        "now": 0.0,
-        "quota": lambda user: None,
-        "used": {"busy": held},
-    }
-    return (queue, list(range(held, slots))), kwargs

@@ -12,8 +12,11 @@ What a job lacks is a **lease**: the kernel heartbeats its session (``POST
 /v1/sessions/{id}/heartbeat``, also while queued); a session whose kernel has not been heard
 for ``lease_s`` is withdrawn (queued) or stopped (running), so a kernel killed with -9 frees
 its slots within the lease. And an **idle timeout**: with each heartbeat the kernel says how
-long its engines have been idle; the answer carries a warning ``idle_warn_s`` before the
-timeout, and at the timeout the engines are stopped and the slots freed. The reason is kept
+long its engines have been idle, and the service watches the engines' CPU time itself (a
+session counts as idle from the earlier of the kernel's word and the last time its engines
+computed, so a kernel that always reports zero keeps nothing); the answer carries a warning
+``idle_warn_s`` before the timeout, and at the timeout the engines are stopped and the slots
+freed. The reason is kept
 on the session, for the notebook's next ``%%distributed`` cell to show. The timeout is the
 session's own ``idle_timeout_s``, else its user's (``hora user set NAME --idle-timeout S``),
 else the service's ``session_idle_timeout_s``, never more than ``session_idle_timeout_max_s``
@@ -26,7 +29,6 @@ session a fresh lease) and checks them at the end of every monitor pass of the j
 from __future__ import annotations
 
 import logging
-import re
 import sys
 import threading
 import time
@@ -35,12 +37,13 @@ from datetime import UTC, datetime
 from typing import Annotated, Literal
 
 from hora.errors import HoraError
-from hora.spec import HolderInfo, JobSpec, JobState, Priority, QueueInfo, RuntimeName
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from hora.spec import IMAGE_PATTERN, JobSpec, JobState, Priority, QueueInfo, RuntimeName
+from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import Connection
 
-from hora_service.manager import JobManager, QueueView
-from hora_service.models import JobRecord
+from hora_service.manager import JobManager
+from hora_service.models import JobRecord, User
+from hora_service.queueview import IdleOf, queue_info
 from hora_service.settings import Settings
 from hora_service.store import Store
 from hora_service.users import check_idle_timeout
@@ -48,11 +51,9 @@ from hora_service.users import check_idle_timeout
 log = logging.getLogger(__name__)
 
 CONNECTION_VAR = "HORA_ENGINE_CONNECTION"
-LOOPBACK = ("tcp://127.0.0.1", "tcp://localhost")
-_KEY = re.compile(r"^[A-Za-z0-9-]{1,128}$")
-_HOST = re.compile(r"^[A-Za-z0-9._-]{0,253}$")
 Port = Annotated[int, Field(ge=1, le=65535)]
 INLINE_MPL = "module://matplotlib_inline.backend_inline"
+BUSY_SAMPLE_S = 2.0  # how often the engines' CPU time is read
 
 
 class EngineConnection(BaseModel):
@@ -65,7 +66,7 @@ class EngineConnection(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     ssh: Literal[""] = ""
-    interface: str
+    interface: Literal["tcp://127.0.0.1", "tcp://localhost"]  # engines run on this machine
     registration: Port
     control: Port
     mux: Port
@@ -74,34 +75,14 @@ class EngineConnection(BaseModel):
     hb_ping: Port
     hb_pong: Port
     broadcast: Annotated[list[Port], Field(max_length=64)] = Field(default_factory=list)
-    key: str
-    location: Annotated[str, Field(max_length=253)] = ""
+    key: Annotated[str, Field(pattern=r"^[A-Za-z0-9-]{1,128}$")]
+    location: Annotated[str, Field(max_length=253, pattern=r"^[A-Za-z0-9._-]*$")] = ""
     pack: Literal["json", "pickle", "msgpack"] = "json"
     unpack: Literal["json", "pickle", "msgpack"] = "json"
     signature_scheme: Literal["hmac-sha256", "hmac-sha512", "hmac-md5"] = "hmac-sha256"
     # the controller's CurveZMQ public key (Z85: printable ASCII) when curve is on
     curve_serverkey: Annotated[str | None, Field(max_length=64, pattern=r"^[!-~]*$")] = None
 
-    @field_validator("interface")
-    @classmethod
-    def _loopback(cls, v: str) -> str:
-        if v not in LOOPBACK:
-            raise ValueError(f"must be one of {', '.join(LOOPBACK)} (engines run on this machine)")
-        return v
-
-    @field_validator("key")
-    @classmethod
-    def _key(cls, v: str) -> str:
-        if not _KEY.match(v):
-            raise ValueError("must be 1-128 letters, digits or '-'")
-        return v
-
-    @field_validator("location")
-    @classmethod
-    def _location(cls, v: str) -> str:
-        if not _HOST.match(v):
-            raise ValueError("must be a host name")
-        return v
 
 
 class SessionRequest(BaseModel):
@@ -126,7 +107,7 @@ class SessionRequest(BaseModel):
     idle_timeout_s: Annotated[float | None, Field(gt=0, le=30 * 24 * 3600)] = None
     priority: Priority = Priority.normal
     runtime: RuntimeName = RuntimeName.local
-    image: Annotated[str | None, Field(max_length=512)] = None
+    image: Annotated[str | None, Field(max_length=512, pattern=IMAGE_PATTERN)] = None
 
 
 class Heartbeat(BaseModel):
@@ -188,13 +169,30 @@ def session_spec(req: SessionRequest, backend: str, python: str = sys.executable
 
 @dataclass
 class Lease:
-    """A session's heartbeat clock (in memory; a restarted service starts it afresh)."""
+    """A session's heartbeat clock (in memory; a restarted service starts it afresh).
+
+    ``active`` is when the kernel says its engines last ran something; ``busy`` when the
+    service last saw them compute (their CPU time grew, see :meth:`SessionManager.check`).
+    The idle time is counted from the earlier of the two, so a kernel that always says
+    "not idle" keeps nothing: only engines that compute do.
+    """
 
     lease_s: float
     idle_timeout_s: float | None
     heard: float
     active: float
     ended: str | None = None
+    busy: float = -1.0
+    cpu: float | None = None  # the engines' CPU seconds at ``cpu_at``
+    cpu_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.busy < 0:
+            self.busy = self.heard
+
+    def idle_since(self) -> float:
+        """When the engines were last active, by the kernel's word and the service's eye."""
+        return min(self.active, self.busy)
 
 
 def effective_idle_timeout(
@@ -328,6 +326,10 @@ class SessionManager:
         """Withdraw sessions whose lease ran out, stop idle ones (called by the monitor)."""
         with self._lock:
             self._load()
+            leases = list(self._leases.items())
+        for job_id, lease in leases:
+            self._watch(job_id, lease, now)
+        with self._lock:
             due = [(i, why) for i, lease in self._leases.items() if (why := _due(lease, now))]
         for job_id, why in due:
             job = self.manager.get(job_id)
@@ -341,14 +343,40 @@ class SessionManager:
             except HoraError as e:  # deleted meanwhile
                 log.debug("session %d: %s", job_id, e)
 
-    def view(self, job: JobRecord, now: float | None = None) -> SessionRecord:
-        """The session as the API answers it, with its queue place while queued."""
+    def _watch(self, job_id: int, lease: Lease, now: float) -> None:
+        """Sample the engines' CPU time; a session that computes is busy now.
+
+        Busy means more than ``session_busy_cpu`` of a core per engine since the last sample
+        (idle ipyparallel engines use a small fraction of that on heartbeats). A session not
+        running (queued, starting) or whose CPU time cannot be read counts as busy: the
+        kernel's word is all there is then.
+        """
+        if now - lease.cpu_at < BUSY_SAMPLE_S:
+            return
+        used = self.manager.cpu_seconds(job_id)
+        job = self.manager.get(job_id) if used is not None else None
+        if used is None or job is None or lease.cpu is None:
+            lease.busy = now
+        else:
+            share = self.settings.session_busy_cpu * job.spec.workers
+            if used - lease.cpu > share * (now - lease.cpu_at):
+                lease.busy = now
+        lease.cpu, lease.cpu_at = used, now
+
+    def view(
+        self, job: JobRecord, now: float | None = None, viewer: User | None = None
+    ) -> SessionRecord:
+        """The session as the API answers it, with its queue place while queued.
+
+        ``viewer`` (default: the session's owner) sees the idle time of the sessions holding
+        slots only where they are their own, or as an admin.
+        """
         now = time.time() if now is None else now
         with self._lock:
             lease = self._leases.get(job.id)
         idle = idle_left = warning = None
         if lease is not None and job.state == JobState.running:
-            idle = max(0.0, now - lease.active)
+            idle = max(0.0, now - lease.idle_since())
             if lease.idle_timeout_s is not None:
                 idle_left = max(0.0, lease.idle_timeout_s - idle)
                 if idle_left <= self.settings.session_idle_warn_s:
@@ -358,7 +386,8 @@ class SessionManager:
                     )
         queue = None
         if job.state in (JobState.queued, JobState.retrying):
-            queue = self._queue(self.manager.queue_view(job.id, now), now)
+            who = viewer or User(name=job.user)
+            queue = queue_info(self.manager, job.id, now, self.idle_seen_by(who, now))
         return SessionRecord(
             id=job.id, user=job.user, name=job.spec.name, state=job.state,
             workers=job.spec.workers, slots=job.slots, reason=job.reason,
@@ -368,32 +397,29 @@ class SessionManager:
             idle_s=idle, stop_in_s=idle_left, warning=warning, queue=queue,
         )  # fmt: skip
 
-    def _queue(self, q: QueueView, now: float) -> QueueInfo:
-        holders = []
+    def idle_of(self, job_id: int, now: float | None = None) -> float | None:
+        """Seconds session ``job_id``'s engines have been idle (None: not a known session)."""
+        now = time.time() if now is None else now
         with self._lock:
-            leases = {h.id: self._leases.get(h.id) for h in q.holders if h.kind == "session"}
-        for h in q.holders:
-            lease = leases.get(h.id)
-            holders.append(
-                HolderInfo(
-                    kind=h.kind,
-                    id=h.id,
-                    user=h.user,
-                    slots=list(h.slots),
-                    since=_at(h.since),
-                    idle_s=max(0.0, now - lease.active) if lease else None,
-                    ends_at=_at(h.ends_at) if h.ends_at is not None else None,
-                )  # fmt: skip
-            )
-        if q.over_quota:
-            reason = "waiting for your own jobs and sessions to end (quota)"
-        else:
-            reason = f"waiting for {q.need} slot(s); {q.free} free"
-        estimate = _at(q.estimate) if q.estimate is not None else None
-        return QueueInfo(
-            position=q.position, need=q.need, free=q.free, holders=holders,
-            estimate_at=estimate, reason=reason,
-        )  # fmt: skip
+            lease = self._leases.get(job_id)
+        return max(0.0, now - lease.idle_since()) if lease is not None else None
+
+    def idle_seen_by(self, viewer: User | None, now: float | None = None) -> IdleOf:
+        """:meth:`idle_of` as ``viewer`` may see it: not other users' sessions (but an admin).
+
+        Example:
+            >>> queue_info(manager, job_id, now, sessions.idle_seen_by(user, now))  # doctest: +SKIP
+        """
+        now = time.time() if now is None else now
+
+        def idle(job_id: int) -> float | None:
+            if viewer is not None and not viewer.is_admin:
+                owner = self.manager.get(job_id)
+                if owner is None or owner.user != viewer.name:
+                    return None
+            return self.idle_of(job_id, now)
+
+        return idle
 
 
 def _due(lease: Lease, now: float) -> str | None:
@@ -409,8 +435,9 @@ def _due(lease: Lease, now: float) -> str | None:
             f"the kernel stopped heartbeating (no word for {fmt_s(silent)}; "
             f"lease {fmt_s(lease.lease_s)}): session ended, slots freed"
         )
-    if lease.idle_timeout_s is not None and now - lease.active > lease.idle_timeout_s:
-        return f"idle for {fmt_s(now - lease.active)}: engines stopped and slots freed"
+    idle = now - lease.idle_since()
+    if lease.idle_timeout_s is not None and idle > lease.idle_timeout_s:
+        return f"idle for {fmt_s(idle)}: engines stopped and slots freed"
     return None
 
 

@@ -14,8 +14,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from hora_service.imageref import check_pattern
+from hora_service.runtimes import limits
 
 
 class Settings(BaseSettings):
@@ -40,10 +43,20 @@ class Settings(BaseSettings):
             ``multi`` (each user's jobs run as that user's own OS account), ``single`` (one
             user; jobs run as the service's account) or ``shared`` (several users whose jobs
             all run as the service's account: only for users who trust each other and the
-            service). See the README's "Security model".
+            service). See docs/service/security.md.
         containment: how the processes of an attempt are held and killed: ``auto`` (cgroup
             v2 where it is the mounted hierarchy, else cgroup v1 ``freezer`` + ``pids``, else
             the environment tag), ``cgroup2``, ``cgroup1`` or ``tag``.
+        job_private_network: give each job attempt sockets of its own (sessions excepted:
+            their engines reach the notebook's controller): in multi-user mode the local
+            runtime runs the attempt's ranks in a network namespace with its own loopback and
+            a mount namespace with a private ``/tmp``, ``/dev/shm`` and a ``/proc`` that hides
+            other accounts' processes (needs root; else a warning and none); the docker
+            runtime runs the job's container with ``--network none``.
+        job_tmp_paths: directories under ``/tmp`` or ``/dev/shm`` that jobs with a private
+            ``/tmp`` (``job_private_network``) still see at their paths, for what jobs run
+            from there (Python, hora, a checkout); comma-separated; by default none (the work
+            root and the job's working directory always stay visible).
         job_env_passthrough: names of the service's environment variables jobs inherit (by
             default none: a job's environment is built from an allow-list).
         log_bytes_per_attempt: most log bytes one attempt keeps, split evenly over its
@@ -53,14 +66,18 @@ class Settings(BaseSettings):
         docker_host: the Docker engine's address (``DOCKER_HOST`` convention:
             ``unix:///run/docker.sock``, ``tcp://HOST:PORT``); None: the ``DOCKER_HOST`` of
             the service's environment, else the engine's default socket.
-        docker_allowed_images: patterns (``fnmatch``: ``hora:*``, ``registry/team/*``) of the
-            images docker jobs may name; anything else is refused at submission.
+        docker_allowed_images: patterns of the images docker jobs may name, matched against
+            the normalized reference (``docker.io/library/hora:cpu``; patterns are normalized
+            alike, so ``hora:*`` means the images named ``hora`` only); ``*`` and ``?`` never
+            cross a ``/``; ``sha256:<id>`` allows one image by its ID. Anything else is
+            refused at submission (see :mod:`hora_service.runtimes.imageref`).
         docker_pull: ``if-not-present`` (pull an image the engine lacks) or ``never``.
         docker_shm_size: size of a job container's ``/dev/shm`` (NCCL and DataLoader
             workers use it), e.g. ``4g``.
         docker_ipc: the containers' IPC mode: ``private``, ``shareable`` or ``host``.
-        docker_network: the containers' network mode (``host``: ranks and rendezvous use
-            the host's network, as NCCL needs across hosts).
+        docker_network: the network mode of session containers, and of job containers
+            when ``job_private_network`` is off (``host``: ranks and rendezvous use the
+            host's network); job containers otherwise get ``none`` (a loopback of their own).
         docker_ulimits: ``NAME=SOFT[:HARD]`` limits set in the containers (``memlock=-1``);
             raising one may be refused by the engine.
         docker_devices: extra host devices given to the containers (``/dev/infiniband``).
@@ -87,6 +104,47 @@ class Settings(BaseSettings):
         session_idle_timeout_max_s: the longest idle timeout a session may ask for, and the
             cap of a user's and of the default (None: any).
         session_idle_warn_s: how long before the idle timeout the notebook is warned.
+        session_busy_cpu: share of a core per engine above which the service counts a
+            session's engines as computing (their CPU time is sampled every 2 s); below it
+            they are idle, whatever the kernel's heartbeats say.
+        job_umask: the file mode creation mask of every rank (octal; ``077``: files a job
+            creates are its account's alone).
+        job_memory_limit: most memory one attempt's processes hold together: ``auto`` (the
+            attempt's share of 90 % of the machine's memory: the slots it holds over all
+            slots), ``none``, or a size (``8g``, ``512m``); past it the kernel's OOM killer
+            ends a process and the job's reason names the limit. A user may have their own
+            (``hora user set NAME --memory 16g``). See :mod:`hora_service.runtimes.limits`.
+        job_pids_limit: most processes and threads of one attempt at once: ``auto`` (its
+            share of half the machine's process table, 1024 to 65536), ``none`` or a count.
+        user_disk_limit: in multi-user mode, the size of each user's working directory
+            ``WORK_ROOT/<user>``, made as a loop-mounted file system of that size when the
+            directory is made (``none``: no limit, the default; see
+            :mod:`hora_service.disks`). A job that fills it gets ``ENOSPC``.
+        job_cpu_limit: a hard cap on the CPUs' worth of time one attempt uses: ``none``
+            (the default: attempts share the CPUs in proportion to their slots, and use an
+            idle machine whole), ``auto`` (its share of the machine's CPUs, at least one) or
+            a number (``2``, ``0.5``).
+        slurm_conf: the ``slurm.conf`` Slurm's commands read (None: ``SLURM_CONF`` of the
+            service's environment, else Slurm's default).
+        slurm_bin_dir: where ``sbatch``, ``srun``, ``squeue``, ``scancel`` live (None: the
+            service's ``PATH``).
+        slurm_slots_per_node: GPUs (``slurm_gpus``) or ranks one node of the partition
+            gives a slurm job; a job spans ``ceil(workers * gpus_per_worker / this)`` nodes.
+        slurm_gpus: ask Slurm for GPUs (``--gres=gpu:G``); False on CPU-only partitions.
+        slurm_partition: ``--partition`` of every slurm job (None: the cluster's default).
+        slurm_account: ``--account`` of every slurm job.
+        slurm_qos: ``--qos`` of every slurm job.
+        slurm_high_priority_qos: ``--qos`` of ``priority: high`` jobs (None: ``slurm_qos``).
+        slurm_low_priority_nice: ``--nice`` of ``priority: low`` jobs.
+        slurm_signal_s: USR2 reaches the ranks this many seconds before Slurm's time limit,
+            and at preemption (``--signal=B:USR2@N``; never USR1, which NCCL catches).
+        slurm_default_time_min: ``--time`` of a job without ``timeout_s`` (None: the
+            partition's default).
+        job_preflight: ask every job's ranks for a communication preflight at
+            ``hora.torch.init()`` (``HORA_PREFLIGHT=1``; a job's ``env`` may set it to 0).
+        job_preflight_fail_below: fail a job whose rank, link or path measures under this
+            fraction of its reference (None: only name it).
+        job_preflight_baseline_dir: the nodes' recorded preflight baselines (``<host>.json``).
     """
 
     model_config = SettingsConfigDict(env_prefix="HORA_", extra="ignore")
@@ -106,6 +164,8 @@ class Settings(BaseSettings):
     max_log_request_bytes: Annotated[int, Field(ge=1)] = 1 << 20
     user_mode: Literal["auto", "multi", "single", "shared"] = "auto"
     containment: Literal["auto", "cgroup2", "cgroup1", "tag"] = "auto"
+    job_private_network: bool = True
+    job_tmp_paths: Annotated[list[Path], NoDecode] = Field(default_factory=list)
     job_env_passthrough: Annotated[list[str], NoDecode] = Field(default_factory=list)
     log_bytes_per_attempt: Annotated[int, Field(ge=1 << 16)] = 256 << 20
     clear_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
@@ -131,19 +191,85 @@ class Settings(BaseSettings):
     session_idle_timeout_s: Annotated[float | None, Field(gt=0)] = 3600.0
     session_idle_timeout_max_s: Annotated[float | None, Field(gt=0)] = None
     session_idle_warn_s: Annotated[float, Field(ge=0)] = 300.0
+    session_busy_cpu: Annotated[float, Field(gt=0, le=64)] = 0.1
+    job_umask: str = "077"
+    job_memory_limit: str = "auto"
+    job_pids_limit: str = "auto"
+    job_cpu_limit: str = "none"
+    user_disk_limit: str = "none"
+    slurm_conf: Path | None = None
+    slurm_bin_dir: Path | None = None
+    slurm_slots_per_node: Annotated[int, Field(ge=1, le=1024)] = 1
+    slurm_gpus: bool = True
+    slurm_partition: Annotated[str | None, Field(pattern=r"^[A-Za-z0-9_.,-]+$")] = None
+    slurm_account: Annotated[str | None, Field(pattern=r"^[A-Za-z0-9_.-]+$")] = None
+    slurm_qos: Annotated[str | None, Field(pattern=r"^[A-Za-z0-9_.-]+$")] = None
+    slurm_high_priority_qos: Annotated[str | None, Field(pattern=r"^[A-Za-z0-9_.-]+$")] = None
+    slurm_low_priority_nice: Annotated[int, Field(ge=0, le=2**31 - 1)] = 100
+    slurm_signal_s: Annotated[int, Field(ge=1, le=65535)] = 60
+    slurm_default_time_min: Annotated[int | None, Field(ge=1)] = None
+    job_preflight: bool = True
+    job_preflight_fail_below: Annotated[float | None, Field(gt=0, le=1)] = None
+    job_preflight_baseline_dir: Path | None = None
 
     @field_validator("data_dir", "work_root")
     @classmethod
     def _absolute(cls, v: Path) -> Path:
         return v.expanduser().resolve()
 
+    @field_validator("job_tmp_paths")
+    @classmethod
+    def _absolute_all(cls, v: list[Path]) -> list[Path]:
+        return [p.expanduser().resolve() for p in v]
+
     @field_validator(
         "job_env_passthrough", "docker_allowed_images", "docker_ulimits", "docker_devices",
-        mode="before",
+        "job_tmp_paths", mode="before",
     )
     @classmethod
     def _names(cls, v: object) -> object:
         return [n.strip() for n in v.split(",") if n.strip()] if isinstance(v, str) else v
+
+    @field_validator("job_umask")
+    @classmethod
+    def _umask(cls, v: str) -> str:
+        try:
+            mask = int(v.strip(), 8)
+        except ValueError:
+            mask = -1
+        if not 0 <= mask <= 0o777:
+            raise ValueError(f"job_umask must be an octal mask like 077; got {v!r}")
+        return f"{mask:03o}"
+
+    @field_validator("job_memory_limit", "job_pids_limit", "job_cpu_limit", "user_disk_limit")
+    @classmethod
+    def _limit(cls, v: str, info: ValidationInfo) -> str:
+        kind = {"job_pids_limit": "pids", "job_cpu_limit": "cpus"}.get(
+            str(info.field_name), "memory"
+        )
+        if limits.parse(kind, v) == "auto" and info.field_name == "user_disk_limit":
+            raise ValueError("user_disk_limit is a size or none (there is no auto)")
+        return v.strip().lower()
+
+    @property
+    def disk_bytes(self) -> int | None:
+        """``user_disk_limit`` in bytes (None: no limit)."""
+        size = limits.parse("memory", self.user_disk_limit)
+        return size if isinstance(size, int) else None
+
+    @property
+    def limit_values(self) -> dict[str, str]:
+        """The service's job limits as written, by kind (``memory``, ``pids``, ``cpus``)."""
+        return {
+            "memory": self.job_memory_limit,
+            "pids": self.job_pids_limit,
+            "cpus": self.job_cpu_limit,
+        }
+
+    @field_validator("docker_allowed_images")
+    @classmethod
+    def _patterns(cls, v: list[str]) -> list[str]:
+        return [check_pattern(p) for p in v]
 
     @field_validator("gpus")
     @classmethod

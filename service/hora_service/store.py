@@ -111,6 +111,10 @@ MIGRATIONS: list[list[str]] = [
         # v6: a per-user idle timeout of notebook sessions (NULL: the service's default)
         "ALTER TABLE users ADD COLUMN idle_timeout_s REAL",
     ],
+    [
+        # v7: a user's own job limits ({"memory": "8g", "pids": "4096", "cpus": "2"})
+        "ALTER TABLE users ADD COLUMN limits TEXT NOT NULL DEFAULT '{}'",
+    ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 BUSY_TIMEOUT_MS = 30_000
@@ -119,7 +123,7 @@ JOB_COLUMNS = (
     "id, user, spec, state, attempt, reason, exit_codes, slots, created_at, started_at, "
     "finished_at, user_id, kind, container_id"
 )
-USER_COLUMNS = "id, name, is_admin, gpu_quota, os_uid, idle_timeout_s"
+USER_COLUMNS = "id, name, is_admin, gpu_quota, os_uid, idle_timeout_s, limits"
 # the id of the user who has this name now (jobs belong to ids, requests come with names)
 USER_ID = "(SELECT id FROM users WHERE name = :u)"
 # jobs of the user who has the name :u now (NULL-safe: jobs of a name no user has, in tests)
@@ -301,6 +305,16 @@ class Store:
                 conn.execute(
                     text("UPDATE users SET idle_timeout_s = :i WHERE name = :n"),
                     {"i": idle_timeout_s, "n": name},
+                ).rowcount
+            )
+
+    def set_limits(self, name: str, limits: dict[str, str]) -> bool:
+        """Replace a user's own job limits (kind -> value as written); False if no such user."""
+        with self.tx() as conn:
+            return bool(
+                conn.execute(
+                    text("UPDATE users SET limits = :l WHERE name = :n"),
+                    {"l": json.dumps(limits, sort_keys=True), "n": name},
                 ).rowcount
             )
 
@@ -546,7 +560,7 @@ def _owner_only(path: Path) -> None:
 def _user(row: Any) -> User:
     return User(
         id=row[0], name=row[1], is_admin=bool(row[2]), gpu_quota=row[3], os_uid=row[4],
-        idle_timeout_s=row[5],
+        idle_timeout_s=row[5], limits=json.loads(row[6] or "{}"),
     )  # fmt: skip
 
 

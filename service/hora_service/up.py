@@ -11,8 +11,10 @@ uvicorn in this process. JupyterLab serves a notebook directory of the user's (d
 ``~/hora-work``), not the repository: on start the example notebooks are copied into its
 ``notebooks/`` folder where missing (a user's copy is never overwritten), so edits and saved
 outputs never touch the repository's files. Once JupyterLab answers and the service has
-started, the URLs and the token are printed last, after JupyterLab's start-up log, and saved
-to ``DATA_DIR/up.json`` (mode 0600) for ``hora up --print-urls``. Ctrl-C or SIGTERM stops
+started, its few lines (the service, dashboard and JupyterLab URLs, the token) are printed and
+saved to ``DATA_DIR/up.json`` (mode 0600) for ``hora up --print-urls``. JupyterLab's own log
+goes to ``DATA_DIR/jupyterlab.log`` (``--lab-log`` shows it here instead), and the service
+logs only warnings (``--verbose``: everything). Ctrl-C or SIGTERM stops
 uvicorn, cancels the jobs still running (``--keep-jobs`` leaves them for the next start to
 re-adopt), and stops JupyterLab's whole process group (SIGTERM, then SIGKILL after a grace
 period), so nothing is left behind.
@@ -36,7 +38,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from hora.client import load_config, save_config
 
@@ -49,6 +51,7 @@ DEFAULT_NOTEBOOK_DIR = Path("~/hora-work")
 # the repository's example notebooks (present in a checkout; a wheel install has none)
 EXAMPLES = Path(__file__).resolve().parents[2] / "notebooks"
 STATE_FILE = "up.json"
+LAB_LOG = "jupyterlab.log"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the URLs and token of the running hora up, then exit",
     )
     p.add_argument("--no-lab", action="store_true", help="start only the service")
+    p.add_argument(
+        "--lab-log",
+        action="store_true",
+        help="show JupyterLab's log here (default: DATA_DIR/jupyterlab.log)",
+    )
+    p.add_argument("--verbose", "-v", action="store_true", help="log the service's info lines")
     p.add_argument("--keep-jobs", action="store_true", help="leave running jobs alive on exit")
     p.add_argument("--dev", action="store_true", help="dev mode: relax the startup safety checks")
     return p
@@ -234,9 +243,18 @@ def lab_env(url: str, token: str | None, jupyter_path: Path | None) -> dict[str,
 
 
 def start_lab(
-    port: int, url: str, token: str | None, jupyter_path: Path | None, root: Path
+    port: int,
+    url: str,
+    token: str | None,
+    jupyter_path: Path | None,
+    root: Path,
+    log_file: Path | None = None,
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """Start JupyterLab in its own process group, serving ``root``; return it and its token."""
+    """Start JupyterLab in its own process group, serving ``root``; return it and its token.
+
+    Its log is appended to ``log_file`` (mode 0600: it holds the lab's token), or passed
+    through to this process's stdout when ``log_file`` is None.
+    """
     lab_token = secrets.token_urlsafe(24)
     proc = subprocess.Popen(
         lab_argv(port, lab_token, root),
@@ -246,7 +264,13 @@ def start_lab(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
-    threading.Thread(target=_pump, args=(proc,), name="hora-up-lab-log", daemon=True).start()
+    sink = None
+    if log_file is not None:
+        fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        sink = os.fdopen(fd, "ab")
+    threading.Thread(
+        target=_pump, args=(proc, sink), name="hora-up-lab-log", daemon=True
+    ).start()
     return proc, lab_token
 
 
@@ -254,18 +278,23 @@ def start_lab(
 _LAB_LAST_LINE = [0.0]
 
 
-def _pump(proc: subprocess.Popen[bytes]) -> None:
+def _pump(proc: subprocess.Popen[bytes], sink: BinaryIO | None = None) -> None:
     assert proc.stdout is not None
+    out = sink if sink is not None else sys.stdout.buffer
     shown = True
-    for line in iter(proc.stdout.readline, b""):
-        _LAB_LAST_LINE[0] = time.monotonic()
-        if not shown:
-            continue  # keep draining: a full pipe would stall JupyterLab
-        try:
-            sys.stdout.buffer.write(line)
-            sys.stdout.flush()
-        except (OSError, ValueError):  # our stdout went away (closed pipe)
-            shown = False
+    try:
+        for line in iter(proc.stdout.readline, b""):
+            _LAB_LAST_LINE[0] = time.monotonic()
+            if not shown:
+                continue  # keep draining: a full pipe would stall JupyterLab
+            try:
+                out.write(line)
+                out.flush()
+            except (OSError, ValueError):  # our stdout went away (closed pipe), a full disk
+                shown = False
+    finally:
+        if sink is not None:
+            sink.close()
 
 
 def wait_quiet(quiet_s: float = LAB_QUIET_S, timeout: float = 10.0) -> None:
@@ -333,20 +362,26 @@ def lab_ready(port: int, lab: subprocess.Popen[bytes], timeout: float) -> bool:
     return False
 
 
-def summary(service: str, token: str, lab: str | None, notebooks: Path | None) -> str:
+def summary(
+    service: str, token: str, lab: str | None, notebooks: Path | None, lab_log: str | None = None
+) -> str:
     """The block ``hora up`` prints last (and ``--print-urls`` again).
 
     Example:
         >>> print(summary("http://h:1", "  token: t", None, None))
         hora service: http://h:1  (docs: http://h:1/docs)
           token: t
+        dashboard:    http://h:1/ui  (sign in with the token)
         Press Ctrl-C to stop; `hora up --print-urls` prints this again.
     """
     lines = [f"hora service: {service}  (docs: {service}/docs)", token]
+    lines.append(f"dashboard:    {service}/ui  (sign in with the token)")
     if lab is not None:
         lines.append(f"JupyterLab:   {lab}")
     if notebooks is not None:
         lines.append(f"  notebooks:  {notebooks}")
+    if lab_log is not None:
+        lines.append(f"  its log:    {lab_log}")
     lines.append("Press Ctrl-C to stop; `hora up --print-urls` prints this again.")
     return "\n".join(lines)
 
@@ -384,7 +419,7 @@ def print_urls(data_dir: Path) -> int:
     token = load_config(url=state["service"]).token
     line = f"  token: {token}" if token else token_line(None, False, data_dir)
     notebooks = Path(state["notebooks"]) if state.get("notebooks") else None
-    _say(summary(state["service"], line, state.get("lab"), notebooks))
+    _say(summary(state["service"], line, state.get("lab"), notebooks, state.get("lab_log")))
     return 0
 
 
@@ -411,7 +446,11 @@ def _announce(
             data_dir, {k: v for k, v in block.items() if k != "token"} | {"pid": os.getpid()}
         )
         notebooks = Path(block["notebooks"]) if block.get("notebooks") else None
-        _say(summary(block["service"], block["token"], block.get("lab"), notebooks))
+        _say(
+            summary(
+                block["service"], block["token"], block.get("lab"), notebooks, block.get("lab_log")
+            )
+        )
 
     threading.Thread(target=wait_then_print, name="hora-up-announce", daemon=True).start()
 
@@ -443,9 +482,14 @@ def run(args: argparse.Namespace) -> int:
             root = (args.notebook_dir or DEFAULT_NOTEBOOK_DIR).expanduser().resolve()
             root.mkdir(parents=True, exist_ok=True)
             seed_notebooks(root)
-            lab, lab_token = start_lab(args.lab_port, url, token, install_kernel(data_dir), root)
+            lab_log = None if args.lab_log else data_dir / LAB_LOG
+            lab, lab_token = start_lab(
+                args.lab_port, url, token, install_kernel(data_dir), root, lab_log
+            )
             block["lab"] = f"http://127.0.0.1:{args.lab_port}/lab?token={lab_token}"
             block["notebooks"] = str(root / "notebooks") if EXAMPLES.is_dir() else str(root)
+            if lab_log is not None:
+                block["lab_log"] = str(lab_log)
         _say("hora up: starting the service" + ("" if lab is None else " and JupyterLab") + "...")
         signal.signal(signal.SIGTERM, interrupt)
         if lab is not None:
@@ -476,11 +520,12 @@ def main(argv: list[str]) -> int:
     """
     from hora.errors import HoraError
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:
         return int(e.code or 0)
+    level = logging.INFO if args.verbose else logging.WARNING
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
         return run(args)
     except HoraError as e:

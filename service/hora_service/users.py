@@ -15,8 +15,9 @@ from pathlib import Path
 
 from hora.errors import HoraError, SpecError
 
-from hora_service import identity
+from hora_service import disks, homes, identity
 from hora_service.models import User
+from hora_service.runtimes import limits
 from hora_service.store import Store, token_hash
 
 USER_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
@@ -54,9 +55,17 @@ class Users:
         >>> token = users.create("ann")  # doctest: +SKIP
     """
 
-    def __init__(self, mode: str, store: Callable[[], Store]) -> None:
+    def __init__(
+        self,
+        mode: str,
+        store: Callable[[], Store],
+        work_root: Path | None = None,
+        disk_bytes: int | None = None,
+    ) -> None:
         self.mode = mode
         self._store = store
+        self.work_root = work_root
+        self.disk_bytes = disk_bytes
 
     def create(
         self,
@@ -75,7 +84,9 @@ class Users:
             quota: most slots this user's running jobs may hold.
             uid: in multi-user mode, the existing OS account their jobs run as.
             make_account: in multi-user mode without ``uid``, create the account
-                ``hora-NAME`` (see :func:`hora_service.identity.create_account`).
+                ``hora-NAME`` (see :func:`hora_service.identity.create_account`) with a
+                private home. In multi-user mode the user also gets their working directory
+                ``WORK_ROOT/NAME`` (see :mod:`hora_service.homes`).
             idle_timeout_s: idle timeout of their sessions that ask for none (None: the
                 service's default).
 
@@ -93,16 +104,69 @@ class Users:
         idle_timeout_s = check_idle_timeout("idle_timeout_s", idle_timeout_s)
         store = self._store()
         self._check_mode(store, name, uid)
-        if self.mode == "multi" and store.user_by_name(name) is None:
-            if uid is not None:
-                uid = identity.run_as(uid).uid
-            elif make_account:
-                uid = identity.create_account(name).uid
+        who, made = self._account(store, name, uid, make_account)
+        uid = who.uid if who is not None else uid
         token = secrets.token_urlsafe(32)
-        store.add_user(
-            name, token_hash(token), admin, quota, os_uid=uid, idle_timeout_s=idle_timeout_s
-        )
+        try:
+            if made and who is not None:
+                homes.make_home_private(who)
+            store.add_user(
+                name, token_hash(token), admin, quota, os_uid=uid, idle_timeout_s=idle_timeout_s
+            )
+        except BaseException:
+            if made:  # a full disk, a store error: a retry must find no half-made account
+                identity.remove_account(name)
+            raise
+        if who is not None and self.work_root is not None and self.work_root.is_dir():
+            homes.ensure_workdir(self.work_root, name, who, self.disk_bytes)  # else: first job
         return token
+
+    def _account(
+        self, store: Store, name: str, uid: int | None, make_account: bool
+    ) -> tuple[identity.RunAs | None, bool]:
+        """The OS account of a new user in multi-user mode, and whether it was made now."""
+        if self.mode != "multi" or store.user_by_name(name) is not None:
+            return None, False
+        if uid is None and make_account:
+            identity.check_account_free(name)
+        if self.work_root is not None:  # before any account exists: nothing to undo
+            homes.check_workdir_free(self.work_root, name, uid)
+        if uid is not None:
+            return identity.run_as(uid), False
+        if make_account:
+            return identity.create_account(name), True
+        return None, False
+
+    def workdir(self, name: str) -> Path | None:
+        """The default working directory of user ``name`` (multi-user mode), created if missing.
+
+        None in the other modes and without a work root.
+
+        Raises:
+            SpecError: the user has no usable account, or the directory cannot be made theirs.
+        """
+        if self.mode != "multi" or self.work_root is None:
+            return None
+        return homes.ensure_workdir(
+            self.work_root, name, self.run_as_of(name), self.disk_bytes
+        )
+
+    def make_homes_private(self) -> None:
+        """Make the homes of the accounts hora created ``0700`` (an older hora left 0755).
+
+        Users' disk images (``user_disk_limit``) are mounted again too (after a reboot).
+        """
+        if self.mode != "multi":
+            return
+        for user in self.all():
+            if user.os_uid is None:
+                continue
+            try:
+                homes.make_home_private(identity.run_as(user.os_uid))
+                if self.work_root is not None:
+                    disks.mount(self.work_root, user.name)
+            except SpecError:
+                continue  # an account that is gone: its jobs are refused anyway
 
     def set_idle_timeout(self, name: str, idle_timeout_s: float | None) -> bool:
         """Set the idle timeout of a user's new sessions (None: back to the service default).
@@ -115,6 +179,37 @@ class Users:
         return self._store().set_idle_timeout(
             name, check_idle_timeout("idle_timeout_s", idle_timeout_s)
         )
+
+    def limits_of(self, name: str) -> dict[str, str]:
+        """The user's own job limits by kind, as written (none: the service's settings)."""
+        found = self._store().user_by_name(name)
+        return dict(found.limits) if found is not None else {}
+
+    def set_limits(self, name: str, changes: dict[str, str]) -> bool:
+        """Change a user's own job limits; ``default`` removes one. False if no such user.
+
+        Args:
+            name: the user.
+            changes: kind (``memory``, ``pids``, ``cpus``) -> ``auto``, ``none``, a value,
+                or ``default`` (back to the service's setting).
+
+        Raises:
+            SpecError: a value that is not a limit of its kind (field = the kind).
+        """
+        found = self._store().user_by_name(name)
+        if found is None:
+            return False
+        merged = dict(found.limits)
+        for kind, value in changes.items():
+            if value.strip().lower() == "default":
+                merged.pop(kind, None)
+                continue
+            try:
+                limits.parse(kind, value)
+            except limits.LimitError as e:
+                raise SpecError(e.field, str(e)) from None
+            merged[kind] = value.strip().lower()
+        return self._store().set_limits(name, merged)
 
     def _check_mode(self, store: Store, name: str, uid: int | None) -> None:
         if uid is not None and self.mode != "multi":

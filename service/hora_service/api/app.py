@@ -26,7 +26,8 @@ from sqlalchemy.exc import DBAPIError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from hora_service.api import jobs, logs, sessions, system
+from hora_service import ui
+from hora_service.api import jobs, logs, queue, sessions, system
 from hora_service.api.deps import CurrentUser, TokenCache, known_query
 from hora_service.api.errors import spec_error_detail, validation_detail
 from hora_service.api.limits import BodySizeLimit
@@ -97,6 +98,8 @@ def create_app(settings: Settings | None = None, manager: JobManager | None = No
     app.include_router(logs.router)
     app.include_router(sessions.router)
     app.include_router(system.router)
+    app.include_router(queue.router)
+    ui.install(app)
     _add_docs(app)
     _add_handlers(app)
     _document_common_answers(app)

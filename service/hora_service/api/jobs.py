@@ -19,7 +19,9 @@ from starlette.concurrency import run_in_threadpool
 
 from hora_service.api.deps import CurrentUser, ManagerDep, OwnedJob
 from hora_service.api.errors import AUTH_RESPONSES, JOB_RESPONSES, unprocessable
+from hora_service.jobpreflight import job_preflight
 from hora_service.models import JobRecord
+from hora_service.queueview import job_queue
 from hora_service.store import StoreUnavailable
 
 MAX_PAGE = 500
@@ -91,9 +93,16 @@ async def list_jobs(
 
 
 @router.get("/{job_id}", response_model=JobRecord, summary="Get a job", responses=JOB_RESPONSES)
-async def get_job(job: OwnedJob) -> JobRecord:
-    """State, attempt, per-rank exit codes, reason and transition times of one job."""
-    return job
+async def get_job(job: OwnedJob, manager: ManagerDep) -> JobRecord:
+    """State, attempt, per-rank exit codes, reason and transition times of one job.
+
+    While it waits, ``queue`` says where it stands and why (a structured reason).
+    """
+    queue = await run_in_threadpool(job_queue, manager, job)
+    figures = await run_in_threadpool(job_preflight, manager, job)
+    if queue is None and figures is None:
+        return job
+    return job.model_copy(update={"queue": queue, "preflight": figures})
 
 
 @router.post(

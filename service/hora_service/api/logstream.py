@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -19,34 +18,9 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
+from hora_service.runtimes.runfiles import UntrustedRunFile, file_size, read_chunk
+
 SSE_CHUNK_BYTES = 64 * 1024
-
-
-def read_chunk(path: Path, offset: int, max_bytes: int) -> bytes:
-    """Read at most ``max_bytes`` from ``offset``; a missing file reads as empty.
-
-    Example:
-        >>> read_chunk(Path("/nonexistent/log"), 0, 10)
-        b''
-    """
-    try:
-        with path.open("rb") as f:
-            # past the end reads as empty; seeking there may fail (an offset past the
-            # file system's largest file is EINVAL)
-            if offset >= os.fstat(f.fileno()).st_size:
-                return b""
-            f.seek(offset)
-            return f.read(max_bytes)
-    except FileNotFoundError:
-        return b""
-
-
-def file_size(path: Path) -> int:
-    """Size of ``path`` in bytes, 0 if it does not exist yet."""
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return 0
 
 
 def complete_prefix(data: bytes, final: bool = False) -> tuple[str, int]:
@@ -102,6 +76,13 @@ def sse_event(data: Any, event: str | None = None, event_id: int | None = None) 
     return ("\n".join(lines) + "\n\n").encode()
 
 
+def _size(path: Path) -> int:
+    try:
+        return file_size(path)
+    except UntrustedRunFile:
+        return 0  # the next read says why
+
+
 @dataclass(frozen=True)
 class FollowState:
     """What the stream needs to know about the job at each poll."""
@@ -136,14 +117,18 @@ async def follow_log(
     start = offset
     while True:
         state = await run_in_threadpool(poll_state)
-        data = await run_in_threadpool(read_chunk, path, offset, SSE_CHUNK_BYTES)
+        try:
+            data = await run_in_threadpool(read_chunk, path, offset, SSE_CHUNK_BYTES)
+        except UntrustedRunFile as e:  # the job planted it: say so and end the stream
+            yield sse_event({**state.info, "offset": offset, "error": str(e)}, "end", offset)
+            return
         text, used = complete_prefix(data, final=state.done and len(data) < SSE_CHUNK_BYTES)
         if used:
             offset += used
             last_sent = time.monotonic()
             yield sse_event(text, event_id=offset)
             continue
-        if not data and offset > start and await run_in_threadpool(file_size, path) < offset:
+        if not data and offset > start and await run_in_threadpool(_size, path) < offset:
             offset = start = 0  # the log passed its limit and was cut: go on from its marker
             continue
         if state.done:

@@ -2,7 +2,11 @@
 
 ``render_metrics`` turns the manager's :class:`MetricsSnapshot` into the ``/metrics`` body:
 ``hora_jobs{state=...}``, ``hora_queue_length``, ``hora_slots_total``,
-``hora_slots_allocated`` and the ``hora_schedule_latency_seconds`` summary (submit -> running).
+``hora_slots_allocated`` and the ``hora_schedule_latency_seconds`` summary (submit -> running);
+per user: ``hora_queue_wait_seconds`` (a summary by user and priority, first attempts),
+``hora_queue_waiting_longest_seconds``, ``hora_slot_hours_total`` (GPU-hours on a GPU
+machine, ``slot_kind`` says which); ``hora_jobs_waiting`` by state, kind and wait reason;
+and ``hora_preflight_bandwidth_gbps`` by node and collective path once preflight fills it.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ def render_metrics(snap: Any) -> str:
             name = f"hora_{field}"
             out += _metric(name, "gauge", help_text, [_line(name, getattr(snap, field))])
     out += _latency(snap)
+    out += _usage(snap)
     out += _extra(snap)
     return "\n".join(out) + "\n"
 
@@ -68,7 +73,40 @@ GAUGES = {
 KNOWN = {
     "jobs_by_state", "queue_length", "slots_total", "slots_allocated", "schedule_latency_p50_s",
     "schedule_latency_p99_s", "schedule_latency_sum_s", "schedule_latency_count",
+    "slot_kind", "queue_wait", "slot_hours", "waiting", "waiting_longest_s",
+    "preflight_bandwidth_gbps",
 }  # fmt: skip
+
+
+def _usage(snap: Any) -> list[str]:
+    """Queue waits, slot-hours, waiting entries by reason, preflight bandwidth."""
+    name = "hora_queue_wait_seconds"
+    lines = []
+    for user, priority, total, count in getattr(snap, "queue_wait", []) or []:
+        labels = {"user": user, "priority": priority}
+        lines += [_line(f"{name}_sum", total, labels), _line(f"{name}_count", count, labels)]
+    out = _metric(name, "summary", "Time first attempts waited in the queue.", lines)
+    name = "hora_queue_waiting_longest_seconds"
+    rows = getattr(snap, "waiting_longest_s", []) or []
+    lines = [_line(name, s, {"user": u, "priority": p}) for u, p, s in rows]
+    out += _metric(name, "gauge", "The longest wait of a job queued now.", lines)
+    name, kind = "hora_slot_hours_total", str(getattr(snap, "slot_kind", "gpu"))
+    hours = sorted((getattr(snap, "slot_hours", {}) or {}).items())
+    lines = [_line(name, h, {"user": u, "slot_kind": kind}) for u, h in hours]
+    out += _metric(name, "counter", "Slot-hours held (GPU-hours where slots are GPUs).", lines)
+    name = "hora_jobs_waiting"
+    rows = getattr(snap, "waiting", []) or []
+    lines = [_line(name, n, {"state": s, "kind": k, "reason": r}) for s, k, r, n in rows]
+    out += _metric(name, "gauge", "Waiting jobs and sessions by state and reason.", lines)
+    name = "hora_preflight_bandwidth_gbps"
+    nodes = sorted((getattr(snap, "preflight_bandwidth_gbps", {}) or {}).items())
+    lines = [
+        _line(name, gbps, {"node": node, "path": path})
+        for node, paths in nodes
+        for path, gbps in sorted(paths.items())
+    ]
+    out += _metric(name, "gauge", "Collective bandwidth the last preflight measured.", lines)
+    return out
 
 
 def _extra(snap: Any) -> list[str]:

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from hora.errors import SpecError
-from hora.spec import JobState
+from hora.spec import JobSpec, JobState
 from pydantic import BaseModel
 
 from hora_service.api.deps import CurrentUser, ManagerDep, OwnedJob
@@ -91,15 +91,16 @@ def list_sessions(
     """Your sessions (an admin sees everyone's), newest first."""
     jobs, _ = manager.list_jobs(None if user.is_admin else user.name, state, 10_000, 0)
     mine = [j for j in jobs if j.kind == "session"]
-    return SessionList(items=[sessions.view(j) for j in mine[:limit]], total=len(mine))
+    items = [sessions.view(j, viewer=user) for j in mine[:limit]]
+    return SessionList(items=items, total=len(mine))
 
 
 @router.get(
     "/{job_id}", response_model=SessionRecord, summary="Get a session", responses=SESSION_RESPONSES
 )
-def get_session(job: OwnedSession, sessions: SessionsDep) -> SessionRecord:
+def get_session(job: OwnedSession, user: CurrentUser, sessions: SessionsDep) -> SessionRecord:
     """State, slots, queue place (while queued), idle time and warning of one session."""
-    return sessions.view(job)
+    return sessions.view(job, viewer=user)
 
 
 @router.post(
@@ -115,6 +116,26 @@ def heartbeat(job: OwnedSession, beat: Heartbeat, sessions: SessionsDep) -> Sess
     (with ``reason``) once it ended.
     """
     return sessions.heartbeat(job, beat)
+
+
+@router.post(
+    "/{job_id}/handoff",
+    response_model=JobRecord,
+    status_code=201,
+    summary="Hand a session's slots to a new job",
+    responses={**SESSION_RESPONSES, **BODY, **BUSY, 409: {"description": "Not running"}},
+)
+def handoff(job: OwnedSession, spec: JobSpec, manager: ManagerDep) -> JobRecord:
+    """Submit ``spec`` as the session's owner and give it the session's slots.
+
+    The session's engines are stopped; the job starts on its slots as soon as they are
+    gone, before any queued job can take them. A job that needs more slots than the session
+    holds is a 422 naming the field; a session that is not running is a 409.
+    """
+    try:
+        return manager.handoff(job.id, job.user, spec)
+    except SpecError as e:
+        raise unprocessable(e) from None
 
 
 @router.delete(

@@ -19,6 +19,7 @@ from hora_service.api.errors import AUTH_RESPONSES
 from hora_service.api.prometheus import PROMETHEUS_TYPE, render_metrics
 from hora_service.health import HealthState, StoreProbe
 from hora_service.models import SlotInfo
+from hora_service.queueview import waiting_metrics
 
 router = APIRouter()
 
@@ -61,8 +62,13 @@ async def healthz(request: Request) -> JSONResponse:
     responses=AUTH_RESPONSES,
 )
 def gpus(user: CurrentUser, manager: ManagerDep) -> list[SlotInfo]:
-    """Every GPU (or CPU slot on a machine without GPUs) and the job holding it, if any."""
-    return manager.slots()
+    """Every GPU (or CPU slot on a machine without GPUs) and the job holding it, if any.
+
+    With ``slurm_conf`` set, the Slurm cluster's GPUs follow, one row per node and GPU
+    (``node``), with the job holding each where Slurm says (``slurm_job``, and hora's job
+    and user when it is one of hora's).
+    """
+    return manager.slots() + manager.cluster_slots()
 
 
 @router.get(
@@ -73,5 +79,7 @@ def gpus(user: CurrentUser, manager: ManagerDep) -> list[SlotInfo]:
     responses={**AUTH_RESPONSES, 200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
 )
 def metrics(user: CurrentUser, manager: ManagerDep) -> PlainTextResponse:
-    """Jobs by state, queue length, slots allocated and total, scheduling latency."""
-    return PlainTextResponse(render_metrics(manager.metrics()), media_type=PROMETHEUS_TYPE)
+    """Jobs by state and wait reason, queue waits, slot-hours per user, slots, latency."""
+    waiting, longest = waiting_metrics(manager)
+    snap = manager.metrics().model_copy(update={"waiting": waiting, "waiting_longest_s": longest})
+    return PlainTextResponse(render_metrics(snap), media_type=PROMETHEUS_TYPE)

@@ -1,0 +1,179 @@
+"""A job's communication preflight, read from its rank 0 log (control plane, read-only).
+
+The service asks for a preflight by setting ``HORA_PREFLIGHT=1`` in every rank's
+environment (``preflight`` setting; a job's own ``env`` may set it to 0).
+``hora.torch.init()`` then measures the collective paths (:mod:`hora.torch.preflight`) and
+rank 0 writes one line ``HORA_PREFLIGHT {json}`` to its log. This module finds that line in
+the first :data:`SCAN_BYTES` of rank 0's log (opened the way every run file is, see
+:func:`hora_service.runtimes.runfiles.read_chunk`), validates it into
+:class:`PreflightFigures` (bounded lists, finite numbers), and keeps the figures of each
+job's attempt and the last bandwidth seen per node and path for ``/metrics``.
+
+The line is the job's own output: a job can write a false one. It only changes what its own
+page shows and the node's ``hora_preflight_bandwidth_gbps`` gauge until the next job's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+log = logging.getLogger(__name__)
+
+TAG = b"HORA_PREFLIGHT "
+SCAN_BYTES = 1 << 20
+LINE_MAX = 256 << 10
+_KEEP = 4096  # attempts whose figures are kept in memory
+
+Num = Annotated[float, Field(ge=0, le=1e9)]
+Name = Annotated[str, Field(max_length=200)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
+
+
+class RankRow(_Strict):
+    """One rank's figures on one path."""
+
+    rank: Annotated[int, Field(ge=0, le=1 << 20)]
+    host: Name
+    latency_us: Num
+    copy_gbps: Num
+    busbw_gbps: Num
+    coll_s: Num = 0.0
+    wait_s: Num = 0.0
+
+
+class LinkRow(_Strict):
+    """A ring neighbour pair's ping-pong."""
+
+    a: Annotated[int, Field(ge=0, le=1 << 20)]
+    b: Annotated[int, Field(ge=0, le=1 << 20)]
+    latency_us: Num
+    gbps: Num
+
+
+class PathRow(_Strict):
+    """The world's figures on one path (``gloo``, ``nccl`` or ``shm``)."""
+
+    path: Annotated[str, Field(pattern=r"^[a-z0-9_]{1,16}$")]
+    sizes: Annotated[list[Annotated[int, Field(ge=0, le=1 << 40)]], Field(max_length=16)]
+    busbw_gbps: Annotated[list[Num], Field(max_length=16)]
+    latency_us: Num
+    ranks: Annotated[list[RankRow], Field(max_length=4096)]
+    links: Annotated[list[LinkRow], Field(max_length=4096)] = []
+
+
+class FindingRow(_Strict):
+    """A rank, link or path far below its reference."""
+
+    kind: Annotated[str, Field(pattern=r"^(rank|link|path)$")]
+    who: Name
+    path: Name
+    text: Annotated[str, Field(max_length=500)]
+
+
+class PreflightFigures(_Strict):
+    """What rank 0 logged: the world's size, the paths' figures, and what is far below."""
+
+    size: Annotated[int, Field(ge=1, le=1 << 20)]
+    backend: Name
+    seconds: Num
+    paths: Annotated[list[PathRow], Field(max_length=4)]
+    findings: Annotated[list[FindingRow], Field(max_length=64)] = []
+
+    def line(self) -> str:
+        """One line of figures, as ``%dist_start`` prints it."""
+        parts = [
+            f"{p.path} busbw {p.busbw_gbps[-1]:.2f} GB/s, {p.latency_us:.0f} us"
+            for p in self.paths if p.busbw_gbps
+        ]
+        slow = "; ".join(f.text for f in self.findings)
+        tail = f"; SLOW: {slow}" if slow else "; no rank or link far below its reference"
+        return f"preflight ({self.size} ranks, {self.seconds:.2f}s): " + "; ".join(parts) + tail
+
+
+def parse(data: bytes) -> PreflightFigures | None:
+    """The first valid ``HORA_PREFLIGHT`` line in ``data`` (a log's beginning), or None."""
+    start = 0
+    while True:
+        at = data.find(TAG, start)
+        if at < 0:
+            return None
+        end = data.find(b"\n", at)
+        if end < 0:
+            return None  # not complete yet
+        start = end + 1
+        if at > 0 and data[at - 1 : at] != b"\n":
+            continue  # only at the start of a line
+        raw = data[at + len(TAG) : end]
+        if len(raw) > LINE_MAX:
+            continue
+        try:
+            return PreflightFigures.model_validate(json.loads(raw))
+        except (ValueError, ValidationError):
+            continue
+
+
+def read_log(path: Path) -> PreflightFigures | None:
+    """The figures in the first :data:`SCAN_BYTES` of a rank 0 log (None: none, unreadable)."""
+    from hora_service.runtimes.runfiles import UntrustedRunFile, read_chunk
+
+    try:
+        return parse(read_chunk(path, 0, SCAN_BYTES))
+    except (OSError, UntrustedRunFile) as e:
+        log.debug("preflight: cannot read %s: %s", path, e)
+        return None
+
+
+class PreflightBook:
+    """Each attempt's figures, and the last bus bandwidth per node and path (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._figures: dict[tuple[int, int], PreflightFigures] = {}
+        self._by_node: dict[str, dict[str, float]] = {}
+
+    def note(self, job_id: int, attempt: int, log_path: Path) -> PreflightFigures | None:
+        """Read an attempt's rank 0 log (once it has figures, they are kept)."""
+        with self._lock:
+            known = self._figures.get((job_id, attempt))
+        if known is not None:
+            return known
+        figures = read_log(log_path)
+        if figures is None:
+            return None
+        with self._lock:
+            if len(self._figures) >= _KEEP:
+                self._figures.pop(next(iter(self._figures)))
+            self._figures[(job_id, attempt)] = figures
+            for p in figures.paths:
+                for host in {r.host for r in p.ranks}:
+                    if p.busbw_gbps:
+                        self._by_node.setdefault(host, {})[p.path] = p.busbw_gbps[-1]
+        return figures
+
+    def by_node(self) -> dict[str, dict[str, float]]:
+        """Each node's path -> GB/s of the last preflight seen there (for ``/metrics``)."""
+        with self._lock:
+            return {n: dict(p) for n, p in self._by_node.items()}
+
+
+def job_preflight(manager: Any, job: Any) -> dict[str, Any] | None:
+    """The job's current attempt's figures as JSON (with ``line``), or None."""
+    if job.attempt < 1 or job.kind != "job":
+        return None
+    try:
+        path = manager.log_path(job.id, 0, job.attempt)
+    except Exception:  # noqa: BLE001  (no such attempt directory: nothing to show)
+        return None
+    figures = manager.preflight.note(job.id, job.attempt, path)
+    if figures is None:
+        return None
+    return figures.model_dump(mode="json") | {"line": figures.line()}

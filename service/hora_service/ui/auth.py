@@ -1,0 +1,134 @@
+"""Sign-in for the dashboard: a token once, then an HttpOnly session cookie (control plane).
+
+``POST /ui/login`` takes a user's API token and answers with a cookie ``hora_ui`` (HttpOnly,
+``SameSite=Strict``, ``Path=/ui``, ``Secure`` over https) that names a server-side session;
+the token itself stays in the service's memory, and every request looks its user up again,
+so removing a user ends their dashboard sessions at once. Sessions live ``UI_SESSION_S``
+(12 h) and end at logout or when the service restarts.
+
+Cross-site requests: besides ``SameSite=Strict``, every POST must carry the session's CSRF
+token in ``X-Hora-CSRF`` (the page reads it from ``GET /ui/api/me``, which a cross-site page
+cannot read), and a POST whose ``Origin`` is not the service's own is refused.
+"""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Request
+from starlette.concurrency import run_in_threadpool
+
+from hora_service.manager import JobManager
+from hora_service.models import User
+
+COOKIE = "hora_ui"
+CSRF_HEADER = "X-Hora-CSRF"
+UI_SESSION_S = 12 * 3600.0
+MAX_SESSIONS = 10_000
+
+
+@dataclass
+class UiSession:
+    """One signed-in browser: the user's token (never sent back) and its CSRF token."""
+
+    token: str
+    csrf: str
+    expires: float
+
+
+class UiSessions:
+    """Signed-in browsers by session id (in memory; a restart signs everyone out)."""
+
+    def __init__(self, ttl_s: float = UI_SESSION_S) -> None:
+        self.ttl_s = ttl_s
+        self._by_id: dict[str, UiSession] = {}
+        self._lock = threading.Lock()
+
+    def open(self, token: str) -> tuple[str, UiSession]:
+        """A new session for ``token``: its id (the cookie's value) and the session."""
+        sid = secrets.token_urlsafe(32)
+        session = UiSession(token, secrets.token_urlsafe(32), time.time() + self.ttl_s)
+        with self._lock:
+            now = time.time()
+            if len(self._by_id) >= MAX_SESSIONS:  # drop expired ones, then the oldest
+                self._by_id = {k: v for k, v in self._by_id.items() if v.expires > now}
+                while len(self._by_id) >= MAX_SESSIONS:
+                    self._by_id.pop(next(iter(self._by_id)))
+            self._by_id[sid] = session
+        return sid, session
+
+    def get(self, sid: str | None) -> UiSession | None:
+        """The live session ``sid`` names, or None."""
+        if not sid or len(sid) > 128:
+            return None
+        with self._lock:
+            session = self._by_id.get(sid)
+            if session is not None and session.expires <= time.time():
+                del self._by_id[sid]
+                return None
+        return session
+
+    def close(self, sid: str | None) -> None:
+        """End a session (logout)."""
+        with self._lock:
+            self._by_id.pop(sid or "", None)
+
+
+@dataclass(frozen=True)
+class Viewer:
+    """The signed-in user of a dashboard request, and their session."""
+
+    user: User
+    session: UiSession
+
+
+def same_origin(request: Request) -> bool:
+    """True unless the request names an ``Origin`` other than the service's own."""
+    origin = request.headers.get("origin")
+    if origin is None:
+        return True
+    host = request.headers.get("host", "")
+    return origin in (f"{request.url.scheme}://{host}",)
+
+
+async def viewer(request: Request) -> Viewer:
+    """The user signed in with this request's cookie.
+
+    Raises:
+        HTTPException: 401 when there is no live session or its user is gone.
+    """
+    sessions: UiSessions = request.app.state.ui_sessions
+    session = sessions.get(request.cookies.get(COOKIE))
+    if session is None:
+        raise HTTPException(401, "not signed in")
+    manager: JobManager = request.app.state.manager
+    user = await run_in_threadpool(manager.user_for_token, session.token)
+    if user is None:
+        sessions.close(request.cookies.get(COOKIE))
+        raise HTTPException(401, "not signed in (the user was removed)")
+    return Viewer(user, session)
+
+
+ViewerDep = Annotated[Viewer, Depends(viewer)]
+
+
+async def checked_post(request: Request, who: ViewerDep) -> Viewer:
+    """:func:`viewer`, for a POST: same origin and the session's CSRF token.
+
+    Raises:
+        HTTPException: 403 for a cross-site request or a missing or wrong CSRF token.
+    """
+    if not same_origin(request):
+        raise HTTPException(403, "cross-site request refused")
+    given = request.headers.get(CSRF_HEADER, "")
+    if not hmac.compare_digest(given.encode(), who.session.csrf.encode()):
+        raise HTTPException(403, f"missing or wrong {CSRF_HEADER} header")
+    return who
+
+
+PosterDep = Annotated[Viewer, Depends(checked_post)]
