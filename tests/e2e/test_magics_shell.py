@@ -76,8 +76,10 @@ def test_start_table_lists_rank_pid_device(ip):
     table = magics._MAGICS.cluster.table()
     assert [r["rank"] for r in table] == [0, 1]
     assert all(r["device"] == "cpu" for r in table)
-    # what %dist_start displayed: a title, then one row per rank (text and HTML)
-    (shown,) = START_OUTPUT
+    # what %dist_start displayed: the table (a title, then one row per rank; text and HTML),
+    # then the preflight's one line
+    shown, preflight = START_OUTPUT
+    assert preflight["text/plain"].startswith("preflight (2 ranks, ")
     lines = shown["text/plain"].splitlines()
     # the title says where the engines come from (kernel-local here, unless a service is set up)
     assert re.match(r"2 engines ready in [\d.]+s \(gloo\); (kernel-local|from the hora)", lines[0])

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -176,6 +177,20 @@ def test_image_policy_and_a_missing_image(
         assert "not allowed" in r.json()["detail"][0]["msg"]
         r = c.post("/v1/jobs", json={"runtime": "docker", "command": ["x"]})
         assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "image", r.text
+        # "Why" #5: names that only looked like hora's, even as tags on this engine
+        hora_cpu = docker_engine.client().images.get("hora:cpu")
+        evils = ("hora:5000/evil/miner", "hora-evil.example.com:443/evil/miner", "hora-x/miner")
+        for evil in evils:
+            hora_cpu.tag(evil)
+            r = c.post("/v1/jobs", json={"runtime": "docker", "image": evil, "command": ["x"]})
+            assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "image", r.text
+            docker_engine.client().images.remove(evil)
+        # a digest the engine does not have: a 422, not an engine's 500 at start
+        bad = "hora:cpu@sha256:" + "0" * 64
+        r = c.post("/v1/jobs", json={"runtime": "docker", "image": bad, "command": ["x"]})
+        assert r.status_code == 422 and "not on the Docker engine" in r.text, r.text
+        r = c.post("/v1/jobs", json={"runtime": "docker", "image": "hora:\x00", "command": ["x"]})
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "image", r.text
         missing = submit(c, ["python", "-c", "pass"], image="hora:missing")
         job = wait_state(c, missing, ("failed",), timeout=30)
         assert "hora:missing" in job["reason"] and "not on the Docker engine" in job["reason"]
@@ -187,12 +202,21 @@ def test_image_policy_and_a_missing_image(
 def test_a_failed_pull_fails_the_attempt(
     docker_engine: Engine, tmp_path: Path, work: Path
 ) -> None:
-    # if-not-present pulls an image the engine lacks; no registry can be reached here
-    with server(tmp_path, docker_engine, HORA_DOCKER_PULL="if-not-present") as srv:
+    # if-not-present pulls an image the engine lacks when its pattern names a registry; the
+    # registry here is a closed port on the loopback. hora:* names none: never pulled.
+    env = {
+        "HORA_DOCKER_PULL": "if-not-present",
+        "HORA_DOCKER_ALLOWED_IMAGES": "hora:*,localhost:1/*",
+    }
+    with server(tmp_path, docker_engine, **env) as srv:
         with srv.client("ann") as c:
-            job_id = submit(c, ["python", "-c", "pass"], image="hora:not-anywhere")
+            job_id = submit(c, ["python", "-c", "pass"], image="localhost:1/hora:not-anywhere")
             job = wait_state(c, job_id, ("failed",), timeout=120)
-            assert "cannot pull image 'hora:not-anywhere'" in job["reason"], job["reason"]
+            assert "cannot pull image 'localhost:1/hora:not-anywhere'" in job["reason"], job
+            assert "500 Server Error" not in job["reason"], job["reason"]
+            local = submit(c, ["python", "-c", "pass"], image="hora:not-anywhere")
+            job = wait_state(c, local, ("failed",), timeout=60)
+            assert "names no registry: such images are never pulled" in job["reason"], job
 
 
 def test_kill_9_of_the_service_then_restart_readopts_and_reaps(
@@ -255,3 +279,46 @@ def test_engine_stopped_mid_job_fails_the_attempt_and_the_service_keeps_serving(
         after = submit(c, ["python", "-c", "print('back')"])
         assert wait_state(c, after, ("succeeded", "failed"))["state"] == "succeeded"
         wait_no_container(docker_engine, running)  # removed by the next start
+
+
+LISTENER = """\
+import pathlib, socket, sys, time
+work = pathlib.Path(sys.argv[1])
+s = socket.socket()
+s.bind(("127.0.0.1", 0))
+s.listen()
+s.settimeout(0.1)
+(work / "docker.port").write_text(str(s.getsockname()[1]))
+came = 0
+deadline = time.monotonic() + 60
+while not (work / "docker.stop").exists() and time.monotonic() < deadline:
+    try:
+        s.accept()[0].close()
+        came += 1
+    except socket.timeout:
+        pass
+print("connections", came, flush=True)
+"""
+
+
+def test_a_docker_jobs_ports_are_its_own(docker_engine: Engine, tmp_path: Path, work: Path) -> None:
+    """Issue 16: a job's listener (its rendezvous store, gloo) is on the container's own
+    loopback (``--network none``): neither the host nor another job can connect to it."""
+    (work / "listen.py").write_text(LISTENER)
+    with server(tmp_path, docker_engine) as srv, srv.client("ann") as c:
+        job_id = submit(c, ["python", "listen.py", str(work)])
+        deadline = time.monotonic() + 60
+        while not (work / "docker.port").exists():
+            assert time.monotonic() < deadline, log_of(c, job_id)
+            time.sleep(0.1)
+        port = int((work / "docker.port").read_text())
+        with pytest.raises(ConnectionRefusedError):  # from the host, as root
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        probe = f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2)"
+        other = submit(c, ["python", "-c", probe])  # another job, in its own container
+        assert wait_state(c, other, ("succeeded", "failed"))["state"] == "failed"
+        assert "ConnectionRefusedError" in log_of(c, other)
+        (work / "docker.stop").write_text("1")
+        assert wait_state(c, job_id, ("succeeded", "failed"))["state"] == "succeeded"
+        assert "connections 0" in log_of(c, job_id)
+        wait_no_container(docker_engine, job_id)

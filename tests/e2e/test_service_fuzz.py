@@ -1,5 +1,10 @@
 """Fuzz the job API from its own OpenAPI schema (schemathesis) against a real uvicorn.
 
+``/v1/sessions`` is fuzzed with the rest, and once more on what its body may hold: generated
+images (NUL bytes, spaces, names that only look like hora's) must be refused by the schema
+and the service alike - a 201 only for a body the schema allows, a 422 naming ``image`` for
+one it refuses.
+
 Every operation gets ~60 generated valid and invalid requests (derandomized: the same ones on
 every run) with an admin token where the case has an Authorization header, and every
 schemathesis check runs on each answer: no 5xx, conformance to the schema (status code,
@@ -19,7 +24,9 @@ import httpx
 import pytest
 import schemathesis
 from helpers.service_server import ServiceServer
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jsonschema import Draft202012Validator
 from schemathesis.config import PositiveDataAcceptanceConfig
 
 SAFE_COMMAND = [sys.executable, "-c", "pass"]
@@ -94,3 +101,47 @@ def test_server_state_is_intact_after_fuzzing(fuzz_server: ServiceServer, tmp_pa
         for job in page.json()["items"]:
             assert c.get(f"/v1/jobs/{job['id']}").status_code == 200
         assert len(c.get("/v1/gpus").json()) == 2
+
+
+# --- /v1/sessions: the schema and the service agree on what a session body may hold --------
+
+LOOPBACK_CONN = {
+    "interface": "tcp://127.0.0.1", "registration": 1, "control": 2, "mux": 3, "task": 4,
+    "iopub": 5, "hb_ping": 6, "hb_pong": 7, "key": "k-1",
+}  # fmt: skip
+IMAGES = st.one_of(
+    st.text(max_size=24),  # anything: NUL, spaces, control characters, non-ASCII
+    st.text(alphabet="abc:@/._-+\x00 \n", max_size=16).map(lambda t: "hora:" + t),
+    st.sampled_from(["hora:cpu", "hora-gpu:1", "hora:5000/evil/miner", "hora-x/miner"]),
+)
+
+
+@pytest.fixture(scope="module")
+def session_schema(fuzz_server: ServiceServer) -> Draft202012Validator:
+    """A validator of ``SessionRequest`` as the service's own OpenAPI schema states it."""
+    spec = httpx.get(fuzz_server.url + "/openapi.json", headers=fuzz_server.auth("fuzz")).json()
+    schemas = spec["components"]["schemas"]
+    root = {"$ref": "#/components/schemas/SessionRequest", "components": {"schemas": schemas}}
+    return Draft202012Validator(root)
+
+
+@given(image=IMAGES, runtime=st.sampled_from(["docker", "local"]))
+@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+def test_a_session_body_the_schema_refuses_is_a_422_naming_the_field(
+    image: str, runtime: str, fuzz_server: ServiceServer, session_schema: Draft202012Validator
+) -> None:
+    body = {"workers": 1, "connection": LOOPBACK_CONN, "runtime": runtime, "image": image}
+    valid = session_schema.is_valid(body)
+    with fuzz_server.client("fuzz") as c:
+        r = c.post("/v1/sessions", json=body)
+        if r.status_code == 201:
+            c.delete(f"/v1/sessions/{r.json()['id']}")
+    assert r.status_code in (201, 422), r.text
+    if r.status_code == 201:
+        # accepted: the schema allows it, and it is an image the service may run
+        assert valid and runtime == "docker" and "\x00" not in image, body
+    else:
+        fields = {str(d["loc"][-1]) for d in r.json()["detail"]}
+        assert fields <= {"image", "runtime"}, r.text  # the service names the field
+        if not valid:
+            assert "image" in fields, r.text

@@ -201,7 +201,10 @@ def test_a_job_cannot_reach_the_service_or_another_user(
     (work / "attack.py").write_text(ATTACK)
     (work / "victim.py").write_text(VICTIM)
     with serve(base, accounts) as srv, srv.client(ann) as a, srv.client(bob) as b:
-        victim = submit(b, command=[JOB_PY, "victim.py", str(work / "victim.pid")])
+        # the shared work root, not the users' own directories (the default)
+        victim = submit(
+            b, command=[JOB_PY, "victim.py", str(work / "victim.pid")], working_dir="."
+        )
         victim_pid = int(wait_file(work / "victim.pid"))
         assert psutil.Process(victim_pid).uids().real == accounts[bob]
         run_dir = srv.data_dir / "logs" / str(victim)
@@ -219,6 +222,7 @@ def test_a_job_cannot_reach_the_service_or_another_user(
         attacker = submit(
             a,
             command=[JOB_PY, "attack.py", json.dumps(args)],
+            working_dir=".",
             env={"PYTHONPATH": str(work)},  # must not reach the shim
         )
         assert attacker == victim + 1
@@ -273,7 +277,9 @@ def test_no_descendant_outlives_its_job(base: Path, accounts: dict[str, int], ho
     (work / "spawner.py").write_text(SPAWNER)
     pid_file = work / f"{how}.pids"
     then = "exit" if how == "success" else "wait"
-    body: dict[str, Any] = {"command": [JOB_PY, "spawner.py", str(pid_file), then]}
+    body: dict[str, Any] = {
+        "command": [JOB_PY, "spawner.py", str(pid_file), then], "working_dir": "."
+    }
     if how == "timeout":
         body["timeout_s"] = 3
     with serve(base, accounts, HORA_KILL_GRACE_S="1") as srv, srv.client(ann) as a:
@@ -345,6 +351,7 @@ def test_each_containment_kills_a_setsid_daemon(root: None, tmp_path: Path, kind
 def hora_user(data_dir: Path, mode: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HORA_")}
     env["HORA_USER_MODE"] = mode
+    env["HORA_WORK_ROOT"] = str(data_dir)  # users' working directories: never under ~
     return subprocess.run(
         [sys.executable, "-m", "hora.cli", "user", *args, "--data-dir", str(data_dir)],
         env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,

@@ -94,18 +94,23 @@ def free_port() -> int:
 
 
 def make_users(
-    data_dir: Path, users: dict[str, bool], accounts: dict[str, int] | None = None
+    data_dir: Path,
+    users: dict[str, bool],
+    accounts: dict[str, int] | None = None,
+    work_root: Path | None = None,
 ) -> dict[str, str]:
     """Create users in the store of data_dir; return name -> token.
 
     With ``accounts`` (name -> uid), the store is set up for multi-user mode and each user's
-    jobs run as that uid.
+    jobs run as that uid (their working directories are made under ``work_root``, default
+    ``data_dir``'s parent, as the server's).
     """
     from hora_service.manager import JobManager
     from hora_service.settings import Settings
 
     mode = "multi" if accounts else os.environ.get("HORA_USER_MODE", "shared")
-    manager = JobManager(Settings(data_dir=data_dir, user_mode=mode))
+    root = work_root or data_dir.parent
+    manager = JobManager(Settings(data_dir=data_dir, user_mode=mode, work_root=root))
     tokens = {}
     open_users = getattr(manager, "open_store", None)
     if open_users is not None:
@@ -117,6 +122,9 @@ def make_users(
     if close is not None:
         close()
     return tokens
+
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def server_env(
@@ -146,6 +154,9 @@ def server_env(
             "HORA_USER_MODE": os.environ.get("HORA_USER_MODE", "shared"),
             # jobs get a clean environment; these let them import this checkout's code
             "HORA_JOB_ENV_PASSTHROUGH": "PYTHONPATH,OMP_NUM_THREADS,PYTHONUNBUFFERED",
+            # ... and see it where a checkout (CI's clone, say) lies under /tmp, which a job
+            # with a private /tmp (multi-user mode) would not see otherwise
+            "HORA_JOB_TMP_PATHS": f"{REPO},{sys.prefix}",
         }
     )
     env.update(extra or {})
@@ -168,8 +179,12 @@ class ServiceServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        root = (env or {}).get("HORA_WORK_ROOT")
         self.tokens = make_users(
-            self.data_dir, users if users is not None else {"ann": False, "root": True}, accounts
+            self.data_dir,
+            users if users is not None else {"ann": False, "root": True},
+            accounts,
+            Path(root) if root else None,
         )
         self.log_file = tmp / f"server-{self.port}.log"
         multi = {"HORA_USER_MODE": "multi"} if accounts else {}

@@ -55,11 +55,13 @@ def test_container_config_golden(tmp_path: Path) -> None:
     assert got == {
         "image": "hora:cpu",
         "entrypoint": ["python", "-I", "-c", INIT],
-        "command": [run_dir],  # the user's command is in container.json, never in argv
+        "command": [run_dir],  # the user's command is in the launch files, never in argv
         "name": "hora-ab12-7-2",
         "labels": {"hora.instance": "ab12", "hora.job": "7", "hora.attempt": "2"},
-        "user": "1234:1235",
-        "working_dir": work,
+        # the init and shims: the container's root, owning the run directory, with only the
+        # capabilities to drop each rank to WHO (the launch file's uid) and to signal it
+        "user": "0:0",
+        "working_dir": run_dir,  # each rank enters the job's directory as WHO
         "environment": {},
         "mounts": [
             Mount(target=work, source=work, type="bind"),
@@ -73,6 +75,7 @@ def test_container_config_golden(tmp_path: Path) -> None:
         # one container holds all the job's GPUs on this host
         "device_requests": [DeviceRequest(device_ids=["4", "5"], capabilities=[["gpu"]])],
         "cap_drop": ["ALL"],
+        "cap_add": ["SETUID", "SETGID", "KILL"],
         "security_opt": ["no-new-privileges"],
         "privileged": False,
         "stdin_open": False,
@@ -81,6 +84,9 @@ def test_container_config_golden(tmp_path: Path) -> None:
     }
     cpu = container_config(plan(tmp_path, "cpu"), config, WHO)
     assert cpu["device_requests"] == []
+    # a service that is not root cannot give the run directory away: all of it runs as WHO
+    plain = container_config(p, config, WHO, root_init=False)
+    assert (plain["user"], plain["working_dir"], plain["cap_add"]) == ("1234:1235", work, [])
 
 
 def test_never_root_and_never_the_docker_socket(tmp_path: Path) -> None:
@@ -88,7 +94,7 @@ def test_never_root_and_never_the_docker_socket(tmp_path: Path) -> None:
     config = DockerConfig(instance="x")
     assert job_account(p, config, euid=0).uid == 65534  # shared mode as root: nobody
     assert job_account(p, config, euid=1000).uid == 1000  # an unprivileged service: itself
-    got = container_config(p, config, job_account(p, config, euid=0))
+    got = container_config(p, config, job_account(p, config, euid=0), root_init=False)
     assert got["user"] == "65534:65534" and got["privileged"] is False
     sources = [m["Source"] for m in got["mounts"]]
     assert not any("docker.sock" in s for s in sources) and len(sources) == 2
@@ -142,24 +148,28 @@ def test_image_build_commands(tmp_path: Path) -> None:
     argv = debootstrap_argv(tmp_path / "base dir", "http://m/debian")
     assert argv[0] == "debootstrap" and argv[-2:] == [str(tmp_path / "base dir"), "http://m/debian"]
     hora, deps = wheel_argvs(Path("/repo"), Path("/w"), Path("/h"), "py")
-    assert "--no-deps" in hora and deps[-3:] == ["torch", "numpy", "scikit-learn"]
+    assert "--no-deps" in hora and deps[-4:] == ["torch", "numpy", "scikit-learn", "ipyparallel"]
     sources = "Types: deb\nURIs: http://deb.example/debian-security\n\nURIs: http://deb.example/debian\n"
     assert apt_mirror([sources]) == "http://deb.example/debian"
     assert apt_mirror([]) == "http://deb.debian.org/debian"
 
 
-def test_run_files_are_for_the_jobs_group(tmp_path: Path) -> None:
+def test_run_files_stay_the_services_and_the_shim_drops_to_the_job(tmp_path: Path) -> None:
     p = plan(tmp_path)
     p.run_dir.mkdir(parents=True)
     runtime = DockerRuntime(DockerConfig(instance="x"), service_env={"PATH": "/host"})
-    runtime._write_run_files(p, WHO, ["PATH=/img"], [0, 1])
+    runtime._write_run_files(p, WHO, ["PATH=/img"], [0, 1], root_init=True)
     box = json.loads((p.run_dir / "container.json").read_text())
-    assert box == {"ranks": [0, 1], "command": ["python", *HOSTILE]}
+    assert box == {"ranks": [0, 1]}  # the command is in the launch files only
     launch = json.loads((p.run_dir / "rank1.launch").read_text())
-    assert launch["uid"] is None and launch["env"]["RANK"] == "1"
-    assert launch["env"]["PATH"] == "/img"
+    assert launch["command"] == ["python", *HOSTILE] and launch["cwd"] == str(p.workdir)
+    assert (launch["uid"], launch["gid"]) == (WHO.uid, WHO.gid)  # the shim drops to them
+    assert launch["env"]["RANK"] == "1" and launch["env"]["PATH"] == "/img"
     assert (p.run_dir / "rank1.launch").stat().st_mode & 0o777 == 0o640
-    assert p.run_dir.stat().st_mode & 0o777 == 0o770
+    # the job's account can read its run directory, never write it (no planted log or exit)
+    assert p.run_dir.stat().st_mode & 0o777 == 0o750
+    runtime._write_run_files(p, WHO, ["PATH=/img"], [0], root_init=False)
+    assert json.loads((p.run_dir / "rank0.launch").read_text())["uid"] is None
 
 
 def test_image_build_without_an_engine_says_where_it_looked(

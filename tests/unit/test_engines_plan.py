@@ -22,10 +22,10 @@ from hora.engines.plan import (
     controller_argv,
     engine_argv,
     engine_env,
-    parse_nvidia_smi,
     plan_devices,
 )
 from hora.errors import SpecError
+from hora.inventory import parse_gpu_apps
 
 GPUS = [GpuInfo("0"), GpuInfo("1"), GpuInfo("2", busy_pids=(4242,)), GpuInfo("3")]
 
@@ -115,16 +115,16 @@ def test_argv_are_lists_with_hostile_paths_kept_whole():
     assert "--IPEngine.enable_nanny=False" in eng
 
 
-def test_parse_nvidia_smi_respects_cuda_visible_devices():
+def test_parse_gpu_apps_respects_cuda_visible_devices():
     gpus = "0, GPU-aaa\n1, GPU-bbb\n2, GPU-ccc\n"
     apps = "GPU-bbb, 77\nGPU-bbb, 78\n"
-    assert parse_nvidia_smi(gpus, apps, None) == [
+    assert parse_gpu_apps(gpus, apps, None) == [
         GpuInfo("0"),
         GpuInfo("1", (77, 78)),
         GpuInfo("2"),
     ]
-    assert parse_nvidia_smi(gpus, apps, "2,GPU-bbb") == [GpuInfo("2"), GpuInfo("GPU-bbb", (77, 78))]
-    assert parse_nvidia_smi(gpus, "", "") == []
+    assert parse_gpu_apps(gpus, apps, "2,GPU-bbb") == [GpuInfo("2"), GpuInfo("GPU-bbb", (77, 78))]
+    assert parse_gpu_apps(gpus, "", "") == []
 
 
 @pytest.mark.parametrize(

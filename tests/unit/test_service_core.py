@@ -24,7 +24,13 @@ from hora_service.inventory import detect_gpus, inventory, parse_nvidia_smi, tor
 from hora_service.manager import JobManager
 from hora_service.runtimes import AttemptPlan, Exit, RankProcess, Runtime, shim
 from hora_service.runtimes.base import RankStatus
-from hora_service.runtimes.local import SHIM, allowed_env, rank_argv, rank_environment
+from hora_service.runtimes.local import (
+    SHIM,
+    allowed_env,
+    launch_file,
+    rank_argv,
+    rank_environment,
+)
 from hora_service.settings import Settings
 from hora_service.store import MIGRATIONS, SCHEMA_VERSION, Store, StoreError, token_hash
 
@@ -232,7 +238,9 @@ def test_cancel_of_queued_and_retrying_jobs(mgr: JobManager, rt: ScriptedRuntime
     assert mgr.cancel(flaky.id).state == JobState.cancelled
 
 
-def test_submission_checks_name_the_field(mgr: JobManager, tmp_path: Path) -> None:
+def test_submission_checks_name_the_field(
+    mgr: JobManager, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with pytest.raises(SpecError, match="asks for 6 slots .*has 4") as e:
         mgr.submit("ann", spec(workers=3, gpus_per_worker=2))
     assert e.value.field == "gpus_per_worker"
@@ -244,7 +252,10 @@ def test_submission_checks_name_the_field(mgr: JobManager, tmp_path: Path) -> No
     with pytest.raises(SpecError, match="docker") as e:
         mgr.submit("ann", spec(image="pytorch/pytorch"))
     assert e.value.field == "image"
-    with pytest.raises(SpecError, match="not available") as e:
+    (tmp_path / "no-slurm").mkdir()
+    no_slurm = mgr.settings.model_copy(update={"slurm_bin_dir": tmp_path / "no-slurm"})
+    monkeypatch.setattr(mgr, "settings", no_slurm)  # a service where Slurm is not installed
+    with pytest.raises(SpecError, match="sbatch not found") as e:
         mgr.submit("ann", spec(runtime="slurm"))
     assert e.value.field == "runtime"
     (tmp_path / "proj").mkdir()
@@ -440,7 +451,10 @@ def test_rank_argv_passes_hostile_arguments_verbatim(tmp_path: Path) -> None:
     argv = rank_argv(plan(tmp_path, workers=2, gpus_per_worker=2), 1, python="/py")
     run_dir = str(tmp_path / "run dir")
     # -I: the shim ignores PYTHONPATH and user site dirs, so a job cannot replace its modules
-    assert argv == ["/py", "-I", "-S", str(SHIM), run_dir, "1", "--", "python", *HOSTILE]
+    assert argv == ["/py", "-I", "-S", str(SHIM), run_dir, "1"]
+    # the command is in the launch file only: the shim's argv is readable in /proc by anyone
+    p = plan(tmp_path, workers=2, gpus_per_worker=2)
+    assert launch_file(p, 1, {})["command"] == ["python", *HOSTILE]
 
 
 def test_rank_environment_contract(tmp_path: Path) -> None:

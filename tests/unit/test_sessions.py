@@ -14,6 +14,7 @@ import pytest
 from hora.errors import SpecError
 from hora.spec import JobSpec, JobState
 from hora_service.manager import JobManager
+from hora_service.models import User
 from hora_service.sessions import (
     CONNECTION_VAR,
     EngineConnection,
@@ -141,7 +142,11 @@ def test_a_queued_session_sees_its_position_and_who_holds_the_slots(
     assert b.queue is not None and b.queue.position == 1
     assert [(h.kind, h.id) for h in b.queue.holders] == [("session", first.id)]
     assert b.queue.estimate_at is None  # a session has no time limit
-    assert b.queue.holders[0].idle_s is not None
+    # another user's session: who holds the slots, not how long it has idled (issue 16)
+    assert b.queue.holders[0].idle_s is None
+    admin = User(name="root", is_admin=True)
+    seen = sessions.view(mgr.get(second.id), viewer=admin).queue  # type: ignore[arg-type]
+    assert seen is not None and seen.holders[0].idle_s is not None
 
 
 def test_a_session_never_shares_a_slot_with_a_job(

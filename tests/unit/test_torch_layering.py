@@ -3,7 +3,7 @@
 Each module may import (at top level or inside a function) only modules of its own layer or
 of lower ones, and no two modules import each other, directly or around a loop. The upper
 layers hook into the lower ones instead (``_state.register_init_hook`` and friends).
-The same table is in README.md ("Layering").
+The same table is in docs/dev/architecture.md ("Layering").
 """
 
 from __future__ import annotations
@@ -14,11 +14,14 @@ from pathlib import Path
 import hora.torch
 
 LAYERS: dict[str, tuple[str, ...]] = {
-    "state": ("_state", "compression"),
+    "state": ("_sealed", "_state", "compression"),
     "diagnosis": ("_stall", "timeline"),
-    "launch": ("_handles", "_shm", "_engine", "_process_sets"),
+    "launch": ("_handles", "_shm", "_comm", "_wire", "_negotiation", "_engine", "_process_sets"),
     "ops": ("_ops", "_gather", "_objects", "_grouped"),
-    "api": ("_autograd", "mpi_ops", "functions", "optimizer", "sync_batch_norm", "__init__"),
+    "api": (
+        "_autograd", "mpi_ops", "functions", "_reducer", "optimizer", "sync_batch_norm",
+        "preflight", "__init__",
+    ),
 }
 RANK = {mod: i for i, mods in enumerate(LAYERS.values()) for mod in mods}
 PACKAGE = Path(hora.torch.__file__).parent

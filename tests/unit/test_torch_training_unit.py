@@ -5,14 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from hora.errors import NotInitializedError
+from hora.torch._reducer import FIRST_BUCKET_BYTES, SOLO_BYTES, _plan
 from hora.torch.compression import Compression, FP16Compressor, cast_dtype
-from hora.torch.optimizer import (
-    FIRST_BUCKET_BYTES,
-    SOLO_BYTES,
-    DistributedOptimizer,
-    _plan,
-    fusion_threshold_bytes,
-)
+from hora.torch.optimizer import DistributedOptimizer, fusion_threshold_bytes
 
 
 @pytest.mark.parametrize(("comp", "wire"), [(Compression.fp16, torch.float16),
