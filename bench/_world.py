@@ -20,7 +20,7 @@ RANK_TIMEOUT_S = 3000
 def run_ranks(script: str, np: int, worker_args: list[str]) -> dict[str, Any]:
     """Run ``np`` ranks of ``script`` and return rank 0's JSON result."""
     from hora.env import rank_env
-    from hora.launch.config import free_port
+    from hora.net import free_port
 
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="hora-bench-") as tmp:

@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from hora.launch.config import free_port
+from hora.net import free_port
 
 SERVE = (
     "import uvicorn;"
@@ -261,18 +262,49 @@ def bench_store(
     }
 
 
+def _scheduler_inputs(
+    n: int, slots: int, seed: int = 0
+) -> tuple[tuple[object, ...], dict[str, object]]:
+    """Arguments for a worst-case pass over ``n`` queued jobs.
+
+    The head job cannot fit and leaves no extra slots, and no other job has a timeout, so
+    the pass computes a reservation and then examines every queued job as a backfill
+    candidate without placing any: a full scan.
+    """
+    from hora_service.scheduler import Holding, Pending, queue_order
+
+    rng = random.Random(seed)
+    held = slots // 2
+    holding = [Holding(-1, "busy", tuple(range(held)), ends_at=3600.0)]
+    queue = [Pending(0, "u0", slots, 3, None)]  # the head: first in order, needs every slot
+    queue += [
+        Pending(i, f"u{i % 7}", rng.randint(1, slots), rng.randint(0, 2), None) for i in range(1, n)
+    ]
+    queue.sort(key=queue_order)
+    kwargs: dict[str, object] = {
+        "holding": holding,
+        "now": 0.0,
+        "quota": lambda user: None,
+        "used": {"busy": held},
+    }
+    return (queue, list(range(held, slots))), kwargs
+
+
 def bench_scheduler(sizes: list[int], rounds: int, slots: int = 8) -> dict[int, float]:
     """Median ms of one scheduling pass per queue size, sizes interleaved round by round.
 
     Returns an empty dict when the scheduler (svc-core) is not in this checkout.
     """
     try:
-        from hora_service.scheduler import bench_inputs, schedule  # type: ignore[attr-defined]
+        from hora_service.scheduler import schedule
     except ImportError as e:
         print(f"scheduling pass: not measured ({e})")
         return {}
 
-    inputs = {n: bench_inputs(n, slots) for n in sizes}
+    inputs = {n: _scheduler_inputs(n, slots) for n in sizes}
+    for n, (args, kwargs) in inputs.items():  # nothing fits: every queued job is examined
+        if schedule(*args, **kwargs):  # type: ignore[arg-type]
+            raise RuntimeError(f"scheduler inputs for {n} jobs are not a full scan")
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for r in range(rounds + 1):
         for n in sizes:

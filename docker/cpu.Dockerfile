@@ -1,5 +1,6 @@
 # hora CPU image: what a job needs to run hora's examples on CPU (hora, the CPU build of torch,
-# numpy, scikit-learn) on a minimal Debian base; for tests, CI and machines without a GPU.
+# numpy, scikit-learn, ipyparallel for session engines) on a minimal Debian base; for tests,
+# CI and machines without a GPU.
 # The docker runtime starts jobs in it (its container init and rank shim come with hora).
 # Built by `hora image build --cpu`, which assembles the build context: this file and wheels/
 # (hora and those packages at the versions of constraints/, made with `pip wheel` on the
@@ -16,7 +17,7 @@ COPY wheels /tmp/wheels
 # hadolint ignore=DL3013
 RUN python3 -m venv /opt/hora \
     && /opt/hora/bin/pip install --no-cache-dir --no-index --ignore-requires-python \
-       --find-links /tmp/wheels torch numpy scikit-learn \
+       --find-links /tmp/wheels torch numpy scikit-learn ipyparallel \
     && rm -rf /tmp/wheels
 # hora last, in a layer of its own: a change to hora rebuilds only this
 COPY hora /tmp/hora

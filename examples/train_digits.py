@@ -11,7 +11,7 @@ Every step of the Horovod guides, on hora's Horovod-compatible API:
     checkpoint on rank 0 only; resume after a restart
     hvd.allreduce(metric)                        # average validation metrics
 
-Runs unchanged under any launcher (see "Launching: hora run" in README.md):
+Runs unchanged under any launcher (see docs/run.md):
 
     hora run -np 2 python examples/train_digits.py
     torchrun --nproc_per_node 2 examples/train_digits.py

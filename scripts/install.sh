@@ -16,7 +16,20 @@ say() { echo "install.sh [$(( $(date +%s) - t0 ))s] $*"; }
 venv="${VIRTUAL_ENV:-$PWD/.venv}"
 if [ ! -x "$venv/bin/python" ]; then
   say "creating the virtual environment $venv"
-  python3 -m venv "$venv"
+  if ! err=$(python3 -m venv "$venv" 2>&1); then
+    # Debian's own python3 has no ensurepip without its python3-venv package
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      say "apt: installing python3-venv (python3 -m venv needs it)"
+      apt-get update -qq
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        python3-venv >/dev/null
+      python3 -m venv "$venv"
+    else
+      echo "$err" >&2
+      echo "install.sh: python3 -m venv failed; on Debian/Ubuntu: apt-get install python3-venv" >&2
+      exit 1
+    fi
+  fi
 fi
 py="$venv/bin/python"
 
@@ -26,6 +39,12 @@ if [ "$want" = test ]; then
   command -v chromium >/dev/null || apt_pkgs+=(chromium)
   command -v dockerd >/dev/null || apt_pkgs+=(docker.io)
   command -v debootstrap >/dev/null || apt_pkgs+=(debootstrap)
+  # a real two-node Slurm for the slurm runtime's tests (scripts/slurm-cluster.sh)
+  command -v slurmd >/dev/null || apt_pkgs+=(slurm-wlm)
+  command -v sbatch >/dev/null || apt_pkgs+=(slurm-client)
+  command -v munged >/dev/null || apt_pkgs+=(munge)
+  command -v nsenter >/dev/null || apt_pkgs+=(util-linux)
+  command -v ip >/dev/null || apt_pkgs+=(iproute2)
 fi
 if [ ${#apt_pkgs[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
