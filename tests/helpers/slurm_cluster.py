@@ -80,6 +80,20 @@ class Cluster:
                 left.append(pid)
         return left
 
+    def leftovers(self, within: float = 10.0) -> dict[str, list[int]]:
+        """Each node's :meth:`task_pids`, once they are all empty or ``within`` seconds pass.
+
+        slurmctld records a job ended when the nodes report its steps done; a node's
+        ``slurmstepd`` may still be exiting for a moment after that (seen on a loaded 2-core
+        machine), so "nothing is left" is checked over a short, bounded wait.
+        """
+        deadline = time.monotonic() + within
+        while True:
+            left = {n: self.task_pids(n) for n in self.nodes}
+            if not any(left.values()) or time.monotonic() > deadline:
+                return left
+            time.sleep(0.1)
+
     def slurmd_pid(self, node: str) -> int:
         return int((self.dir / "run" / f"slurmd-{node}.pid").read_text())
 

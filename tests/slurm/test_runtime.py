@@ -111,7 +111,7 @@ def test_cancel_leaves_no_process_on_either_node(
     job = wait_state(ann, job_id, ("cancelled", "failed", "succeeded"), timeout=30)
     assert job["state"] == "cancelled", job
     # hora reports it cancelled only once Slurm has ended the job: nothing is left anywhere
-    assert {n: slurm.task_pids(n) for n in slurm.nodes} == {"n1": [], "n2": []}
+    assert slurm.leftovers() == {"n1": [], "n2": []}
     pids = [int(p.read_text()) for p in (tmp_path / "ready").iterdir()]
     assert not [p for p in pids if alive(p)]
 
@@ -154,7 +154,7 @@ def test_timeout_ends_the_slurm_job(ann: httpx.Client, slurm: Cluster, tmp_path:
     job_id = submit(ann, [PY, str(script), str(tmp_path / "ready")], workers=2, timeout_s=2)
     job = wait_state(ann, job_id, ("cancelled", "failed", "succeeded"), timeout=40)
     assert job["state"] == "failed" and "timed out after 2s" in job["reason"], job
-    assert {n: slurm.task_pids(n) for n in slurm.nodes} == {"n1": [], "n2": []}
+    assert slurm.leftovers() == {"n1": [], "n2": []}
 
 
 def test_a_job_cancelled_outside_hora_is_reported_as_such(

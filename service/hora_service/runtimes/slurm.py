@@ -376,6 +376,10 @@ class SlurmRuntime(Runtime):
         if job_id is None:
             return True
         info = self.info(job_id)
+        if info is not None and not info.active:
+            # squeue names the end state while the nodes may still be finishing the job's
+            # steps; scontrol says COMPLETING until every node has reported them ended
+            info = self._show(job_id)
         if info is None or not info.active:
             return True
         self.signal_job(job_id, signal.SIGKILL)
