@@ -177,12 +177,18 @@ def _become(
 ) -> None:
     """In the command's process, before exec: join the cgroups, drop privileges, enter ``cwd``.
 
+    USR2 is set ignored, so only a command that installs a handler for it sees it.
+
     ``cwd`` is entered only once the process is the job's account, so a directory that
     account cannot reach is never entered with the shim's rights: the command ends with
     status 126 and the reason in its log. It sets the job's umask too. The attempt's
     namespaces are entered first, as root; that resets the working directory, so without
     ``cwd`` the shim's own is entered again.
     """
+    # USR2 is a warning (Slurm's time limit or preemption, sent up to a minute early): a
+    # command that handles it (checkpoints) installs its handler over this; one that does
+    # not is not ended by it, since an ignored signal stays ignored across exec
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     pid = str(os.getpid())
     for d in cgroups:
         with open(os.path.join(d, "cgroup.procs"), "w") as f:
