@@ -86,6 +86,8 @@ class Attempt:
     clearing_since: float | None = None
     stuck_reported: bool = False
     kind: str = "job"
+    held: bool = False  # its runtime's own queue still holds it (Slurm): recorded ``starting``
+    created: float = 0.0  # when the job was submitted (its queue wait ends when it runs)
 
     def stop(self, state: JobState, reason: str, now: float, grace: float, retry: bool) -> None:
         """Begin stopping every rank: SIGTERM now, SIGKILL at ``now + grace``."""
@@ -97,6 +99,12 @@ class Attempt:
         self.kill_at = min(self.kill_at, now + grace)
         for rank in self.ranks:
             rank.signal(signal.SIGTERM)
+
+
+def _box_of(ranks: list[RankProcess]) -> dict[str, object]:
+    """The ``container_id`` field of a job record: its ranks' container (or Slurm job)."""
+    boxes = {r.container_id for r in ranks if r.container_id is not None}
+    return {"container_id": next(iter(sorted(boxes)), None)}
 
 
 @dataclass(frozen=True)
@@ -725,6 +733,11 @@ class JobManager:
     def _poll(self, attempt: Attempt, now: float) -> None:
         grace = self.settings.kill_grace_s
         attempt.codes = [rank_status(r) for r in attempt.ranks]
+        if attempt.held and attempt.stop_state is None:
+            if any(r.pending_reason is not None for r in attempt.ranks):
+                return
+            if Exit.lost not in attempt.codes:  # it runs, or ran between two passes
+                self._running(attempt)
         if attempt.stop_state is None:
             failed = first_failure(attempt.codes)
             if failed is not None:
@@ -874,7 +887,8 @@ class JobManager:
             except SpecError:
                 retry = False  # the job's account cannot start it: a retry would not either
                 raise
-            ranks = self._runtime(job.spec.runtime.value).start(plan, self._base_env)
+            runtime = self._runtime(job.spec.runtime.value)
+            ranks = runtime.start(plan, self._base_env)
         except (OSError, HoraError) as e:
             reason = f"could not start the ranks: {e}"
             log.warning("job %d: %s", job_id, reason)
@@ -885,23 +899,33 @@ class JobManager:
             attempt.stop(JobState.failed, reason, now, 0.0, retry=retry)
             self._poll(attempt, now)
             return
-        running = time.time()
-        timeout = job.spec.timeout_s
-        self._attempts[job_id] = Attempt(
-            job_id, job.user, plan, ranks, running, running + timeout if timeout else None,
-            kind=job.kind,
+        attempt = Attempt(
+            job_id, job.user, plan, ranks, time.time(), None, kind=job.kind,
+            created=job.created_at.timestamp(),
         )  # fmt: skip
-        boxes = {r.container_id for r in ranks if r.container_id is not None}
+        self._attempts[job_id] = attempt
+        if runtime.queues and any(r.pending_reason is not None for r in ranks):
+            attempt.held = True  # `starting` until the runtime's queue lets it run
+            self._write(Write(job_id, None, attempt.started, None, _box_of(ranks)))
+        else:
+            self._running(attempt)
+
+    def _running(self, attempt: Attempt) -> None:
+        """Record ``attempt`` running from now: its time limit starts, its queue wait ends."""
+        running = attempt.started = time.time()
+        attempt.held = False
+        timeout = attempt.plan.spec.timeout_s
+        attempt.deadline = running + timeout if timeout else None
         self._set_state(
-            job_id, JobState.running, running, None,
-            started_at=running, container_id=next(iter(sorted(boxes)), None),
+            attempt.job_id, JobState.running, running, None,
+            started_at=running, **_box_of(attempt.ranks),
         )  # fmt: skip
-        if n == 1:
-            latency = running - job.created_at.timestamp()
+        if attempt.plan.attempt == 1:
+            latency = running - attempt.created
             self._latencies.append(latency)
             self._latency_sum += latency
             self._latency_count += 1
-            self.usage.started(job.user, job.spec.priority.value, latency)
+            self.usage.started(attempt.user, attempt.plan.spec.priority.value, latency)
 
     def _plan(
         self,
@@ -963,11 +987,13 @@ class JobManager:
             timeout = job.spec.timeout_s
             attempt = Attempt(
                 job.id, job.user, plan, ranks, started, started + timeout if timeout else None,
-                kind=job.kind,
+                kind=job.kind, created=job.created_at.timestamp(),
             )  # fmt: skip
             self._attempts[job.id] = attempt
             if job.id in cancelling:
                 attempt.stop(JobState.cancelled, "cancelled by the user", now, grace, False)
+            elif job.state == JobState.starting and self._held(job.spec.runtime.value, ranks):
+                attempt.held = True  # still in the runtime's queue, or started meanwhile
             elif job.state == JobState.starting:
                 reason = "the service stopped while the job was starting"
                 attempt.stop(JobState.failed, reason, now, grace, retry=True)
@@ -984,6 +1010,14 @@ class JobManager:
             )
 
     # helpers ----------------------------------------------------------------------------
+
+    def _held(self, runtime: str, ranks: list[RankProcess]) -> bool:
+        """A starting job a queueing runtime (Slurm) took: re-adopted, never started twice."""
+        try:
+            queues = self._runtime(runtime).queues
+        except HoraError:
+            return False
+        return queues and bool(ranks) and all(r.container_id is not None for r in ranks)
 
     def _enqueue(self, job_id: int, user: str, spec: JobSpec, due: float | None) -> None:
         need = 0 if _outside(spec) else spec.total_gpus

@@ -14,15 +14,14 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 
-from hora.spec import PRIORITY_RANK, HolderInfo, JobState, QueueEntry, QueueInfo, WaitReason
+from hora.spec import HolderInfo, JobState, QueueEntry, QueueInfo, WaitReason
 
 from hora_service.manager import Holder, JobManager
 from hora_service.models import JobRecord, User
-from hora_service.reasons import QueueState, explain_queue
+from hora_service.reasons import PRIORITY_NAME, QueueState, explain_queue
 from hora_service.scheduler import INF, Holding, Pending, queue_order
 from hora_service.store import is_unavailable
 
-PRIORITY_NAME = {rank: name.value for name, rank in PRIORITY_RANK.items()}
 IdleOf = Callable[[int], float | None]
 
 
@@ -85,15 +84,20 @@ def queue_info(
 def queue_entries(
     manager: JobManager, viewer: User, now: float | None = None, idle_of: IdleOf | None = None
 ) -> list[QueueEntry]:
-    """Every queued job and session in queue order, as ``viewer`` may see them."""
+    """Every queued job and session in queue order, as ``viewer`` may see them.
+
+    Then, at position 0, the jobs a runtime's own queue holds back (Slurm's pending jobs):
+    hora has handed them over and they wait there, with the runtime's reason.
+    """
     now = time.time() if now is None else now
     order, reasons, _ = snapshot(manager, now, idle_of)
-    shown = [p.id for p in order if viewer.is_admin or p.user == viewer.name]
-    records = _records(manager, shown)
+    queued = {p.id for p in order}
+    held = sorted(set(reasons) - queued)
+    records = _records(manager, [p.id for p in order if _sees(viewer, p.user)] + held)
     out = []
     for i, p in enumerate(order):
         priority = PRIORITY_NAME.get(p.priority, str(p.priority))
-        if not (viewer.is_admin or p.user == viewer.name):
+        if not _sees(viewer, p.user):
             out.append(QueueEntry(position=i + 1, need=p.need, priority=priority))
             continue
         job = records.get(p.id)
@@ -104,7 +108,22 @@ def queue_entries(
                 queued_at=job.created_at if job else None, reason=reasons.get(p.id),
             )  # fmt: skip
         )
+    for job_id in held:
+        job = records.get(job_id)
+        if job is None or not _sees(viewer, job.user) or job.state.terminal:
+            continue
+        out.append(
+            QueueEntry(
+                position=0, id=job.id, kind=job.kind, user=job.user, name=job.spec.name,
+                need=job.spec.total_gpus, priority=job.spec.priority.value,
+                queued_at=job.created_at, reason=reasons[job_id],
+            )  # fmt: skip
+        )
     return out
+
+
+def _sees(viewer: User, user: str) -> bool:
+    return viewer.is_admin or user == viewer.name
 
 
 def _records(manager: JobManager, ids: list[int]) -> dict[int, JobRecord]:

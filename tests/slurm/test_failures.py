@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -108,12 +109,32 @@ def test_usr2_reaches_the_ranks_and_a_preemption_maps_to_a_retry(
     assert urgent not in slurm.queue()
 
 
-def test_a_job_slurm_holds_back_shows_slurms_pending_reason(
-    service: ServiceServer, slurm: Cluster, tmp_path: Path
+def hora_jobs(server: ServiceServer, user: str, tmp_path: Path) -> str:
+    """``hora jobs`` as ``user`` sees it (the CLI, in a subprocess)."""
+    env = {k: v for k, v in server.env.items() if not k.startswith("HORA_")}
+    env |= {"HORA_URL": server.url, "HORA_TOKEN": server.tokens[user],
+            "HORA_CONFIG": str(tmp_path / "no-config")}  # fmt: skip
+    return subprocess.run(
+        [PY, "-m", "hora.cli", "jobs"], env=env, capture_output=True, text=True, timeout=60,
+        stdin=subprocess.DEVNULL, check=True,
+    ).stdout  # fmt: skip
+
+
+def test_a_job_slurm_holds_back_waits_starting_with_slurms_reason_across_a_restart(
+    slurm: Cluster, tmp_path: Path
 ) -> None:
-    server = service
+    """Slurm's queue holds the job: it is ``starting`` (handed over, not running) with Slurm's
+    reason in its record, ``/v1/queue`` and ``hora jobs``; a kill -9 of the service then
+    re-adopts it, never submitting it twice, and it runs once Slurm lets it."""
+    users = {"ann": False, "bob": False, "root": True}
+    with ServiceServer(tmp_path, users=users, env=slurm_env(slurm)) as server:
+        _held_by_slurm(server, slurm, tmp_path)
+    slurm.wait_idle()
+
+
+def _held_by_slurm(server: ServiceServer, slurm: Cluster, tmp_path: Path) -> None:
     blocker = slurm.run(
-        "sbatch", "--parsable", "-N2", "--gres=gpu:2", "-o", "/dev/null", "--wrap", "sleep 30"
+        "sbatch", "--parsable", "-N2", "--gres=gpu:2", "-o", "/dev/null", "--wrap", "sleep 60"
     ).strip()
     try:
         with server.client("ann") as c:
@@ -127,13 +148,32 @@ def test_a_job_slurm_holds_back_shows_slurms_pending_reason(
                 assert time.monotonic() < deadline, job
                 time.sleep(0.1)
             assert why["kind"] == "runtime" and why["text"] == "slurm: Resources", why
-            listed = c.get("/v1/jobs").json()["items"][0]
-            assert listed["id"] == job_id and listed["state"] == "running", listed
+            assert job["state"] == "starting" and job["started_at"] is None, job
+            first = slurm_id(c, job_id)
+            name = slurm.run("squeue", "-h", "-j", first, "-o", "%j").strip()
+            entries = [e for e in c.get("/v1/queue").json() if e.get("id") == job_id]
+            assert len(entries) == 1 and entries[0]["position"] == 0, entries
+            assert entries[0]["reason"]["text"] == "slurm: Resources", entries
+        with server.client("bob") as c:  # another user sees nothing of it
+            assert all(e.get("id") != job_id for e in c.get("/v1/queue").json())
+        row = next(ln for ln in hora_jobs(server, "ann", tmp_path).splitlines()
+                   if ln.split()[:1] == [str(job_id)])  # fmt: skip
+        assert "starting" in row and "slurm: Resources" in row, row
+        server.crash()
+        server.restart()
+        with server.client("ann") as c:
+            time.sleep(1.0)  # a few monitor passes of the new service
+            job = c.get(f"/v1/jobs/{job_id}").json()
+            assert job["state"] == "starting" and job["container_id"] == f"slurm:{first}", job
     finally:
         slurm.run("scancel", blocker)
     with server.client("ann") as c:
         job = wait_state(c, job_id, ("succeeded", "failed"), timeout=30)
         assert job["state"] == "succeeded" and job.get("queue") is None, job
+        assert job["attempt"] == 1 and job["started_at"] is not None, job
+        moves = [t["state"] for t in job["transitions"]]
+        assert moves[-3:] == ["starting", "running", "succeeded"], moves
+    assert names(slurm).count(name) == 1, (name, names(slurm))
 
 
 def test_a_node_that_cannot_see_the_jobs_directory_is_named(
@@ -175,6 +215,7 @@ def test_a_controller_that_stops_answering_ends_no_job(
     with service.client("ann") as c:
         job_id = submit(c, [PY, str(script), str(ready)], workers=2)
         wait_ready(ready, 2)
+        wait_state(c, job_id, ("running",), timeout=20)  # hora saw Slurm run it
         os.kill(ctld, signal.SIGSTOP)  # squeue and scontrol time out meanwhile
         try:
             time.sleep(12)  # more than slurm.conf's MessageTimeout (10 s): squeue failed

@@ -47,10 +47,6 @@ LONG_FUNCTIONS: dict[str, str] = {
         "61 lines, 21 of them its docstring (landed beside this guard, 120edc3); the fail_below "
         "check can move into a helper"
     ),
-    "service/hora_service/manager.py::JobManager._launch": (
-        "an attempt's start: store write, plan, checks, runtime start, each with its failure "
-        "path; goes with the manager's re-cut by role (issue 17 item 5)"
-    ),
     "service/hora_service/scheduler.py::schedule": (
         "one scheduling pass (61 lines with its docstring); splitting it would scatter the rules "
         "that the module docstring lists in order"

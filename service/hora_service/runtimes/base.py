@@ -122,6 +122,11 @@ class RankProcess(ABC):
     note: str | None = None
     container_id: str | None = None
 
+    @property
+    def pending_reason(self) -> str | None:
+        """Why the runtime still holds the rank back (a cluster's queue), else None: started."""
+        return None
+
     @abstractmethod
     def poll(self) -> RankStatus:
         """The exit code (negative: killed by that signal), ``Exit.running`` or ``Exit.lost``."""
@@ -151,12 +156,16 @@ class Runtime(ABC):
 
     Attributes:
         name: the runtime's name (the spec's ``runtime``).
+        queues: whether the runtime queues what it is given (Slurm): the job stays
+            ``starting`` while any rank's :attr:`RankProcess.pending_reason` says why it waits,
+            and a restart re-adopts a starting job instead of failing it.
         uses_cgroup: whether the ranks run in the attempt's own cgroup (``plan.container``),
             which :meth:`start` then creates; docker's ranks run in the container's.
     """
 
     name = "runtime"
     uses_cgroup = True
+    queues = False  # the runtime has a queue of its own (Slurm): a started job may wait there
     # where the runtime posts why a job it holds back waits (set by the job manager)
     waits: ReasonBoard | None = None
 

@@ -96,6 +96,7 @@ class SlurmRuntime(Runtime):
     """Jobs as Slurm batch jobs (see the module docstring)."""
 
     name = "slurm"
+    queues = True
     uses_cgroup = False  # Slurm holds the ranks' processes on its nodes
 
     def __init__(self, opts: SlurmOptions, instance: str, conf: str | None, bin_dir: str | None):
