@@ -9,8 +9,16 @@ the first :data:`SCAN_BYTES` of rank 0's log (opened the way every run file is, 
 :class:`PreflightFigures` (bounded lists, finite numbers), and keeps the figures of each
 job's attempt and the last bandwidth seen per node and path for ``/metrics``.
 
-The line is the job's own output: a job can write a false one. It only changes what its own
-page shows and the node's ``hora_preflight_bandwidth_gbps`` gauge until the next job's.
+While an attempt runs, the monitor looks for the line (:meth:`PreflightBook.poll`, at most
+every :data:`POLL_S` seconds) and records it once as an event of the job: a transition with
+the job's state (``running``) and the figures' line as its reason, naming any rank or link
+far below its reference. When the admin's threshold (``job_preflight_fail_below``) was
+crossed, rank 0 logs the line with ``failed`` set before every rank's ``hvd.init()`` raises,
+and the failed attempt's reason starts with that message, naming the rank.
+
+The line is the job's own output: a job can write a false one. It only changes its own page,
+events and failure reason, and the node's ``hora_preflight_bandwidth_gbps`` gauge until the
+next job's.
 """
 
 from __future__ import annotations
@@ -29,6 +37,9 @@ TAG = b"HORA_PREFLIGHT "
 SCAN_BYTES = 1 << 20
 LINE_MAX = 256 << 10
 _KEEP = 4096  # attempts whose figures are kept in memory
+INF = float("inf")
+POLL_S = 1.0  # how often a running attempt's rank 0 log is looked at until it has figures
+EVENT_MAX = 2000
 
 Num = Annotated[float, Field(ge=0, le=1e9)]
 Name = Annotated[str, Field(max_length=200)]
@@ -87,6 +98,7 @@ class PreflightFigures(_Strict):
     seconds: Num
     paths: Annotated[list[PathRow], Field(max_length=4)]
     findings: Annotated[list[FindingRow], Field(max_length=64)] = []
+    failed: Annotated[str | None, Field(max_length=4000)] = None  # the threshold's error
 
     def line(self) -> str:
         """One line of figures, as ``%dist_start`` prints it."""
@@ -96,7 +108,26 @@ class PreflightFigures(_Strict):
         ]
         slow = "; ".join(f.text for f in self.findings)
         tail = f"; SLOW: {slow}" if slow else "; no rank or link far below its reference"
+        tail += "; FAILED: threshold crossed" if self.failed else ""
         return f"preflight ({self.size} ranks, {self.seconds:.2f}s): " + "; ".join(parts) + tail
+
+    def event(self) -> str:
+        """The job's event for these figures (its line, at most :data:`EVENT_MAX` chars)."""
+        text = self.line()
+        return text if len(text) <= EVENT_MAX else text[: EVENT_MAX - 1] + "…"
+
+    def explain(self, why: str) -> str:
+        """A failed attempt's reason: the threshold's message (naming the rank) first.
+
+        Example:
+            >>> PreflightFigures(size=2, backend="gloo", seconds=0.1, paths=[],
+            ...                  failed="preflight: below 0.3 of the reference: rank 1 (...)"
+            ...                  ).explain("rank 0 exited with code 1")
+            'preflight: below 0.3 of the reference: rank 1 (...); rank 0 exited with code 1'
+        """
+        if not self.failed or why.startswith(self.failed):
+            return why
+        return f"{self.failed}; {why}" if why else self.failed
 
 
 def parse(data: bytes) -> PreflightFigures | None:
@@ -139,11 +170,43 @@ class PreflightBook:
         self._lock = threading.Lock()
         self._figures: dict[tuple[int, int], PreflightFigures] = {}
         self._by_node: dict[str, dict[str, float]] = {}
+        self._next: dict[tuple[int, int], float] = {}  # running attempts: when to look again
+
+    def poll(
+        self, job_id: int, attempt: int, log_path: Path, now: float, force: bool = False
+    ) -> PreflightFigures | None:
+        """A running attempt's figures the first time the monitor sees them, else None.
+
+        The monitor calls it on every pass; the log is read at most every :data:`POLL_S`
+        seconds (``force``: now, as when a rank has ended) until the figures are there.
+        """
+        key = (job_id, attempt)
+        with self._lock:
+            if self._next.get(key) == INF or (not force and now < self._next.get(key, 0.0)):
+                return None
+            self._next[key] = now + POLL_S
+            if len(self._next) > _KEEP:
+                self._next.pop(next(iter(self._next)))
+        figures = self.note(job_id, attempt, log_path)
+        with self._lock:
+            if figures is None or self._next.get(key) == INF:
+                return None
+            self._next[key] = INF  # seen: never again for this attempt
+        return figures
+
+    def done(self, job_id: int, attempt: int) -> None:
+        """The attempt has ended: forget when to look at its log."""
+        with self._lock:
+            self._next.pop((job_id, attempt), None)
+
+    def known(self, job_id: int, attempt: int) -> PreflightFigures | None:
+        """The figures already read for an attempt, or None."""
+        with self._lock:
+            return self._figures.get((job_id, attempt))
 
     def note(self, job_id: int, attempt: int, log_path: Path) -> PreflightFigures | None:
         """Read an attempt's rank 0 log (once it has figures, they are kept)."""
-        with self._lock:
-            known = self._figures.get((job_id, attempt))
+        known = self.known(job_id, attempt)
         if known is not None:
             return known
         figures = read_log(log_path)

@@ -42,6 +42,8 @@ class Write:
         at: when (UNIX seconds).
         reason: the transition's reason (also the job's ``reason`` column).
         fields: other columns of the jobs table.
+        event: an event, not a change: the transition is recorded (with the job's current
+            ``state``, say ``running``, and the event as its reason) and nothing else.
     """
 
     job_id: int
@@ -49,6 +51,7 @@ class Write:
     at: float
     reason: str | None
     fields: Mapping[str, object] = field(default_factory=dict)
+    event: bool = False
 
 
 class Journal:
@@ -130,7 +133,8 @@ def apply_writes(record: JobRecord, writes: list[Write]) -> JobRecord:
                 at = w.fields[k]
                 update[k] = datetime.fromtimestamp(at, UTC) if isinstance(at, float) else at
         if w.state is not None:
-            update["state"], update["reason"] = w.state, w.reason
+            if not w.event:
+                update["state"], update["reason"] = w.state, w.reason
             moves.append(Transition(state=w.state, at=datetime.fromtimestamp(w.at, UTC),
                                     reason=w.reason))  # fmt: skip
     update["transitions"] = moves

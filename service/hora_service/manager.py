@@ -44,7 +44,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from hora_service import identity, runtimes
 from hora_service.bounds import Bounds
 from hora_service.inventory import Slot, inventory
-from hora_service.jobpreflight import PreflightBook
+from hora_service.jobpreflight import PreflightBook, PreflightFigures
 from hora_service.journal import Journal, Write
 from hora_service.models import JobRecord, MetricsSnapshot, SlotInfo, User
 from hora_service.quotas import OverLimit, spec_bytes, within_running_limit
@@ -740,6 +740,7 @@ class JobManager:
                 self._running(attempt)
         if attempt.stop_state is None:
             failed = first_failure(attempt.codes)
+            self._watch_preflight(attempt, now)
             if failed is not None:
                 first, status = failed
                 why = describe(first, status, attempt.ranks[first].note)
@@ -764,6 +765,19 @@ class JobManager:
             for rank, code in zip(attempt.ranks, attempt.codes, strict=True):
                 if code is Exit.running:
                     rank.signal(signal.SIGKILL)
+
+    def _watch_preflight(
+        self, attempt: Attempt, now: float, force: bool = False
+    ) -> PreflightFigures | None:
+        """Name the attempt's preflight in its events once rank 0 logged it; its figures."""
+        if not attempt.plan.preflight_env:
+            return None
+        plan = attempt.plan
+        force = force or any(c is not Exit.running for c in attempt.codes)
+        found = self.preflight.poll(attempt.job_id, plan.attempt, plan.log_path(0), now, force)
+        if found is not None:
+            self._write(Write(attempt.job_id, JobState.running, now, found.event(), event=True))
+        return self.preflight.known(attempt.job_id, plan.attempt)
 
     def _cleared(self, attempt: Attempt, now: float) -> bool:
         """Every rank has ended: kill what is left of the attempt; True once nothing is.
@@ -802,8 +816,10 @@ class JobManager:
         del self._attempts[attempt.job_id]
         self._dirty = True
         self.usage.held(attempt.user, len(attempt.plan.slots), now - attempt.started)
-        if attempt.plan.preflight_env:  # keep the figures rank 0 logged (for /metrics)
-            self.preflight.note(attempt.job_id, attempt.plan.attempt, attempt.plan.log_path(0))
+        figures = self._watch_preflight(attempt, now, force=True)  # every rank has ended
+        self.preflight.done(attempt.job_id, attempt.plan.attempt)
+        if figures is not None and state == JobState.failed:
+            reason = figures.explain(reason or "")  # a crossed threshold names its rank
         heir = self._handoffs.pop(attempt.job_id, None)
         if heir in self._pending:  # the session's slots go straight to the job it handed to
             self._launch(heir, attempt.plan.slots[: self._pending[heir][0].need])
@@ -1051,6 +1067,9 @@ class JobManager:
         def apply(writes: list[Write]) -> None:
             with store.tx(timeout_s) as conn:
                 for w in writes:
+                    if w.state is not None and w.event:
+                        store.add_transition(conn, w.job_id, w.state, w.at, w.reason)
+                        continue
                     if w.state is None:
                         store.update_job(conn, w.job_id, **w.fields)
                         continue

@@ -4,10 +4,13 @@ One real service (2 CPU slots) runs one real 2-rank job that calls ``hvd.init()`
 service set ``HORA_PREFLIGHT=1`` in the ranks' environment, so rank 0 logged the figures
 (one ``HORA_PREFLIGHT {json}`` line); rank 1 slows itself on purpose (a test hook sleeps
 inside each timed local copy), so the figures name it. Checked: ``GET /v1/jobs/{id}`` carries
-the validated figures and their line naming rank 1, so does the dashboard's job JSON
-(``/ui/api/jobs/{id}``, signed in with the cookie), ``/metrics`` has the node's
-``hora_preflight_bandwidth_gbps`` per path, and a job whose ``env`` sets ``HORA_PREFLIGHT=0``
-keeps it (the ranks' environment, from the runtime's own function).
+the validated figures and their line naming rank 1, and the job's events (its transitions)
+have that line while it is ``running``; so does the dashboard's job JSON
+(``/ui/api/jobs/{id}``, signed in with the cookie); ``/metrics`` has the node's
+``hora_preflight_bandwidth_gbps`` per path; a job whose ``env`` sets ``HORA_PREFLIGHT=0``
+keeps it (the ranks' environment, from the runtime's own function). A second service whose
+admin set ``job_preflight_fail_below`` fails the same job before training, its reason naming
+rank 1.
 """
 
 from __future__ import annotations
@@ -60,7 +63,10 @@ def test_a_job_s_preflight_is_read_shown_and_measured(srv: ServiceServer) -> Non
         assert [p["path"] for p in figures["paths"]] == ["gloo", "shm"]
         assert figures["line"].startswith("preflight (2 ranks, ")
         assert any(f["who"] == "rank 1" for f in figures["findings"]), figures["findings"]
-        assert "SLOW: rank 1" in figures["line"]
+        assert "SLOW: rank 1" in figures["line"] and figures["failed"] is None
+        events = [t for t in done["transitions"] if t["reason"] == figures["line"]]
+        assert [t["state"] for t in events] == ["running"], done["transitions"]
+        assert done["transitions"][-1]["state"] == "succeeded"
         metrics = admin.get("/metrics").text
     with httpx.Client(base_url=srv.url, timeout=30) as page:  # what the dashboard's page reads
         assert page.post("/ui/login", json={"token": srv.tokens["ann"]}).status_code == 200
@@ -70,6 +76,27 @@ def test_a_job_s_preflight_is_read_shown_and_measured(srv: ServiceServer) -> Non
     assert host == socket.gethostname()
     for path in ("gloo", "shm"):
         assert f'hora_preflight_bandwidth_gbps{{node="{host}",path="{path}"}}' in metrics
+
+
+def test_an_admin_threshold_fails_the_job_naming_the_rank(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text(SCRIPT)
+    env = {"HORA_JOB_PREFLIGHT_FAIL_BELOW": "0.3"}
+    with ServiceServer(tmp_path, cpu_slots=2, env=env) as server, server.client("ann") as c:
+        job = c.post("/v1/jobs", json={"command": [sys.executable, str(tmp_path / "train.py")],
+                                       "workers": 2})
+        assert job.status_code == 201, job.text
+        jid = job.json()["id"]
+        done = wait_state(c, jid, ("succeeded", "failed", "cancelled"), timeout=120)
+        log0 = c.get(f"/v1/jobs/{jid}/logs", params={"rank": 0}).text
+    assert done["state"] == "failed", (done, log0)
+    assert "trained" not in log0 and "PreflightError" in log0
+    assert done["reason"].startswith("preflight: below 0.3 of the reference: rank 1 ("), done
+    figures = done["preflight"]
+    assert done["reason"].startswith(figures["failed"] + "; rank "), done  # then the exit
+    assert "FAILED" in figures["line"] and "SLOW: rank 1" in figures["line"]
+    assert [t["state"] for t in done["transitions"] if t["reason"] == figures["line"]] == [
+        "running"
+    ]
 
 
 def test_the_ranks_are_asked_unless_the_job_says_no(tmp_path: Path) -> None:

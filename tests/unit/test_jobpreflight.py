@@ -54,3 +54,19 @@ def test_the_book_keeps_an_attempt_s_figures_and_the_node_s_bandwidth(tmp_path) 
     log.write_bytes(b"")  # kept once read
     assert book.note(1, 1, log) is not None
     assert book.by_node() == {"h": {"gloo": 1.5}}
+
+
+def test_the_monitor_is_told_of_the_figures_once_and_a_failure_names_the_rank(tmp_path) -> None:
+    log = tmp_path / "rank0.log"
+    log.write_bytes(b"starting\n")
+    book = PreflightBook()
+    assert book.poll(1, 1, log, now=10.0) is None  # read: not there yet
+    log.write_bytes(_log("HORA_PREFLIGHT " + json.dumps(GOOD | {"failed": "preflight: x"})))
+    assert book.poll(1, 1, log, now=10.5) is None  # not looked at again within POLL_S
+    found = book.poll(1, 1, log, now=10.5, force=True)
+    assert found is not None and found.event() == found.line()
+    assert found.line().endswith("SLOW: rank 1 (slow); FAILED: threshold crossed")
+    assert book.poll(1, 1, log, now=99.0, force=True) is None  # told once
+    assert book.known(1, 1) == found
+    assert found.explain("rank 0 exited with code 1") == "preflight: x; rank 0 exited with code 1"
+    assert found.explain("preflight: x; rank 0 exited") == "preflight: x; rank 0 exited"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from hora.spec import JobSpec, JobState
 from hora_service.health import StoreProbe
-from hora_service.journal import Journal, Write
+from hora_service.journal import Journal, Write, apply_writes
 from hora_service.manager import JobManager
 from hora_service.runtimes import AttemptPlan, Exit, RankProcess, Runtime
 from hora_service.runtimes.base import RankStatus
@@ -166,6 +166,20 @@ def test_journal_keeps_order_and_overlays() -> None:
     assert j.flush(seen.append, now=6.0) == [1, 2]
     assert [w.state for w in seen[0]] == [JobState.starting, JobState.running, None]
     assert len(j) == 0 and j.error is None and not j.pending(1)
+
+
+def test_an_event_adds_a_transition_and_keeps_the_state(mgr: JobManager) -> None:
+    job = mgr.submit("ann", JobSpec(command=["true"]))
+    seen = apply_writes(job, [
+        Write(job.id, JobState.running, 2.0, "went", {"attempt": 1}),
+        Write(job.id, JobState.running, 3.0, "preflight (2 ranks ...)", event=True),
+    ])  # fmt: skip
+    assert (seen.state, seen.reason) == (JobState.running, "went")
+    assert [t.reason for t in seen.transitions][-2:] == ["went", "preflight (2 ranks ...)"]
+    mgr._write(Write(job.id, JobState.running, 3.0, "preflight (2 ranks ...)", event=True))
+    stored = mgr.get(job.id)
+    assert stored is not None and stored.state == JobState.queued and stored.reason is None
+    assert stored.transitions[-1].reason == "preflight (2 ranks ...)"
 
 
 def test_health_probe_says_why_the_store_is_not_usable(mgr: JobManager) -> None:

@@ -69,7 +69,14 @@ SLOW_HOOKS: list[Callable[[str], None]] = []
 
 
 class PreflightError(HoraError):
-    """A rank, link or path measured below the fail threshold (raised on every rank)."""
+    """A rank, link or path measured below the fail threshold (raised on every rank).
+
+    ``report`` is what was measured (None when a setting was invalid).
+    """
+
+    def __init__(self, message: str, report: PreflightReport | None = None) -> None:
+        super().__init__(message)
+        self.report = report
 
 
 @dataclass
@@ -517,7 +524,8 @@ def run(
         if bad:
             raise PreflightError(
                 f"preflight: below {fail:g} of the reference: "
-                + "; ".join(f.text() for f in bad)
+                + "; ".join(f.text() for f in bad),
+                report,
             )
     return report
 
@@ -541,21 +549,30 @@ def _at_init(environ: Mapping[str, str], _process_sets: Any) -> None:
     """``hvd.init()`` hook: run the preflight when ``HORA_PREFLIGHT`` asks; rank 0 logs it.
 
     Rank 0 writes one line ``HORA_PREFLIGHT {json}`` to stderr (the job's log), which the
-    service reads; every rank logs a warning naming what is far below its reference.
+    service reads; every rank logs a warning naming what is far below its reference. When
+    the fail threshold is crossed, rank 0 writes the line first, with ``failed`` set to the
+    error's message, so that the service can say which rank or link failed the job.
     """
     if environ.get("HORA_PREFLIGHT", "").strip().lower() not in ("1", "on", "true", "yes"):
         return
     try:
         report = run(environ=environ)
-    except PreflightError:
-        raise  # the threshold was crossed (or a setting is wrong): init() fails, naming it
+    except PreflightError as e:  # the threshold was crossed (or a setting is wrong)
+        if e.report is not None:
+            _log_line(e.report.to_dict() | {"failed": str(e)})
+        raise  # init() fails, naming it
     except Exception as e:  # noqa: BLE001  (a check must not stop training that would work)
         log.warning("preflight: no figures (%s: %s)", type(e).__name__, e)
         return
     if report.findings:
         log.warning("preflight: far below the reference: %s", report.slowest())
+    _log_line(report.to_dict())
+
+
+def _log_line(figures: dict[str, Any]) -> None:
+    """Rank 0 writes ``HORA_PREFLIGHT {json}`` to its stderr (the job's rank 0 log)."""
     if _state.require_init("preflight").rank == 0:
-        sys.stderr.write(f"{LINE_TAG} {json.dumps(report.to_dict(), separators=(',', ':'))}\n")
+        sys.stderr.write(f"{LINE_TAG} {json.dumps(figures, separators=(',', ':'))}\n")
         sys.stderr.flush()
 
 
