@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "logs": ("hora.jobs_cli", "print or follow a job's logs"),
     "cancel": ("hora.jobs_cli", "cancel a job"),
     "gpus": ("hora.jobs_cli", "show GPUs/slots and which job holds each"),
+    "scaling": ("hora.jobs_cli", "a job's scaling report, from its timeline"),
 }
 
 

@@ -265,6 +265,14 @@ class Client:
             raise
         return [QueueEntry.model_validate(e) for e in data]
 
+    def scaling(self, job_id: int) -> dict[str, Any]:
+        """A job's scaling report from its timeline (``GET /v1/jobs/{id}/scaling``).
+
+        Raises:
+            ServiceError: 404 when the job is not yours or has no timeline.
+        """
+        return dict(self.request("GET", f"/v1/jobs/{job_id}/scaling").json())
+
     def gpus(self) -> list[dict[str, Any]]:
         """Every GPU / CPU slot and the job holding it."""
         return list(self.request("GET", "/v1/gpus").json())

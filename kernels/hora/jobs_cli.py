@@ -99,6 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("cancel", help="cancel jobs")
     c.add_argument("job_id", type=int, nargs="+")
     sub.add_parser("gpus", help="show GPUs/slots and which job holds each")
+    sc = sub.add_parser(
+        "scaling",
+        help="a job's scaling report, from its timeline",
+        description="Per rank: wall time, time in collectives and waiting, bytes reduced, "
+        "bandwidth against the preflight's; the slowest rank and why; the estimated scaling "
+        "efficiency. The job must set HOROVOD_TIMELINE in its env.",
+    )
+    sc.add_argument("job_id", type=int)
+    sc.add_argument("--json", action="store_true", help="print the raw JSON report")
     for p in sub.choices.values():
         _common(p)
     return parser
@@ -282,6 +291,22 @@ def gpus_table(slots: Sequence[dict[str, Any]]) -> str:
     return format_table(["SLOT", "KIND", "NAME", "JOB", "USER", "HOLDER"], rows)
 
 
+def scaling_text(report: dict[str, Any]) -> str:
+    """The ``hora scaling`` view: one row per rank, then the verdict line.
+
+    Example:
+        >>> print(scaling_text({"rows": [{"rank": 0, "wall s": "1.000"}],
+        ...                     "verdict": "slowest rank 0 (balanced)"}))
+        RANK  WALL S
+        0     1.000
+        slowest rank 0 (balanced)
+    """
+    rows = report.get("rows") or []
+    headers = list(rows[0]) if rows else []
+    table = format_table([h.upper() for h in headers], [[r[h] for h in headers] for r in rows])
+    return f"{table}\n{report.get('verdict', '')}"
+
+
 def _short(text: str, width: int = 60) -> str:
     text = " ".join(text.split())
     return text if len(text) <= width else text[: width - 1] + "…"
@@ -436,6 +461,14 @@ def cmd_gpus(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return 0
 
 
+def cmd_scaling(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """``hora scaling ID``: the job's scaling report, from its timeline."""
+    with _client(args) as client:
+        report = client.scaling(args.job_id)
+    _out(out, (json.dumps(report, indent=2) if args.json else scaling_text(report)) + "\n")
+    return 0
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace, TextIO, TextIO], int]] = {
     "submit": cmd_submit,
     "jobs": cmd_jobs,
@@ -443,6 +476,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, TextIO, TextIO], int]] = {
     "logs": cmd_logs,
     "cancel": cmd_cancel,
     "gpus": cmd_gpus,
+    "scaling": cmd_scaling,
 }
 
 

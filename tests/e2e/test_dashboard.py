@@ -10,6 +10,10 @@ from its page, another user who cannot read the job or its logs (page and API), 
 refused without the CSRF token or from another origin, the admin's users page, and a job's
 timeline drawn from the trace its ranks wrote (the Chrome-trace part files that
 ``hora.torch``'s timeline writes, written here by the script itself to spare a torch import).
+Last, one real torch job (tests/helpers/known_share.py: rank 1 slowed in the preflight, a
+known communication share, its timeline recorded): its page shows the preflight naming
+rank 1 (the box and the job's events) and the scaling report from its timeline (the table,
+a bar per rank, the verdict naming rank 1 and compute).
 
 A screenshot of each page is saved under pytest's tmp dir, or ``HORA_SCREENSHOT_DIR``.
 Skipped only when /usr/bin/chromium is missing (CI installs it).
@@ -24,6 +28,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers.known_share import SCRIPT as KNOWN_SHARE
 from helpers.service_server import ServiceServer, wait_state
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
@@ -70,6 +75,7 @@ expect.set_options(timeout=WAIT_MS)
 def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("dash")
     (root / "gated.py").write_text(GATED)
+    (root / "known_share.py").write_text(KNOWN_SHARE)
     return root
 
 
@@ -291,4 +297,35 @@ def test_admin_sees_users_and_a_job_timeline(
     assert bob.request.get(srv.url + "/ui/api/users").status == 403
     expect(bob.locator("#nav-users")).to_be_hidden()
     bob.context.close()
+    page.context.close()
+
+
+def test_a_job_page_shows_its_preflight_and_scaling(
+    browser: Browser, srv: ServiceServer, work: Path, shots: Path
+) -> None:
+    body = {"command": [sys.executable, str(work / "known_share.py")], "workers": 2,
+            "name": "measured", "env": {"HOROVOD_TIMELINE": "known.json"}}
+    with srv.client("ann") as c:
+        r = c.post("/v1/jobs", json=body)
+        assert r.status_code == 201, r.text
+        job = int(r.json()["id"])
+        done = wait_state(c, job, ("succeeded", "failed", "cancelled"), timeout=150)
+    assert done["state"] == "succeeded", done
+    page = sign_in(browser, srv, "ann")
+    page.goto(srv.url + f"/ui#/job/{job}")
+    expect(page.locator("#job-state")).to_have_text("succeeded")
+    expect(page.locator("#job-preflight")).to_be_visible()
+    expect(page.locator("#preflight-line")).to_contain_text("preflight (2 ranks, ")
+    expect(page.locator("#preflight-line")).to_contain_text("SLOW: rank 1 (")
+    expect(page.locator("#preflight-slow li").first).to_contain_text("rank 1 (")
+    expect(page.locator("#preflight-failed")).to_have_count(0)
+    expect(page.locator("#job-preflight")).not_to_contain_text("null")
+    expect(page.locator("#transitions")).to_contain_text("SLOW: rank 1 (")  # the job's event
+    expect(page.locator("#scaling-verdict")).to_contain_text("slowest rank 1 (compute: ")
+    expect(page.locator("#scaling-verdict")).to_contain_text("estimated scaling efficiency")
+    expect(page.locator("#scaling tbody tr")).to_have_count(2)
+    expect(page.locator("#scaling")).to_contain_text("4.0 MiB")
+    expect(page.locator("#scaling-bars .sbar")).to_have_count(2)
+    expect(page.locator("#scaling-box")).to_contain_text("preflight busbw")
+    page.screenshot(path=str(shots / "dashboard-job-preflight-scaling.png"), full_page=True)
     page.context.close()

@@ -1,4 +1,4 @@
-"""A job's communication preflight on a real service: asked of the ranks, read, shown, measured.
+"""A job's communication preflight and scaling report on a real service.
 
 One real service (2 CPU slots) runs one real 2-rank job that calls ``hvd.init()``. The
 service set ``HORA_PREFLIGHT=1`` in the ranks' environment, so rank 0 logged the figures
@@ -11,52 +11,65 @@ have that line while it is ``running``; so does the dashboard's job JSON
 keeps it (the ranks' environment, from the runtime's own function). A second service whose
 admin set ``job_preflight_fail_below`` fails the same job before training, its reason naming
 rank 1.
+
+The same job (tests/helpers/known_share.py) records its timeline (``HOROVOD_TIMELINE``) and
+has a known communication share, as the profiled cell of tests/e2e/test_magics_profile.py:
+after ``hvd.init()`` rank 0 computes (sleeps) 0.2 s and rank 1 1.0 s, then both run four
+blocking allreduces of 1 MiB.
+``GET /v1/jobs/{id}/scaling`` (and ``hora scaling``) must say rank 0 waited about 0.8 s
+(0.4..1.2), rank 1 is the slowest because of compute, each rank reduced exactly 4 MiB, the
+efficiency is about 0.6 (0.3..0.8), and the bandwidth is compared with the preflight's.
 """
 
 from __future__ import annotations
 
+import io
 import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from helpers.known_share import REDUCED, SCRIPT
 from helpers.service_server import ServiceServer, wait_state
+from hora import jobs_cli
 
 pytestmark = pytest.mark.timeout(150)
 
-SCRIPT = """\
-import time
-import hora.torch as hvd
-from hora.torch import preflight
-import os
-if os.environ["RANK"] == "1":
-    preflight.SLOW_HOOKS.append(lambda phase: time.sleep(0.05) if phase == "copy" else None)
-hvd.init()
-print("rank", hvd.rank(), "trained", flush=True)
-hvd.shutdown()
-"""
 
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceServer]:
     root = tmp_path_factory.mktemp("preflight")
     (root / "train.py").write_text(SCRIPT)
-    with ServiceServer(root, cpu_slots=2) as server:
+    with ServiceServer(root, users={"ann": False, "bob": False, "root": True},
+                       cpu_slots=2) as server:
         yield server
 
 
-def test_a_job_s_preflight_is_read_shown_and_measured(srv: ServiceServer) -> None:
+@pytest.fixture(scope="module")
+def trained(srv: ServiceServer) -> dict[str, Any]:
+    """The job, run to its end: its record as ``GET /v1/jobs/{id}`` answers it."""
     script = srv.data_dir.parent / "train.py"
-    with srv.client("ann") as c, srv.client("root") as admin:
-        job = c.post("/v1/jobs", json={"command": [sys.executable, str(script)], "workers": 2})
+    body = {"command": [sys.executable, str(script)], "workers": 2,
+            "env": {"HOROVOD_TIMELINE": "trace.json"}}
+    with srv.client("ann") as c:
+        job = c.post("/v1/jobs", json=body)
         assert job.status_code == 201, job.text
-        jid = job.json()["id"]
-        done = wait_state(c, jid, ("succeeded", "failed", "cancelled"), timeout=120)
-        log0 = c.get(f"/v1/jobs/{jid}/logs", params={"rank": 0}).text
-        assert done["state"] == "succeeded", (done, log0)
-        assert "HORA_PREFLIGHT {" in log0 and "rank 0 trained" in log0
+        done = wait_state(c, job.json()["id"], ("succeeded", "failed", "cancelled"), timeout=120)
+        log0 = c.get(f"/v1/jobs/{done['id']}/logs", params={"rank": 0}).text
+    assert done["state"] == "succeeded", (done, log0)
+    assert "HORA_PREFLIGHT {" in log0 and "rank 0 trained" in log0
+    return done
+
+
+def test_a_job_s_preflight_is_read_shown_and_measured(
+    srv: ServiceServer, trained: dict[str, Any]
+) -> None:
+    jid, done = trained["id"], trained
+    with srv.client("root") as admin:
         figures = done["preflight"]
         assert figures is not None, done
         assert figures["size"] == 2 and figures["backend"] == "gloo"
@@ -78,6 +91,36 @@ def test_a_job_s_preflight_is_read_shown_and_measured(srv: ServiceServer) -> Non
         assert f'hora_preflight_bandwidth_gbps{{node="{host}",path="{path}"}}' in metrics
 
 
+def test_a_job_s_scaling_report_from_its_timeline(
+    srv: ServiceServer, trained: dict[str, Any]
+) -> None:
+    jid = trained["id"]
+    with srv.client("ann") as c, srv.client("bob") as other:
+        answer = c.get(f"/v1/jobs/{jid}/scaling")
+        assert other.get(f"/v1/jobs/{jid}/scaling").status_code == 404  # not bob's job
+    assert answer.status_code == 200, answer.text
+    report = answer.json()
+    r0, r1 = report["ranks"]
+    assert (r0["rank"], r1["rank"]) == (0, 1)
+    assert r0["bytes_reduced"] == r1["bytes_reduced"] == REDUCED
+    assert 0.4 <= r0["wait_s"] <= 1.2, report  # rank 0 waited for rank 1's extra 0.8 s
+    assert r1["wait_s"] < r0["wait_s"] and r1["wait_s"] < 0.4, report
+    assert r0["comm_s"] >= r0["wait_s"] and r1["compute_s"] >= 0.9, report
+    assert report["slowest"] == 1 and report["why"].startswith("compute"), report
+    assert 0.3 <= report["efficiency"] <= 0.8, report
+    busbw = trained["preflight"]["paths"][0]["busbw_gbps"][-1]
+    assert report["preflight_busbw_gbps"] == busbw and r0["of_preflight"] is not None
+    assert report["verdict"].startswith("slowest rank 1 (compute: ")
+    assert report["rows"][0]["reduced"] == "4.0 MiB"
+    assert report["timeline"].endswith("trace.json")
+    out, err = io.StringIO(), io.StringIO()
+    argv = ["scaling", str(jid), "--url", srv.url, f"--token={srv.tokens['ann']}"]
+    assert jobs_cli.main(argv, out, err) == 0, err.getvalue()
+    lines = out.getvalue().splitlines()
+    assert lines[0].split()[:3] == ["RANK", "WALL", "S"] and lines[1].split()[0] == "0"
+    assert lines[-1] == report["verdict"]
+
+
 def test_an_admin_threshold_fails_the_job_naming_the_rank(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text(SCRIPT)
     env = {"HORA_JOB_PREFLIGHT_FAIL_BELOW": "0.3"}
@@ -88,6 +131,8 @@ def test_an_admin_threshold_fails_the_job_naming_the_rank(tmp_path: Path) -> Non
         jid = job.json()["id"]
         done = wait_state(c, jid, ("succeeded", "failed", "cancelled"), timeout=120)
         log0 = c.get(f"/v1/jobs/{jid}/logs", params={"rank": 0}).text
+        no_timeline = c.get(f"/v1/jobs/{jid}/scaling")
+    assert no_timeline.status_code == 404 and "HOROVOD_TIMELINE" in no_timeline.text
     assert done["state"] == "failed", (done, log0)
     assert "trained" not in log0 and "PreflightError" in log0
     assert done["reason"].startswith("preflight: below 0.3 of the reference: rank 1 ("), done

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from hora.errors import HoraError
-from hora.torch import _shm, _state
+from hora.torch import _shm, _state, timeline
 from hora.torch._process_sets import comm_of
 from hora.torch._stall import run_guarded
 
@@ -555,6 +555,7 @@ def _at_init(environ: Mapping[str, str], _process_sets: Any) -> None:
     """
     if environ.get("HORA_PREFLIGHT", "").strip().lower() not in ("1", "on", "true", "yes"):
         return
+    t0 = timeline.now_ns()
     try:
         report = run(environ=environ)
     except PreflightError as e:  # the threshold was crossed (or a setting is wrong)
@@ -564,6 +565,8 @@ def _at_init(environ: Mapping[str, str], _process_sets: Any) -> None:
     except Exception as e:  # noqa: BLE001  (a check must not stop training that would work)
         log.warning("preflight: no figures (%s: %s)", type(e).__name__, e)
         return
+    if timeline.enabled():  # the job's scaling report starts after it (hora.scaling)
+        timeline.record("preflight", "PREFLIGHT", t0, timeline.now_ns(), 0)
     if report.findings:
         log.warning("preflight: far below the reference: %s", report.slowest())
     _log_line(report.to_dict())

@@ -6,7 +6,10 @@ its events to ``F.rank{r}.part``; rank 0 merges the parts into ``F`` at ``stop_t
 ``shutdown()`` (and the launcher merges leftovers with :func:`hora.timeline_merge.merge_parts`).
 One row (tid) per tensor name, one process (pid) per rank; each event carries the tensor name
 and its bytes, and its name is the phase: ``QUEUED``, ``MEMCPY_IN_FUSION_BUFFER``, or the
-operation itself (``ALLREDUCE``, ``BROADCAST``, ...: the communicating phase).
+operation itself (``ALLREDUCE``, ``BROADCAST``, ...: the communicating phase); ``hvd.init()``'s
+preflight is one ``PREFLIGHT`` event. Instant events ``TIMELINE_START`` and ``TIMELINE_STOP``
+mark when each rank started and stopped recording (a job's scaling report,
+:mod:`hora.scaling`, measures each rank's wall time between them).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from hora.scaling import START, STOP
 from hora.timeline_merge import merge_parts, part_path
 from hora.torch import _state
 
@@ -42,11 +46,19 @@ class _Writer:
         self.offset_ns = time.time_ns() - time.perf_counter_ns()
         self._meta("process_name", 0, f"rank {rank}")
         self._meta("process_sort_index", 0, rank)
+        self.mark(START)
 
     def _meta(self, what: str, tid: int, value: object) -> None:
         key = "sort_index" if what.endswith("sort_index") else "name"
         event = {"ph": "M", "name": what, "pid": self.rank, "tid": tid, "args": {key: value}}
         self.file.write(json.dumps(event) + "\n")
+
+    def mark(self, what: str) -> None:
+        """An instant event on this rank's lane: when recording started or stopped."""
+        event = {"ph": "i", "s": "p", "name": what, "pid": self.rank, "tid": 0,
+                 "ts": time.time_ns() / 1000.0}  # fmt: skip
+        with self.lock:
+            self.file.write(json.dumps(event) + "\n")
 
     def tid(self, name: str) -> int:
         tid = self.tids.get(name)
@@ -82,6 +94,7 @@ class _Writer:
             self.file.write(json.dumps(event) + "\n")
 
     def close(self) -> None:
+        self.mark(STOP)
         with self.lock:
             self.file.close()
 

@@ -1,4 +1,4 @@
-"""Routes under ``/v1/jobs``: submit, list, get, cancel, delete (control plane).
+"""Routes under ``/v1/jobs``: submit, list, get, scaling, cancel, delete (control plane).
 
 Every route takes the user from :data:`CurrentUser`; routes on one job take it from
 :data:`OwnedJob`, the single ownership check. Routes that write (submit, cancel, delete) are
@@ -20,6 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from hora_service.api.deps import CurrentUser, ManagerDep, OwnedJob
 from hora_service.api.errors import AUTH_RESPONSES, JOB_RESPONSES, unprocessable
 from hora_service.jobpreflight import job_preflight
+from hora_service.jobtrace import JobScaling, job_scaling
 from hora_service.models import JobRecord
 from hora_service.queueview import job_queue
 from hora_service.store import StoreUnavailable
@@ -103,6 +104,29 @@ async def get_job(job: OwnedJob, manager: ManagerDep) -> JobRecord:
     if queue is None and figures is None:
         return job
     return job.model_copy(update={"queue": queue, "preflight": figures})
+
+
+@router.get(
+    "/{job_id}/scaling",
+    response_model=JobScaling,
+    summary="A job's scaling report, from its timeline",
+    responses={**JOB_RESPONSES, 404: {"description": "No such job, or it has no timeline"}},
+)
+async def get_scaling(job: OwnedJob, manager: ManagerDep) -> JobScaling:
+    """The job's scaling report, as ``%%distributed --profile`` reports a cell.
+
+    Per rank: wall time, time in collectives and waiting, bytes reduced, bandwidth against
+    the preflight's; then the slowest rank and why, and an estimated scaling efficiency.
+    Computed as ``%%distributed --profile`` computes a cell's, from the job's merged per-rank
+    timeline: the job must set ``HOROVOD_TIMELINE`` (a path under its working directory) in
+    its ``env``. While it runs, the report covers what its ranks recorded so far.
+    """
+    report = await run_in_threadpool(job_scaling, manager, job)
+    if report is None:
+        raise HTTPException(
+            404, f"job {job.id} has no timeline with collectives (set HOROVOD_TIMELINE in its env)"
+        )
+    return report
 
 
 @router.post(

@@ -26,6 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from hora_service.api.deps import owned_job
 from hora_service.api.logstream import complete_prefix, file_size, read_chunk
 from hora_service.jobpreflight import job_preflight
+from hora_service.jobtrace import job_scaling
 from hora_service.manager import JobManager
 from hora_service.models import JobRecord, User
 from hora_service.queueview import job_queue, queue_entries
@@ -225,6 +226,14 @@ async def timeline(job_id: int, request: Request, who: ViewerDep) -> dict[str, A
     """The job's merged per-rank timeline (``HOROVOD_TIMELINE`` in its env), if it has one."""
     record = await _visible(request, job_id, who.user)
     return await run_in_threadpool(job_timeline, _mgr(request), record)
+
+
+@router.get("/api/jobs/{job_id}/scaling")
+async def scaling(job_id: int, request: Request, who: ViewerDep) -> dict[str, Any] | None:
+    """The job's scaling report from its timeline (None: it has none)."""
+    record = await _visible(request, job_id, who.user)
+    report = await run_in_threadpool(job_scaling, _mgr(request), record)
+    return None if report is None else report.model_dump(mode="json")
 
 
 @router.post("/api/jobs/{job_id}/cancel")

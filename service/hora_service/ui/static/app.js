@@ -240,7 +240,8 @@ function buildJobPage(job) {
       el("div", {}, el("h2", {}, "Spec"), el("pre", { class: "spec", id: "spec" }, JSON.stringify(job.spec, null, 2)))),
     el("h2", {}, "Logs", job.spec.workers > ranks ? ` (first ${ranks} of ${job.spec.workers} ranks)` : ""),
     el("div", { class: "ranks" }, panes),
-    el("div", { id: "timeline-box" }));
+    el("div", { id: "timeline-box" }),
+    el("div", { id: "scaling-box" }));
   logs.built = true;
 }
 
@@ -285,9 +286,10 @@ function fillPreflight(p) {
       rows.push([path.path, r.rank, r.host, r.latency_us.toFixed(0), r.copy_gbps.toFixed(2), r.busbw_gbps.toFixed(2), r.wait_s.toFixed(3)]);
     }
   }
-  box.replaceChildren(el("h2", {}, "Preflight"), el("p", { id: "preflight-line" }, p.line),
+  const failed = p.failed ? [el("p", { class: "error", id: "preflight-failed" }, `failed the job: ${p.failed}`)] : [];
+  box.replaceChildren(el("h2", {}, "Preflight"), el("p", { id: "preflight-line" }, p.line), ...failed,
     slow.length ? el("ul", { id: "preflight-slow" }, slow) : el("p", { class: "muted" }, "no rank or link far below its reference"),
-    table(["path", "rank", "host", "latency µs", "copy GB/s", "busbw GB/s", "waited s"], rows));
+    table(["path", "rank", "host", "latency us", "copy GB/s", "busbw GB/s", "waited s"], rows));
 }
 
 async function pollLogs(job) {
@@ -337,7 +339,7 @@ async function drawTimeline(job) {
   const svg = document.createElementNS(ns, "svg");
   svg.setAttribute("class", "timeline");
   svg.setAttribute("viewBox", `0 0 ${W + left} ${ranks.length * lane + 20}`);
-  const colors = { QUEUED: "#c9cfdb", MEMCPY_IN_FUSION_BUFFER: "#f0b35b", MEMCPY_OUT_FUSION_BUFFER: "#f0b35b" };
+  const colors = { QUEUED: "#c9cfdb", MEMCPY_IN_FUSION_BUFFER: "#f0b35b", MEMCPY_OUT_FUSION_BUFFER: "#f0b35b", PREFLIGHT: "#8fbf9f" };
   ranks.forEach((r, i) => {
     const label = document.createElementNS(ns, "text");
     label.setAttribute("x", 4); label.setAttribute("y", i * lane + 17);
@@ -358,6 +360,30 @@ async function drawTimeline(job) {
     svg.append(rect);
   }
   box.replaceChildren(el("h2", {}, `Timeline (${span(t1 - t0)}, ${ev.length} events${data.truncated ? ", cut" : ""})`), svg);
+  await drawScaling(job);
+}
+
+// The job's scaling report, computed from its timeline as %%distributed --profile computes a
+// cell's (hora.scaling): the per-rank table, a bar per rank, and the slowest rank and why.
+async function drawScaling(job) {
+  const r = await call(`/ui/api/jobs/${job.id}/scaling`);
+  const box = document.getElementById("scaling-box");
+  if (!box || !r) return;
+  const headers = Object.keys(r.rows[0] || {});
+  const wall = Math.max(1e-9, ...r.ranks.map((x) => x.wall_s));
+  const part = (cls, seconds) => {
+    const s = el("span", { class: `seg ${cls}`, title: `${cls} ${seconds.toFixed(3)} s` });
+    s.style.width = `${(Math.max(0, seconds) / wall) * 100}%`;
+    return s;
+  };
+  const bars = r.ranks.map((x) => el("div", { class: "sbar" }, el("span", { class: "who" }, `rank ${x.rank}`),
+    el("span", { class: "track" }, part("compute", x.compute_s), part("transfer", x.comm_s - x.wait_s), part("waiting", x.wait_s))));
+  const pre = r.preflight_busbw_gbps ? `; preflight busbw ${r.preflight_busbw_gbps.toFixed(2)} GB/s` : "; no preflight figures";
+  box.replaceChildren(el("h2", {}, "Scaling"), el("p", { id: "scaling-verdict" }, r.verdict),
+    table(headers, r.rows.map((row) => headers.map((h) => row[h]))),
+    el("div", { id: "scaling-bars" }, bars),
+    el("p", { class: "muted" }, `compute (blue), transfer (orange), waiting for other ranks (grey); full width ${wall.toFixed(3)} s${pre}`));
+  box.querySelector("table").id = "scaling";
 }
 
 function span(us) {
