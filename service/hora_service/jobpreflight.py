@@ -163,6 +163,14 @@ def read_log(path: Path) -> PreflightFigures | None:
         return None
 
 
+def _size(path: Path) -> int:
+    """The log's size without following a link (0 when it cannot be read)."""
+    try:
+        return path.lstat().st_size
+    except OSError:
+        return 0
+
+
 class PreflightBook:
     """Each attempt's figures, and the last bus bandwidth per node and path (thread-safe)."""
 
@@ -178,7 +186,9 @@ class PreflightBook:
         """A running attempt's figures the first time the monitor sees them, else None.
 
         The monitor calls it on every pass; the log is read at most every :data:`POLL_S`
-        seconds (``force``: now, as when a rank has ended) until the figures are there.
+        seconds (``force``: now, as when a rank has ended) until the figures are there, or
+        until the log has passed :data:`SCAN_BYTES` without them (a job that never calls
+        ``hvd.init()``).
         """
         key = (job_id, attempt)
         with self._lock:
@@ -189,7 +199,11 @@ class PreflightBook:
                 self._next.pop(next(iter(self._next)))
         figures = self.note(job_id, attempt, log_path)
         with self._lock:
-            if figures is None or self._next.get(key) == INF:
+            if figures is None:
+                if _size(log_path) >= SCAN_BYTES:  # the line can no longer appear
+                    self._next[key] = INF
+                return None
+            if self._next.get(key) == INF:
                 return None
             self._next[key] = INF  # seen: never again for this attempt
         return figures

@@ -70,3 +70,14 @@ def test_the_monitor_is_told_of_the_figures_once_and_a_failure_names_the_rank(tm
     assert book.known(1, 1) == found
     assert found.explain("rank 0 exited with code 1") == "preflight: x; rank 0 exited with code 1"
     assert found.explain("preflight: x; rank 0 exited") == "preflight: x; rank 0 exited"
+
+
+def test_a_log_past_the_scanned_bytes_without_figures_is_not_read_again(tmp_path) -> None:
+    from hora_service import jobpreflight
+
+    log = tmp_path / "rank0.log"
+    log.write_bytes(b"x" * jobpreflight.SCAN_BYTES + b"\n")
+    book = PreflightBook()
+    assert book.poll(2, 1, log, now=0.0) is None
+    log.write_bytes(_log("HORA_PREFLIGHT " + json.dumps(GOOD)))  # too late: not looked at
+    assert book.poll(2, 1, log, now=99.0, force=True) is None
