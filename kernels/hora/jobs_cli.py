@@ -24,7 +24,7 @@ from typing import Any, TextIO
 
 from hora.client import Client, Job, JobInfo, parse_spec
 from hora.errors import HoraError, SpecError
-from hora.spec import JobState, Priority
+from hora.spec import ElasticInfo, JobState, Priority
 
 EXIT_FOR_STATE = {JobState.succeeded: 0, JobState.failed: 1, JobState.cancelled: 130}
 EXIT_INTERRUPTED = 130
@@ -59,7 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
             "1 if it failed, 130 if it was cancelled."
         ),
     )
-    s.add_argument("--workers", "-w", type=int, default=1, help="processes (ranks), default 1")
+    s.add_argument("--workers", "-w", type=int, default=None, help="processes (ranks), default 1")
+    s.add_argument(
+        "--elastic",
+        default=None,
+        metavar="MIN:MAX",
+        help="an elastic job of MIN to MAX workers (hora.torch.elastic; see docs/elastic.md)",
+    )
     s.add_argument("--gpus", type=int, default=1, help="GPUs (or CPU slots) per worker, default 1")
     s.add_argument("--name", default="job", help="job name")
     s.add_argument(
@@ -138,6 +144,22 @@ def parse_env(pairs: Sequence[str]) -> dict[str, str]:
     return env
 
 
+def parse_elastic(text: str) -> dict[str, int]:
+    """``hora submit --elastic MIN:MAX`` as the spec's ``elastic`` field.
+
+    Raises:
+        SpecError: it is not two whole numbers.
+
+    Example:
+        >>> parse_elastic("2:4")
+        {'min_workers': 2, 'max_workers': 4}
+    """
+    low, sep, high = text.partition(":")
+    if not sep or not low.strip().isdigit() or not high.strip().isdigit():
+        raise SpecError("elastic", f"{text!r} is not MIN:MAX (e.g. 2:4)")
+    return {"min_workers": int(low), "max_workers": int(high)}
+
+
 def spec_from_args(args: argparse.Namespace) -> Any:
     """Build the :class:`JobSpec` of ``hora submit`` from its parsed arguments.
 
@@ -162,6 +184,7 @@ def spec_from_args(args: argparse.Namespace) -> Any:
         "submission_id": args.submission_id,
         "image": args.image,
         "runtime": args.runtime or ("docker" if args.image else "local"),
+        "elastic": parse_elastic(args.elastic) if args.elastic is not None else None,
     }
     return parse_spec({k: v for k, v in data.items() if v is not None})
 
@@ -218,7 +241,7 @@ def jobs_table(
             j.spec.name,
             j.user,
             j.state.value,
-            f"{j.spec.workers}x{j.spec.gpus_per_worker}",
+            workers_cell(j),
             j.attempt,
             age(j.created_at, now),
             _short(waits.get(j.id) or j.reason or ""),
@@ -232,6 +255,27 @@ def jobs_table(
         ],  # fmt: skip
         rows,
     )
+
+
+def workers_cell(job: JobInfo) -> str:
+    """The WORKERS column: ``2x1``, or ``size 3/2..4`` (now/min..max) for an elastic job.
+
+    Example:
+        >>> from hora.spec import ElasticInfo, ElasticSpec, JobSpec
+        >>> spec = JobSpec(command=["t"], elastic=ElasticSpec(min_workers=2, max_workers=4))
+        >>> job = JobInfo(id=1, user="ann", spec=spec, state="running",
+        ...               elastic=ElasticInfo(min_workers=2, max_workers=4, size=3))
+        >>> workers_cell(job)
+        'size 3/2..4'
+    """
+    s = job.spec
+    if s.elastic is None:
+        return f"{s.workers}x{s.gpus_per_worker}"
+    info = job.elastic or ElasticInfo(
+        min_workers=s.elastic.min_workers, max_workers=s.elastic.max_workers
+    )
+    per = f" x{s.gpus_per_worker}" if s.gpus_per_worker > 1 else ""
+    return f"size {info.label}{per}"
 
 
 def status_text(job: JobInfo, unit: str = "GPU") -> str:
@@ -251,6 +295,8 @@ def status_text(job: JobInfo, unit: str = "GPU") -> str:
         + (f"  timeout {s.timeout_s:g}s" if s.timeout_s else ""),
         f"slots:    {', '.join(map(str, job.slots)) or '-'}",
     ]
+    if job.elastic is not None:
+        lines.append(f"elastic:  size {job.elastic.label}  (holds {job.elastic.slots} {unit}s)")
     if job.queue is not None:
         place = f"position {job.queue.position}; " if job.queue.position else ""
         kind = job.queue.why.kind if job.queue.why is not None else "wait"
@@ -258,6 +304,9 @@ def status_text(job: JobInfo, unit: str = "GPU") -> str:
     if job.exit_codes:
         codes = [[r, "-" if c is None else c] for r, c in sorted(job.exit_codes.items())]
         lines += ["", format_table(["RANK", "EXIT"], codes)]
+    if job.elastic is not None and job.elastic.history:
+        rows = [[c.size, _iso(c.at), c.reason] for c in job.elastic.history]
+        lines += ["", format_table(["SIZE", "AT", "MEMBERSHIP CHANGE"], rows)]
     if job.transitions:
         rows = [[t.state.value, _iso(t.at), t.reason or ""] for t in job.transitions]
         lines += ["", format_table(["STATE", "AT", "REASON"], rows)]

@@ -11,7 +11,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_ARGV = 1024
@@ -61,6 +61,32 @@ class RuntimeName(StrEnum):
 IMAGE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]*$"
 
 
+class ElasticSpec(BaseModel):
+    """An elastic job's size: it runs with between ``min_workers`` and ``max_workers`` workers.
+
+    The service starts it with what is free in that range (at least ``min_workers`` at once),
+    replaces a worker that dies while the others keep their processes, and grows it when
+    slots free up; the training script uses ``hora.torch.elastic`` (see docs/elastic.md).
+
+    Example:
+        >>> ElasticSpec(min_workers=2, max_workers=4).max_workers
+        4
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    min_workers: Annotated[int, Field(ge=1, le=1024)]
+    max_workers: Annotated[int, Field(ge=1, le=1024)]
+
+    @field_validator("max_workers")
+    @classmethod
+    def _not_below_min(cls, v: int, info: ValidationInfo) -> int:
+        low = info.data.get("min_workers")
+        if low is not None and v < low:
+            raise ValueError(f"must be at least min_workers ({low}), got {v}")
+        return v
+
+
 class JobSpec(BaseModel):
     """What a user asks to run: ``workers`` processes of ``command``, each with its GPUs.
 
@@ -83,6 +109,8 @@ class JobSpec(BaseModel):
             json_schema_extra={"prefixItems": [{"type": "string", "minLength": 1}]},
         ),
     ]
+    # before workers, which is checked against it: an elastic job's workers is its minimum
+    elastic: ElasticSpec | None = None
     workers: Annotated[int, Field(ge=1, le=1024)] = 1
     gpus_per_worker: Annotated[int, Field(ge=1, le=16)] = 1
     env: dict[str, str] = Field(default_factory=dict)
@@ -95,6 +123,29 @@ class JobSpec(BaseModel):
     submission_id: Annotated[
         str | None, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")
     ] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _elastic_workers(cls, data: Any) -> Any:
+        # an elastic job needs min_workers to start: that is its workers (its gang)
+        if isinstance(data, dict) and data.get("elastic") is not None and "workers" not in data:
+            elastic = data["elastic"]
+            low = elastic.get("min_workers") if isinstance(elastic, dict) else None
+            low = elastic.min_workers if isinstance(elastic, ElasticSpec) else low
+            if isinstance(low, int) and not isinstance(low, bool):
+                data = {**data, "workers": low}
+        return data
+
+    @field_validator("workers")
+    @classmethod
+    def _workers_of_elastic(cls, v: int, info: ValidationInfo) -> int:
+        elastic = info.data.get("elastic")
+        if elastic is not None and v != elastic.min_workers:
+            raise ValueError(
+                f"an elastic job starts with elastic.min_workers ({elastic.min_workers}) or "
+                f"more; leave workers out (got {v})"
+            )
+        return v
 
     @field_validator("command")
     @classmethod
@@ -165,6 +216,54 @@ class Transition(BaseModel):
     state: JobState
     at: datetime
     reason: str | None = None
+
+
+class MembershipChange(BaseModel):
+    """One change of an elastic job's membership: when, the size after it, and why."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    at: datetime
+    size: int = Field(description="workers in the world after the change")
+    reason: str
+    generation: int | None = Field(
+        default=None, description="the world's generation (None: a change of slots only)"
+    )
+    slots: int | None = Field(default=None, description="slots the job held after the change")
+
+
+class ElasticMember(BaseModel):
+    """One worker of an elastic job's current world."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    worker: str = Field(description="the worker id (w0, w1, ...; never reused)")
+    rank: int
+    pid: int
+
+
+class ElasticInfo(BaseModel):
+    """An elastic job's size now and how its membership changed (``GET /v1/jobs/{id}``).
+
+    Example:
+        >>> ElasticInfo(min_workers=2, max_workers=4, size=3).label
+        '3/2..4'
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    min_workers: int
+    max_workers: int
+    size: int = Field(default=0, description="workers in the current world (0 before one)")
+    slots: int = Field(default=0, description="slots the job holds now")
+    generation: int = 0
+    members: list[ElasticMember] = Field(default_factory=list)
+    history: list[MembershipChange] = Field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        """``size/min..max``, as ``hora jobs`` shows it."""
+        return f"{self.size}/{self.min_workers}..{self.max_workers}"
 
 
 class SlotInfo(BaseModel):
@@ -269,6 +368,8 @@ class QueueEntry(BaseModel):
     priority: str
     queued_at: datetime | None = None
     reason: WaitReason | None = None
+
+
 QueueInfo.model_rebuild()
 
 
@@ -296,6 +397,7 @@ class JobInfo(BaseModel):
     transitions: list[Transition] = []
     kind: str = "job"  # or "session": a notebook's engines, scheduled with the jobs
     queue: QueueInfo | None = None  # while it waits: its place and structured reason
+    elastic: ElasticInfo | None = None  # an elastic job's size and membership history
 
     @field_validator("exit_codes", mode="before")
     @classmethod

@@ -31,7 +31,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from hora.env import new_rdzv_secret
@@ -43,6 +43,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from hora_service import identity, runtimes
 from hora_service.bounds import Bounds
+from hora_service.elastic import HOSTS_FILE, ElasticRun, driver_argv, python, write_hosts
 from hora_service.inventory import Slot, inventory
 from hora_service.jobpreflight import PreflightBook, PreflightFigures
 from hora_service.journal import Journal, Write
@@ -50,7 +51,7 @@ from hora_service.models import JobRecord, MetricsSnapshot, SlotInfo, User
 from hora_service.quotas import OverLimit, spec_bytes, within_running_limit
 from hora_service.reasons import ReasonBoard
 from hora_service.runtimes import AttemptPlan, Exit, RankProcess, Runtime
-from hora_service.runtimes.base import RankStatus, first_failure, rank_status
+from hora_service.runtimes.base import RankStatus, first_failure, prepare_run_dir, rank_status
 from hora_service.runtimes.containment import Containment, detect
 from hora_service.runtimes.local import allowed_env
 from hora_service.scheduler import INF, Holding, Pending, queue_order, reserve, schedule
@@ -88,6 +89,7 @@ class Attempt:
     kind: str = "job"
     held: bool = False  # its runtime's own queue still holds it (Slurm): recorded ``starting``
     created: float = 0.0  # when the job was submitted (its queue wait ends when it runs)
+    elastic: ElasticRun | None = None  # an elastic job's membership, read from its driver
 
     def stop(self, state: JobState, reason: str, now: float, grace: float, retry: bool) -> None:
         """Begin stopping every rank: SIGTERM now, SIGKILL at ``now + grace``."""
@@ -429,11 +431,31 @@ class JobManager:
         quota = self._quotas().get(user, self.settings.user_gpu_quota)
         if quota is not None and need > quota:
             raise SpecError(field, f"asks for {need} {unit}; your quota is {quota}")
+        self._check_elastic(spec, total, unit)
         who = self.users.run_as_of(user) if self.user_mode == "multi" else None
         if spec.image is not None and spec.runtime.value not in ("docker", "slurm"):
             raise SpecError("image", "an image is used only by the docker runtime")
         self._runtime(spec.runtime.value).check(spec)
         self.bounds.preflight(spec, self.workdir(spec, user), who)
+
+    def _check_elastic(self, spec: JobSpec, total: int, unit: str) -> None:
+        """Refuse an elastic job that can never run here, naming the field."""
+        e = spec.elastic
+        if e is None:
+            return
+        if spec.runtime.value != "local":
+            raise SpecError("elastic", "elastic jobs run on the local runtime only for now")
+        if self._kind == "gpu":
+            raise SpecError("elastic", "elastic jobs run on CPU slots only for now")
+        if self.user_mode == "multi":
+            raise SpecError("elastic", "elastic jobs are not available in multi-user mode yet")
+        most = e.max_workers * spec.gpus_per_worker
+        if most > total:
+            raise SpecError(
+                "elastic.max_workers",
+                f"{e.max_workers} workers x {spec.gpus_per_worker} need {most} {unit}; "
+                f"this cluster has {total}",
+            )
 
     def workdir(self, spec: JobSpec, user: str | None = None) -> Path:
         """The ranks' working directory (see :meth:`hora_service.bounds.Bounds.workdir`).
@@ -738,6 +760,8 @@ class JobManager:
                 return
             if Exit.lost not in attempt.codes:  # it runs, or ran between two passes
                 self._running(attempt)
+        if attempt.elastic is not None and attempt.elastic.read():
+            self._write(Write(attempt.job_id, None, now, None, {"elastic": attempt.elastic.info}))
         if attempt.stop_state is None:
             failed = first_failure(attempt.codes)
             self._watch_preflight(attempt, now)
@@ -863,18 +887,65 @@ class JobManager:
         limit = None if default is None and not quotas else lambda u: quotas.get(u, default)
         placements = schedule(ready, free, holding, now, limit, used)
         self._last_pass_s = time.perf_counter() - t0
+        placed = {s for p in placements for s in p.slots}
+        # slots nobody waits for: elastic jobs grow into them (up to their max_workers)
+        spare = [s for s in free if s not in placed] if len(placements) == len(ready) else []
         for placement in placements:
-            self._launch(placement.job_id, placement.slots)
+            self._launch(placement.job_id, placement.slots, spare)
         for p in outside:
             self._launch(p.id, ())
+        if spare:
+            self._grow(spare, now)
 
-    def _launch(self, job_id: int, slots: tuple[int, ...]) -> None:
+    def _room(self, user: str, spec: JobSpec, held: int, spare: list[int]) -> int:
+        """Slots an elastic job holding ``held`` may take from ``spare`` (whole workers)."""
+        assert spec.elastic is not None
+        g = spec.gpus_per_worker
+        room = min(spec.elastic.max_workers * g - held, len(spare))
+        quota = self.quota_of(user)
+        if quota is not None:
+            mine = sum(len(a.plan.slots) for a in self._attempts.values() if a.user == user)
+            room = min(room, quota - mine)
+        return max(0, room // g * g)
+
+    def _grow(self, spare: list[int], now: float) -> None:
+        """Offer spare slots to running elastic jobs, oldest first; the world grows at a commit."""
+        for attempt in sorted(self._attempts.values(), key=lambda a: a.started):
+            run = attempt.elastic
+            if run is None or attempt.stop_state is not None or not spare:
+                continue
+            plan = attempt.plan
+            take = self._room(attempt.user, plan.spec, len(plan.slots), spare)
+            if take == 0:
+                continue
+            extra, spare[:] = spare[:take], spare[take:]
+            attempt.plan = plan = replace(plan, slots=plan.slots + tuple(extra))
+            try:
+                self._offer(plan)
+            except OSError as e:  # the slots stay held; the next write of the file offers them
+                log.warning("job %d: cannot offer slots %s: %s", attempt.job_id, extra, e)
+            g = plan.spec.gpus_per_worker
+            names = ", ".join(map(str, extra))
+            run.granted(len(plan.slots), f"slot(s) {names} freed: room for "
+                        f"{len(plan.slots) // g} workers", now)  # fmt: skip
+            self._write(Write(attempt.job_id, None, now, None,
+                              {"slots": list(plan.slots), "elastic": run.info}))  # fmt: skip
+
+    def _offer(self, plan: AttemptPlan) -> None:
+        """Write the elastic driver's slot file: it runs one worker per whole set of slots."""
+        gid = plan.run_as.gid if plan.run_as is not None else os.getegid()
+        write_hosts(plan.run_dir / HOSTS_FILE, len(plan.slots) // plan.spec.gpus_per_worker, gid)
+
+    def _launch(self, job_id: int, slots: tuple[int, ...], spare: list[int] | None = None) -> None:
         job = self._record(job_id)
         entry = self._pending.pop(job_id)
         if job is None:
             return
         n = job.attempt + 1
         now = time.time()
+        if job.spec.elastic is not None and spare:  # it starts with what is free, up to max
+            take = self._room(job.user, job.spec, len(slots), spare)
+            slots, spare[:] = slots + tuple(spare[:take]), spare[take:]
         starting = Write(
             job_id, JobState.starting, now, None,
             {"attempt": n, "slots": list(slots), "exit_codes": {}, "retry_at": None,
@@ -904,6 +975,9 @@ class JobManager:
                 retry = False  # the job's account cannot start it: a retry would not either
                 raise
             runtime = self._runtime(job.spec.runtime.value)
+            if plan.driver:
+                prepare_run_dir(plan)
+                self._offer(plan)
             ranks = runtime.start(plan, self._base_env)
         except (OSError, HoraError) as e:
             reason = f"could not start the ranks: {e}"
@@ -919,6 +993,10 @@ class JobManager:
             job_id, job.user, plan, ranks, time.time(), None, kind=job.kind,
             created=job.created_at.timestamp(),
         )  # fmt: skip
+        if plan.driver:
+            attempt.elastic = ElasticRun.begin(
+                job.spec, plan.log_path(0), len(slots), attempt.started, job.elastic
+            )
         self._attempts[job_id] = attempt
         if runtime.queues and any(r.pending_reason is not None for r in ranks):
             attempt.held = True  # `starting` until the runtime's queue lets it run
@@ -932,9 +1010,10 @@ class JobManager:
         attempt.held = False
         timeout = attempt.plan.spec.timeout_s
         attempt.deadline = running + timeout if timeout else None
+        more = {"elastic": attempt.elastic.info} if attempt.elastic is not None else {}
         self._set_state(
             attempt.job_id, JobState.running, running, None,
-            started_at=running, **_box_of(attempt.ranks),
+            started_at=running, **_box_of(attempt.ranks), **more,
         )  # fmt: skip
         if attempt.plan.attempt == 1:
             latency = running - attempt.created
@@ -955,19 +1034,27 @@ class JobManager:
         if self._containment is None:
             self._containment = detect(self.settings.containment, self.settings.data_dir)
             log.info("attempts are contained by %s", self._containment.kind)
+        run_dir = self.settings.logs_dir / str(job.id) / str(attempt)
+        driver: tuple[str, ...] = ()
+        sized = 0
+        if job.spec.elastic is not None:
+            sized = job.spec.elastic.max_workers * job.spec.gpus_per_worker
+            workers = len(slots) // job.spec.gpus_per_worker
+            driver = tuple(driver_argv(job.spec, run_dir / HOSTS_FILE, workers, python()))
         return AttemptPlan(
             job_id=job.id,
             attempt=attempt,
             spec=job.spec,
             slots=tuple(slots),
             slot_kind=self._kind,
-            run_dir=self.settings.logs_dir / str(job.id) / str(attempt),
+            run_dir=run_dir,
             workdir=workdir,
             master_port=port,
             run_as=run_as,
             container=self._containment.container(job.id, attempt),
             log_bytes=self.settings.log_bytes_per_attempt,
-            limits=self.bounds.limits(job.user, len(slots)),
+            # an elastic attempt's cgroup is sized for what it may grow to
+            limits=self.bounds.limits(job.user, max(len(slots), sized)),
             umask=int(self.settings.job_umask, 8),
             # sessions' engines are measured by %dist_start, in the notebook
             preflight_env=self._preflight_env() if job.kind == "job" else (),
@@ -975,6 +1062,7 @@ class JobManager:
             private_network=self.settings.job_private_network and job.kind != "session",
             work_root=self.settings.work_root,
             tmp_paths=tuple(self.settings.job_tmp_paths),
+            driver=driver,
         )
 
     def _preflight_env(self) -> tuple[tuple[str, str], ...]:
@@ -1005,6 +1093,9 @@ class JobManager:
                 job.id, job.user, plan, ranks, started, started + timeout if timeout else None,
                 kind=job.kind, created=job.created_at.timestamp(),
             )  # fmt: skip
+            if plan.driver and job.elastic is not None:  # its membership, read on from the log
+                g = job.spec.gpus_per_worker
+                attempt.elastic = ElasticRun(job.elastic, plan.log_path(0), g)
             self._attempts[job.id] = attempt
             if job.id in cancelling:
                 attempt.stop(JobState.cancelled, "cancelled by the user", now, grace, False)

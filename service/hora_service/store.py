@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from hora.errors import HoraError
-from hora.spec import PRIORITY_RANK, JobSpec, JobState
+from hora.spec import PRIORITY_RANK, ElasticInfo, JobSpec, JobState
+from pydantic import BaseModel
 from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.exc import (
     DatabaseError,
@@ -115,13 +116,14 @@ MIGRATIONS: list[list[str]] = [
         # v7: a user's own job limits ({"memory": "8g", "pids": "4096", "cpus": "2"})
         "ALTER TABLE users ADD COLUMN limits TEXT NOT NULL DEFAULT '{}'",
     ],
+    ["ALTER TABLE jobs ADD COLUMN elastic TEXT"],  # v8: an elastic job's size (ElasticInfo)
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 BUSY_TIMEOUT_MS = 30_000
 ACTIVE = (JobState.starting, JobState.running)
 JOB_COLUMNS = (
     "id, user, spec, state, attempt, reason, exit_codes, slots, created_at, started_at, "
-    "finished_at, user_id, kind, container_id"
+    "finished_at, user_id, kind, container_id, elastic"
 )
 USER_COLUMNS = "id, name, is_admin, gpu_quota, os_uid, idle_timeout_s, limits"
 # the id of the user who has this name now (jobs belong to ids, requests come with names)
@@ -401,8 +403,8 @@ class Store:
         )
 
     def update_job(self, conn: Connection, job_id: int, **fields: Any) -> None:
-        """Set columns of one job; dicts and lists are stored as JSON."""
-        values = {k: json.dumps(v) if isinstance(v, dict | list) else v for k, v in fields.items()}
+        """Set columns of one job; dicts, lists and models are stored as JSON."""
+        values = {k: _column(v) for k, v in fields.items()}
         values = {k: v.value if isinstance(v, JobState) else v for k, v in values.items()}
         assignments = ", ".join(f"{k} = :{k}" for k in values)
         conn.execute(
@@ -486,6 +488,7 @@ class Store:
                 user_id=r[11],
                 kind=r[12],
                 container_id=r[13],
+                elastic=ElasticInfo.model_validate_json(r[14]) if r[14] else None,
             )
             for r in rows
         ]
@@ -544,6 +547,13 @@ class Store:
         with self.engine.connect() as conn:
             rows = conn.execute(text("SELECT state, COUNT(*) FROM jobs GROUP BY state"))
             return {r[0]: int(r[1]) for r in rows}
+
+
+def _column(value: Any) -> Any:
+    """A value as its column stores it: JSON for dicts, lists and pydantic models."""
+    if isinstance(value, BaseModel):
+        return value.model_dump_json()
+    return json.dumps(value) if isinstance(value, dict | list) else value
 
 
 def _owner_only(path: Path) -> None:

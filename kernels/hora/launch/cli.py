@@ -109,7 +109,8 @@ def _command_start(args: list[str]) -> int:
     flags_with_value = {"-np", "--num-proc", "--nproc-per-node", "--nproc_per_node", "-H",
                         "--hosts", "--timeline-filename", "--start-timeout", "--master-port",
                         "--backend", "--grace-period", "--min-np", "--max-np",
-                        "--host-discovery-script", "--reset-limit", "--elastic-timeout"}
+                        "--host-discovery-script", "--reset-limit", "--elastic-timeout",
+                        "--host-file"}
     i = 0
     while i < len(args) and args[i].startswith("-"):
         if args[i] == "--blacklist-cooldown-range":

@@ -46,6 +46,10 @@ class ElasticConfig:
         timeout: seconds the workers may wait below ``min_np`` (``HORA_ELASTIC_TIMEOUT``).
         cooldown: the blacklist's cool-down range in seconds (low, high).
         blacklist_threshold: failures of a host's workers within a minute that blacklist it.
+        host_file: a file of ``host:slots`` lines the driver re-reads every second (what a
+            discovery script would print; the hora service rewrites it as it grants slots).
+        report: print every generation as one ``membership {json}`` line on stderr
+            (:func:`hora.launch.elastic_rdzv.membership_line`; the service reads them).
     """
 
     min_np: int
@@ -56,6 +60,8 @@ class ElasticConfig:
     timeout: float = 600.0
     cooldown: tuple[float, float] = (10.0, 300.0)
     blacklist_threshold: int = 3
+    host_file: Path | None = None
+    report: bool = False
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,10 @@ def make_parser() -> argparse.ArgumentParser:
                    help="at most B workers; more slots grow the world at the next commit")
     e.add_argument("--host-discovery-script", default=None, metavar="S",
                    help="executable printing one host:slots per line (run every second)")
+    e.add_argument("--host-file", default=None, metavar="F",
+                   help="file of host:slots lines, re-read every second (instead of a script)")
+    e.add_argument("--report-membership", action="store_true",
+                   help="print each world's members as one 'membership {json}' line on stderr")
     e.add_argument("--reset-limit", default=None, metavar="K",
                    help="stop after K re-formed worlds (default: no limit)")
     e.add_argument("--elastic-timeout", default="600", metavar="S",
@@ -227,12 +237,13 @@ def _np(raw_np: str | None, hosts: str | None) -> int:
 
 def _elastic(ns: argparse.Namespace, np: int, cwd: Path) -> ElasticConfig | None:
     """The elastic settings, when any elastic flag was given."""
-    if ns.min_np is None and ns.max_np is None and ns.host_discovery_script is None:
+    found = (ns.min_np, ns.max_np, ns.host_discovery_script, ns.host_file)
+    if all(v is None for v in found):
         return None
     min_np = int(_number("--min-np", ns.min_np, int, 1, 4096)) if ns.min_np else np
     max_np = int(_number("--max-np", ns.max_np, int, 1, 4096)) if ns.max_np else None
     if max_np is None:
-        max_np = 4096 if ns.host_discovery_script else max(np, min_np)
+        max_np = 4096 if ns.host_discovery_script or ns.host_file else max(np, min_np)
     if not min_np <= np <= max_np:
         raise SpecError("-np", f"{np} must be between --min-np {min_np} and --max-np {max_np}")
     script = None
@@ -241,6 +252,13 @@ def _elastic(ns: argparse.Namespace, np: int, cwd: Path) -> ElasticConfig | None
         if not os.access(path, os.X_OK) or path.is_dir():
             raise SpecError("--host-discovery-script", f"{str(path)!r} is not an executable file")
         script = (str(path),)
+    host_file = None
+    if ns.host_file is not None:
+        if script is not None:
+            raise SpecError("--host-file", "give --host-file or --host-discovery-script, not both")
+        host_file = (cwd / ns.host_file).resolve()
+        if not host_file.is_file():
+            raise SpecError("--host-file", f"{str(host_file)!r} is not a file")
     low, high = (_number("--blacklist-cooldown-range", v, float, 0.0, 1e6)
                  for v in ns.blacklist_cooldown_range)  # fmt: skip
     if low > high:
@@ -251,7 +269,7 @@ def _elastic(ns: argparse.Namespace, np: int, cwd: Path) -> ElasticConfig | None
         slots=parse_hosts(ns.hosts, [socket.gethostname()]) if ns.hosts else np,
         reset_limit=int(_number("--reset-limit", limit, int, 0, 1e9)) if limit else None,
         timeout=_number("--elastic-timeout", ns.elastic_timeout, float, 0.1, 1e7),
-        cooldown=(low, high),
+        cooldown=(low, high), host_file=host_file, report=ns.report_membership,
     )
 
 

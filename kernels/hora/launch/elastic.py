@@ -39,7 +39,7 @@ from hora.errors import SpecError
 from hora.launch import elastic_rdzv as rdzv
 from hora.launch import procs
 from hora.launch.config import _PARENT_LAUNCHER_VARS, ElasticConfig, LaunchConfig
-from hora.launch.hosts import Blacklist, discover
+from hora.launch.hosts import Blacklist, discover, parse_hosts_output
 from hora.launch.launcher import FORWARDED, LaunchResult, RankExit
 from hora.launch.output import PrefixedSink, prefix, start_pump
 from hora.net import free_port
@@ -266,11 +266,11 @@ class ElasticDriver:
 
     # ------------------------------------------------------------------ hosts
     def _discover(self, now: float, first: bool = False) -> None:
-        if self.ec.discovery is None or now < self._next_discovery:
+        if (self.ec.discovery is None and self.ec.host_file is None) or now < self._next_discovery:
             return
         self._next_discovery = now + DISCOVERY_EVERY_S
         try:
-            found = discover(self.ec.discovery)
+            found = self._read_hosts()
         except SpecError as e:
             if first:
                 raise
@@ -286,6 +286,15 @@ class ElasticDriver:
             log.info("hosts: %s", ", ".join(f"{h}:{s}" for h, s in found.items()) or "none")
         self.hosts = found
         self._remove_beyond_slots(now)
+
+    def _read_hosts(self) -> dict[str, int]:
+        if self.ec.discovery is not None:
+            return discover(self.ec.discovery)
+        assert self.ec.host_file is not None
+        try:
+            return parse_hosts_output(self.ec.host_file.read_text())
+        except OSError as e:
+            raise SpecError("--host-file", f"cannot read {str(self.ec.host_file)!r}: {e}") from None
 
     def _remove_beyond_slots(self, now: float) -> None:
         """Take out workers whose host went away or lost slots (the newest first)."""
@@ -341,6 +350,9 @@ class ElasticDriver:
             self.generations += 1
             self.history.append((time.time(), number, len(order), why))
             log.info("generation %d: %d workers (%s)", number, len(order), why)
+            if self.ec.report:
+                pids = {w.wid: w.proc.pid for w in members}
+                log.info("%s", rdzv.membership_line(gen, pids, time.time()))
         self.gen, self.gone = gen, False
         rdzv.write_generation(self.root, gen)
 

@@ -146,3 +146,39 @@ def reset_requests(root: Path) -> dict[str, int]:
         except (OSError, ValueError):
             continue
     return out
+
+
+MEMBERSHIP_TAG = "membership "
+
+
+def membership_line(gen: Generation, pids: dict[str, int], at: float) -> str:
+    """One generation as the line ``--report-membership`` prints (after ``hora run: ``).
+
+    Example:
+        >>> g = Generation(2, members_for([("w0", "localhost")]), "127.0.0.1", 1, note="start")
+        >>> membership_line(g, {"w0": 7}, 0.0)[:45]
+        'membership {"generation": 2, "size": 1, "reas'
+    """
+    members = [[m.wid, pids.get(m.wid, 0)] for m in gen.members]
+    body = {"generation": gen.number, "size": len(gen.members), "reason": gen.note, "at": at,
+            "members": members}  # fmt: skip
+    return MEMBERSHIP_TAG + json.dumps(body)
+
+
+def read_membership(line: str) -> dict[str, object] | None:
+    """The generation a ``membership`` line reports, or None for any other line.
+
+    Example:
+        >>> read_membership('hora run: membership {"generation": 2, "size": 1}')["size"]
+        1
+        >>> read_membership("[0]<stdout>:membership {}") is None
+        True
+    """
+    head, sep, body = line.partition(MEMBERSHIP_TAG)
+    if not sep or head not in ("", "hora run: "):
+        return None
+    try:
+        found = json.loads(body)
+    except ValueError:
+        return None
+    return found if isinstance(found, dict) else None

@@ -62,6 +62,9 @@ class AttemptPlan:
             alone).
         tmp_paths: more host directories under ``/tmp`` that stay visible there (setting
             ``job_tmp_paths``).
+        driver: an elastic job's one process (``hora run``'s elastic driver, which starts
+            the workers itself, :mod:`hora_service.elastic`), run as rank 0 instead of
+            ``spec.workers`` copies of ``spec.command``; empty for every other job.
     """
 
     job_id: int
@@ -82,6 +85,17 @@ class AttemptPlan:
     private_network: bool = False
     work_root: Path | None = None
     tmp_paths: tuple[Path, ...] = ()
+    driver: tuple[str, ...] = ()
+
+    @property
+    def ranks(self) -> int:
+        """How many processes the runtime starts: one for an elastic job's driver."""
+        return 1 if self.driver else self.spec.workers
+
+    @property
+    def command(self) -> list[str]:
+        """What each rank runs: the driver of an elastic job, else the spec's command."""
+        return list(self.driver or self.spec.command)
 
     def rank_slots(self, rank: int) -> tuple[int, ...]:
         """The slots of one rank: ``gpus_per_worker`` consecutive ones of the job's."""
@@ -95,7 +109,7 @@ class AttemptPlan:
     @property
     def rank_log_bytes(self) -> int:
         """Most bytes one rank's log keeps."""
-        return max(1 << 12, self.log_bytes // self.spec.workers)
+        return max(1 << 12, self.log_bytes // self.ranks)
 
 
 class Exit(enum.Enum):

@@ -88,7 +88,7 @@ def rank_environment(plan: AttemptPlan, rank: int, base: Mapping[str, str]) -> d
     if plan.run_as is not None:
         env.update(HOME=str(plan.run_as.home), USER=plan.run_as.user, LOGNAME=plan.run_as.user)
     env.update(plan.spec.env)
-    n = plan.spec.workers
+    n = plan.ranks
     env.update(
         rank_env(
             rank,
@@ -120,7 +120,7 @@ def launch_file(plan: AttemptPlan, rank: int, base: Mapping[str, str]) -> dict[s
     """What the shim reads from ``rank<R>.launch`` (see :mod:`hora_service.runtimes.shim`)."""
     who = plan.run_as
     return {
-        "command": list(plan.spec.command),
+        "command": plan.command,
         "env": rank_environment(plan, rank, base),
         "uid": who.uid if who is not None else None,
         "gid": who.gid if who is not None else None,
@@ -289,7 +289,7 @@ class LocalRuntime(Runtime):
         ranks: list[RankProcess] = []
         try:
             gid = plan.run_as.gid if plan.run_as is not None else os.getegid()
-            for rank in range(plan.spec.workers):
+            for rank in range(plan.ranks):
                 fields = {**launch_file(plan, rank, base_env), **namespaces.launch_fields(holder)}
                 launch = json.dumps(fields)
                 _private_file(plan.run_dir / f"rank{rank}.launch", os.getegid(), 0o600, launch)
@@ -316,7 +316,7 @@ class LocalRuntime(Runtime):
         return ranks
 
     def _adopt(self, plan: AttemptPlan) -> list[RankProcess]:
-        return [AdoptedRank(rank, plan.run_dir) for rank in range(plan.spec.workers)]
+        return [AdoptedRank(rank, plan.run_dir) for rank in range(plan.ranks)]
 
     def _clear(self, plan: AttemptPlan) -> bool:
         holder = self._holders.pop((plan.job_id, plan.attempt), None)

@@ -1,0 +1,158 @@
+"""Elastic jobs in the service: their driver, their slot file, their membership (control plane).
+
+An elastic job (``spec.elastic``) runs as one process under the rank shim: ``hora run``'s
+elastic driver (:mod:`hora.launch.elastic`), which starts the workers, replaces one that dies
+while the others keep their processes, and re-forms the world through ``hora.torch.elastic``.
+The service stays the owner of the slots: it grants them by rewriting the attempt's slot file
+(``RUN_DIR/elastic.hosts``, one ``localhost:N`` line that the driver re-reads every second,
+``--host-file``), and it learns each new world from the ``membership`` lines the driver
+prints on its stderr (``--report-membership``), which land in rank 0's log.
+:class:`ElasticRun` reads them and keeps the job's :class:`~hora.spec.ElasticInfo`.
+
+The driver's report is informational (the job's size and history); what the job holds is
+what the service granted, never what the job says.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from hora.launch.elastic_rdzv import read_membership
+from hora.spec import ElasticInfo, ElasticMember, JobSpec, MembershipChange
+
+HOSTS_FILE = "elastic.hosts"
+HISTORY_MAX = 200  # the newest membership changes a job keeps
+READ_MAX = 1 << 20  # most log bytes one poll reads
+
+
+def driver_argv(spec: JobSpec, hosts_file: Path, workers: int, python: str) -> list[str]:
+    """The argument list of an elastic job's one process: the driver, then the job's command.
+
+    Example:
+        >>> from hora.spec import ElasticSpec
+        >>> spec = JobSpec(command=["python", "t.py"], elastic=ElasticSpec(min_workers=2,
+        ...                max_workers=3))
+        >>> driver_argv(spec, Path("/d/elastic.hosts"), 3, "py")[3:9]
+        ['-np', '3', '--min-np', '2', '--max-np', '3']
+    """
+    assert spec.elastic is not None
+    e = spec.elastic
+    return [
+        python, "-m", "hora.launch", "-np", str(workers), "--min-np", str(e.min_workers),
+        "--max-np", str(e.max_workers), "--host-file", str(hosts_file), "--report-membership",
+        "--", *spec.command,
+    ]  # fmt: skip
+
+
+def write_hosts(path: Path, workers: int, gid: int) -> None:
+    """Offer the driver ``workers`` slots (atomically: it reads the old or the new file).
+
+    The file is the service's, readable by the job's group (``gid``) as the run directory is.
+    """
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o640)
+    try:
+        os.fchmod(fd, 0o640)
+        if os.geteuid() == 0 or gid == os.getegid():
+            os.fchown(fd, -1, gid)
+        os.write(fd, f"localhost:{workers}\n".encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def _at(ts: float) -> datetime:
+    return datetime.fromtimestamp(ts, UTC)
+
+
+@dataclass
+class ElasticRun:
+    """What the service knows of one running elastic attempt (see the module docstring).
+
+    Attributes:
+        info: the job's size and history as ``GET /v1/jobs/{id}`` shows it.
+        log: rank 0's log of the attempt (the driver's output).
+        per_worker: slots per worker (``gpus_per_worker``).
+    """
+
+    info: ElasticInfo
+    log: Path
+    per_worker: int = 1
+    offset: int = 0
+    _partial: bytes = field(default=b"", repr=False)
+
+    @classmethod
+    def begin(
+        cls, spec: JobSpec, log: Path, slots: int, now: float, before: ElasticInfo | None
+    ) -> ElasticRun:
+        """A run starting with ``slots`` slots; ``before``: the job's info from earlier attempts."""
+        assert spec.elastic is not None
+        e, g = spec.elastic, spec.gpus_per_worker
+        info = before or ElasticInfo(min_workers=e.min_workers, max_workers=e.max_workers)
+        run = cls(info.model_copy(update={"members": [], "size": 0}), log, g)
+        run.granted(slots, f"started with slots for {slots // g} of {e.min_workers}.."
+                           f"{e.max_workers} workers", now)  # fmt: skip
+        return run
+
+    def granted(self, slots: int, reason: str, now: float) -> None:
+        """Record that the job holds ``slots`` slots now, and why."""
+        change = MembershipChange(at=_at(now), size=self.info.size, reason=reason, slots=slots)
+        self._change(change, slots=slots)
+
+    def read(self) -> bool:
+        """Read the driver's new ``membership`` lines; True when the membership changed."""
+        changed = False
+        for line in self._new_lines():
+            found = read_membership(line)
+            if found is not None and self._take(found):
+                changed = True
+        return changed
+
+    def _new_lines(self) -> list[str]:
+        try:
+            with self.log.open("rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size < self.offset:  # the log was cut (past its limit): read it anew
+                    self.offset, self._partial = 0, b""
+                f.seek(self.offset)
+                data = f.read(READ_MAX)
+        except OSError:
+            return []
+        self.offset += len(data)
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        if len(self._partial) > READ_MAX:
+            self._partial = b""
+        return [raw.decode(errors="replace") for raw in lines]
+
+    def _take(self, found: dict[str, object]) -> bool:
+        generation, size, at = found.get("generation"), found.get("size"), found.get("at")
+        members = found.get("members")
+        if not (isinstance(generation, int) and isinstance(size, int)):
+            return False
+        if generation <= self.info.generation or not isinstance(members, list):
+            return False  # one already seen (a log read again after it was cut)
+        rows = [
+            ElasticMember(worker=str(m[0]), rank=r, pid=int(m[1]))
+            for r, m in enumerate(members)
+            if isinstance(m, list) and len(m) == 2 and isinstance(m[1], int)
+        ]
+        when = float(at) if isinstance(at, int | float) else datetime.now(UTC).timestamp()
+        reason = str(found.get("reason") or "")
+        change = MembershipChange(
+            at=_at(when), size=size, reason=reason, generation=generation, slots=self.info.slots
+        )
+        self._change(change, size=size, generation=generation, members=rows)
+        return True
+
+    def _change(self, change: MembershipChange, **update: object) -> None:
+        history = [*self.info.history, change][-HISTORY_MAX:]
+        self.info = self.info.model_copy(update={**update, "history": history})
+
+
+def python() -> str:
+    """The Python the driver runs with: the service's own (it has hora installed)."""
+    return sys.executable
