@@ -65,6 +65,16 @@ def write_hosts(path: Path, workers: int, gid: int) -> None:
     os.replace(tmp, path)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _at(ts: float) -> datetime:
     return datetime.fromtimestamp(ts, UTC)
 
@@ -83,6 +93,9 @@ class ElasticRun:
     log: Path
     per_worker: int = 1
     offset: int = 0
+    target: int | None = None  # slots it is being shrunk to (None: not shrinking)
+    _leaving: set[int] = field(default_factory=set, repr=False)
+    _shrunk_at: int = 0  # the generation current when the shrink began
     _partial: bytes = field(default=b"", repr=False)
 
     @classmethod
@@ -102,6 +115,25 @@ class ElasticRun:
         """Record that the job holds ``slots`` slots now, and why."""
         change = MembershipChange(at=_at(now), size=self.info.size, reason=reason, slots=slots)
         self._change(change, slots=slots)
+
+    def shrink(self, slots: int, reason: str, now: float) -> None:
+        """Begin giving slots back: the driver is offered ``slots``; :meth:`released` says when.
+
+        Its newest workers leave at the next commit (they exit 0); the others go on.
+        """
+        self.target, self._shrunk_at = slots, self.info.generation
+        self._leaving = {m.pid for m in self.info.members}
+        self._change(MembershipChange(at=_at(now), size=self.info.size, reason=reason,
+                                      slots=self.info.slots))  # fmt: skip
+
+    def released(self) -> bool:
+        """Whether a shrink is done: a smaller world formed and the workers that left are gone."""
+        if self.target is None or self.info.generation <= self._shrunk_at:
+            return False
+        if self.info.size > self.target // self.per_worker:
+            return False
+        staying = {m.pid for m in self.info.members}
+        return not any(_alive(pid) for pid in self._leaving - staying)
 
     def read(self) -> bool:
         """Read the driver's new ``membership`` lines; True when the membership changed."""

@@ -760,8 +760,12 @@ class JobManager:
                 return
             if Exit.lost not in attempt.codes:  # it runs, or ran between two passes
                 self._running(attempt)
-        if attempt.elastic is not None and attempt.elastic.read():
-            self._write(Write(attempt.job_id, None, now, None, {"elastic": attempt.elastic.info}))
+        run = attempt.elastic
+        if run is not None and run.read():
+            self._write(Write(attempt.job_id, None, now, None, {"elastic": run.info}))
+        if run is not None and run.target is not None and attempt.stop_state is None \
+                and run.released():
+            self._release(attempt, now)
         if attempt.stop_state is None:
             failed = first_failure(attempt.codes)
             self._watch_preflight(attempt, now)
@@ -896,6 +900,51 @@ class JobManager:
             self._launch(p.id, ())
         if spare:
             self._grow(spare, now)
+        elif len(placements) < len(ready):
+            waiting = sorted((p for p in ready if p.id not in {x.job_id for x in placements}),
+                             key=queue_order)  # fmt: skip
+            self._shrink_for(waiting[0], len(free) - len(placed), now)
+
+    def _shrink_for(self, head: Pending, free: int, now: float) -> None:
+        """Shrink lower-priority elastic jobs (down to their min) so that ``head`` fits."""
+        runs = [a for a in self._attempts.values() if a.elastic is not None]
+        if any(a.elastic.target is not None for a in runs if a.elastic is not None):
+            return  # a shrink is under way: its slots come first
+        lower = sorted(
+            (a for a in runs if a.stop_state is None
+             and PRIORITY_RANK[a.plan.spec.priority] < head.priority),
+            key=lambda a: (PRIORITY_RANK[a.plan.spec.priority], -a.started),
+        )  # fmt: skip
+        short, cuts = head.need - free, []
+        for a in lower:
+            spec = a.plan.spec
+            assert spec.elastic is not None
+            g = spec.gpus_per_worker
+            give = min(len(a.plan.slots) - spec.elastic.min_workers * g, -(-short // g) * g)
+            if give > 0 and short > 0:
+                cuts.append((a, len(a.plan.slots) - give))
+                short -= give
+        if short > 0:
+            return  # shrinking would not let it start: nobody is disturbed
+        for a, keep in cuts:
+            assert a.elastic is not None
+            why = f"shrinking to {keep} slot(s): job {head.id} of higher priority needs them"
+            a.elastic.shrink(keep, why, now)
+            self._offer(a.plan, keep)
+            self._write(Write(a.job_id, None, now, None, {"elastic": a.elastic.info}))
+
+    def _release(self, attempt: Attempt, now: float) -> None:
+        """A shrink is done: the slots its workers left are free."""
+        run = attempt.elastic
+        assert run is not None and run.target is not None
+        plan, keep = attempt.plan, run.target
+        gone = ", ".join(map(str, plan.slots[keep:]))
+        attempt.plan = replace(plan, slots=plan.slots[:keep])
+        run.target = None
+        run.granted(keep, f"gave back slot(s) {gone}", now)
+        self._write(Write(attempt.job_id, None, now, None,
+                          {"slots": list(attempt.plan.slots), "elastic": run.info}))  # fmt: skip
+        self._dirty = True
 
     def _room(self, user: str, spec: JobSpec, held: int, spare: list[int]) -> int:
         """Slots an elastic job holding ``held`` may take from ``spare`` (whole workers)."""
@@ -912,8 +961,10 @@ class JobManager:
         """Offer spare slots to running elastic jobs, oldest first; the world grows at a commit."""
         for attempt in sorted(self._attempts.values(), key=lambda a: a.started):
             run = attempt.elastic
-            if run is None or attempt.stop_state is not None or not spare:
+            if run is None or run.target is not None or attempt.stop_state is not None:
                 continue
+            if not spare:
+                break
             plan = attempt.plan
             take = self._room(attempt.user, plan.spec, len(plan.slots), spare)
             if take == 0:
@@ -931,10 +982,11 @@ class JobManager:
             self._write(Write(attempt.job_id, None, now, None,
                               {"slots": list(plan.slots), "elastic": run.info}))  # fmt: skip
 
-    def _offer(self, plan: AttemptPlan) -> None:
-        """Write the elastic driver's slot file: it runs one worker per whole set of slots."""
+    def _offer(self, plan: AttemptPlan, slots: int | None = None) -> None:
+        """Write the elastic driver's slot file: one worker per whole set of ``slots`` slots."""
         gid = plan.run_as.gid if plan.run_as is not None else os.getegid()
-        write_hosts(plan.run_dir / HOSTS_FILE, len(plan.slots) // plan.spec.gpus_per_worker, gid)
+        n = len(plan.slots) if slots is None else slots
+        write_hosts(plan.run_dir / HOSTS_FILE, n // plan.spec.gpus_per_worker, gid)
 
     def _launch(self, job_id: int, slots: tuple[int, ...], spare: list[int] | None = None) -> None:
         job = self._record(job_id)

@@ -160,6 +160,40 @@ def test_it_starts_with_what_is_free_and_grows_when_a_slot_frees(
     _same_weights(_results(tmp_path), reference)
 
 
+def test_it_shrinks_at_a_commit_for_a_job_of_higher_priority_then_grows_back(
+    server: ServiceServer, ann: httpx.Client, tmp_path: Path, reference: list[torch.Tensor]
+) -> None:
+    """A low-priority elastic job holds the 3 slots; a normal job needs one: the elastic job
+    gives one back at its next commit (its newest worker leaves, the others go on), the job
+    runs, and the slot comes back to the elastic job, which grows to 3 again."""
+    job = _submit(ann, tmp_path, "--sleep", "0.4", "--wait-size", "3", priority="low")
+    job = _until(ann, job["id"], lambda j: (j.get("elastic") or {}).get("size") == 3, "3 workers")
+    first = {m["worker"]: m["pid"] for m in job["elastic"]["members"]}
+    deadline = time.monotonic() + 60
+    while _step(tmp_path) < 2:
+        assert time.monotonic() < deadline, "no commit within 60 s"
+        time.sleep(0.05)
+    other = ann.post("/v1/jobs", json={"command": [sys.executable, "-c", "print('in')"]})
+    assert other.status_code == 201, other.text
+    assert wait_state(ann, other.json()["id"], ("succeeded",), timeout=60)
+
+    done = wait_state(ann, job["id"], ("succeeded", "failed", "cancelled"), timeout=120)
+    log = ann.get(f"/v1/jobs/{job['id']}/logs", params={"rank": 0}).text
+    assert done["state"] == "succeeded", (done, log[-4000:])
+    results = _results(tmp_path)
+    for wid in ("w0", "w1"):  # the oldest stay; the newest (w2) left at a commit
+        assert results[wid]["pid"] == first[wid], results[wid]
+    assert "w2" not in results, log[-4000:]
+    _same_weights(results, reference)
+    history = done["elastic"]["history"]
+    reasons = [c["reason"] for c in history]
+    shrink = next(i for i, why in enumerate(reasons) if why.startswith("shrinking to 2"))
+    assert f"job {other.json()['id']}" in reasons[shrink], reasons
+    gave = next(i for i, why in enumerate(reasons) if why.startswith("gave back slot"))
+    assert any(c["size"] == 2 and c["generation"] for c in history[shrink:gave]), history
+    assert [c["size"] for c in history if c["generation"]][-1] == 3, history
+
+
 def _hora_jobs(server: ServiceServer) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HORA_")}
     env.update(HORA_URL=server.url, HORA_TOKEN=server.tokens["ann"], HOME=str(server.data_dir))
