@@ -772,6 +772,8 @@ class JobManager:
             if failed is not None:
                 first, status = failed
                 why = describe(first, status, attempt.ranks[first].note)
+                if attempt.plan.driver:  # rank 0 is hora run's driver; its log says why
+                    why = f"the elastic driver ({why}; rank 0's log says why)"
                 why = self.bounds.explain(
                     self._runtime(attempt.plan.spec.runtime.value), attempt.plan, first, why, status
                 )

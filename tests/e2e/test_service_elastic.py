@@ -194,6 +194,39 @@ def test_it_shrinks_at_a_commit_for_a_job_of_higher_priority_then_grows_back(
     assert [c["size"] for c in history if c["generation"]][-1] == 3, history
 
 
+def test_a_restarted_service_adopts_the_elastic_job_and_reads_on(
+    tmp_path: Path, reference: list[torch.Tensor]
+) -> None:
+    """The service is SIGKILLed while an elastic job runs: the driver and its workers live
+    on; the restarted service re-adopts the driver, and a worker killed after the restart is
+    replaced and shows in the history after those recorded before the crash."""
+    out = tmp_path / "out"
+    out.mkdir()
+    with ServiceServer(tmp_path / "svc", {"ann": False, "root": True}, cpu_slots=3) as srv:
+        with srv.client("ann") as c:
+            job = _submit(c, out, "--sleep", "0.4", "--wait-size", "3")
+            job = _until(c, job["id"], lambda j: (j.get("elastic") or {}).get("size") == 3, "3")
+        first = {m["worker"]: m["pid"] for m in job["elastic"]["members"]}
+        srv.crash()
+        srv.restart()
+        with srv.client("ann") as c:
+            assert c.get(f"/v1/jobs/{job['id']}").json()["state"] == "running"
+            deadline = time.monotonic() + 60
+            while _step(out) < 2:
+                assert time.monotonic() < deadline, "no commit within 60 s"
+                time.sleep(0.05)
+            os.kill(first["w1"], signal.SIGKILL)
+            done = wait_state(c, job["id"], ("succeeded", "failed", "cancelled"), timeout=120)
+            log = c.get(f"/v1/jobs/{job['id']}/logs", params={"rank": 0}).text
+        assert done["state"] == "succeeded", (done, log[-4000:])
+        results = _results(out)
+        assert results["w0"]["pid"] == first["w0"] and results["w2"]["pid"] == first["w2"]
+        _same_weights(results, reference)
+        sizes = [(c["size"], c["reason"]) for c in done["elastic"]["history"] if c["generation"]]
+        assert sizes[0] == (3, "start") and sizes[-1][0] == 3, sizes
+        assert any(n == 2 and "w1" in why for n, why in sizes), sizes
+
+
 def _hora_jobs(server: ServiceServer) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HORA_")}
     env.update(HORA_URL=server.url, HORA_TOKEN=server.tokens["ann"], HOME=str(server.data_dir))
