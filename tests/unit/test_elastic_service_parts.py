@@ -1,0 +1,119 @@
+"""The service's side of elastic jobs without processes: spec, driver argv, slot file, report.
+
+The real service, workers and kills are in tests/e2e/test_service_elastic.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hora.client import parse_spec
+from hora.errors import SpecError
+from hora.launch import elastic_rdzv as rdzv
+from hora.launch.config import parse_args
+from hora.spec import ElasticInfo, ElasticSpec, JobSpec
+from hora_service.elastic import ElasticRun, driver_argv, write_hosts
+
+
+def _spec(**fields: object) -> JobSpec:
+    return JobSpec.model_validate(
+        {"command": ["python", "t.py"], "elastic": {"min_workers": 2, "max_workers": 3}, **fields}
+    )
+
+
+def test_an_elastic_job_needs_its_min_workers_to_start() -> None:
+    spec = _spec()
+    assert spec.workers == 2 and spec.total_gpus == 2
+    assert JobSpec.model_validate_json(spec.model_dump_json()) == spec  # a client round trip
+    assert _spec(workers=2, gpus_per_worker=2).total_gpus == 4
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"elastic": {"min_workers": 3, "max_workers": 2}}, "elastic.max_workers"),
+        ({"elastic": {"min_workers": 0, "max_workers": 2}}, "elastic.min_workers"),
+        ({"elastic": {"min_workers": 2, "max_workers": 2000}}, "elastic.max_workers"),
+        ({"elastic": {"max_workers": 2}}, "elastic.min_workers"),
+        ({"workers": 3}, "workers"),
+    ],
+)
+def test_bad_elastic_fields_name_the_field(fields: dict[str, object], field: str) -> None:
+    data = {"command": ["x"], "elastic": {"min_workers": 2, "max_workers": 3}, **fields}
+    with pytest.raises(SpecError) as e:
+        parse_spec(data)
+    assert e.value.field == field
+
+
+def test_the_driver_argv_is_hora_run_with_the_slot_file_then_the_command(tmp_path: Path) -> None:
+    hostile = ["python", "t.py", "--name", "$(rm -rf /)", "a b'c"]
+    argv = driver_argv(_spec(command=hostile), tmp_path / "elastic.hosts", 3, sys.executable)
+    assert argv[:3] == [sys.executable, "-m", "hora.launch"]
+    assert argv[argv.index("--") + 1 :] == hostile
+    (tmp_path / "elastic.hosts").write_text("localhost:3\n")
+    ec = parse_args(argv[3:], cwd=tmp_path).elastic  # what the driver will make of it
+    assert ec is not None and (ec.min_np, ec.max_np, ec.report) == (2, 3, True)
+    assert ec.host_file == tmp_path / "elastic.hosts"
+
+
+def test_the_slot_file_is_replaced_whole(tmp_path: Path) -> None:
+    path = tmp_path / "elastic.hosts"
+    write_hosts(path, 2, -1)
+    write_hosts(path, 3, -1)
+    assert path.read_text() == "localhost:3\n" and path.stat().st_mode & 0o777 == 0o640
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elastic.hosts"]
+
+
+def _line(gen: int, wids: list[str], why: str, pids: dict[str, int] | None = None) -> str:
+    members = rdzv.members_for([(w, "localhost") for w in wids])
+    g = rdzv.Generation(gen, members, "127.0.0.1", 1, note=why)
+    return "hora run: " + rdzv.membership_line(g, pids or {w: 100 + i for i, w in enumerate(wids)},
+                                               time.time()) + "\n"  # fmt: skip
+
+
+def _run(log: Path) -> ElasticRun:
+    return ElasticRun.begin(_spec(), log, 3, time.time(), None)
+
+
+def test_the_membership_is_read_from_the_drivers_lines_only(tmp_path: Path) -> None:
+    log = tmp_path / "rank0.log"
+    forged = "[0]<stdout>:" + _line(9, ["w9"], "forged")
+    log.write_text(_line(1, ["w0", "w1", "w2"], "start") + forged + _line(2, ["w0"], "half")[:30])
+    run = _run(log)
+    assert run.read() and (run.info.size, run.info.generation) == (3, 1)
+    assert [m.worker for m in run.info.members] == ["w0", "w1", "w2"]
+    with log.open("a") as f:  # the rest of the half-written line
+        f.write(_line(2, ["w0", "w2"], "worker w1 on localhost exited with code 137")[30:])
+    assert run.read() and run.info.size == 2 and not run.read()
+    log.write_text(_line(2, ["w0", "w2"], "again") + _line(3, ["w0", "w2", "w3"], "w3 joined"))
+    assert run.read()  # the log was cut: read anew, generation 2 is not taken twice
+    assert [(c.generation, c.size) for c in run.info.history] == [(None, 0), (1, 3), (2, 2),
+                                                                   (3, 3)]  # fmt: skip
+
+
+def test_a_shrink_is_released_once_the_leavers_are_gone(tmp_path: Path) -> None:
+    leaver = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        log = tmp_path / "rank0.log"
+        log.write_text(_line(1, ["w0", "w1", "w2"], "start", {"w0": 1, "w1": 1, "w2": leaver.pid}))
+        run = _run(log)
+        run.read()
+        run.shrink(2, "shrinking", time.time())
+        assert not run.released()  # no new world yet
+        with log.open("a") as f:
+            f.write(_line(2, ["w0", "w1"], "hosts removed", {"w0": 1, "w1": 1}))
+        run.read()
+        assert not run.released()  # w2 still runs
+    finally:
+        leaver.kill()
+        leaver.wait()
+    assert run.released()
+
+
+def test_an_info_shows_size_over_min_and_max() -> None:
+    assert ElasticInfo(min_workers=2, max_workers=4, size=3).label == "3/2..4"
+    assert ElasticSpec(min_workers=1, max_workers=1).max_workers == 1
