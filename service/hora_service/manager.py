@@ -763,8 +763,8 @@ class JobManager:
         run = attempt.elastic
         if run is not None and run.read():
             self._write(Write(attempt.job_id, None, now, None, {"elastic": run.info}))
-        if run is not None and run.target is not None and attempt.stop_state is None \
-                and run.released():
+        shrinking = run is not None and run.target is not None and attempt.stop_state is None
+        if shrinking and run is not None and run.released():
             self._release(attempt, now)
         if attempt.stop_state is None:
             failed = first_failure(attempt.codes)
@@ -984,8 +984,26 @@ class JobManager:
             self._write(Write(attempt.job_id, None, now, None,
                               {"slots": list(plan.slots), "elastic": run.info}))  # fmt: skip
 
+    def _widen(
+        self, job: JobRecord, slots: tuple[int, ...], spare: list[int] | None
+    ) -> tuple[int, ...]:
+        """An elastic job starts with what is free (``spare``), up to its max."""
+        if job.spec.elastic is None or not spare:
+            return slots
+        take = self._room(job.user, job.spec, len(slots), spare)
+        slots, spare[:] = slots + tuple(spare[:take]), spare[take:]
+        return slots
+
+    def _elastic_run(self, job: JobRecord, plan: AttemptPlan, now: float) -> ElasticRun | None:
+        if not plan.driver:
+            return None
+        return ElasticRun.begin(job.spec, plan.log_path(0), len(plan.slots), now, job.elastic)
+
     def _offer(self, plan: AttemptPlan, slots: int | None = None) -> None:
-        """Write the elastic driver's slot file: one worker per whole set of ``slots`` slots."""
+        """Write an elastic driver's slot file: one worker per whole set of ``slots`` slots."""
+        if not plan.driver:
+            return
+        prepare_run_dir(plan)
         gid = plan.run_as.gid if plan.run_as is not None else os.getegid()
         n = len(plan.slots) if slots is None else slots
         write_hosts(plan.run_dir / HOSTS_FILE, n // plan.spec.gpus_per_worker, gid)
@@ -997,9 +1015,7 @@ class JobManager:
             return
         n = job.attempt + 1
         now = time.time()
-        if job.spec.elastic is not None and spare:  # it starts with what is free, up to max
-            take = self._room(job.user, job.spec, len(slots), spare)
-            slots, spare[:] = slots + tuple(spare[:take]), spare[take:]
+        slots = self._widen(job, slots, spare)
         starting = Write(
             job_id, JobState.starting, now, None,
             {"attempt": n, "slots": list(slots), "exit_codes": {}, "retry_at": None,
@@ -1029,9 +1045,7 @@ class JobManager:
                 retry = False  # the job's account cannot start it: a retry would not either
                 raise
             runtime = self._runtime(job.spec.runtime.value)
-            if plan.driver:
-                prepare_run_dir(plan)
-                self._offer(plan)
+            self._offer(plan)
             ranks = runtime.start(plan, self._base_env)
         except (OSError, HoraError) as e:
             reason = f"could not start the ranks: {e}"
@@ -1043,14 +1057,11 @@ class JobManager:
             attempt.stop(JobState.failed, reason, now, 0.0, retry=retry)
             self._poll(attempt, now)
             return
+        started = time.time()
         attempt = Attempt(
-            job_id, job.user, plan, ranks, time.time(), None, kind=job.kind,
-            created=job.created_at.timestamp(),
+            job_id, job.user, plan, ranks, started, None, kind=job.kind,
+            created=job.created_at.timestamp(), elastic=self._elastic_run(job, plan, started),
         )  # fmt: skip
-        if plan.driver:
-            attempt.elastic = ElasticRun.begin(
-                job.spec, plan.log_path(0), len(slots), attempt.started, job.elastic
-            )
         self._attempts[job_id] = attempt
         if runtime.queues and any(r.pending_reason is not None for r in ranks):
             attempt.held = True  # `starting` until the runtime's queue lets it run
