@@ -45,6 +45,7 @@ import os
 import platform
 import secrets
 import signal
+import socket
 import threading
 import time
 import zlib
@@ -98,6 +99,17 @@ def enabled(environ: dict[str, str] | None = None) -> bool:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
     return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
+
+
+def host_key(environ: dict[str, str] | None = None) -> str:
+    """Which host this rank counts as for shared memory: ``HORA_HOST_KEY``, else the host name.
+
+    Example:
+        >>> host_key({"HORA_HOST_KEY": "node7"})
+        'node7'
+    """
+    env = os.environ if environ is None else environ
+    return env.get("HORA_HOST_KEY") or socket.gethostname()
 
 
 def slot_bytes(members: int) -> int:
@@ -202,6 +214,13 @@ class Ring:
         """
         self._run(op, name, self._allreduce, t, op, name)
 
+    def broadcast_(self, t: torch.Tensor, op: str, name: str) -> None:
+        """Copy member 0's ``t`` (contiguous, CPU) into every member's, in place.
+
+        One barrier per chunk. Raises like :meth:`allreduce_`.
+        """
+        self._run(op, name, self._broadcast, t, op, name)
+
     def allgather_ints(self, mine: list[int], op: str, name: str) -> list[list[int]] | None:
         """Every member's list of ints (the engine's negotiation tables), in member order.
 
@@ -291,6 +310,24 @@ class Ring:
                 a, b = _bounds(m, n, j)
                 if b > a:
                     part[a:b].copy_(slots[j][a:b])
+
+    def _broadcast(self, t: torch.Tensor, op: str, name: str) -> None:
+        flat = t.view(-1)
+        chunk = self.slot // t.element_size()
+        total = flat.numel()
+        sig = zlib.crc32(f"{name}|{t.dtype}|broadcast".encode())
+        for start in range(0, total, chunk):
+            part = flat[start : start + chunk]
+            src = self.halves[self.ops & 1][0].view(t.dtype)[: part.numel()]
+            self.ops += 1
+            if self.index == 0:
+                src.copy_(part)
+            at = sig | ((self.ops & _OPS_MASK) << 32)
+            self._sign(total, start, at)
+            self._barrier(op, name)
+            self._check_signs(op, name, total, start, at)
+            if self.index != 0:
+                part.copy_(src)
 
     def _allgather(self, mine: list[int], op: str, name: str) -> list[list[int]] | None:
         cap = self.slot // 8 - 1
@@ -428,6 +465,15 @@ def ring_of(comm: Any, op: str) -> Ring | None:
     comm.shm_decided = True
     if comm.size < 2 or comm.side is None:
         return None
+    from hora.torch import _hier
+
+    rows: list[Any] = [None] * comm.size
+    mine = (host_key(), _hier.wanted())
+    run_guarded(op, "shm", dist.all_gather_object, rows, mine, group=comm.side)
+    hosts = [r[0] for r in rows]
+    if len(set(hosts)) > 1:  # members on several hosts: per host, then across (or gloo)
+        comm.shm = _hier.ring_of(comm, op, hosts) if all(r[1] for r in rows) else None
+        return comm.shm
     n, me = comm.size, comm.index
     slot = slot_bytes(n)
     size = _header_bytes(n) + 2 * n * slot

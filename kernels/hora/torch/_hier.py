@@ -1,0 +1,152 @@
+"""Hierarchical allreduce for CPU buckets of a world spread over hosts (data plane).
+
+Horovod's ``HOROVOD_HIERARCHICAL_ALLREDUCE`` idea on hora's own paths. When the members of
+the global process set run on several hosts, a DistributedOptimizer bucket is reduced in
+three steps instead of one flat gloo allreduce over every rank:
+
+1. the ranks of each host sum it through that host's shared-memory segment
+   (:meth:`hora.torch._shm.Ring.allreduce_`);
+2. one leader per host (its lowest rank) allreduces the host sums over a gloo group of the
+   leaders only, so each host sends its bucket across the network once, not once per rank;
+3. each leader hands the result to its host's ranks through the segment
+   (:meth:`~hora.torch._shm.Ring.broadcast_`).
+
+A host with one rank has no segment: its rank is its own leader. Every rank ends with the
+same bits (the leaders' allreduce gives them the same sum; the others copy a leader's).
+
+On by default when the world spans hosts and some host runs two or more ranks;
+``HORA_HIERARCHICAL_ALLREDUCE=0`` (or Horovod's ``HOROVOD_HIERARCHICAL_ALLREDUCE=0``) keeps the
+flat gloo allreduce. Only the global set uses it (the leaders' group is created by every
+rank of the world, at the same point: the first bucket). Which host a rank counts as is its
+host name, or ``HORA_HOST_KEY``. Negotiation rounds across hosts stay on the side group.
+
+A failure stays named: a leader whose gloo allreduce fails (a peer died, a timeout) aborts its
+host's segment, so the ranks waiting there fail at once, naming it, instead of timing out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hora.torch import _shm, _state
+from hora.torch._stall import run_guarded
+
+log = logging.getLogger(__name__)
+
+_KNOBS = ("HORA_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE")
+
+
+def wanted(environ: dict[str, str] | None = None) -> bool:
+    """Whether the hierarchical path may be used (the knobs above; default yes).
+
+    Example:
+        >>> wanted({"HOROVOD_HIERARCHICAL_ALLREDUCE": "0"}), wanted({})
+        (False, True)
+    """
+    env = os.environ if environ is None else environ
+    for knob in _KNOBS:
+        if env.get(knob, "").strip().lower() in ("0", "off", "false", "no"):
+            return False
+    return True
+
+
+def by_host(hosts: list[Any]) -> list[list[int]]:
+    """Member indices grouped by host, each group ascending, groups by their first member.
+
+    Example:
+        >>> by_host(["a", "b", "a", "b", "c"])
+        [[0, 2], [1, 3], [4]]
+    """
+    groups: dict[Any, list[int]] = {}
+    for i, h in enumerate(hosts):
+        groups.setdefault(h, []).append(i)
+    return sorted(groups.values())
+
+
+class Hier:
+    """The hierarchical path on this rank: its host's segment (None alone) and the leaders."""
+
+    def __init__(self, local: _shm.Ring | None, leaders: Any, leader: bool) -> None:
+        self.local, self.leaders, self.leader = local, leaders, leader
+
+    def allreduce_(self, t: torch.Tensor, op: str, name: str) -> None:
+        """Sum ``t`` (contiguous, CPU) over every member, in place (see the module docstring)."""
+        if self.local is not None:
+            self.local.allreduce_(t, op, name)
+        if self.leader:
+            try:
+                run_guarded(op, name, dist.all_reduce, t, group=self.leaders)
+            except BaseException as e:
+                if self.local is not None:  # the host's ranks wait for this leader: tell them
+                    self.local.abort(f"its host's leader failed in {op} {name!r} "
+                                     f"({type(e).__name__})")
+                raise
+        if self.local is not None:
+            self.local.broadcast_(t, op, name)
+
+    def allgather_ints(self, mine: list[int], op: str, name: str) -> list[list[int]] | None:
+        """None: the negotiation tables of a world over hosts go over the side group."""
+        return None
+
+    def abort(self, reason: str = "the process group was aborted") -> None:
+        if self.local is not None:
+            self.local.abort(reason)
+
+    def close(self, abort: bool = False) -> None:
+        if self.local is not None:
+            self.local.close(abort)
+        self.leaders = None
+
+
+def ring_of(comm: Any, op: str, hosts: list[Any]) -> Hier | None:
+    """Set up the hierarchical path together (every member calls it at the same point).
+
+    ``hosts``: each member's host key. The caller has checked that every member wants it
+    (:func:`wanted`). Returns None, on every member alike, when the set is not the global one, no
+    host has two members, or some host's ranks cannot share a segment (gloo then carries
+    the buckets flat).
+    """
+    groups = by_host(hosts)
+    if comm.set_id != 0 or max(len(g) for g in groups) < 2:
+        return None
+    me = comm.index
+    mine = next(g for g in groups if me in g)
+    n = len(mine)
+    slot = _shm.slot_bytes(n)
+    size = _shm._header_bytes(n) + 2 * n * slot
+    want = _shm.enabled()
+    path = _shm._create(size) if (want and n > 1 and me == mine[0]) else ""
+    paths: list[Any] = [None] * comm.size
+    run_guarded(op, "shm", dist.all_gather_object, paths, path, group=comm.side)
+    local = None
+    if n > 1 and want and paths[mine[0]]:
+        mm = _shm._open(paths[mine[0]], size)
+        if mm is not None:
+            local = _shm.Ring(mm, [comm.ranks[i] for i in mine], mine.index(me), slot)
+            local.publish_pid()
+    flag = torch.tensor([1 if (n == 1 or local is not None) else 0], dtype=torch.int64)
+    run_guarded(op, "shm", dist.all_reduce, flag, op=dist.ReduceOp.MIN, group=comm.side)
+    if path:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    if int(flag.item()) == 0:
+        if local is not None:
+            local.close()
+        log.debug("%s: some host's ranks cannot share memory; gloo carries the buckets", op)
+        return None
+    if local is not None:
+        local.read_pids()
+    # every rank of the world creates the leaders' group (set 0 is the world)
+    timeout = datetime.timedelta(seconds=_state.require_init(op).timeout_s)
+    leaders = dist.new_group([comm.ranks[g[0]] for g in groups], timeout=timeout,
+                             backend="gloo")
+    run_guarded(op, "shm", dist.all_reduce, flag, op=dist.ReduceOp.MIN, group=comm.side)
+    log.debug("%s: hierarchical allreduce over %d hosts", op, len(groups))
+    return Hier(local, leaders, me == mine[0])
