@@ -90,6 +90,12 @@ class Attempt:
     held: bool = False  # its runtime's own queue still holds it (Slurm): recorded ``starting``
     created: float = 0.0  # when the job was submitted (its queue wait ends when it runs)
     elastic: ElasticRun | None = None  # an elastic job's membership, read from its driver
+    counted: float | None = None  # its slot-seconds are in the usage up to then (None: none)
+
+    def count(self, usage: Usage, now: float) -> None:
+        """Add the slot-seconds held since the last count (slots change in an elastic job)."""
+        usage.held(self.user, len(self.plan.slots), now - (self.counted or self.started))
+        self.counted = now
 
     def stop(self, state: JobState, reason: str, now: float, grace: float, retry: bool) -> None:
         """Begin stopping every rank: SIGTERM now, SIGKILL at ``now + grace``."""
@@ -715,7 +721,7 @@ class JobManager:
             allocated = sum(len(a.plan.slots) for a in self._attempts.values())
             running: dict[str, float] = {}
             for a in self._attempts.values():
-                held = len(a.plan.slots) * max(0.0, now - a.started)
+                held = len(a.plan.slots) * max(0.0, now - (a.counted or a.started))
                 running[a.user] = running.get(a.user, 0.0) + held
         return MetricsSnapshot(
             slot_kind=self._kind,
@@ -845,7 +851,7 @@ class JobManager:
         """The attempt's processes are all gone: free its slots and record the outcome."""
         del self._attempts[attempt.job_id]
         self._dirty = True
-        self.usage.held(attempt.user, len(attempt.plan.slots), now - attempt.started)
+        attempt.count(self.usage, now)
         figures = self._watch_preflight(attempt, now, force=True)  # every rank has ended
         self.preflight.done(attempt.job_id, attempt.plan.attempt)
         if figures is not None and state == JobState.failed:
@@ -941,6 +947,7 @@ class JobManager:
         assert run is not None and run.target is not None
         plan, keep = attempt.plan, run.target
         gone = ", ".join(map(str, plan.slots[keep:]))
+        attempt.count(self.usage, now)
         attempt.plan = replace(plan, slots=plan.slots[:keep])
         run.target = None
         run.granted(keep, f"gave back slot(s) {gone}", now)
@@ -972,6 +979,7 @@ class JobManager:
             if take == 0:
                 continue
             extra, spare[:] = spare[:take], spare[take:]
+            attempt.count(self.usage, now)
             attempt.plan = plan = replace(plan, slots=plan.slots + tuple(extra))
             try:
                 self._offer(plan)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hora.client import parse_spec
@@ -17,6 +18,8 @@ from hora.launch import elastic_rdzv as rdzv
 from hora.launch.config import parse_args
 from hora.spec import ElasticInfo, ElasticSpec, JobSpec
 from hora_service.elastic import ElasticRun, driver_argv, write_hosts
+from hora_service.manager import Attempt
+from hora_service.usage import Usage
 
 
 def _spec(**fields: object) -> JobSpec:
@@ -117,3 +120,12 @@ def test_a_shrink_is_released_once_the_leavers_are_gone(tmp_path: Path) -> None:
 def test_an_info_shows_size_over_min_and_max() -> None:
     assert ElasticInfo(min_workers=2, max_workers=4, size=3).label == "3/2..4"
     assert ElasticSpec(min_workers=1, max_workers=1).max_workers == 1
+
+
+def test_slot_seconds_follow_an_elastic_jobs_size() -> None:
+    usage = Usage()
+    attempt = Attempt(1, "ann", SimpleNamespace(slots=(0, 1)), [], 100.0, None)  # type: ignore[arg-type]
+    attempt.count(usage, 110.0)  # 2 slots for 10 s
+    attempt.plan = SimpleNamespace(slots=(0, 1, 2))  # type: ignore[assignment]
+    attempt.count(usage, 120.0)  # then 3 for 10 s
+    assert usage.slot_seconds["ann"] == 50.0
