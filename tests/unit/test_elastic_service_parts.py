@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 from hora.client import parse_spec
 from hora.errors import SpecError
+from hora.jobs_cli import build_parser, spec_from_args
 from hora.launch import elastic_rdzv as rdzv
 from hora.launch.config import parse_args
 from hora.spec import ElasticInfo, ElasticSpec, JobSpec
@@ -129,3 +130,13 @@ def test_slot_seconds_follow_an_elastic_jobs_size() -> None:
     attempt.plan = SimpleNamespace(slots=(0, 1, 2))  # type: ignore[assignment]
     attempt.count(usage, 120.0)  # then 3 for 10 s
     assert usage.slot_seconds["ann"] == 50.0
+
+
+@pytest.mark.parametrize(("given", "field"), [("2", "elastic"), ("3:2", "elastic.max_workers")])
+def test_hora_submit_elastic_min_max(given: str, field: str) -> None:
+    args = build_parser().parse_args(["submit", "--elastic", "2:3", "--", "python", "t.py"])
+    spec = spec_from_args(args)
+    assert spec.elastic == ElasticSpec(min_workers=2, max_workers=3) and spec.workers == 2
+    with pytest.raises(SpecError) as e:
+        spec_from_args(build_parser().parse_args(["submit", "--elastic", given, "--", "t"]))
+    assert e.value.field == field
