@@ -103,3 +103,35 @@ def test_elastic_sampler_resumes_mid_epoch_at_another_size(monkeypatch: pytest.M
     rest = _deal(sampler, 2, 6, 2, monkeypatch)
     assert sorted(first + rest) == list(range(48))
     assert len(sampler) == 12 and sampler.processed_num == 48  # each of 2 took 12 of the 24 left
+
+
+def test_a_commit_copies_into_the_last_one_and_a_restore_never_aliases_it() -> None:
+    """The optimizer's state after a restore is not the saved copy: training after it
+    (in-place momentum updates) leaves the commit as it was, and a later commit reuses the
+    saved tensors instead of allocating new ones."""
+    import torch
+    from hora.torch.elastic.state import OptimizerStateHandler, snapshot
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step() -> None:
+        opt.zero_grad()
+        model(torch.ones(4, 3)).sum().backward()
+        opt.step()
+
+    step()
+    handler = OptimizerStateHandler(opt)
+    saved = handler.saved["state"][0]["momentum_buffer"]
+    kept = saved.clone()
+    handler.restore()
+    assert opt.state_dict()["state"][0]["momentum_buffer"] is not saved
+    step()  # mutates the live momentum buffer in place
+    assert torch.equal(handler.saved["state"][0]["momentum_buffer"], kept)
+    handler.save()
+    assert handler.saved["state"][0]["momentum_buffer"] is saved  # copied into, not new
+    assert not torch.equal(saved, kept)
+    nested = {"a": [1, (torch.zeros(2), "x")], "b": None}
+    copy = snapshot(nested)
+    nested["a"][1][0].add_(1)
+    assert copy["a"][1][0].tolist() == [0.0, 0.0] and copy["a"][1][1] == "x"

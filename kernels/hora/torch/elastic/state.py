@@ -155,18 +155,58 @@ class StateHandler:
         self.save()
 
 
+_ATOMS = (int, float, bool, str, bytes, type(None))
+
+
+def snapshot(obj: Any, into: Any = None) -> Any:
+    """A deep copy of a state dict, reusing ``into``'s tensors where they fit.
+
+    Tensors are copied into the previous snapshot's tensor of the same shape, dtype and
+    device (no allocation: a commit is a memory copy), else cloned; dicts, lists and tuples
+    are rebuilt; numbers and strings are shared; anything else is deep-copied. Much cheaper
+    than ``copy.deepcopy`` of a state dict (~90 µs a tensor), which made a commit of the
+    digits CNN cost as much as half a training step.
+
+    Example:
+        >>> t = torch.ones(2); s = snapshot({"w": t}); t.add_(1); s["w"].tolist()
+        [1.0, 1.0]
+    """
+    if isinstance(obj, torch.Tensor):
+        if (
+            isinstance(into, torch.Tensor) and into.shape == obj.shape and into.dtype == obj.dtype
+            and into.device == obj.device and obj.layout == torch.strided == into.layout
+        ):  # fmt: skip
+            return into.copy_(obj.detach())
+        return obj.detach().clone()
+    if isinstance(obj, _ATOMS):
+        return obj
+    if isinstance(obj, dict):
+        prev = into if isinstance(into, dict) else {}
+        out = {k: snapshot(v, prev.get(k)) for k, v in obj.items()}
+        return out if type(obj) is dict else type(obj)(out)
+    if type(obj) in (list, tuple):
+        fits = isinstance(into, list | tuple) and len(into) == len(obj)
+        prev = into if fits else [None] * len(obj)
+        return type(obj)(snapshot(v, p) for v, p in zip(obj, prev, strict=True))
+    return copy.deepcopy(obj)
+
+
 class _StateDictHandler(StateHandler):
-    """Objects with ``state_dict()`` / ``load_state_dict()``: a deep copy is the commit."""
+    """Objects with ``state_dict()`` / ``load_state_dict()``: a copy of it is the commit.
+
+    The copy reuses the last one's tensors (:func:`snapshot`); a restore loads a fresh copy
+    of it, so the object never shares a tensor with what is saved.
+    """
 
     def __init__(self, value: Any) -> None:
         super().__init__(value)
-        self.saved = copy.deepcopy(value.state_dict())
+        self.saved = snapshot(value.state_dict())
 
     def save(self) -> None:
-        self.saved = copy.deepcopy(self.value.state_dict())
+        self.saved = snapshot(self.value.state_dict(), self.saved)
 
     def restore(self) -> None:
-        self.value.load_state_dict(self.saved)
+        self.value.load_state_dict(snapshot(self.saved))
 
     def sync(self) -> None:
         self.value.load_state_dict(broadcast_object(self.value.state_dict()))
