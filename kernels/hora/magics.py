@@ -146,8 +146,8 @@ class HoraMagics(Magics):
         self.history: list[Any] = []
         self._history_of = 0
         self._last_size: int | None = None  # ranks of the engines %dist_stop stopped
-        # how engines are started: (kernel-local forced, idle timeout asked of the service)
-        self._mode: tuple[bool, float | None] = (False, None)
+        # how engines are started: (kernel-local forced, idle timeout, runtime, controller address)
+        self._mode: tuple[bool, float | None, str, str | None] = (False, None, "local", None)
         self._preflight = True  # %dist_start --no-preflight turns it off
 
     def pre_run_cell(self, info: Any) -> None:
@@ -188,19 +188,22 @@ class HoraMagics(Magics):
         from hora.engines import Cluster
         from hora.engines.session import ServiceCluster, service_configured
 
-        local, idle = self._mode
+        local, idle, runtime, ip = self._mode
         queue = QueueDisplay()
         why = "--local" if local else "no hora service configured"
         self.history, self._history_of = [], 0
         rows = None
+        if runtime != "local" and (local or not service_configured()):
+            raise UsageError(f"--runtime {runtime} needs a hora service (HORA_URL), not --local")
         if not local and service_configured():
             self.cluster = ServiceCluster(
-                options, progress=queue.update, notify=_notify, idle_timeout_s=idle
-            )
+                options, progress=queue.update, notify=_notify, idle_timeout_s=idle,
+                runtime=runtime, ip=ip,
+            )  # fmt: skip
             try:
                 rows = self.cluster.start()
             except ServiceUnavailable as e:
-                if self.cluster.asked is not None:  # it went away while we waited: say so
+                if self.cluster.asked is not None or runtime != "local":  # say so
                     raise
                 # configured but not running (hora up stopped): the notebook still works, and
                 # kernel-local engines still leave alone the GPUs other processes use
@@ -281,15 +284,29 @@ class HoraMagics(Magics):
         action="store_true",
         help="skip the communication preflight (latency, bandwidth) after start",
     )
+    @argument(
+        "--runtime",
+        choices=["local", "slurm"],
+        default="local",
+        help="where the service starts the engines: its machine, or one Slurm job (default local)",
+    )
+    @argument(
+        "--ip",
+        default=None,
+        help="with --runtime slurm: this machine's address the nodes reach (default: the "
+        "service's choice)",
+    )
     @line_magic
     def dist_start(self, line: str) -> None:
         """Start engines, bind one GPU each, and initialise hora.torch in them.
 
         With a hora service configured (``HORA_URL``/``HORA_TOKEN`` or ``~/.hora/config``)
         the engines are a session the service schedules with its jobs; otherwise (or with
-        ``--local``) this kernel starts them itself.
+        ``--local``) this kernel starts them itself. With ``--runtime slurm`` the service
+        starts them as one Slurm job and the kernel's controller listens on an address the
+        nodes reach.
 
-        Example: ``%dist_start -n 2 --backend gloo``
+        Example: ``%dist_start -n 2 --backend gloo``, ``%dist_start -n 4 --runtime slurm``
         """
         args = parse_argstring(self.dist_start, line)
         options = self._options(args)
@@ -301,7 +318,9 @@ class HoraMagics(Magics):
                 "use %dist_restart or %dist_stop first\n"
             )
             return
-        self._mode = (args.local, args.idle_timeout)
+        if args.ip is not None and args.runtime != "slurm":
+            raise UsageError("--ip is for --runtime slurm (local engines use 127.0.0.1)")
+        self._mode = (args.local, args.idle_timeout, args.runtime, args.ip)
         self._preflight = not args.no_preflight
         self._start(options)
 

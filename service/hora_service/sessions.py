@@ -28,7 +28,9 @@ session a fresh lease) and checks them at the end of every monitor pass of the j
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import socket
 import sys
 import threading
 import time
@@ -36,14 +38,14 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Annotated, Literal
 
-from hora.errors import HoraError
+from hora.errors import HoraError, SpecError
 from hora.spec import IMAGE_PATTERN, JobSpec, JobState, Priority, QueueInfo, RuntimeName
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from sqlalchemy import Connection
 
 from hora_service.manager import JobManager
 from hora_service.models import JobRecord, User
-from hora_service.queueview import IdleOf, queue_info
+from hora_service.queueview import IdleOf, job_queue
 from hora_service.settings import Settings
 from hora_service.store import Store
 from hora_service.users import check_idle_timeout
@@ -59,14 +61,15 @@ BUSY_SAMPLE_S = 2.0  # how often the engines' CPU time is read
 class EngineConnection(BaseModel):
     """The controller's engine connection info (``ipcontroller-engine.json``), checked.
 
-    Only a controller on this machine's loopback is accepted: the engines run here and the
-    kernel's controller listens on 127.0.0.1.
+    The controller is the kernel's, on this machine: on its loopback (``tcp://127.0.0.1``)
+    where the engines run here, or on an address of this machine the Slurm nodes reach for
+    a ``slurm`` session (see :func:`check_interface`).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     ssh: Literal[""] = ""
-    interface: Literal["tcp://127.0.0.1", "tcp://localhost"]  # engines run on this machine
+    interface: Annotated[str, Field(pattern=r"^tcp://(localhost|[0-9]{1,3}(\.[0-9]{1,3}){3})$")]
     registration: Port
     control: Port
     mux: Port
@@ -108,6 +111,71 @@ class SessionRequest(BaseModel):
     priority: Priority = Priority.normal
     runtime: RuntimeName = RuntimeName.local
     image: Annotated[str | None, Field(max_length=512, pattern=IMAGE_PATTERN)] = None
+
+    @model_validator(mode="after")
+    def _reachable(self) -> SessionRequest:
+        check_interface(self.runtime, self.connection.interface)
+        return self
+
+
+class SessionAddress(BaseModel):
+    """Where a kernel's controller listens for the engines of a session on ``runtime``."""
+
+    runtime: RuntimeName
+    address: str = Field(description="an address of the service's machine the engines reach")
+    source: str = Field(description="how the service chose it")
+
+
+def _host(interface: str) -> str:
+    return interface.removeprefix("tcp://")
+
+
+def check_interface(runtime: RuntimeName, interface: str) -> None:
+    """Check that a session's engines can reach the controller at ``interface``, and only there.
+
+    Engines of a ``local`` or ``docker`` session run on this machine: their controller must
+    listen on the loopback. Engines of a ``slurm`` session run on other nodes, which cannot
+    reach 127.0.0.1 (ipyparallel's default, the engines would wait in vain): their controller
+    listens on an address of this machine (checked by :meth:`SessionManager.create`).
+
+    Raises:
+        ValueError: the address does not fit the runtime (the message names the field).
+
+    Example:
+        >>> check_interface(RuntimeName.local, "tcp://127.0.0.1")
+        >>> check_interface(RuntimeName.slurm, "tcp://10.250.0.1")
+    """
+    host = _host(interface)
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        raise ValueError(f"connection.interface: {host} is not an IPv4 address") from None
+    if runtime == RuntimeName.slurm and loopback:
+        raise ValueError(
+            "connection.interface: engines on Slurm nodes cannot reach a controller on the "
+            "loopback; it must listen on an address of this machine the nodes reach "
+            "(GET /v1/sessions/address?runtime=slurm names it)"
+        )
+    if runtime != RuntimeName.slurm and not loopback:
+        raise ValueError(
+            f"connection.interface: the engines of a {runtime.value} session run on this "
+            "machine and connect to the kernel's controller on 127.0.0.1 only"
+        )
+
+
+def is_local_address(host: str) -> bool:
+    """Whether ``host`` is an address of this machine (binding it succeeds).
+
+    Example:
+        >>> is_local_address("127.0.0.1"), is_local_address("198.51.100.7")
+        (True, False)
+    """
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind((host, 0))
+    except OSError:
+        return False
+    return True
 
 
 class Heartbeat(BaseModel):
@@ -223,8 +291,6 @@ def effective_idle_timeout(
         >>> effective_idle_timeout(None, 900.0, 3600.0, 600.0)  # capped by the admin
         600.0
     """
-    from hora.errors import SpecError
-
     requested = check_idle_timeout("idle_timeout_s", requested)
     if requested is not None and max_s is not None and requested > max_s:
         raise SpecError("idle_timeout_s", f"at most {max_s:g}s on this service")
@@ -281,6 +347,13 @@ class SessionManager:
                 passes the service's ``session_idle_timeout_max_s``.
         """
         s = self.settings
+        host = _host(req.connection.interface)
+        if req.runtime == RuntimeName.slurm and not is_local_address(host):
+            raise SpecError(
+                "connection.interface",
+                f"{host} is not an address of the service's machine, where the kernel's "
+                "controller must run",
+            )
         owner = self.manager.open_store().user_by_name(user)
         idle = effective_idle_timeout(
             req.idle_timeout_s,
@@ -302,6 +375,32 @@ class SessionManager:
             self._leases[record.id] = Lease(lease, idle, now, now)
         log.info("session %d of %s: %d engine(s) queued", record.id, user, req.workers)
         return self.view(record)
+
+    def address(self, runtime: RuntimeName) -> SessionAddress:
+        """Where a kernel's controller must listen for the engines of a ``runtime`` session.
+
+        The loopback, except on Slurm: the admin's ``slurm_session_address``, else the
+        address this machine reaches the first Slurm node from.
+
+        Raises:
+            SpecError: Slurm's nodes cannot be asked or reached (field ``runtime``).
+        """
+        if runtime != RuntimeName.slurm:
+            return SessionAddress(runtime=runtime, address="127.0.0.1", source="loopback")
+        if self.settings.slurm_session_address is not None:
+            configured = self.settings.slurm_session_address
+            return SessionAddress(runtime=runtime, address=configured, source="the admin's")
+        from hora_service.runtimes.slurm import SlurmRuntime  # only where Slurm is used
+
+        try:
+            node, address = SlurmRuntime.from_settings(self.settings).address_towards_nodes()
+        except (HoraError, OSError) as e:
+            raise SpecError(
+                "runtime",
+                f"cannot tell which address the Slurm nodes reach this machine at ({e}); "
+                "set HORA_SLURM_SESSION_ADDRESS",
+            ) from None
+        return SessionAddress(runtime=runtime, address=address, source=f"the route to {node}")
 
     def heartbeat(self, job: JobRecord, beat: Heartbeat) -> SessionRecord:
         """Renew the lease and note the engines' idle time; answer with the session."""
@@ -384,10 +483,8 @@ class SessionManager:
                         f"engines idle for {fmt_s(idle)}: session {job.id} stops in "
                         f"{fmt_s(idle_left)} unless a %%distributed cell runs"
                     )
-        queue = None
-        if job.state in (JobState.queued, JobState.retrying):
-            who = viewer or User(name=job.user)
-            queue = queue_info(self.manager, job.id, now, self.idle_seen_by(who, now))
+        who = viewer or User(name=job.user)
+        queue = job_queue(self.manager, job, self.idle_seen_by(who, now))  # Slurm's word too
         return SessionRecord(
             id=job.id, user=job.user, name=job.spec.name, state=job.state,
             workers=job.spec.workers, slots=job.slots, reason=job.reason,
@@ -408,7 +505,7 @@ class SessionManager:
         """:meth:`idle_of` as ``viewer`` may see it: not other users' sessions (but an admin).
 
         Example:
-            >>> queue_info(manager, job_id, now, sessions.idle_seen_by(user, now))  # doctest: +SKIP
+            >>> job_queue(manager, job, sessions.idle_seen_by(user, now))  # doctest: +SKIP
         """
         now = time.time() if now is None else now
 

@@ -140,6 +140,9 @@ class Settings(BaseSettings):
             and at preemption (``--signal=B:USR2@N``; never USR1, which NCCL catches).
         slurm_default_time_min: ``--time`` of a job without ``timeout_s`` (None: the
             partition's default).
+        slurm_session_address: the address of this machine the Slurm nodes reach it at,
+            where a notebook's controller listens for the engines of a ``slurm`` session
+            (None: the address this machine reaches the first node from).
         job_preflight: ask every job's ranks for a communication preflight at
             ``hora.torch.init()`` (``HORA_PREFLIGHT=1``; a job's ``env`` may set it to 0).
         job_preflight_fail_below: fail a job whose rank, link or path measures under this
@@ -208,6 +211,9 @@ class Settings(BaseSettings):
     slurm_low_priority_nice: Annotated[int, Field(ge=0, le=2**31 - 1)] = 100
     slurm_signal_s: Annotated[int, Field(ge=1, le=65535)] = 60
     slurm_default_time_min: Annotated[int | None, Field(ge=1)] = None
+    slurm_session_address: Annotated[
+        str | None, Field(pattern=r"^[0-9]{1,3}(\.[0-9]{1,3}){3}$")
+    ] = None
     job_preflight: bool = True
     job_preflight_fail_below: Annotated[float | None, Field(gt=0, le=1)] = None
     job_preflight_baseline_dir: Path | None = None

@@ -8,6 +8,7 @@ The job manager's monitor loop is driven by ``tick()`` and the session manager's
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -355,3 +356,50 @@ def test_the_queue_display_names_place_holders_and_estimate() -> None:
         update={"queue": info.queue.model_copy(update={"estimate_at": None})}  # type: ignore[union-attr]
     )
     assert "no estimate: what holds the slots has no time limit" in render_queue(no_limit, now)
+
+
+@pytest.mark.parametrize(
+    ("runtime", "interface", "refused"),
+    [
+        ("local", "tcp://127.0.0.1", None),
+        ("local", "tcp://10.250.0.1", "127.0.0.1 only"),
+        ("docker", "tcp://10.250.0.1", "127.0.0.1 only"),
+        ("slurm", "tcp://10.250.0.1", None),
+        ("slurm", "tcp://127.0.0.1", "loopback"),
+        ("slurm", "tcp://localhost", "loopback"),
+        ("slurm", "tcp://999.1.1.1", "not an IPv4 address"),
+    ],
+)
+def test_a_controller_off_the_loopback_is_for_slurm_sessions_only(
+    runtime: str, interface: str, refused: str | None
+) -> None:
+    def make() -> SessionRequest:
+        return request(runtime=runtime, connection={**CONN, "interface": interface})
+
+    if refused is None:
+        assert make().connection.interface == interface
+        return
+    with pytest.raises(ValidationError) as err:
+        make()
+    assert "connection.interface" in str(err.value) and refused in str(err.value)
+
+
+def test_a_slurm_session_whose_controller_is_not_on_this_machine_is_refused(
+    sessions: SessionManager,
+) -> None:
+    far = request(runtime="slurm", connection={**CONN, "interface": "tcp://198.51.100.7"})
+    with pytest.raises(SpecError) as err:
+        sessions.create("ann", far)
+    assert err.value.field == "connection.interface"
+
+
+def test_a_session_slurm_holds_back_shows_its_reason_in_the_cell() -> None:
+    from hora.engines.session import SessionInfo, render_queue
+    from hora.spec import QueueInfo
+
+    queue = QueueInfo(position=0, need=4, free=0, holders=[], reason="slurm: Resources")
+    info = SessionInfo(id=7, state="starting", workers=4, slots=[], lease_s=30, queue=queue)
+    text = render_queue(info, datetime.now(UTC), 40)
+    assert text == (
+        "session 7 waits in the runtime's queue: slurm: Resources (waited 40s; Ctrl-C withdraws)"
+    )

@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -304,6 +305,7 @@ class Cluster(Recovery):
             stack_file=Path(info.get("stack_file") or self._dir / f"stack{rank}.txt"),
             log_file=self._logs_of.get(rank, self._dir / f"engine{rank}.log"),
             main_thread=info["main_thread"],
+            local=info["host"] == socket.gethostname(),
         )
 
     def stop(self) -> None:

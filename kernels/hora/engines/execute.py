@@ -73,6 +73,8 @@ class Engine:
         stack_file: where the engine writes its stack on SIGUSR1.
         log_file: the engine's stdout/stderr outside cells (startup, crashes).
         main_thread: ident of the engine's main thread (to pick its stack from a dump).
+        local: it runs on the kernel's machine, so its pid can be signalled and its stack
+            file read from here (an engine on a Slurm node cannot be).
     """
 
     rank: int
@@ -85,6 +87,7 @@ class Engine:
     stack_file: Path
     log_file: Path
     main_thread: int = 0
+    local: bool = True
 
     @property
     def pid(self) -> int:
@@ -202,6 +205,8 @@ def read_stack(engine: Engine, wait_s: float = 1.0) -> str:
     Returns:
         The stack, most recent call first, or a note saying why there is none.
     """
+    if not engine.local:
+        return f"(no stack: rank {engine.rank} runs on {engine.host}, not on the kernel's machine)"
     try:
         start = engine.stack_file.stat().st_size
         os.kill(engine.pid, signal.SIGUSR1)
@@ -432,7 +437,9 @@ class CellRun:
 
     def _sigint(self, ranks: Sequence[int]) -> None:
         for e in self.engines:
-            if e.rank in ranks:
+            if e.rank in ranks and not e.local:  # its pid is another machine's
+                log.info("rank %d runs on %s: it cannot be interrupted from here", e.rank, e.host)
+            elif e.rank in ranks:
                 try:
                     os.kill(e.pid, signal.SIGINT)
                 except OSError:

@@ -15,6 +15,7 @@ from hora.engines.errors import exit_status
 
 if TYPE_CHECKING:  # pragma: no cover
     from hora.engines.cluster import Cluster
+    from hora.engines.execute import Engine
 
 
 def engine_status(cluster: Cluster, timeout: float = 3.0) -> list[dict[str, Any]]:
@@ -43,11 +44,16 @@ def engine_status(cluster: Cluster, timeout: float = 3.0) -> list[dict[str, Any]
                 "alive": code is None,
                 "state": "alive" if code is None else exit_status(code),
                 "device": e.device,
-                "rss_mb": round(bootstrap._rss(e.pid) / 2**20, 1) if code is None else 0.0,
+                "rss_mb": _rss_mb(e) if code is None else 0.0,
                 "cuda_mb": cuda.get(e.rank, "-"),
             }
         )
     return rows
+
+
+def _rss_mb(e: Engine) -> float | str:
+    """The engine's resident memory in MiB ("-" for one on another machine)."""
+    return round(bootstrap._rss(e.pid) / 2**20, 1) if e.local else "-"
 
 
 def _cuda_memory(cluster: Cluster, timeout: float) -> dict[int, Any]:

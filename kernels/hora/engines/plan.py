@@ -221,7 +221,7 @@ CONNECTION_PORTS = 1 + len(ENGINE_CHANNELS) + LEAF_SCHEDULERS + len(CLIENT_CHANN
 
 
 def connection_files(
-    ports: Sequence[int], key: str, location: str
+    ports: Sequence[int], key: str, location: str, ip: str = "127.0.0.1"
 ) -> tuple[dict[str, object], dict[str, object]]:
     """The controller's engine and client connection files, chosen before it starts.
 
@@ -229,9 +229,11 @@ def connection_files(
     (by the hora service) can be told where to connect while the controller is still starting.
 
     Args:
-        ports: :data:`CONNECTION_PORTS` distinct free ports on 127.0.0.1.
+        ports: :data:`CONNECTION_PORTS` distinct free ports on ``ip``.
         key: the session key that signs messages.
         location: this host's name.
+        ip: where the controller listens: the loopback, or an address other machines reach
+            (engines on Slurm nodes).
 
     Returns:
         ``(engine, client)`` as ipyparallel writes them to ``ipcontroller-*-{engine,client}.json``.
@@ -244,7 +246,7 @@ def connection_files(
     if len(set(ports)) != CONNECTION_PORTS:
         raise SpecError("ports", f"need {CONNECTION_PORTS} distinct ports, got {list(ports)}")
     it = iter(ports)
-    common = {"ssh": "", "interface": "tcp://127.0.0.1", "registration": next(it)}
+    common = {"ssh": "", "interface": f"tcp://{ip}", "registration": next(it)}
     tail = {
         "key": key, "curve_serverkey": None, "location": location, "pack": "json",
         "unpack": "json", "signature_scheme": "hmac-sha256",
@@ -257,11 +259,12 @@ def connection_files(
 
 
 def controller_argv(
-    profile_dir: Path, python: str = sys.executable, reuse: bool = False
+    profile_dir: Path, python: str = sys.executable, reuse: bool = False, ip: str = "127.0.0.1"
 ) -> list[str]:
-    """Return the controller's command line (schedulers in threads, fast heartbeat, loopback).
+    """Return the controller's command line (schedulers in threads, fast heartbeat, on ``ip``).
 
-    With ``reuse`` it binds the connection files already in ``profile_dir``.
+    With ``reuse`` it binds the connection files already in ``profile_dir``. ``ip`` is the
+    loopback unless engines on other machines (Slurm nodes) must reach it.
     """
     return [
         python,
@@ -269,7 +272,7 @@ def controller_argv(
         "hora.engines._child",
         "controller",
         "--usethreads",
-        "--ip=127.0.0.1",
+        f"--ip={ip}",
         f"--profile-dir={profile_dir}",
         f"--cluster-id={CLUSTER_ID}",
         "--log-level=WARN",

@@ -95,6 +95,11 @@ def render_queue(info: SessionInfo, now: datetime, waited_s: float = 0.0) -> str
     q = info.queue
     if q is None:
         return f"session {info.id} {info.state}"
+    if q.position == 0:  # handed to a runtime whose own queue holds it (Slurm)
+        return (
+            f"session {info.id} waits in the runtime's queue: {q.reason} "
+            f"(waited {_ago(waited_s)}; Ctrl-C withdraws)"
+        )
     lines = [
         f"session {info.id} queued: position {q.position}; {q.reason} "
         f"(waited {_ago(waited_s)}; Ctrl-C withdraws)"
@@ -133,21 +138,26 @@ class RemoteProcess:
     """An engine process the service started, watched by its pid (the kernel is not its parent).
 
     Its exit code is the service's to know (``hora logs``); here a gone process reads as 1.
+    An engine on another machine (a Slurm node) cannot be watched by its pid: it reads as
+    gone once the service ended the session (``ended``), which it does when any engine ends.
     """
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, ended: Callable[[], bool] | None = None) -> None:
         self._pid = pid
+        self._ended = ended
         self.returncode: int | None = None
 
     @property
     def pid(self) -> int:
-        """The engine's process id."""
+        """The engine's process id (on its own machine)."""
         return self._pid
 
     def poll(self) -> int | None:
         """None while the process lives (a zombie counts as gone), else 1."""
-        if self.returncode is None and not _alive(self._pid):
-            self.returncode = 1
+        if self.returncode is None:
+            gone = self._ended() if self._ended is not None else not _alive(self._pid)
+            if gone:
+                self.returncode = 1
         return self.returncode
 
 
@@ -242,6 +252,9 @@ class ServiceCluster(Cluster):
         notify: shows heartbeat notices (idle warning, the session's end) in the notebook.
         idle_timeout_s: the idle timeout to ask for (default: the service's).
         cuda_check: as for :class:`Cluster`.
+        runtime: where the service starts the engines: ``local`` (its machine) or ``slurm``
+            (one Slurm job; the controller then listens on an address the nodes reach).
+        ip: that address (default: the one the service names, ``GET /v1/sessions/address``).
 
     Example:
         >>> c = ServiceCluster(plan.ClusterOptions(n=2))  # doctest: +SKIP
@@ -257,10 +270,16 @@ class ServiceCluster(Cluster):
         notify: Callable[[str], None] | None = None,
         idle_timeout_s: float | None = None,
         cuda_check: Callable[[], bool] = kernel_cuda_initialized,
+        runtime: str = "local",
+        ip: str | None = None,
     ) -> None:
         super().__init__(options, cuda_check)
         if self.options.gpus is not None:
             raise SpecError("gpus", "the service chooses a session's GPUs; leave out --gpus")
+        if ip is not None and runtime != "slurm":
+            raise SpecError("ip", "only engines on Slurm nodes need another address than 127.0.0.1")
+        self.runtime, self.ip = runtime, ip
+        self.address = "127.0.0.1"  # where the controller listens (set at start)
         self.service = service or Client()
         self.progress, self.notify = progress, notify
         self.idle_timeout_s = idle_timeout_s
@@ -276,6 +295,8 @@ class ServiceCluster(Cluster):
     def where(self) -> str:
         """Where the engines come from, for the magics' output."""
         sid = f"session {self.session.id}" if self.session else "a session"
+        if self.runtime == "slurm":
+            sid += f", on Slurm nodes; the controller listens on {self.address} for them"
         return f"the hora service at {self.service.url} ({sid})"
 
     def start(self) -> list[dict[str, Any]]:
@@ -327,11 +348,12 @@ class ServiceCluster(Cluster):
         """
         self._dir = Path(tempfile.mkdtemp(prefix="hora-engines-"))
         self.backend = self.options.backend or "gloo"  # the engines' own init already chose
+        self.address = self._address()
         ports: set[int] = set()
         while len(ports) < plan.CONNECTION_PORTS:
-            ports.add(free_port())
+            ports.add(free_port(self.address))
         engine, client = plan.connection_files(
-            sorted(ports), str(uuid.uuid4()), socket.gethostname()
+            sorted(ports), str(uuid.uuid4()), socket.gethostname(), self.address
         )
         security = self._dir / "security"
         security.mkdir(mode=0o700)
@@ -339,9 +361,18 @@ class ServiceCluster(Cluster):
             path = security / f"ipcontroller-{plan.CLUSTER_ID}-{name}.json"
             with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
                 json.dump(info, f)
-        argv = plan.controller_argv(self._dir, reuse=True)
+        argv = plan.controller_argv(self._dir, reuse=True, ip=self.address)
         self._controller = self._spawn(argv, dict(os.environ), "controller")
         return engine
+
+    def _address(self) -> str:
+        """Where the controller listens: the loopback, or an address the Slurm nodes reach."""
+        if self.runtime != "slurm":
+            return "127.0.0.1"
+        if self.ip is not None:
+            return self.ip
+        resp = self.service.request("GET", "/v1/sessions/address", params={"runtime": "slurm"})
+        return str(resp.json()["address"])
 
     def _ask(self, n: int, connection: dict[str, Any]) -> None:
         body = {
@@ -351,6 +382,7 @@ class ServiceCluster(Cluster):
             "timeout_s": self.options.timeout_s,
             "threads": self.options.threads,
             "idle_timeout_s": self.idle_timeout_s,
+            "runtime": self.runtime,
         }
         self.session = SessionInfo.model_validate(
             self.service.request("POST", "/v1/sessions", json=body).json()
@@ -373,10 +405,15 @@ class ServiceCluster(Cluster):
         return self.session
 
     def _wait_for_slots(self) -> None:
+        """Wait while the session is queued, here or in Slurm's queue.
+
+        A Slurm session is ``starting`` until Slurm runs its job (``queue`` then carries
+        Slurm's pending reason, shown); the engines' start timeout counts from then.
+        """
         t0 = time.perf_counter()
         while True:
             info = self._get()
-            if info.state in ("starting", "running"):
+            if info.state == "running" or (info.state == "starting" and self.runtime != "slurm"):
                 break
             if info.ended:
                 raise EngineStartError(f"session {info.id} {info.state}: {info.reason}")
@@ -400,7 +437,14 @@ class ServiceCluster(Cluster):
             raise EngineStartError(f"session {info.id} {info.state} while {what}: {info.reason}")
 
     def _placed(self, info: dict[str, Any]) -> tuple[int, RemoteProcess]:
-        return int(info.get("rank", -1)), RemoteProcess(int(info["pid"]))
+        if info.get("host") == socket.gethostname():
+            return int(info.get("rank", -1)), RemoteProcess(int(info["pid"]))
+        # on a Slurm node: its pid means nothing here; the service says when it is gone
+        return int(info.get("rank", -1)), RemoteProcess(int(info["pid"]), self._ended)
+
+    def _ended(self) -> bool:
+        beat = self.heartbeat
+        return beat is not None and beat.ended is not None
 
     def _spawn_engine(self, rank: int, port: int) -> Any:
         raise EngineStartError(

@@ -10,13 +10,19 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from hora.errors import SpecError
-from hora.spec import JobSpec, JobState
+from hora.spec import JobSpec, JobState, RuntimeName
 from pydantic import BaseModel
 
 from hora_service.api.deps import CurrentUser, ManagerDep, OwnedJob
 from hora_service.api.errors import AUTH_RESPONSES, unprocessable
 from hora_service.models import JobRecord
-from hora_service.sessions import Heartbeat, SessionManager, SessionRecord, SessionRequest
+from hora_service.sessions import (
+    Heartbeat,
+    SessionAddress,
+    SessionManager,
+    SessionRecord,
+    SessionRequest,
+)
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 
@@ -93,6 +99,28 @@ def list_sessions(
     mine = [j for j in jobs if j.kind == "session"]
     items = [sessions.view(j, viewer=user) for j in mine[:limit]]
     return SessionList(items=items, total=len(mine))
+
+
+@router.get(
+    "/address",
+    response_model=SessionAddress,
+    summary="Where a kernel's controller listens",
+    responses={**AUTH_RESPONSES, 422: {"description": "Slurm's nodes cannot be asked"}},
+)
+def session_address(
+    user: CurrentUser,
+    sessions: SessionsDep,
+    runtime: Annotated[RuntimeName, Query(description="the session's runtime")] = RuntimeName.local,
+) -> SessionAddress:
+    """The address of this machine a session's engines reach the kernel's controller at.
+
+    ``127.0.0.1`` where they run on this machine; on Slurm, the admin's
+    ``HORA_SLURM_SESSION_ADDRESS`` or the address this machine reaches the nodes from.
+    """
+    try:
+        return sessions.address(runtime)
+    except SpecError as e:
+        raise unprocessable(e) from None
 
 
 @router.get(

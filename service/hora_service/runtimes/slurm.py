@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -342,6 +343,24 @@ class SlurmRuntime(Runtime):
                     holder_kind=mine[2] if mine else ("slurm" if job else None),
                 ))  # fmt: skip
         return out
+
+    def address_towards_nodes(self) -> tuple[str, str]:
+        """The first node and the address of this machine that reaches it (no packet is sent).
+
+        Raises:
+            SlurmError: ``scontrol`` cannot list the nodes.
+            OSError: the node's address cannot be resolved or routed to.
+        """
+        proc = self.run("scontrol", "show", "node", "-o")
+        nodes = [_fields(line) for line in proc.stdout.splitlines()]
+        named = [f for f in nodes if f.get("NodeName")]
+        if proc.returncode != 0 or not named:
+            raise SlurmError(f"scontrol lists no node: {proc.stderr.strip() or proc.stdout}")
+        first = named[0]
+        target = first.get("NodeAddr") or first["NodeName"]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(target), 9))  # UDP: picks the route, sends nothing
+            return first["NodeName"], str(s.getsockname()[0])
 
     def post_wait(self, job_id: int, info: JobInfo | None) -> None:
         """Show Slurm's pending reason on the job while Slurm holds it back; clear it after."""

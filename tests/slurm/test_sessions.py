@@ -1,0 +1,169 @@
+"""Notebook engines on Slurm: ``%dist_start --runtime slurm`` in a real kernel, against a real
+service whose session becomes one Slurm job on the real two-node cluster.
+
+The kernel's controller listens on the host's bridge address (10.250.0.1), which the nodes
+reach; the engines run under one ``srun`` on n1 and n2 and run ``%%distributed`` cells,
+``--out``, ``%dist_push`` and ``%dist_pull`` across both. While Slurm holds the job back,
+``%dist_start`` shows Slurm's pending reason. ``%dist_stop``, and a kernel killed with -9 (the
+lease runs out), end the Slurm job: nothing is left on either node.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from e2e._notebooks_procs import describe, kill_tagged, new_tag, tagged_env, wait_gone
+from e2e.test_sessions_notebooks import Notebook
+from helpers.service_server import ServiceServer
+from helpers.slurm_cluster import Cluster, slurm_env
+
+pytestmark = pytest.mark.timeout(180)
+BRIDGE = "10.250.0.1"  # the host's address on the nodes' bridge (scripts/slurm-cluster.sh)
+
+
+@pytest.fixture(scope="module")
+def server(slurm: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceServer]:
+    env = slurm_env(slurm, HORA_SESSION_LEASE_S="3")
+    users = {"ann": False, "root": True}
+    with ServiceServer(tmp_path_factory.mktemp("svc-slurm-nb"), users, 2, env) as srv:
+        yield srv
+    slurm.wait_idle()
+
+
+@pytest.fixture
+def notebook(server: ServiceServer, tmp_path: Path) -> Iterator[Notebook]:
+    tag = new_tag()
+    env = tagged_env(tag)
+    env.update(
+        HORA_URL=server.url, HORA_TOKEN=server.tokens["ann"], HORA_CONFIG=str(tmp_path / "none")
+    )
+    nb = Notebook(env, tmp_path)
+    try:
+        nb.run("%load_ext hora")
+        yield nb
+    finally:
+        nb.close()
+        left = wait_gone(tag, timeout=30)
+        kill_tagged(tag)
+        assert left == [], "processes left behind:\n" + describe(left)
+
+
+def sessions(c: httpx.Client) -> list[dict]:
+    return list(c.get("/v1/sessions").json()["items"])
+
+
+def wait_for(what: str, check, timeout: float = 30.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not (value := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+    return value
+
+
+def wait_ended(c: httpx.Client, session_id: int) -> dict:
+    """The session once it ended: hora says so only when Slurm no longer runs its job."""
+
+    def ended() -> dict | None:
+        s = c.get(f"/v1/sessions/{session_id}").json()
+        return s if s["state"] in ("cancelled", "failed", "succeeded") else None
+
+    return dict(wait_for(f"session {session_id} to end", ended, timeout=40))
+
+
+def test_engines_on_both_nodes_wait_in_slurms_queue_run_cells_and_stop(
+    server: ServiceServer, slurm: Cluster, notebook: Notebook
+) -> None:
+    blocker = slurm.run(
+        "sbatch", "--parsable", "-N2", "--gres=gpu:2", "-o", "/dev/null", "--wrap", "sleep 60"
+    ).strip()
+    out: dict[str, str] = {}
+    start = threading.Thread(
+        target=lambda: out.update(
+            text=notebook.run("%dist_start -n 4 --runtime slurm --no-preflight")
+        )
+    )
+    with server.client("ann") as c:
+        try:
+            start.start()
+            held = wait_for(
+                "Slurm to hold the session back",
+                lambda: [s for s in sessions(c) if (s.get("queue") or {}).get("reason")],
+            )
+            assert held[0]["state"] == "starting", held
+            assert held[0]["queue"]["why"]["source"] == "slurm", held
+            time.sleep(1.0)  # the cell shows Slurm's reason
+        finally:
+            slurm.run("scancel", blocker)
+        start.join(timeout=120)
+        assert not start.is_alive()
+        text = out["text"]
+        assert "waits in the runtime's queue: slurm: " in text, text  # Resources, Priority
+        assert "4 engines ready" in text and "on Slurm nodes" in text, text
+        assert f"the controller listens on {BRIDGE}" in text, text
+        (session,) = [s for s in sessions(c) if s["state"] == "running"]
+
+    cell = "import socket\nhost = socket.gethostname()\nprint('rank', hvd.rank(), 'on', host)"
+    ran = notebook.run(f"%%distributed --all --out host\n{cell}")
+    assert all(f"rank {r} on {h}" in ran for r, h in enumerate(["n1", "n1", "n2", "n2"])), ran
+    assert "['n1', 'n1', 'n2', 'n2']" in notebook.run("print(host)")
+    notebook.run("x = 20")
+    notebook.run("%dist_push x")
+    ran = notebook.run(
+        "%%distributed\ny = hvd.allreduce(torch.tensor([x + hvd.rank()]), op=hvd.Sum).item()"
+    )
+    assert "Error" not in ran, ran
+    notebook.run("%dist_pull y")
+    assert "[86, 86, 86, 86]" in notebook.run("print(y)")  # 4 * 20 + 0+1+2+3
+
+    status = notebook.run("%dist_status")
+    assert status.count("alive") >= 4, status  # engines on other nodes are watched by the service
+
+    notebook.run("%dist_stop")
+    with server.client("ann") as c:
+        ended = wait_ended(c, session["id"])
+    assert ended["state"] == "cancelled", ended
+    assert slurm.queue() == [] and slurm.leftovers() == {"n1": [], "n2": []}
+
+
+def test_a_killed_kernel_frees_its_slurm_allocation_when_the_lease_runs_out(
+    server: ServiceServer, slurm: Cluster, notebook: Notebook
+) -> None:
+    text = notebook.run("%dist_start -n 2 --runtime slurm --no-preflight")
+    assert "2 engines ready" in text, text
+    assert slurm.queue() and any(slurm.task_pids(n) for n in slurm.nodes)
+    os.kill(notebook.pid, signal.SIGKILL)
+    with server.client("ann") as c:
+        session = sessions(c)[0]  # newest first
+        gone = wait_ended(c, session["id"])
+    assert "stopped heartbeating" in (gone["reason"] or ""), gone
+    wait_for("Slurm to end the job", lambda: slurm.queue() == [], timeout=30)
+    assert slurm.leftovers() == {"n1": [], "n2": []}
+
+
+def test_a_slurm_session_needs_an_address_the_nodes_reach(server: ServiceServer) -> None:
+    conn = {
+        "interface": "tcp://127.0.0.1", "registration": 1, "control": 2, "mux": 3, "task": 4,
+        "iopub": 5, "hb_ping": 6, "hb_pong": 7, "key": "k",
+    }  # fmt: skip
+    with server.client("ann") as c:
+        assert c.get("/v1/sessions/address", params={"runtime": "slurm"}).json()["address"] == (
+            BRIDGE
+        )
+        loop = c.post("/v1/sessions", json={"runtime": "slurm", "connection": conn})
+        away = c.post(
+            "/v1/sessions",
+            json={"runtime": "slurm", "connection": {**conn, "interface": "tcp://198.51.100.7"}},
+        )
+        local = c.post(
+            "/v1/sessions", json={"connection": {**conn, "interface": f"tcp://{BRIDGE}"}}
+        )
+    assert loop.status_code == 422 and "loopback" in loop.text, loop.text
+    assert away.status_code == 422 and "not an address of the service's machine" in away.text
+    assert local.status_code == 422 and "127.0.0.1 only" in local.text, local.text
