@@ -7,7 +7,12 @@ unless ``SLURM_CONF`` names a running cluster). Each node has its own network na
 hostname and ``/dev/shm``: ranks on different nodes meet only over TCP (gloo), as on real
 nodes; both nodes share this machine's 2 cores.
 
+Two runs, one per path of hora's CPU buckets: hierarchical (per node through shared memory,
+then one leader per node across; the default) and flat (``HORA_HIERARCHICAL_ALLREDUCE=0``),
+each with its own DDP rows side by side.
+
 Usage: python bench/slurm_throughput.py [--pairs 10] [--steps 1] [--shapes large,small,cnn]
+       [--modes hier,flat]
 """
 
 from __future__ import annotations
@@ -27,9 +32,14 @@ ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "scripts" / "slurm-cluster.sh"
 
 
-def run(conf: str, args: argparse.Namespace, out: Path) -> dict[str, object]:
-    """Run the worker as 2 x 2 srun tasks; rank 0's JSON result."""
-    env = dict(os.environ, SLURM_CONF=conf, OMP_NUM_THREADS="1", HORA_BACKEND="gloo")
+def run(conf: str, args: argparse.Namespace, out: Path, hier: bool) -> dict[str, object]:
+    """Run the worker as 2 x 2 srun tasks; rank 0's JSON result.
+
+    ``hier``: hora's CPU buckets go hierarchically (per node, then across; the default) or
+    flat (``HORA_HIERARCHICAL_ALLREDUCE=0``). The DDP rows are the same either way.
+    """
+    env = dict(os.environ, SLURM_CONF=conf, OMP_NUM_THREADS="1", HORA_BACKEND="gloo",
+               HORA_HIERARCHICAL_ALLREDUCE="1" if hier else "0")
     cmd = [
         "srun", "-N2", "--ntasks-per-node=2", "--distribution=block", "--kill-on-bad-exit=1",
         sys.executable, str(Path(tt.__file__).resolve()), "--worker", "--out", str(out),
@@ -47,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--check-steps", type=int, default=3)
     p.add_argument("--shapes", type=tt._shapes, default=list(tt.SHAPES))
+    p.add_argument("--modes", type=lambda v: v.split(","), default=["hier", "flat"],
+                   help="hora's bucket path per run: hier (default), flat, or both")
     args = p.parse_args(argv)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="hora-bench-slurm-") as tmp:
@@ -57,21 +69,25 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run([str(CLUSTER), "start", str(where)], check=True, timeout=120)
             conf = str(where / "etc" / "slurm.conf")
         try:
-            data = run(conf, args, Path(tmp) / "result.json")
+            results = {}
+            for mode in args.modes:
+                results[mode] = run(conf, args, Path(tmp) / f"{mode}.json", mode == "hier")
         finally:
             if where.exists():
                 subprocess.run([str(CLUSTER), "stop", str(where)], check=True, timeout=120)
-    print("2 nodes x 2 ranks (srun on the namespaced test cluster)")
-    rows = tt.report(data)
+    summary: dict[str, object] = {"bench": "slurm_throughput", "nodes": 2, "ranks_per_node": 2}
+    for mode, data in results.items():
+        what = "hierarchical" if mode == "hier" else "flat"
+        print(f"2 nodes x 2 ranks (srun on the namespaced test cluster), hora {what}")
+        rows = tt.report(data)
+        summary[mode] = {
+            "ratios": {s: round(r["hora"]["ratio"], 4) for s, r in rows.items()},
+            "gloo_ratios": {s: round(r["hora_gloo"]["ratio"], 4) for s, r in rows.items()},
+            "sps": {s: {k: round(v["sps"], 1) for k, v in r.items() if "sps" in v}
+                    for s, r in rows.items()},
+        }  # fmt: skip
     print(f"wall {time.monotonic() - t0:.0f}s")
-    print(json.dumps({
-        "bench": "slurm_throughput", "nodes": 2, "ranks_per_node": 2,
-        "ratios": {s: round(r["hora"]["ratio"], 4) for s, r in rows.items()},
-        "gloo_ratios": {s: round(r["hora_gloo"]["ratio"], 4) for s, r in rows.items()},
-        "aa_ratios": {s: round(r["ddp_aa"]["ratio"], 4) for s, r in rows.items()},
-        "sps": {s: {k: round(v["sps"], 1) for k, v in r.items() if "sps" in v}
-                for s, r in rows.items()},
-    }))  # fmt: skip
+    print(json.dumps(summary))
     return 0
 
 
