@@ -87,7 +87,6 @@ class EngineConnection(BaseModel):
     curve_serverkey: Annotated[str | None, Field(max_length=64, pattern=r"^[!-~]*$")] = None
 
 
-
 class SessionRequest(BaseModel):
     """What ``POST /v1/sessions`` carries: how many engines, and how they reach the kernel.
 
@@ -362,7 +361,7 @@ class SessionManager:
             s.session_idle_timeout_max_s,
         )
         backend = "nccl" if self.manager.inventory[0].kind == "gpu" else "gloo"
-        spec = session_spec(req, backend)
+        spec = session_spec(req, backend, str(s.session_python or sys.executable))
         lease = s.session_lease_s
 
         def terms(store: Store, conn: Connection, job_id: int) -> None:

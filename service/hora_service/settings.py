@@ -107,6 +107,10 @@ class Settings(BaseSettings):
         session_busy_cpu: share of a core per engine above which the service counts a
             session's engines as computing (their CPU time is sampled every 2 s); below it
             they are idle, whatever the kernel's heartbeats say.
+        session_python: the Python that runs local sessions' engines (``python -m
+            hora.engines._child session-engine``); it needs hora, ipyparallel and torch. By
+            default the service's own, which in multi-user mode the job accounts must be
+            able to execute (a virtualenv under ``/root`` is not).
         job_umask: the file mode creation mask of every rank (octal; ``077``: files a job
             creates are its account's alone).
         job_memory_limit: most memory one attempt's processes hold together: ``auto`` (the
@@ -195,6 +199,7 @@ class Settings(BaseSettings):
     session_idle_timeout_max_s: Annotated[float | None, Field(gt=0)] = None
     session_idle_warn_s: Annotated[float, Field(ge=0)] = 300.0
     session_busy_cpu: Annotated[float, Field(gt=0, le=64)] = 0.1
+    session_python: Path | None = None
     job_umask: str = "077"
     job_memory_limit: str = "auto"
     job_pids_limit: str = "auto"

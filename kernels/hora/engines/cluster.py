@@ -187,7 +187,9 @@ class Cluster(Recovery):
         self._logs_of = {}
         self._rdzv_secret = new_rdzv_secret()  # a replacement engine gets the same one
         base = {k: v for k, v in os.environ.items()}
-        self._controller = self._spawn(plan.controller_argv(self._dir), base, "controller")
+        # CurveZMQ: the controller writes its public key only into its private connection files
+        argv = plan.controller_argv(self._dir)
+        self._controller = self._spawn(argv, plan.controller_env(base), "controller")
         port = free_port()
         self._pending = [(rank, self._spawn_engine(rank, port)) for rank in range(len(devices))]
 

@@ -45,6 +45,9 @@ _STRIP = (
     "HORA_GPU",
     "JPY_PARENT_PID",
     "IPP_CONNECTION_INFO",
+    "IPP_ENABLE_CURVE",
+    "IPP_CURVE_PUBLICKEY",
+    "IPP_CURVE_SECRETKEY",
     "OMPI_COMM_WORLD_RANK",
     "PMI_RANK",
     "SLURM_PROCID",
@@ -221,7 +224,11 @@ CONNECTION_PORTS = 1 + len(ENGINE_CHANNELS) + LEAF_SCHEDULERS + len(CLIENT_CHANN
 
 
 def connection_files(
-    ports: Sequence[int], key: str, location: str, ip: str = "127.0.0.1"
+    ports: Sequence[int],
+    key: str,
+    location: str,
+    ip: str = "127.0.0.1",
+    curve_serverkey: str | None = None,
 ) -> tuple[dict[str, object], dict[str, object]]:
     """The controller's engine and client connection files, chosen before it starts.
 
@@ -234,6 +241,8 @@ def connection_files(
         location: this host's name.
         ip: where the controller listens: the loopback, or an address other machines reach
             (engines on Slurm nodes).
+        curve_serverkey: the controller's CurveZMQ public key (:func:`curve_keys`); start
+            the controller with :func:`controller_env` of the same pair. None: no CurveZMQ.
 
     Returns:
         ``(engine, client)`` as ipyparallel writes them to ``ipcontroller-*-{engine,client}.json``.
@@ -248,7 +257,7 @@ def connection_files(
     it = iter(ports)
     common = {"ssh": "", "interface": f"tcp://{ip}", "registration": next(it)}
     tail = {
-        "key": key, "curve_serverkey": None, "location": location, "pack": "json",
+        "key": key, "curve_serverkey": curve_serverkey, "location": location, "pack": "json",
         "unpack": "json", "signature_scheme": "hmac-sha256",
     }  # fmt: skip
     engine: dict[str, object] = {**common, **{c: next(it) for c in ENGINE_CHANNELS}}
@@ -256,6 +265,40 @@ def connection_files(
     client: dict[str, object] = {**common, **{c: next(it) for c in CLIENT_CHANNELS}}
     client["task_scheme"] = "leastload"
     return {**engine, **tail}, {**client, **tail}
+
+
+def curve_keys() -> tuple[str, str]:
+    """A fresh CurveZMQ key pair for a controller: ``(public, secret)``, Z85 text.
+
+    The controller's sockets then accept only peers that know its public key, which hora
+    writes only into the cluster's private connection files (and a session's request):
+    whoever merely reaches its ports on the host's loopback (another user's engines share
+    it) can neither read what it publishes nor register nor send to it.
+    """
+    import zmq  # ipyparallel's own dependency; imported here to keep this module light
+
+    public, secret = zmq.curve_keypair()
+    return public.decode("ascii"), secret.decode("ascii")
+
+
+def controller_env(base: Mapping[str, str], keys: tuple[str, str] | None = None) -> dict[str, str]:
+    """The controller's environment: ``base`` with CurveZMQ turned on.
+
+    Args:
+        base: the kernel's environment, copied.
+        keys: ``(public, secret)`` from :func:`curve_keys`, for a controller started on
+            connection files hora wrote (``--reuse``); None: the controller makes its own
+            pair and writes the public key into the connection files it writes.
+
+    Example:
+        >>> controller_env({}, ("pub", "sec"))["IPP_ENABLE_CURVE"]
+        '1'
+    """
+    env = {k: v for k, v in base.items() if not k.startswith("IPP_CURVE_")}
+    env["IPP_ENABLE_CURVE"] = "1"
+    if keys is not None:
+        env["IPP_CURVE_PUBLICKEY"], env["IPP_CURVE_SECRETKEY"] = keys
+    return env
 
 
 def controller_argv(

@@ -344,7 +344,9 @@ class ServiceCluster(Cluster):
         """Start the controller on connection files chosen here; return the engines' file.
 
         The engines need not wait for the controller: the service starts them while it
-        comes up (``--reuse`` makes it bind the ports the files name).
+        comes up (``--reuse`` makes it bind the ports the files name). Its sockets speak
+        CurveZMQ: only a peer given its public key (the service's engines) gets through,
+        though another user's engines share the host's loopback (or the nodes' network).
         """
         self._dir = Path(tempfile.mkdtemp(prefix="hora-engines-"))
         self.backend = self.options.backend or "gloo"  # the engines' own init already chose
@@ -352,8 +354,9 @@ class ServiceCluster(Cluster):
         ports: set[int] = set()
         while len(ports) < plan.CONNECTION_PORTS:
             ports.add(free_port(self.address))
+        keys = plan.curve_keys()  # the public key goes only to the service, in the request
         engine, client = plan.connection_files(
-            sorted(ports), str(uuid.uuid4()), socket.gethostname(), self.address
+            sorted(ports), str(uuid.uuid4()), socket.gethostname(), self.address, keys[0]
         )
         security = self._dir / "security"
         security.mkdir(mode=0o700)
@@ -362,7 +365,7 @@ class ServiceCluster(Cluster):
             with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
                 json.dump(info, f)
         argv = plan.controller_argv(self._dir, reuse=True, ip=self.address)
-        self._controller = self._spawn(argv, dict(os.environ), "controller")
+        self._controller = self._spawn(argv, plan.controller_env(os.environ, keys), "controller")
         return engine
 
     def _address(self) -> str:
