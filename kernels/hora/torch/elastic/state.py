@@ -186,8 +186,8 @@ def snapshot(obj: Any, into: Any = None) -> Any:
         return out if type(obj) is dict else type(obj)(out)
     if type(obj) in (list, tuple):
         fits = isinstance(into, list | tuple) and len(into) == len(obj)
-        prev = into if fits else [None] * len(obj)
-        return type(obj)(snapshot(v, p) for v, p in zip(obj, prev, strict=True))
+        olds = into if fits else [None] * len(obj)
+        return type(obj)(snapshot(v, p) for v, p in zip(obj, olds, strict=True))
     return copy.deepcopy(obj)
 
 
