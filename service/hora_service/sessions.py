@@ -105,6 +105,9 @@ class SessionRequest(BaseModel):
     connection: EngineConnection
     backend: Literal["nccl", "gloo"] | None = None
     timeout_s: Annotated[float, Field(gt=0, le=24 * 3600)] = 60.0
+    # how long the engines wait for each other at the rendezvous (engines on Slurm nodes
+    # start at different times); the kernel's --start-timeout
+    start_timeout_s: Annotated[float, Field(gt=0, le=24 * 3600)] = 60.0
     threads: Annotated[int, Field(ge=1, le=256)] = 1
     idle_timeout_s: Annotated[float | None, Field(gt=0, le=30 * 24 * 3600)] = None
     priority: Priority = Priority.normal
@@ -217,6 +220,7 @@ def session_spec(req: SessionRequest, backend: str, python: str = sys.executable
         CONNECTION_VAR: req.connection.model_dump_json(),
         "HORA_BACKEND": req.backend or backend,
         "HORA_TIMEOUT": f"{req.timeout_s:g}",
+        "HORA_START_TIMEOUT": f"{req.start_timeout_s:g}",
         "OMP_NUM_THREADS": str(req.threads),
         "MPLBACKEND": INLINE_MPL,
     }

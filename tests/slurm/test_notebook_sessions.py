@@ -6,11 +6,16 @@ reach; the engines run under one ``srun`` on n1 and n2 and run ``%%distributed``
 ``--out``, ``%dist_push`` and ``%dist_pull`` across both. While Slurm holds the job back,
 ``%dist_start`` shows Slurm's pending reason. ``%dist_stop``, and a kernel killed with -9 (the
 lease runs out), end the Slurm job: nothing is left on either node.
+
+Engines on n2 start late: a ``sitecustomize`` on the engines' ``PYTHONPATH`` sleeps
+``SKEW_S`` seconds there, longer than the collective timeout the notebook asks for, so the
+engines on n1 must wait for them at the rendezvous within the start timeout.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -26,13 +31,22 @@ from helpers.slurm_cluster import Cluster, slurm_env
 
 pytestmark = pytest.mark.timeout(180)
 BRIDGE = "10.250.0.1"  # the host's address on the nodes' bridge (scripts/slurm-cluster.sh)
+SKEW_S = 15  # how late the engines on n2 start
+SKEW = f"""\
+import socket, time
+if socket.gethostname() == "n2":
+    time.sleep({SKEW_S})
+"""
 
 
 @pytest.fixture(scope="module")
 def server(slurm: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceServer]:
-    env = slurm_env(slurm, HORA_SESSION_LEASE_S="3")
-    users = {"ann": False, "root": True}
-    with ServiceServer(tmp_path_factory.mktemp("svc-slurm-nb"), users, 2, env) as srv:
+    tmp = tmp_path_factory.mktemp("svc-slurm-nb")
+    (tmp / "skew").mkdir()
+    (tmp / "skew" / "sitecustomize.py").write_text(SKEW)
+    path = os.pathsep.join(p for p in (str(tmp / "skew"), os.environ.get("PYTHONPATH")) if p)
+    env = slurm_env(slurm, HORA_SESSION_LEASE_S="3", PYTHONPATH=path)
+    with ServiceServer(tmp, {"ann": False, "root": True}, 2, env) as srv:
         yield srv
     slurm.wait_idle()
 
@@ -86,7 +100,9 @@ def test_engines_on_both_nodes_wait_in_slurms_queue_run_cells_and_stop(
     out: dict[str, str] = {}
     start = threading.Thread(
         target=lambda: out.update(
-            text=notebook.run("%dist_start -n 4 --runtime slurm --no-preflight")
+            text=notebook.run(
+                "%dist_start -n 4 --runtime slurm --no-preflight --timeout 10 --start-timeout 90"
+            )
         )
     )
     with server.client("ann") as c:
@@ -106,6 +122,8 @@ def test_engines_on_both_nodes_wait_in_slurms_queue_run_cells_and_stop(
         text = out["text"]
         assert "waits in the runtime's queue: slurm: " in text, text  # Resources, Priority
         assert "4 engines ready" in text and "on Slurm nodes" in text, text
+        took = float(re.search(r"engines ready in ([0-9.]+)s", text)[1])  # type: ignore[index]
+        assert took >= SKEW_S, text  # n1's engines waited for n2's at the rendezvous
         assert f"the controller listens on {BRIDGE}" in text, text
         (session,) = [s for s in sessions(c) if s["state"] == "running"]
 

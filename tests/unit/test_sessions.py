@@ -305,6 +305,7 @@ def test_session_spec_is_an_argument_list_and_an_env() -> None:
     assert spec.command == ["/py", "-m", "hora.engines._child", "session-engine"]
     assert spec.env["HORA_BACKEND"] == "gloo" and spec.env["HORA_TIMEOUT"] == "12"
     assert spec.env["OMP_NUM_THREADS"] == "3"
+    assert spec.env["HORA_START_TIMEOUT"] == "60"  # the engines' rendezvous waits this long
     assert spec.workers == 2 and spec.timeout_s is None
     boxed = session_spec(request(runtime="docker", image="hora:latest"), "nccl", "/py")
     assert boxed.command[0] == "python" and boxed.image == "hora:latest"  # the image's python

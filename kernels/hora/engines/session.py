@@ -383,6 +383,7 @@ class ServiceCluster(Cluster):
             "connection": connection,
             "backend": self.options.backend,
             "timeout_s": self.options.timeout_s,
+            "start_timeout_s": self.options.start_timeout_s,
             "threads": self.options.threads,
             "idle_timeout_s": self.idle_timeout_s,
             "runtime": self.runtime,
