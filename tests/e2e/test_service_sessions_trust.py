@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import threading
@@ -202,3 +203,52 @@ def test_a_docker_session_on_the_cpu_image_runs_cells(
             job = ann.get(f"/v1/jobs/{sid}").json()
             assert job["state"] == "running" and job["container_id"], job
         assert ann.delete(f"/v1/sessions/{sid}").status_code == 200
+
+
+def _engine_pids(srv: ServiceServer) -> list[int]:
+    pids = []
+    for pid in srv.descendants():
+        try:
+            if "session-engine" in psutil.Process(pid).cmdline():
+                pids.append(pid)
+        except psutil.Error:
+            pass
+    return pids
+
+
+@pytest.mark.parametrize("killed", ["engine", "kernel"])
+def test_a_sigkilled_session_leaves_no_private_directory(tmp_path: Path, killed: str) -> None:
+    """The engines' private directories (the controller's key) go with the session, however
+    it ends: its engine killed with SIGKILL (no handler of its own runs), or its kernel killed:
+    heartbeats stop (the lease runs out and the service stops the engines)."""
+    env = {"HORA_SESSION_LEASE_S": "4"}
+    with (
+        controller(tmp_path / "ctl") as (connection, client_file),
+        ServiceServer(tmp_path, {"ann": False, "root": True}, cpu_slots=1, env=env) as srv,
+        srv.client("ann") as ann,
+    ):
+        made = ann.post("/v1/sessions", json={"workers": 1, "connection": connection})
+        assert made.status_code == 201, made.text
+        sid = made.json()["id"]
+        with lying_heartbeats(srv, "ann", sid):
+            rc = ipp.Client(str(client_file), timeout=60)
+            try:
+                rc.wait_for_engines(1, timeout=120)
+                dirs = wait_for(lambda: engine_dirs(srv), "no engine directory seen")
+            finally:
+                rc.close()
+            if killed == "engine":
+                for pid in _engine_pids(srv):
+                    os.kill(pid, signal.SIGKILL)
+                ended = wait_for(
+                    lambda: (s := state_of(ann, sid))["state"] != "running" and s,
+                    "the session outlived its engine",
+                )
+        if killed == "kernel":  # no more heartbeats: the kernel is gone
+            ended = wait_for(
+                lambda: (s := state_of(ann, sid))["state"] != "running" and s,
+                "the session outlived its lease",
+            )
+        assert ended["state"] in ("failed", "cancelled"), ended
+        wait_for(lambda: not _engine_pids(srv), "the engine outlived its session", 30)
+        wait_for(lambda: not any(os.path.exists(d) for d in dirs), f"{dirs} left in /tmp", 30)

@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 from hora.env import RDZV_SECRET_VAR, rank_env
 
-from hora_service.runtimes import namespaces
+from hora_service.runtimes import namespaces, scratch
 from hora_service.runtimes.base import AttemptPlan, Exit, RankProcess, RankStatus, Runtime
 from hora_service.runtimes.containment import TAG_VAR
 from hora_service.runtimes.limits import apply_cgroup
@@ -277,20 +277,28 @@ class LocalRuntime(Runtime):
         holder = namespaces.start(plan) if namespaces.wanted(plan) else None
         if holder is not None:
             self._holders[(plan.job_id, plan.attempt)] = holder
+        # without a private /tmp, a TMPDIR of its own that clear() removes (even after SIGKILL)
+        tmp = scratch.make(plan) if holder is None else None
         try:
-            return self._start_ranks(plan, base_env, holder)
+            return self._start_ranks(plan, base_env, holder, tmp)
         finally:
             if holder is not None:
                 holder.close_fds()  # each shim has its own copies
 
     def _start_ranks(
-        self, plan: AttemptPlan, base_env: dict[str, str], holder: namespaces.Holder | None
+        self,
+        plan: AttemptPlan,
+        base_env: dict[str, str],
+        holder: namespaces.Holder | None,
+        tmp: Path | None,
     ) -> list[RankProcess]:
         ranks: list[RankProcess] = []
         try:
             gid = plan.run_as.gid if plan.run_as is not None else os.getegid()
             for rank in range(plan.ranks):
                 fields = {**launch_file(plan, rank, base_env), **namespaces.launch_fields(holder)}
+                if tmp is not None and scratch.VAR not in plan.spec.env:
+                    fields["env"][scratch.VAR] = str(tmp)  # type: ignore[index]
                 launch = json.dumps(fields)
                 _private_file(plan.run_dir / f"rank{rank}.launch", os.getegid(), 0o600, launch)
                 _private_file(plan.log_path(rank), gid, 0o640)
@@ -322,4 +330,7 @@ class LocalRuntime(Runtime):
         holder = self._holders.pop((plan.job_id, plan.attempt), None)
         if holder is not None:  # an adopted attempt's holder dies with its cgroup
             holder.stop()
-        return super()._clear(plan)
+        empty = super()._clear(plan)
+        if empty:  # nothing can write there any more
+            scratch.remove(plan)
+        return empty

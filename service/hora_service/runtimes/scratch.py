@@ -1,0 +1,72 @@
+"""One attempt's own temporary directory, where it has no private ``/tmp`` (control plane).
+
+An attempt with its own mount namespace (:mod:`hora_service.runtimes.namespaces`) has a
+fresh ``/tmp`` that vanishes with it. Every other attempt of the local runtime (single-user
+and shared mode, sessions, whose engines must stay on the host) gets a directory of its own
+in the service's temporary directory, ``hora-tmp-<instance>-<job>-<attempt>-XXXXXXXX``
+(mode 0700, owned by the job's account), as its ranks' ``TMPDIR`` unless the job's ``env``
+sets one. Python's ``tempfile`` and most tools put their files there: a session engine's
+private directory (which holds the controller's key), a job's scratch files.
+
+The service removes it once the attempt's last process is gone (:func:`remove`, called from
+the runtime's ``clear``), so nothing is left even when a rank was killed with SIGKILL and no
+handler of its own ran, and after a restart of the service (the name is found again from the
+attempt's containment tag).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import stat
+import tempfile
+from pathlib import Path
+
+from hora_service.runtimes.base import AttemptPlan
+
+log = logging.getLogger(__name__)
+
+VAR = "TMPDIR"
+
+
+def prefix(plan: AttemptPlan) -> str | None:
+    """The name the attempt's directory starts with; None without a containment tag.
+
+    Example:
+        >>> prefix(plan)  # doctest: +SKIP
+        'hora-tmp-ab12cd-7-1-'
+    """
+    if plan.container is None:
+        return None
+    return "hora-tmp-" + plan.container.tag.replace("/", "-") + "-"
+
+
+def make(plan: AttemptPlan, where: str | None = None) -> Path | None:
+    """Create the attempt's directory (0700, the job account's); None without a tag."""
+    start = prefix(plan)
+    if start is None:
+        return None
+    path = Path(tempfile.mkdtemp(prefix=start, dir=where))  # a fresh name, never followed
+    if plan.run_as is not None:
+        os.chown(path, plan.run_as.uid, plan.run_as.gid)
+    return path
+
+
+def remove(plan: AttemptPlan, where: str | None = None) -> None:
+    """Remove the attempt's directories (call once none of its processes is left).
+
+    Only real directories whose names start with the attempt's prefix; a symlink of that
+    name is left alone, and what lies inside is removed without following links.
+    """
+    start = prefix(plan)
+    if start is None:
+        return
+    base = Path(where or tempfile.gettempdir())
+    for path in base.glob(start + "*"):
+        try:
+            if not stat.S_ISDIR(os.lstat(path).st_mode):
+                continue
+            shutil.rmtree(path)
+        except OSError as e:
+            log.warning("job %d: cannot remove %s: %s", plan.job_id, path, e)
