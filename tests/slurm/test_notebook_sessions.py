@@ -92,7 +92,7 @@ def wait_ended(c: httpx.Client, session_id: int) -> dict:
 
 
 def test_engines_on_both_nodes_wait_in_slurms_queue_run_cells_and_stop(
-    server: ServiceServer, slurm: Cluster, notebook: Notebook
+    server: ServiceServer, slurm: Cluster, notebook: Notebook, tmp_path: Path
 ) -> None:
     blocker = slurm.run(
         "sbatch", "--parsable", "-N2", "--gres=gpu:2", "-o", "/dev/null", "--wrap", "sleep 60"
@@ -139,6 +139,24 @@ def test_engines_on_both_nodes_wait_in_slurms_queue_run_cells_and_stop(
     assert "Error" not in ran, ran
     notebook.run("%dist_pull y")
     assert "[86, 86, 86, 86]" in notebook.run("print(y)")  # 4 * 20 + 0+1+2+3
+
+    # the notebook's interrupt reaches engines on other nodes through their control channel
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    sleeper = f"import pathlib, time\npathlib.Path({str(marks)!r}, str(hvd.rank())).touch()\n"
+    ran: dict[str, str] = {}
+    cell = threading.Thread(
+        target=lambda: ran.update(text=notebook.run(f"%%distributed\n{sleeper}time.sleep(120)"))
+    )
+    cell.start()
+    wait_for("every rank to run the cell", lambda: len(list(marks.iterdir())) == 4)
+    os.kill(notebook.pid, signal.SIGINT)  # what Jupyter's interrupt sends to a local kernel
+    cell.join(timeout=60)
+    assert not cell.is_alive()
+    assert "interrupted on ranks 0-3" in ran["text"], ran["text"]
+    assert "rank 3 still here" in notebook.run(
+        "%%distributed --rank 3\nprint('rank', hvd.rank(), 'still here')"
+    )
 
     status = notebook.run("%dist_status")
     assert status.count("alive") >= 4, status  # engines on other nodes are watched by the service

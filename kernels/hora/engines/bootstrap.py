@@ -61,13 +61,17 @@ def _device() -> Any:
     return _state._STATE.device if _state._STATE is not None else torch.device("cpu")
 
 
-def init_engine(backend: str, timeout_s: float, threads: int) -> dict[str, Any]:
+def init_engine(
+    backend: str, timeout_s: float, threads: int, start_s: float | None = None
+) -> dict[str, Any]:
     """Initialise hora.torch in this engine and describe it; failures are returned, not raised.
 
     Args:
         backend: "nccl" or "gloo".
         timeout_s: rendezvous and collective timeout.
         threads: torch intra-op threads on CPU.
+        start_s: how long to wait for the background init (the engines' rendezvous, which
+            waits for engines that start late); default ``timeout_s``.
 
     Returns:
         ``{"rank", "size", "host", "pid", "device", "gpu", "main_thread"}`` of this engine, or
@@ -78,7 +82,7 @@ def init_engine(backend: str, timeout_s: float, threads: int) -> dict[str, Any]:
         >>> info = view.apply_sync(init_engine, "gloo", 60.0, 1)  # doctest: +SKIP
     """
     try:
-        return _init_engine(backend, timeout_s, threads)
+        return _init_engine(backend, timeout_s, threads, start_s or timeout_s)
     except Exception as e:
         import traceback
 
@@ -89,7 +93,7 @@ def init_engine(backend: str, timeout_s: float, threads: int) -> dict[str, Any]:
         }
 
 
-def _init_engine(backend: str, timeout_s: float, threads: int) -> dict[str, Any]:
+def _init_engine(backend: str, timeout_s: float, threads: int, start_s: float) -> dict[str, Any]:
     import torch
 
     import hora.torch as hvd
@@ -97,8 +101,8 @@ def _init_engine(backend: str, timeout_s: float, threads: int) -> dict[str, Any]
     if not torch.cuda.is_available():
         torch.set_num_threads(threads)
     if _BG_STARTED:
-        if not _BG_DONE.wait(timeout_s):
-            raise TimeoutError(f"hora.torch.init() did not finish within {timeout_s:g}s")
+        if not _BG_DONE.wait(start_s):
+            raise TimeoutError(f"hora.torch.init() did not finish within {start_s:g}s")
         if _BG_ERROR:
             raise _BG_ERROR[0]
     hvd.init(backend=backend, timeout=timeout_s)  # no-op after the background init

@@ -265,7 +265,8 @@ class Cluster(Recovery):
 
     def _init_engines(self, ids: Sequence[int], deadline: float) -> list[Engine]:
         """Initialise hora.torch in the pending engines (``ids``); return them by rank."""
-        args = (self.backend, self.options.timeout_s, self.options.threads)
+        start_s = max(1.0, deadline - time.perf_counter())  # late engines: see init_engine
+        args = (self.backend, self.options.timeout_s, self.options.threads, start_s)
         ars = {eid: self.client[eid].apply_async(bootstrap.init_engine, *args) for eid in ids}
 
         def failed(ar: Any) -> bool:

@@ -224,6 +224,20 @@ def read_stack(engine: Engine, wait_s: float = 1.0) -> str:
         return pick_thread(f.read(), engine.main_thread)
 
 
+def interrupt_remote(client: Any, engine_id: int) -> None:
+    """SIGINT an engine on another machine through its control channel (not waited for).
+
+    ipykernel's ``interrupt_request`` (which the engine answers on its control thread, also
+    while it runs a cell) makes the engine send SIGINT to itself; ipyparallel's public
+    ``send_signal`` needs a nanny, which hora's engines run without. This is the one place
+    that uses the client's private control request.
+    """
+    try:
+        client._send_control_request([engine_id], "interrupt_request", {}, block=False)
+    except Exception as e:  # the controller or the engine is gone: the cell says so anyway
+        log.info("engine %d: interrupt not sent: %s", engine_id, e)
+
+
 class CellRun:
     """One cell on a set of engines; :meth:`wait` drives it to the end.
 
@@ -438,7 +452,7 @@ class CellRun:
     def _sigint(self, ranks: Sequence[int]) -> None:
         for e in self.engines:
             if e.rank in ranks and not e.local:  # its pid is another machine's
-                log.info("rank %d runs on %s: it cannot be interrupted from here", e.rank, e.host)
+                interrupt_remote(self.client, e.engine_id)
             elif e.rank in ranks:
                 try:
                     os.kill(e.pid, signal.SIGINT)
