@@ -470,6 +470,9 @@ class HoraMagics(Magics):
 
             prof.start_profile(cluster)
         try:
+            repaired = cluster.repair()
+            if repaired:  # an engine died between cells: say so before the cell's output
+                sys.stderr.write(f"hora: {repaired}\n")
             cluster.run(
                 code,
                 sink=sink,

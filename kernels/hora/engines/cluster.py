@@ -381,7 +381,8 @@ class Cluster(Recovery):
 
         Raises:
             ClusterNotRunningError: no engines.
-            ClusterBrokenError: an earlier death or stall broke the process group.
+            ClusterBrokenError: an earlier death or stall broke the process group, or an
+                engine that died since the last cell could not be replaced.
             CellFailedError: the cell raised.
             RankDiedError: an engine died (the cluster becomes BROKEN).
             StallError: ranks stalled; they were released and the process group rebuilt
@@ -389,6 +390,7 @@ class Cluster(Recovery):
             KeyboardInterrupt: interrupted; as for a stall, the group is rebuilt when needed.
         """
         self._require_ready()
+        self.repair()  # engines that died since the last cell (the magic says so first)
         stall = self.options.timeout_s if timeout is None else timeout
         try:
             return run_cell(

@@ -16,7 +16,13 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hora.engines import bootstrap
-from hora.engines.errors import RECOVER, RankDiedError, rank_ranges
+from hora.engines.errors import (
+    RECOVER,
+    ClusterBrokenError,
+    RankDiedError,
+    exit_status,
+    rank_ranges,
+)
 from hora.engines.state import State
 from hora.net import free_port
 
@@ -73,6 +79,35 @@ class Recovery:
         except Exception as exc:  # any failure here leaves a full restart as the way out
             return self._restart_after(f"rebuilding the process group failed ({exc})")
         return "process group rebuilt; engines usable, variables kept"
+
+    def repair(self) -> str:
+        """Replace the engines that died since the last cell, before the next one runs.
+
+        The survivors keep their processes and variables; the process group is rebuilt with
+        the new engines, so the next cell runs on every rank.
+
+        Returns:
+            What happened, for the notebook ("" when every engine is alive).
+
+        Raises:
+            ClusterBrokenError: the dead engines could not be replaced (a session's engines
+                are the service's to replace; it ends the session instead).
+        """
+        dead: dict[int, int | None] = {
+            e.rank: code for e in self.engines if (code := e.proc.poll()) is not None
+        }
+        if not dead or self.state is not State.READY:
+            return ""
+        pids = {e.rank: e.pid for e in self.engines}
+        what = "; ".join(
+            f"rank {r} (pid {pids[r]}) died ({exit_status(c)})" for r, c in sorted(dead.items())
+        )
+        log.warning("%s since the last cell; replacing", what)
+        outcome = self._after_death(RankDiedError(dead))
+        text = f"{what} since the last cell; {outcome}"
+        if self.state is State.BROKEN:
+            raise ClusterBrokenError(text)
+        return text
 
     def _after_death(self, e: RankDiedError) -> str:
         """Replace the dead engines and rebuild the group; say which variables were lost."""
