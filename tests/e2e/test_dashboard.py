@@ -13,7 +13,9 @@ timeline drawn from the trace its ranks wrote (the Chrome-trace part files that
 Last, one real torch job (tests/helpers/known_share.py: rank 1 slowed in the preflight, a
 known communication share, its timeline recorded): its page shows the preflight naming
 rank 1 (the box and the job's events) and the scaling report from its timeline (the table,
-a bar per rank, the verdict naming rank 1 and compute).
+a bar per rank, the verdict naming rank 1 and compute). The same job on a second service
+whose admin set a preflight threshold fails before training: its page says so and names
+rank 1 (the failure in the *Preflight* box and the state line).
 
 A screenshot of each page is saved under pytest's tmp dir, or ``HORA_SCREENSHOT_DIR``.
 Skipped only when /usr/bin/chromium is missing (CI installs it).
@@ -329,3 +331,32 @@ def test_a_job_page_shows_its_preflight_and_scaling(
     expect(page.locator("#scaling-box")).to_contain_text("preflight busbw")
     page.screenshot(path=str(shots / "dashboard-job-preflight-scaling.png"), full_page=True)
     page.context.close()
+
+
+def test_a_job_failed_by_the_preflight_threshold_names_the_rank(
+    browser: Browser, work: Path, shots: Path, tmp_path: Path
+) -> None:
+    env = {"HORA_JOB_PREFLIGHT_FAIL_BELOW": "0.3"}
+    with ServiceServer(tmp_path, cpu_slots=2, env=env) as strict:
+        body = {"command": [sys.executable, str(work / "known_share.py")], "workers": 2,
+                "name": "refused"}
+        with strict.client("ann") as c:
+            r = c.post("/v1/jobs", json=body)
+            assert r.status_code == 201, r.text
+            job = int(r.json()["id"])
+            done = wait_state(c, job, ("succeeded", "failed", "cancelled"), timeout=150)
+        assert done["state"] == "failed", done
+        page = sign_in(browser, strict, "ann")
+        page.goto(strict.url + f"/ui#/job/{job}")
+        expect(page.locator("#job-state")).to_have_text("failed")
+        expect(page.locator("#job-reason")).to_contain_text(
+            "preflight: below 0.3 of the reference: rank 1 ("
+        )
+        failed = page.locator("#preflight-failed")
+        expect(failed).to_be_visible()
+        expect(failed).to_contain_text("failed the job: preflight: below 0.3 of the reference")
+        expect(failed).to_contain_text("rank 1 (")
+        expect(page.locator("#preflight-line")).to_contain_text("FAILED: threshold crossed")
+        expect(page.locator("#preflight-slow li").first).to_contain_text("rank 1 (")
+        page.screenshot(path=str(shots / "dashboard-job-preflight-failed.png"), full_page=True)
+        page.context.close()
