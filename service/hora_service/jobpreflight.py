@@ -9,6 +9,10 @@ the first :data:`SCAN_BYTES` of rank 0's log (opened the way every run file is, 
 :class:`PreflightFigures` (bounded lists, finite numbers), and keeps the figures of each
 job's attempt and the last bandwidth seen per node and path for ``/metrics``.
 
+A notebook session's engines are measured by ``%dist_start`` instead
+(:func:`hora.engines.profile.engine_preflight`); its rank 0 engine writes the same line to
+its own log, read here the same way.
+
 While an attempt runs, the monitor looks for the line (:meth:`PreflightBook.poll`, at most
 every :data:`POLL_S` seconds) and records it once as an event of the job: a transition with
 the job's state (``running``) and the figures' line as its reason, naming any rank or link
@@ -243,8 +247,8 @@ class PreflightBook:
 
 
 def job_preflight(manager: Any, job: Any) -> dict[str, Any] | None:
-    """The job's current attempt's figures as JSON (with ``line``), or None."""
-    if job.attempt < 1 or job.kind != "job":
+    """The job's or session's current attempt's figures as JSON (with ``line``), or None."""
+    if job.attempt < 1:
         return None
     try:
         path = manager.log_path(job.id, 0, job.attempt)

@@ -805,8 +805,12 @@ class JobManager:
     def _watch_preflight(
         self, attempt: Attempt, now: float, force: bool = False
     ) -> PreflightFigures | None:
-        """Name the attempt's preflight in its events once rank 0 logged it; its figures."""
-        if not attempt.plan.preflight_env:
+        """Name the attempt's preflight in its events once rank 0 logged it; its figures.
+
+        A job's ranks log it at ``hvd.init()`` when asked (``preflight_env``); a session's
+        rank 0 engine when ``%dist_start`` measures (unless ``--no-preflight``).
+        """
+        if not attempt.plan.preflight_env and attempt.kind != "session":
             return None
         plan = attempt.plan
         force = force or any(c is not Exit.running for c in attempt.codes)
@@ -1129,8 +1133,7 @@ class JobManager:
             # an elastic attempt's cgroup is sized for what it may grow to
             limits=self.bounds.limits(job.user, max(len(slots), sized)),
             umask=int(self.settings.job_umask, 8),
-            # sessions' engines are measured by %dist_start, in the notebook
-            preflight_env=self._preflight_env() if job.kind == "job" else (),
+            preflight_env=self._preflight_env(job.kind),
             rdzv_secret=new_rdzv_secret(),
             private_network=self.settings.job_private_network and job.kind != "session",
             work_root=self.settings.work_root,
@@ -1138,8 +1141,11 @@ class JobManager:
             driver=driver,
         )
 
-    def _preflight_env(self) -> tuple[tuple[str, str], ...]:
+    def _preflight_env(self, kind: str) -> tuple[tuple[str, str], ...]:
         s = self.settings
+        base = s.job_preflight_baseline_dir
+        if kind == "session":  # %dist_start measures the engines, against the baselines
+            return () if base is None else (("HORA_PREFLIGHT_BASELINE", str(base)),)
         if not s.job_preflight:
             return ()
         env = [("HORA_PREFLIGHT", "1")]

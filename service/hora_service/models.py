@@ -75,7 +75,8 @@ class JobRecord(JobInfo):
             and structured reason; only ``GET /v1/jobs/{id}`` fills it (``GET /v1/queue``
             lists them all).
         preflight: the communication preflight rank 0 logged at ``hora.torch.init()``
-            (:mod:`hora_service.jobpreflight`); only ``GET /v1/jobs/{id}`` fills it.
+            (a session's: at ``%dist_start``; :mod:`hora_service.jobpreflight`); only
+            ``GET /v1/jobs/{id}`` fills it.
     """
 
     model_config = ConfigDict(extra="ignore", frozen=True)

@@ -36,7 +36,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from hora.errors import HoraError, SpecError
 from hora.spec import IMAGE_PATTERN, JobSpec, JobState, Priority, QueueInfo, RuntimeName
@@ -207,6 +207,9 @@ class SessionRecord(BaseModel):
     stop_in_s: float | None = Field(None, description="seconds left before the idle timeout")
     warning: str | None = None
     queue: QueueInfo | None = None
+    preflight: dict[str, Any] | None = Field(
+        default=None, description="what %dist_start's preflight measured (GET /v1/sessions/ID)"
+    )
 
 
 def session_spec(req: SessionRequest, backend: str, python: str = sys.executable) -> JobSpec:

@@ -560,7 +560,7 @@ def _at_init(environ: Mapping[str, str], _process_sets: Any) -> None:
         report = run(environ=environ)
     except PreflightError as e:  # the threshold was crossed (or a setting is wrong)
         if e.report is not None:
-            _log_line(e.report.to_dict() | {"failed": str(e)})
+            log_line(e.report.to_dict() | {"failed": str(e)})
         raise  # init() fails, naming it
     except Exception as e:  # noqa: BLE001  (a check must not stop training that would work)
         log.warning("preflight: no figures (%s: %s)", type(e).__name__, e)
@@ -569,14 +569,32 @@ def _at_init(environ: Mapping[str, str], _process_sets: Any) -> None:
         timeline.record("preflight", "PREFLIGHT", t0, timeline.now_ns(), 0)
     if report.findings:
         log.warning("preflight: far below the reference: %s", report.slowest())
-    _log_line(report.to_dict())
+    log_line(report.to_dict())
 
 
-def _log_line(figures: dict[str, Any]) -> None:
-    """Rank 0 writes ``HORA_PREFLIGHT {json}`` to its stderr (the job's rank 0 log)."""
-    if _state.require_init("preflight").rank == 0:
-        sys.stderr.write(f"{LINE_TAG} {json.dumps(figures, separators=(',', ':'))}\n")
+def log_line(figures: dict[str, Any], fd: int | None = None) -> None:
+    """Rank 0 writes ``HORA_PREFLIGHT {json}`` to its log, where the hora service reads it.
+
+    Args:
+        figures: :meth:`PreflightReport.to_dict`, with ``failed`` (the error's message) when
+            the threshold was crossed.
+        fd: the rank's log (default ``sys.stderr``: a job's rank 0 log). An engine passes
+            its process's own stderr, which its notebook does not see.
+
+    Raises:
+        NotInitializedError: before ``hvd.init()``.
+        OSError: ``fd`` cannot be written.
+    """
+    if _state.require_init("preflight").rank != 0:
+        return
+    line = f"{LINE_TAG} {json.dumps(figures, separators=(',', ':'))}\n"
+    if fd is None:
+        sys.stderr.write(line)
         sys.stderr.flush()
+        return
+    data = line.encode()
+    while data:
+        data = data[os.write(fd, data) :]
 
 
 _state.register_init_hook(_at_init)

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from hora_service.api.deps import CurrentUser, ManagerDep, OwnedJob
 from hora_service.api.errors import AUTH_RESPONSES, unprocessable
+from hora_service.jobpreflight import job_preflight
 from hora_service.models import JobRecord
 from hora_service.sessions import (
     Heartbeat,
@@ -126,9 +127,17 @@ def session_address(
 @router.get(
     "/{job_id}", response_model=SessionRecord, summary="Get a session", responses=SESSION_RESPONSES
 )
-def get_session(job: OwnedSession, user: CurrentUser, sessions: SessionsDep) -> SessionRecord:
-    """State, slots, queue place (while queued), idle time and warning of one session."""
-    return sessions.view(job, viewer=user)
+def get_session(
+    job: OwnedSession, user: CurrentUser, sessions: SessionsDep, manager: ManagerDep
+) -> SessionRecord:
+    """State, slots, queue place (while queued), idle time, warning and preflight of one session.
+
+    ``preflight`` is what ``%dist_start`` measured on the engines (rank 0 logs it), as a
+    job's is (:func:`hora_service.jobpreflight.job_preflight`).
+    """
+    view = sessions.view(job, viewer=user)
+    figures = job_preflight(manager, job)
+    return view if figures is None else view.model_copy(update={"preflight": figures})
 
 
 @router.post(
