@@ -4,8 +4,9 @@ service whose session becomes one Slurm job on the real two-node cluster.
 The kernel's controller listens on the host's bridge address (10.250.0.1), which the nodes
 reach; the engines run under one ``srun`` on n1 and n2 and run ``%%distributed`` cells,
 ``--out``, ``%dist_push`` and ``%dist_pull`` across both. While Slurm holds the job back,
-``%dist_start`` shows Slurm's pending reason. ``%dist_stop``, and a kernel killed with -9 (the
-lease runs out), end the Slurm job: nothing is left on either node.
+``%dist_start`` shows Slurm's pending reason; the notebook's interrupt stops a cell on both
+nodes. ``%dist_stop``, an engine that dies, and a kernel killed with -9 (the lease runs out)
+end the Slurm job: nothing is left on either node.
 
 Engines on n2 start late: a ``sitecustomize`` on the engines' ``PYTHONPATH`` sleeps
 ``SKEW_S`` seconds there, longer than the collective timeout the notebook asks for, so the
@@ -133,6 +134,8 @@ def test_engines_on_both_nodes_wait_in_slurms_queue_run_cells_and_stop(
     assert "['n1', 'n1', 'n2', 'n2']" in notebook.run("print(host)")
     notebook.run("x = 20")
     notebook.run("%dist_push x")
+    status = notebook.run("%dist_status")
+    assert status.count("alive") >= 4, status  # engines on other nodes are watched by the service
     ran = notebook.run(
         "%%distributed\ny = hvd.allreduce(torch.tensor([x + hvd.rank()]), op=hvd.Sum).item()"
     )
@@ -158,9 +161,6 @@ def test_engines_on_both_nodes_wait_in_slurms_queue_run_cells_and_stop(
         "%%distributed --rank 3\nprint('rank', hvd.rank(), 'still here')"
     )
 
-    status = notebook.run("%dist_status")
-    assert status.count("alive") >= 4, status  # engines on other nodes are watched by the service
-
     notebook.run("%dist_stop")
     with server.client("ann") as c:
         ended = wait_ended(c, session["id"])
@@ -168,11 +168,23 @@ def test_engines_on_both_nodes_wait_in_slurms_queue_run_cells_and_stop(
     assert slurm.queue() == [] and slurm.leftovers() == {"n1": [], "n2": []}
 
 
-def test_a_killed_kernel_frees_its_slurm_allocation_when_the_lease_runs_out(
+def test_a_dead_engine_or_a_killed_kernel_ends_the_slurm_job(
     server: ServiceServer, slurm: Cluster, notebook: Notebook
 ) -> None:
     text = notebook.run("%dist_start -n 2 --runtime slurm --no-preflight")
     assert "2 engines ready" in text, text
+    with server.client("ann") as c:
+        first = sessions(c)[0]
+    # an engine that dies ends the session (the Slurm job with it); the cell says why
+    died = notebook.run("%%distributed\nimport os\nif hvd.rank() == 1:\n    os._exit(3)")
+    assert f"the hora service ended session {first['id']}" in died, died
+    assert "rank 1" in died and "%dist_restart" in died, died
+    with server.client("ann") as c:
+        ended = wait_ended(c, first["id"])
+    assert ended["state"] == "failed" and "rank 1" in ended["reason"], ended
+    assert slurm.leftovers() == {"n1": [], "n2": []}
+    # fresh engines; then the kernel is killed: the lease runs out and the job ends
+    assert "2 engines ready" in notebook.run("%dist_restart")
     assert slurm.queue() and any(slurm.task_pids(n) for n in slurm.nodes)
     os.kill(notebook.pid, signal.SIGKILL)
     with server.client("ann") as c:
