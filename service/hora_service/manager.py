@@ -922,6 +922,8 @@ class JobManager:
         runs = [a for a in self._attempts.values() if a.elastic is not None]
         if any(a.elastic.target is not None for a in runs if a.elastic is not None):
             return  # a shrink is under way: its slots come first
+        if self._room_in_quota(head.user) < head.need:
+            return  # it waits for its user's own jobs, not for slots
         lower = sorted(
             (a for a in runs if a.stop_state is None
              and PRIORITY_RANK[a.plan.spec.priority] < head.priority),
@@ -964,11 +966,14 @@ class JobManager:
         assert spec.elastic is not None
         g = spec.gpus_per_worker
         room = min(spec.elastic.max_workers * g - held, len(spare))
+        return max(0, min(room, self._room_in_quota(user)) // g * g)
+
+    def _room_in_quota(self, user: str) -> int:
+        """Slots ``user``'s jobs may still take under their quota."""
         quota = self.quota_of(user)
-        if quota is not None:
-            mine = sum(len(a.plan.slots) for a in self._attempts.values() if a.user == user)
-            room = min(room, quota - mine)
-        return max(0, room // g * g)
+        if quota is None:
+            return len(self.inventory)
+        return quota - sum(len(a.plan.slots) for a in self._attempts.values() if a.user == user)
 
     def _grow(self, spare: list[int], now: float) -> None:
         """Offer spare slots to running elastic jobs, oldest first; the world grows at a commit."""
@@ -1005,6 +1010,17 @@ class JobManager:
         take = self._room(job.user, job.spec, len(slots), spare)
         slots, spare[:] = slots + tuple(spare[:take]), spare[take:]
         return slots
+
+    def _reoffer(self, plan: AttemptPlan) -> None:
+        """Offer a re-adopted driver the slots the store says it holds.
+
+        A shrink or a grant the service was making when it stopped is undone (a shrink starts
+        again if a job still waits for the slots).
+        """
+        try:
+            self._offer(plan)
+        except OSError as e:
+            log.warning("job %d: cannot rewrite its slot file: %s", plan.job_id, e)
 
     def _elastic_run(self, job: JobRecord, plan: AttemptPlan, now: float) -> ElasticRun | None:
         if not plan.driver:
@@ -1175,6 +1191,7 @@ class JobManager:
             if plan.driver and job.elastic is not None:  # its membership, read on from the log
                 g = job.spec.gpus_per_worker
                 attempt.elastic = ElasticRun(job.elastic, plan.log_path(0), g)
+                self._reoffer(plan)
             self._attempts[job.id] = attempt
             if job.id in cancelling:
                 attempt.stop(JobState.cancelled, "cancelled by the user", now, grace, False)
