@@ -4,8 +4,9 @@ A real ``hora serve`` as root in multi-user mode with a real Docker engine and `
 (:mod:`helpers.docker_engine`, never skipped): a ``working_dir`` only another account can
 reach is a 422 (the bind mount would otherwise hand the container a directory its account
 could never enter on the host); a job without one runs in the user's own directory, with
-umask 077, in a container whose memory, pids and CPU share are set; and a job allocating past
-its memory limit is killed with a reason naming the limit.
+umask 077, in a container whose memory, pids and CPU share are set; a job allocating past
+its memory limit is killed, and one forking past its pids limit fails, each with a reason
+naming the limit.
 """
 
 from __future__ import annotations
@@ -140,3 +141,36 @@ def test_a_container_runs_in_the_users_directory_within_its_limits(
         job = wait_state(b, r.json()["id"], DONE, timeout=120)
         assert job["state"] == "failed", job
         assert "the memory limit (256 MiB per attempt)" in job["reason"], job
+
+
+FORKS = """\
+import os
+n = 0
+try:
+    while n < 1500:
+        if os.fork() == 0:
+            os.execv("/bin/sleep", ["sleep", "60"])
+        n += 1
+except OSError as e:
+    print(f"fork failed after {n} processes: {e}", flush=True)
+    raise SystemExit(1)
+print(f"forked {n} processes", flush=True)
+"""
+
+
+def test_a_container_forking_past_its_pids_limit_fails_naming_the_limit(
+    world: tuple[ServiceServer, Path, dict[str, int]],
+) -> None:
+    """As in the local runtime: the container's pids limit stops the forks, and the job's
+    reason names it (read from the container's cgroup before the container is removed)."""
+    srv, _, accounts = world
+    ann, _ = accounts
+    with srv.client(ann) as a:
+        r = a.post("/v1/jobs", json=docker_job(["python", "-c", FORKS]))
+        assert r.status_code == 201, r.text
+        job = wait_state(a, r.json()["id"], DONE, timeout=180)
+        log = a.get(f"/v1/jobs/{job['id']}/logs", params={"rank": 0}).text
+    assert job["state"] == "failed", (job, log)
+    assert "fork failed after" in log and "Resource temporarily unavailable" in log, log
+    assert int(log.split("fork failed after ")[1].split()[0]) < 500, log
+    assert "pids limit (500 processes and threads per attempt)" in job["reason"], job
