@@ -130,10 +130,10 @@ def _rank_step(
     if case.clip:
         opt.synchronize()
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
-        seq = hvd._state._STATE.seq
+        seq = hvd._state.current().seq
         with opt.skip_synchronize():
             opt.step()
-        info["collectives_in_step"] = hvd._state._STATE.seq - seq
+        info["collectives_in_step"] = hvd._state.current().seq - seq
     else:
         opt.step()
     return info

@@ -14,7 +14,7 @@ import pytest
 from docker.types import DeviceRequest, Mount
 from hora.errors import SpecError
 from hora.spec import JobSpec
-from hora.torch._state import device_index
+from hora.torch._rendezvous import device_index
 from hora_service.identity import RunAs
 from hora_service.images import apt_mirror, debootstrap_argv, wheel_argvs
 from hora_service.runtimes import create

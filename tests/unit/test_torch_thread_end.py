@@ -12,7 +12,7 @@ import os
 import threading
 
 import pytest
-from hora.torch import _state
+from hora.torch import _heartbeat
 
 TASKS = "/proc/self/task"
 pytestmark = pytest.mark.skipif(not os.path.isdir(TASKS), reason="needs Linux's /proc")
@@ -28,7 +28,7 @@ def test_no_os_thread_is_left_after_join_and_await() -> None:
         t.start()
         go.set()
         t.join(timeout=5)
-        _state._await_os_thread_end(t, 5.0)
+        _heartbeat.await_os_thread_end(t, 5.0)
         left += os.path.exists(f"{TASKS}/{t.native_id}")
     assert left == 0, f"{left} of {ROUNDS} joined threads were still listed in {TASKS}"
 
@@ -38,7 +38,7 @@ def test_a_running_thread_is_not_waited_for() -> None:
     t = threading.Thread(target=stop.wait, args=(5,), daemon=True)
     t.start()
     try:
-        _state._await_os_thread_end(t, 5.0)  # returns at once: the thread has not been joined
+        _heartbeat.await_os_thread_end(t, 5.0)  # returns at once: the thread has not been joined
         assert t.is_alive()
     finally:
         stop.set()

@@ -58,7 +58,8 @@ def _device() -> Any:
 
     from hora.torch import _state
 
-    return _state._STATE.device if _state._STATE is not None else torch.device("cpu")
+    state = _state.current()
+    return state.device if state is not None else torch.device("cpu")
 
 
 def init_engine(
@@ -150,7 +151,8 @@ def collective_count() -> int:
     """Return how many collectives this engine's rank has entered (0 before init)."""
     from hora.torch import _state
 
-    return _state._STATE.seq if _state._STATE is not None else 0
+    state = _state.current()
+    return state.seq if state is not None else 0
 
 
 def user_names() -> list[str]:

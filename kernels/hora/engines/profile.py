@@ -126,7 +126,7 @@ def end() -> dict[str, Any]:
         timeline.LISTENERS.remove(a["listener"])
     times = a["times"]
     start, stop = times.get("start", 0), times.get("end", 0)
-    state = _state._STATE
+    state = _state.current()
     return {"rank": state.rank if state is not None else -1,
             "size": state.size if state is not None else 1,
             "wall_s": max(0, stop - start) / 1e9, **digest(a["events"])}

@@ -40,7 +40,8 @@ from hora.torch._grouped import (
     sparse_allreduce_async,
 )
 from hora.torch._process_sets import add_process_set, remove_process_set
-from hora.torch._state import (
+from hora.torch._state import init, shutdown
+from hora.torch.basics import (
     ccl_built,
     cross_rank,
     cross_size,
@@ -48,7 +49,6 @@ from hora.torch._state import (
     ddl_built,
     gloo_built,
     gloo_enabled,
-    init,
     is_homogeneous,
     is_initialized,
     local_rank,
@@ -59,7 +59,6 @@ from hora.torch._state import (
     nccl_built,
     rank,
     rocm_built,
-    shutdown,
     size,
 )
 from hora.torch.compression import Compression

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from hora.torch import _state
+from hora.torch import basics
 from hora.torch._gather import allgather_async, alltoall_async, reducescatter_async
 from hora.torch._grouped import grouped_allgather_async, grouped_reducescatter_async
 from hora.torch._ops import (
@@ -48,7 +48,7 @@ def set_rank(process_set: ProcessSet) -> int:
     if callable(own):
         return int(own())
     ranks = getattr(process_set, "ranks", None)
-    return _state.rank() if ranks is None else list(ranks).index(_state.rank())
+    return basics.rank() if ranks is None else list(ranks).index(basics.rank())
 
 
 def _offset(counts: torch.Tensor, process_set: ProcessSet) -> int:
@@ -190,7 +190,7 @@ class BroadcastFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Grads:
         out = allreduce(grad, op=Average, process_set=ctx.process_set)
-        if _state.rank() != ctx.root:  # root_rank is a global rank, as in Horovod
+        if basics.rank() != ctx.root:  # root_rank is a global rank, as in Horovod
             out = torch.zeros_like(out)
         return out, None, None, None
 

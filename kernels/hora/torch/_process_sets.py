@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hora.torch import _engine, _state
+from hora.torch import _engine, _state, basics
 from hora.torch._engine import Comm
 from hora.torch._handles import SIG_LEN
 
@@ -55,18 +55,18 @@ class ProcessSet:
 
     def size(self) -> int:
         """Return the number of ranks in the set."""
-        return _state.size() if self.ranks is None else len(self.ranks)
+        return basics.size() if self.ranks is None else len(self.ranks)
 
     def rank(self) -> int:
         """Return this rank's position in the set, or -1 when it is not a member."""
-        me = _state.rank()
+        me = basics.rank()
         if self.ranks is None:
             return me
         return self.ranks.index(me) if me in self.ranks else -1
 
     def included(self) -> bool:
         """Return whether this rank belongs to the set."""
-        return self.ranks is None or _state.rank() in self.ranks
+        return self.ranks is None or basics.rank() in self.ranks
 
 
 global_process_set = ProcessSet()

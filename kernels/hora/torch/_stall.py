@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hora.errors import CollectiveTimeout, HoraError, PeerFailedError, TensorMismatchError
-from hora.torch import _state
+from hora.torch import _heartbeat, _state
 
 _BACKEND_ERRORS: tuple[type[BaseException], ...] = (RuntimeError,)
 
@@ -29,7 +29,7 @@ Beat = tuple[int, float, int, str]
 
 
 def _read(store: Any, rank: int) -> Beat | None:
-    key = f"{_state._HB_KEY}{rank}"
+    key = f"{_heartbeat.KEY}{rank}"
     if not store.check([key]):
         return None
     seq, ts, sig, *op = store.get(key).decode().split(" ", 3)
@@ -37,7 +37,8 @@ def _read(store: Any, rank: int) -> Beat | None:
 
 
 def _snapshot(state: _state.State) -> dict[int, Beat | None]:
-    return {r: _read(state.hb_store, r) for r in range(state.size) if r != state.rank}
+    store = state.heartbeat.store if state.heartbeat is not None else state.store
+    return {r: _read(store, r) for r in range(state.size) if r != state.rank}
 
 
 def diagnose(op: str, name: str, exc: BaseException | None = None) -> HoraError:
@@ -56,7 +57,7 @@ def diagnose(op: str, name: str, exc: BaseException | None = None) -> HoraError:
     detail = f"{op} {name!r}: {exc}" if exc is not None else f"{op} {name!r}"
     try:
         first = _snapshot(state)
-        time.sleep(3 * _state.HEARTBEAT_S + 0.3)
+        time.sleep(3 * _heartbeat.PERIOD_S + 0.3)
         second = _snapshot(state)
     except Exception as e:  # the store lives on rank 0: unreachable store means rank 0 is gone
         if state.rank != 0:

@@ -13,14 +13,10 @@ from __future__ import annotations
 import atexit
 import datetime
 import gc
-import importlib
 import logging
 import os
 import socket
 import sys
-import tempfile
-import threading
-import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,23 +26,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hora.env import RDZV_SECRET_VAR, World, detect_world
+from hora.env import World, detect_world
 from hora.errors import (
     CollectiveTimeout,
-    LauncherEnvError,
     NotInitializedError,
     RendezvousError,
     UnsupportedError,
 )
+from hora.torch import _rendezvous
+from hora.torch._heartbeat import Heartbeat
 
 log = logging.getLogger("hora.torch")
 
-DEFAULT_TIMEOUT_S = 60.0
-HEARTBEAT_S = 0.25
-_HB_KEY = "hora/hb/"
-# How often a waiting rank looks again for the store (TCPStore's own connect retries back off
-# to about a second: a rank that asked before rank 0 reopened the store waited 0.2-0.7 s).
-_POLL_S = 0.005
 
 
 @dataclass
@@ -99,7 +90,7 @@ class State:
     broken: bool = False
     out_of_step: str = ""
     rdzv_file: Path | None = None
-    hb_store: Any = None
+    heartbeat: Any = None  # hora.torch._heartbeat.Heartbeat, while init()'s world lives
     comms: dict[int, Any] = field(default_factory=dict)
     host_watch: socket.socket | None = None
     excepthooks: tuple[Any, Any] | None = None
@@ -108,8 +99,6 @@ class State:
     def __post_init__(self) -> None:
         self.timeout_td = datetime.timedelta(seconds=self.timeout_s)
 
-    _hb_stop: threading.Event = field(default_factory=threading.Event)
-    _hb_thread: threading.Thread | None = None
 
 
 _STATE: State | None = None
@@ -165,6 +154,14 @@ def register_release_hook(fn: Callable[[], None]) -> None:
     _RELEASE_HOOKS.append(fn)
 
 
+def current() -> State | None:
+    """The state ``init()`` made, None before it (or after ``shutdown()``).
+
+    What the engines, the timeline and the elastic layer read; they never assign it.
+    """
+    return _STATE
+
+
 def require_init(op: str) -> State:
     """Return the state, or raise NotInitializedError naming ``op``.
 
@@ -182,353 +179,9 @@ def require_init(op: str) -> State:
     return _STATE
 
 
-def _seconds(environ: dict[str, str], key: str) -> float | None:
-    raw = environ.get(key)
-    if not raw:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        raise LauncherEnvError(f"{key}={raw!r} is not a number of seconds") from None
-    if value <= 0:
-        raise LauncherEnvError(f"{key}={raw!r} must be > 0")
-    return value
-
-
-def _timeout(timeout: float | datetime.timedelta | None, environ: dict[str, str]) -> float:
-    if isinstance(timeout, datetime.timedelta):
-        return timeout.total_seconds()
-    if timeout is not None:
-        return float(timeout)
-    value = _seconds(environ, "HORA_TIMEOUT")
-    return DEFAULT_TIMEOUT_S if value is None else value
-
-
-def _start_timeout(
-    timeout: float | datetime.timedelta | None, environ: dict[str, str], collective_s: float
-) -> float:
-    """Return the seconds to wait for every rank at the rendezvous.
-
-    Ranks start (import torch, load data) at different speeds, so ``HORA_START_TIMEOUT`` may
-    allow more than a collective may take; ``init(timeout=)`` sets both.
-    """
-    if timeout is not None:
-        return collective_s
-    value = _seconds(environ, "HORA_START_TIMEOUT")
-    return collective_s if value is None else value
-
-
-def _backend(backend: str | None, environ: dict[str, str]) -> str:
-    source = "init(backend=...)" if backend else "HORA_BACKEND"
-    name = (backend or environ.get("HORA_BACKEND") or "").lower()
-    if not name:
-        return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-    if name not in ("nccl", "gloo", "mpi"):
-        raise LauncherEnvError(f"{source}={name!r} is not one of nccl, gloo, mpi")
-    if name == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
-        raise LauncherEnvError(
-            f"{source}='nccl' needs CUDA GPUs and a torch built with NCCL; "
-            "this process has none: use 'gloo'"
-        )
-    if name == "mpi" and not dist.is_mpi_available():
-        raise LauncherEnvError(f"{source}='mpi': this torch was built without MPI; use 'gloo'")
-    return name
-
-
-def _rdzv_path(world: World) -> Path:
-    job = world.job_id or f"ppid{os.getppid()}"
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in job)
-    return Path(tempfile.gettempdir(), f"hora-rdzv-{safe}")
-
-
-def _file_rendezvous(world: World, timeout_s: float, generation: int) -> tuple[Any, Path | None]:
-    """Rank 0 opens a store on a free port and names it in a file; the others wait for it.
-
-    The file says ``host port pid generation``: the previous ``init()``'s file may still be
-    there, naming a store that is closing, so a rank waits for this generation's.
-    """
-    path = _rdzv_path(world)
-    td = datetime.timedelta(seconds=timeout_s)
-    if world.rank == 0:
-        store = dist.TCPStore("0.0.0.0", 0, world.size, True, timeout=td, wait_for_workers=False)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(f"{socket.gethostname()} {store.port} {os.getpid()} {generation}\n")
-        os.replace(tmp, path)
-        return store, path
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            host, port, _, written = path.read_text().split()
-            if int(written) == generation:
-                break
-        except (FileNotFoundError, ValueError):
-            pass
-        if time.monotonic() > deadline:
-            raise CollectiveTimeout("init", [0], timeout_s, name=f"rendezvous file {path}")
-        time.sleep(_POLL_S)
-    addr = "127.0.0.1" if host == socket.gethostname() else host
-    return dist.TCPStore(addr, int(port), world.size, False, timeout=td), None
-
-
-def _make_store(world: World, timeout_s: float, generation: int) -> tuple[Any, Path | None]:
-    td = datetime.timedelta(seconds=timeout_s)
-    if world.size == 1 and world.master_port is None:
-        return dist.TCPStore("127.0.0.1", 0, 1, True, timeout=td, wait_for_workers=False), None
-    if world.master_addr is None or world.master_port is None:
-        return _file_rendezvous(world, timeout_s, generation)
-    if world.rank == 0:
-        hosted_before = generation > 1
-        return _host_store(
-            world.master_addr, world.master_port, world.size, td, hosted_before
-        ), None
-    _await_listener(world.master_addr, world.master_port, timeout_s)
-    try:
-        store = dist.TCPStore(world.master_addr, world.master_port, world.size, False, timeout=td)
-    except (RuntimeError, dist.DistError) as e:
-        raise CollectiveTimeout(
-            "init",
-            [0],
-            timeout_s,
-            name=f"rendezvous {world.master_addr}:{world.master_port}: "
-            f"rank 0 (the rendezvous host): {e}",
-        ) from None
-    return store, None
-
-
-# A store this process hosted before shutdown() may hold the port a moment longer: the
-# gloo Works that kept it alive are freed by gloo's threads once they finish.
-_PORT_FREE_WAIT_S = 5.0
-
-
-def _await_listener(addr: str, port: int, timeout_s: float) -> None:
-    """Wait until rank 0's store accepts connections on ``addr:port``.
-
-    Raises:
-        CollectiveTimeout: when nothing listens there within ``timeout_s``.
-    """
-    deadline = time.monotonic() + timeout_s
-    delay = _POLL_S
-    while True:
-        try:
-            socket.create_connection((addr, port), timeout=max(0.1, min(5.0, timeout_s))).close()
-            return
-        except OSError as e:
-            if time.monotonic() > deadline:
-                raise CollectiveTimeout(
-                    "init",
-                    [0],
-                    timeout_s,
-                    name=f"rendezvous {addr}:{port}: rank 0 "
-                    f"(the rendezvous host) never opened it: {e}",
-                ) from None
-            time.sleep(delay)  # a re-init finds the port in ms; a slow rank 0 start, later
-            delay = min(2 * delay, 0.1)
-
-
-def _host_store(
-    addr: str, port: int, size: int, td: datetime.timedelta, hosted_before: bool
-) -> Any:
-    """Open the rendezvous store on rank 0; an address in use is said as such, not a timeout.
-
-    Args:
-        addr: the rendezvous address.
-        port: the launcher's rendezvous port.
-        size: the number of ranks.
-        td: the store's timeout.
-        hosted_before: whether this process hosted the store of an earlier ``init()`` at this
-            address (only then is it worth waiting for the port to be freed).
-
-    Raises:
-        RendezvousError: when the port stays in use (another process, or a Work of the
-            previous ``init()`` that the script still holds).
-    """
-    deadline = time.monotonic() + (_PORT_FREE_WAIT_S if hosted_before else 0.0)
-    while True:
-        try:
-            return dist.TCPStore(addr, port, size, True, timeout=td, wait_for_workers=False)
-        except (RuntimeError, dist.DistError) as e:
-            if "EADDRINUSE" not in str(e) and "address already in use" not in str(e).lower():
-                raise RendezvousError(f"{addr}:{port}", f"rank 0 could not open it: {e}") from None
-            if time.monotonic() > deadline:
-                why = "address in use: another process listens on this port"
-                if hosted_before:
-                    why += (
-                        ", or this process still holds a handle or optimizer of a previous "
-                        "init() with work in flight (synchronize or drop it before shutdown())"
-                    )
-                raise RendezvousError(f"{addr}:{port}", why) from None
-            gc.collect()
-            time.sleep(0.05)
-
-
-def _world_from_group(world: World) -> World:
-    """Trust the existing default group for rank and size; keep the launcher's local numbers."""
-    rank, size = dist.get_rank(), dist.get_world_size()
-    if world.size != size or world.rank != rank:
-        world = World(
-            rank=rank,
-            size=size,
-            local_rank=0,
-            local_size=1,
-            cross_rank=rank,
-            cross_size=size,
-            launcher="torch.distributed",
-        )
-    return world
-
-
-def _own_client(store: Any) -> Any:
-    """A second connection to the store, so a blocking wait elsewhere never delays heartbeats.
-
-    A PrefixStore's clone keeps its prefix over a new connection to the same server.
-    """
-    try:
-        return store.clone()
-    except Exception:  # FileStore/HashStore: no connection to block on
-        return store
-
-
-def _init_group(world: World, backend: str, store: Any, start_s: float, timeout_s: float) -> None:
-    """Wait for every rank (start_s), then init_process_group; on failure, name the absent.
-
-    The process group's own rendezvous would give up after its (collective) timeout, so the
-    ranks first meet in the store, under the start timeout.
-    """
-    try:
-        store.set(f"hora/arrived/{world.rank}", "1")
-        store.wait(
-            [f"hora/arrived/{r}" for r in range(world.size)], datetime.timedelta(seconds=start_s)
-        )
-        dist.init_process_group(
-            backend,
-            store=store,
-            rank=world.rank,
-            world_size=world.size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
-    except (RuntimeError, dist.DistError) as e:
-        try:
-            missing = [r for r in range(world.size) if not store.check([f"hora/arrived/{r}"])]
-        except Exception:  # the store host (rank 0) is gone
-            missing = [0]
-        raise CollectiveTimeout("init", missing, start_s, name=f"process group: {e}") from None
-
-
-def device_index(local_rank: int, local_size: int, count: int) -> int:
-    """The CUDA device a rank pins: ``cuda:LOCAL_RANK`` over the GPUs the host's ranks share.
-
-    hora's launchers show every rank of a job all of the job's GPUs on its host (NCCL's CUDA
-    IPC and NVLink paths need that); with ``g`` GPUs per rank, rank ``r`` takes the first of
-    its own, ``r * g``. A rank that sees fewer GPUs than there are local ranks (a launcher
-    that binds one GPU per process) takes ``local_rank % count``.
-
-    Example:
-        >>> device_index(1, 2, 2), device_index(1, 2, 4), device_index(3, 4, 1)
-        (1, 2, 0)
-    """
-    if count <= 0:
-        return 0
-    if count < local_size:
-        return local_rank % count
-    return local_rank * (count // local_size)
-
-
-def _device_index(world: World) -> int:
-    return device_index(world.local_rank, world.local_size, torch.cuda.device_count())
-
-
-def _heartbeat(state: State) -> None:
-    """Publish this rank's collective counter so a stalled rank can be named (Horovod's stall)."""
-    key = f"{_HB_KEY}{state.rank}"
-    while not state._hb_stop.wait(HEARTBEAT_S):
-        try:
-            state.hb_store.set(
-                key, f"{state.seq} {time.time():.3f} {state.last_sig} {state.last_op}"
-            )
-        except Exception:  # the store host went away; the op that fails will report it
-            return
-
-
-# init() calls that created a group, per rendezvous address; prefixes every rendezvous key
-_GENERATIONS: dict[tuple[str | None, int | None], int] = {}
-
-
-def _group(
-    world: World, backend: str, start_s: float, timeout_s: float
-) -> tuple[World, str, Any, Path | None]:
-    """Adopt the user's default group, or rendezvous and create it.
-
-    Every key of a rendezvous is prefixed by the number of this init() at this rendezvous
-    address (the same on every rank, as every rank calls init() and shutdown() alike), so a
-    key left by an earlier init() never answers a later one. Counting per address keeps the
-    ranks agreed when some of them are new processes meeting the others at a fresh address
-    (a notebook engine replaced while the survivors rebuild their group). A rank other than
-    0 that reached rank 0's store of the previous init() just before it closed connects again.
-    """
-    if dist.is_initialized():
-        store = dist.distributed_c10d._get_default_store()
-        return _world_from_group(world), str(dist.get_backend()), store, None
-    # Importing this torch package while a group exists keeps that group alive for good (its
-    # threads and rank 0's store, hence the port, survive destroy_process_group). torch
-    # imports it lazily, e.g. with torch._dynamo at the first optimizer built after init():
-    # import it first, while no group exists (about 0.05 s).
-    importlib.import_module("torch.distributed._shard.sharded_tensor")
-    address = (world.master_addr, world.master_port)
-    _GENERATIONS[address] = generation = _GENERATIONS.get(address, 0) + 1
-    # torchrun's agent keeps its store (which ranks share) across --max-restarts: keys of the
-    # attempt before must not answer this one
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
-    prefix = f"hora/r{restart}g{generation}" if restart else f"hora/g{generation}"
-    deadline = time.monotonic() + start_s
-    while True:
-        try:
-            raw, rdzv = _make_store(world, start_s, generation)
-            store = _sealed_store(dist.PrefixStore(prefix, raw), os.environ)
-            if backend == "nccl":
-                torch.cuda.set_device(_device_index(world))
-            _init_group(world, backend, store, start_s, timeout_s)
-            return world, backend, store, rdzv
-        except CollectiveTimeout as e:  # rank 0's previous store closed as we reached it
-            if world.rank == 0 or time.monotonic() > deadline or not _reset(e):
-                raise
-            log.debug("rendezvous store went away during init (%s); connecting again", e)
-            time.sleep(_POLL_S)
-
-
-def _sealed_store(store: Any, environ: Mapping[str, str]) -> Any:
-    """The rendezvous store sealed with the launch's secret, when the launcher gave one.
-
-    hora's launchers (the service, ``hora run``, notebook engines) give every rank of a world
-    the same ``HORA_RDZV_SECRET``; a process without it cannot read, write or join the
-    store (:mod:`hora.torch._sealed`). Without one (a plain torchrun), the store is as torch
-    makes it.
-    """
-    secret = environ.get(RDZV_SECRET_VAR, "")
-    if not secret:
-        return store
-    from hora.torch._sealed import SealedStore, store_key
-
-    return SealedStore(store, store_key(secret))
-
-
-def _reset(e: BaseException) -> bool:
-    """Whether an init failure means the store's host closed the connection (retry)."""
-    text = str(e).lower()
-    return any(w in text for w in ("reset by peer", "broken pipe", "closed", "got 0 bytes"))
-
-
-def _start_heartbeat(state: State) -> None:
-    state.hb_store = _own_client(state.store)
-    state.hb_store.set(f"{_HB_KEY}{state.rank}", f"0 {time.time():.3f} 0 init")
-    state._hb_thread = threading.Thread(
-        target=_heartbeat, args=(state,), name="hora-heartbeat", daemon=True
-    )
-    state._hb_thread.start()
-
-
 def _start(world: World, backend: str, start_s: float, timeout_s: float) -> State:
     state = _connect(world, backend, start_s, timeout_s)
-    _start_heartbeat(state)
+    state.heartbeat = Heartbeat(state, state.store)
     return state
 
 
@@ -536,11 +189,11 @@ def _connect(world: World, backend: str, start_s: float, timeout_s: float) -> St
     """Rendezvous, create (or adopt) the default group and the side group; no heartbeat yet."""
     adopted = dist.is_initialized()
     hook = sys.excepthook
-    world, backend, store, rdzv = _group(world, backend, start_s, timeout_s)
+    world, backend, store, rdzv = _rendezvous.create_group(world, backend, start_s, timeout_s)
     watch = None if adopted else _watch_host(world)
     device = torch.device("cpu")
     if "nccl" in backend and torch.cuda.is_available():
-        device = torch.device("cuda", _device_index(world))
+        device = torch.device("cuda", _rendezvous.world_device_index(world))
         torch.cuda.set_device(device)
     side = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     state = State(
@@ -607,10 +260,10 @@ def init(
     failure: CollectiveTimeout | RendezvousError | None = None
     while _STATE is None:
         world = _WORLD_SOURCE[0](environ, failure)
-        timeout_s = _timeout(timeout, environ)
-        start_s = _start_timeout(timeout, environ, timeout_s)
+        timeout_s = _rendezvous.collective_timeout(timeout, environ)
+        start_s = _rendezvous.start_timeout(timeout, environ, timeout_s)
         try:
-            _STATE = _start(world, _backend(backend, environ), start_s, timeout_s)
+            _STATE = _start(world, _rendezvous.backend_of(backend, environ), start_s, timeout_s)
         except (CollectiveTimeout, RendezvousError) as e:
             failure = e
     log.debug(
@@ -622,25 +275,8 @@ def init(
 
 
 def _stop_heartbeat(state: State) -> None:
-    state._hb_stop.set()
-    if state._hb_thread is not None:
-        state._hb_thread.join(timeout=2 * HEARTBEAT_S + 1)
-        _await_os_thread_end(state._hb_thread, 0.5)
-
-
-def _await_os_thread_end(thread: threading.Thread, timeout_s: float) -> None:
-    """Wait (at most ``timeout_s``) until a joined thread's OS thread has ended too.
-
-    ``Thread.join()`` returns once the thread cleared its Python state; the OS thread exits a
-    moment later (on a busy machine, after the main thread moved on: an exit handler could
-    still count it). Linux only; elsewhere, and for a thread still running, it returns at once.
-    """
-    if thread.is_alive() or thread.native_id is None or not os.path.isdir("/proc/self/task"):
-        return
-    task = f"/proc/self/task/{thread.native_id}"
-    deadline = time.monotonic() + timeout_s
-    while os.path.exists(task) and time.monotonic() < deadline:
-        time.sleep(0.0005)
+    if state.heartbeat is not None:
+        state.heartbeat.stop()
 
 
 def _release(state: State, *, graceful: bool, abort_shm: bool | None = None) -> None:
@@ -669,7 +305,7 @@ def _release(state: State, *, graceful: bool, abort_shm: bool | None = None) -> 
             log.debug("releasing the process group: %s", e)
     _restore_excepthook(state)
     held = [weakref.ref(o) for o in (state.group, state.side_group, state.store) if o is not None]
-    state.group = state.side_group = state.store = state.hb_store = None
+    state.group = state.side_group = state.store = state.heartbeat = None
     for comm in state.comms.values():  # an optimizer or a traceback may still hold one
         groups = (comm.group, comm.side)
         held += [weakref.ref(g) for g in groups if isinstance(g, dist.ProcessGroup)]
@@ -882,8 +518,7 @@ def rebuild(master_port: int, start_timeout_s: float | None = None) -> None:
         setattr(state, name, getattr(fresh, name))
     state.seq, state.last_op, state.last_sig = 0, "", 0
     state.comms = {}
-    state._hb_stop = threading.Event()
-    _start_heartbeat(state)
+    state.heartbeat = Heartbeat(state, state.store)
 
 
 def abort() -> None:
@@ -907,116 +542,3 @@ def abort() -> None:
         gc.collect()
 
 
-def is_initialized() -> bool:
-    """Return whether ``init()`` has run (and ``shutdown()`` has not)."""
-    return _STATE is not None
-
-
-def size() -> int:
-    """Return the number of ranks in the job.
-
-    Raises:
-        NotInitializedError: before ``init()``.
-    """
-    return require_init("size").size
-
-
-def rank() -> int:
-    """Return this process's global rank.
-
-    Raises:
-        NotInitializedError: before ``init()``.
-    """
-    return require_init("rank").rank
-
-
-def local_size() -> int:
-    """Return the number of ranks on this host.
-
-    Raises:
-        NotInitializedError: before ``init()``.
-    """
-    return require_init("local_size").local_size
-
-
-def local_rank() -> int:
-    """Return this process's rank on its host (use it to pick the GPU).
-
-    Raises:
-        NotInitializedError: before ``init()``.
-    """
-    return require_init("local_rank").local_rank
-
-
-def cross_size() -> int:
-    """Return the number of hosts.
-
-    Raises:
-        NotInitializedError: before ``init()``.
-    """
-    return require_init("cross_size").cross_size
-
-
-def cross_rank() -> int:
-    """Return this host's index among hosts.
-
-    Raises:
-        NotInitializedError: before ``init()``.
-    """
-    return require_init("cross_rank").cross_rank
-
-
-def is_homogeneous() -> bool:
-    """Return whether every host runs the same number of ranks."""
-    st = require_init("is_homogeneous")
-    return st.size == st.local_size * st.cross_size
-
-
-def nccl_built() -> bool:
-    """Return whether torch.distributed has NCCL (Horovod returns a version int; truthy here)."""
-    return bool(dist.is_nccl_available())
-
-
-def gloo_built() -> bool:
-    """Return whether torch.distributed has gloo."""
-    return bool(dist.is_gloo_available())
-
-
-def mpi_built() -> bool:
-    """Return whether torch.distributed was built with MPI."""
-    return bool(dist.is_mpi_available())
-
-
-def mpi_enabled() -> bool:
-    """Return whether the MPI backend is in use (hora uses NCCL/gloo, so normally False)."""
-    return _STATE is not None and _STATE.backend == "mpi"
-
-
-def gloo_enabled() -> bool:
-    """Return whether gloo carries the collectives."""
-    return _STATE is not None and "gloo" in _STATE.backend
-
-
-def mpi_threads_supported() -> bool:
-    """Return False: hora does not use MPI threads (kept for Horovod compatibility)."""
-    return False
-
-
-def cuda_built() -> bool:
-    """Return whether torch was built with CUDA."""
-    return torch.version.cuda is not None
-
-
-def rocm_built() -> bool:
-    """Return whether torch was built with ROCm."""
-    return getattr(torch.version, "hip", None) is not None
-
-
-def ddl_built() -> bool:
-    """Return False: IBM DDL is not supported."""
-    return False
-
-
-def ccl_built() -> bool:
-    """Return False: oneCCL is not supported."""
-    return False

@@ -190,7 +190,7 @@ def stop_timeline(*, _wait_s: float = _STOP_WAIT_S) -> None:
     if w is None:
         return
     w.close()
-    state = _state._STATE
+    state = _state.current()
     if state is not None and state.size > 1:
         _wait_all_stopped(state, str(w.path), _wait_s)
     if w.rank == 0:

@@ -69,7 +69,7 @@ _WORLD_FAILURES = (HorovodInternalError, RankFailedError, CollectiveTimeout, dis
 def _is_world_failure(e: BaseException) -> bool:
     if isinstance(e, _WORLD_FAILURES):
         return True
-    st = _state._STATE
+    st = _state.current()
     return isinstance(e, HoraError) and (st is None or st.broken or bool(st.out_of_step))
 
 
@@ -119,7 +119,7 @@ def _reset() -> None:
     ``init()`` itself joins a later generation when a member dies while this one forms.
     """
     _world.forget_posted()
-    st = _state._STATE
+    st = _state.current()
     if st is not None:
         st.broken = True  # a world that failed may never finish its work: abort, not wait
     _state.shutdown()

@@ -173,7 +173,7 @@ def check_updates() -> bool:
     the new generation, and a commit costs no wait for the others. False outside an
     elastic run.
     """
-    st = _state._STATE
+    st = _state.current()
     root = _Joined.root
     if root is None or _Joined.number == 0 or st is None:
         return False

@@ -74,7 +74,7 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
 
     def reset(self) -> None:
         """Deal what is left of the epoch over the current world (its size and this rank)."""
-        st = _state._STATE
+        st = _state.current()
         self.num_replicas, self.rank = (st.size, st.rank) if st is not None else (1, 0)
         order = list(range(len(self.dataset)))
         if self.shuffle:

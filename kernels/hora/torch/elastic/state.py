@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from hora.errors import HostsUpdatedInterrupt
-from hora.torch import _state
+from hora.torch import basics
 from hora.torch._objects import broadcast_object
 from hora.torch.elastic import _world
 from hora.torch.elastic.sampler import ElasticSampler
@@ -313,4 +313,4 @@ class TorchState(ObjectState):
 
 
 def _rank() -> int:
-    return _state.rank()
+    return basics.rank()

@@ -1,0 +1,364 @@
+"""Rendezvous and the default process group: stores, timeouts, the backend (data plane).
+
+How ``hora.torch.init()`` meets the other ranks: rank 0 hosts a TCPStore at the launcher's
+``MASTER_ADDR:MASTER_PORT`` (or names it in a file keyed by the job, under mpirun), sealed with
+the launch's secret (:mod:`hora.torch._sealed`) when there is one; every rank waits there
+within the start timeout, then ``init_process_group`` creates the default group. Each
+``init()`` at an address is numbered, and its keys are prefixed by that number, so keys of an
+earlier world never answer a later one. The timeouts and the backend come from ``init()``'s
+arguments or ``HORA_TIMEOUT`` / ``HORA_START_TIMEOUT`` / ``HORA_BACKEND``.
+
+The lifecycle around it (init, shutdown, rebuild) is :mod:`hora.torch._state`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import importlib
+import logging
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hora.env import RDZV_SECRET_VAR, World
+from hora.errors import CollectiveTimeout, LauncherEnvError, RendezvousError
+
+log = logging.getLogger("hora.torch")
+
+DEFAULT_TIMEOUT_S = 60.0
+# How often a waiting rank looks again for the store (TCPStore's own connect retries back off
+# to about a second: a rank that asked before rank 0 reopened the store waited 0.2-0.7 s).
+POLL_S = 0.005
+
+
+def env_seconds(environ: dict[str, str], key: str) -> float | None:
+    raw = environ.get(key)
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise LauncherEnvError(f"{key}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise LauncherEnvError(f"{key}={raw!r} must be > 0")
+    return value
+
+
+def collective_timeout(
+    timeout: float | datetime.timedelta | None, environ: dict[str, str]
+) -> float:
+    if isinstance(timeout, datetime.timedelta):
+        return timeout.total_seconds()
+    if timeout is not None:
+        return float(timeout)
+    value = env_seconds(environ, "HORA_TIMEOUT")
+    return DEFAULT_TIMEOUT_S if value is None else value
+
+
+def start_timeout(
+    timeout: float | datetime.timedelta | None, environ: dict[str, str], collective_s: float
+) -> float:
+    """Return the seconds to wait for every rank at the rendezvous.
+
+    Ranks start (import torch, load data) at different speeds, so ``HORA_START_TIMEOUT`` may
+    allow more than a collective may take; ``init(timeout=)`` sets both.
+    """
+    if timeout is not None:
+        return collective_s
+    value = env_seconds(environ, "HORA_START_TIMEOUT")
+    return collective_s if value is None else value
+
+
+def backend_of(backend: str | None, environ: dict[str, str]) -> str:
+    source = "init(backend=...)" if backend else "HORA_BACKEND"
+    name = (backend or environ.get("HORA_BACKEND") or "").lower()
+    if not name:
+        return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    if name not in ("nccl", "gloo", "mpi"):
+        raise LauncherEnvError(f"{source}={name!r} is not one of nccl, gloo, mpi")
+    if name == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
+        raise LauncherEnvError(
+            f"{source}='nccl' needs CUDA GPUs and a torch built with NCCL; "
+            "this process has none: use 'gloo'"
+        )
+    if name == "mpi" and not dist.is_mpi_available():
+        raise LauncherEnvError(f"{source}='mpi': this torch was built without MPI; use 'gloo'")
+    return name
+
+
+def rendezvous_path(world: World) -> Path:
+    job = world.job_id or f"ppid{os.getppid()}"
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in job)
+    return Path(tempfile.gettempdir(), f"hora-rdzv-{safe}")
+
+
+def file_rendezvous(world: World, timeout_s: float, generation: int) -> tuple[Any, Path | None]:
+    """Rank 0 opens a store on a free port and names it in a file; the others wait for it.
+
+    The file says ``host port pid generation``: the previous ``init()``'s file may still be
+    there, naming a store that is closing, so a rank waits for this generation's.
+    """
+    path = rendezvous_path(world)
+    td = datetime.timedelta(seconds=timeout_s)
+    if world.rank == 0:
+        store = dist.TCPStore("0.0.0.0", 0, world.size, True, timeout=td, wait_for_workers=False)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(f"{socket.gethostname()} {store.port} {os.getpid()} {generation}\n")
+        os.replace(tmp, path)
+        return store, path
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            host, port, _, written = path.read_text().split()
+            if int(written) == generation:
+                break
+        except (FileNotFoundError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            raise CollectiveTimeout("init", [0], timeout_s, name=f"rendezvous file {path}")
+        time.sleep(POLL_S)
+    addr = "127.0.0.1" if host == socket.gethostname() else host
+    return dist.TCPStore(addr, int(port), world.size, False, timeout=td), None
+
+
+def make_store(world: World, timeout_s: float, generation: int) -> tuple[Any, Path | None]:
+    td = datetime.timedelta(seconds=timeout_s)
+    if world.size == 1 and world.master_port is None:
+        return dist.TCPStore("127.0.0.1", 0, 1, True, timeout=td, wait_for_workers=False), None
+    if world.master_addr is None or world.master_port is None:
+        return file_rendezvous(world, timeout_s, generation)
+    if world.rank == 0:
+        hosted_before = generation > 1
+        return host_store(
+            world.master_addr, world.master_port, world.size, td, hosted_before
+        ), None
+    await_listener(world.master_addr, world.master_port, timeout_s)
+    try:
+        store = dist.TCPStore(world.master_addr, world.master_port, world.size, False, timeout=td)
+    except (RuntimeError, dist.DistError) as e:
+        raise CollectiveTimeout(
+            "init",
+            [0],
+            timeout_s,
+            name=f"rendezvous {world.master_addr}:{world.master_port}: "
+            f"rank 0 (the rendezvous host): {e}",
+        ) from None
+    return store, None
+
+
+# A store this process hosted before shutdown() may hold the port a moment longer: the
+# gloo Works that kept it alive are freed by gloo's threads once they finish.
+_PORT_FREE_WAIT_S = 5.0
+
+
+def await_listener(addr: str, port: int, timeout_s: float) -> None:
+    """Wait until rank 0's store accepts connections on ``addr:port``.
+
+    Raises:
+        CollectiveTimeout: when nothing listens there within ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    delay = POLL_S
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=max(0.1, min(5.0, timeout_s))).close()
+            return
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise CollectiveTimeout(
+                    "init",
+                    [0],
+                    timeout_s,
+                    name=f"rendezvous {addr}:{port}: rank 0 "
+                    f"(the rendezvous host) never opened it: {e}",
+                ) from None
+            time.sleep(delay)  # a re-init finds the port in ms; a slow rank 0 start, later
+            delay = min(2 * delay, 0.1)
+
+
+def host_store(
+    addr: str, port: int, size: int, td: datetime.timedelta, hosted_before: bool
+) -> Any:
+    """Open the rendezvous store on rank 0; an address in use is said as such, not a timeout.
+
+    Args:
+        addr: the rendezvous address.
+        port: the launcher's rendezvous port.
+        size: the number of ranks.
+        td: the store's timeout.
+        hosted_before: whether this process hosted the store of an earlier ``init()`` at this
+            address (only then is it worth waiting for the port to be freed).
+
+    Raises:
+        RendezvousError: when the port stays in use (another process, or a Work of the
+            previous ``init()`` that the script still holds).
+    """
+    deadline = time.monotonic() + (_PORT_FREE_WAIT_S if hosted_before else 0.0)
+    while True:
+        try:
+            return dist.TCPStore(addr, port, size, True, timeout=td, wait_for_workers=False)
+        except (RuntimeError, dist.DistError) as e:
+            if "EADDRINUSE" not in str(e) and "address already in use" not in str(e).lower():
+                raise RendezvousError(f"{addr}:{port}", f"rank 0 could not open it: {e}") from None
+            if time.monotonic() > deadline:
+                why = "address in use: another process listens on this port"
+                if hosted_before:
+                    why += (
+                        ", or this process still holds a handle or optimizer of a previous "
+                        "init() with work in flight (synchronize or drop it before shutdown())"
+                    )
+                raise RendezvousError(f"{addr}:{port}", why) from None
+            gc.collect()
+            time.sleep(0.05)
+
+
+def world_from_group(world: World) -> World:
+    """Trust the existing default group for rank and size; keep the launcher's local numbers."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    if world.size != size or world.rank != rank:
+        world = World(
+            rank=rank,
+            size=size,
+            local_rank=0,
+            local_size=1,
+            cross_rank=rank,
+            cross_size=size,
+            launcher="torch.distributed",
+        )
+    return world
+
+
+def own_client(store: Any) -> Any:
+    """A second connection to the store, so a blocking wait elsewhere never delays heartbeats.
+
+    A PrefixStore's clone keeps its prefix over a new connection to the same server.
+    """
+    try:
+        return store.clone()
+    except Exception:  # FileStore/HashStore: no connection to block on
+        return store
+
+
+def init_group(world: World, backend: str, store: Any, start_s: float, timeout_s: float) -> None:
+    """Wait for every rank (start_s), then init_process_group; on failure, name the absent.
+
+    The process group's own rendezvous would give up after its (collective) timeout, so the
+    ranks first meet in the store, under the start timeout.
+    """
+    try:
+        store.set(f"hora/arrived/{world.rank}", "1")
+        store.wait(
+            [f"hora/arrived/{r}" for r in range(world.size)], datetime.timedelta(seconds=start_s)
+        )
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=world.rank,
+            world_size=world.size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    except (RuntimeError, dist.DistError) as e:
+        try:
+            missing = [r for r in range(world.size) if not store.check([f"hora/arrived/{r}"])]
+        except Exception:  # the store host (rank 0) is gone
+            missing = [0]
+        raise CollectiveTimeout("init", missing, start_s, name=f"process group: {e}") from None
+
+
+def device_index(local_rank: int, local_size: int, count: int) -> int:
+    """The CUDA device a rank pins: ``cuda:LOCAL_RANK`` over the GPUs the host's ranks share.
+
+    hora's launchers show every rank of a job all of the job's GPUs on its host (NCCL's CUDA
+    IPC and NVLink paths need that); with ``g`` GPUs per rank, rank ``r`` takes the first of
+    its own, ``r * g``. A rank that sees fewer GPUs than there are local ranks (a launcher
+    that binds one GPU per process) takes ``local_rank % count``.
+
+    Example:
+        >>> device_index(1, 2, 2), device_index(1, 2, 4), device_index(3, 4, 1)
+        (1, 2, 0)
+    """
+    if count <= 0:
+        return 0
+    if count < local_size:
+        return local_rank % count
+    return local_rank * (count // local_size)
+
+
+def world_device_index(world: World) -> int:
+    return device_index(world.local_rank, world.local_size, torch.cuda.device_count())
+
+
+# init() calls that created a group, per rendezvous address; prefixes every rendezvous key
+_GENERATIONS: dict[tuple[str | None, int | None], int] = {}
+
+
+def create_group(
+    world: World, backend: str, start_s: float, timeout_s: float
+) -> tuple[World, str, Any, Path | None]:
+    """Adopt the user's default group, or rendezvous and create it.
+
+    Every key of a rendezvous is prefixed by the number of this init() at this rendezvous
+    address (the same on every rank, as every rank calls init() and shutdown() alike), so a
+    key left by an earlier init() never answers a later one. Counting per address keeps the
+    ranks agreed when some of them are new processes meeting the others at a fresh address
+    (a notebook engine replaced while the survivors rebuild their group). A rank other than
+    0 that reached rank 0's store of the previous init() just before it closed connects again.
+    """
+    if dist.is_initialized():
+        store = dist.distributed_c10d._get_default_store()
+        return world_from_group(world), str(dist.get_backend()), store, None
+    # Importing this torch package while a group exists keeps that group alive for good (its
+    # threads and rank 0's store, hence the port, survive destroy_process_group). torch
+    # imports it lazily, e.g. with torch._dynamo at the first optimizer built after init():
+    # import it first, while no group exists (about 0.05 s).
+    importlib.import_module("torch.distributed._shard.sharded_tensor")
+    address = (world.master_addr, world.master_port)
+    _GENERATIONS[address] = generation = _GENERATIONS.get(address, 0) + 1
+    # torchrun's agent keeps its store (which ranks share) across --max-restarts: keys of the
+    # attempt before must not answer this one
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    prefix = f"hora/r{restart}g{generation}" if restart else f"hora/g{generation}"
+    deadline = time.monotonic() + start_s
+    while True:
+        try:
+            raw, rdzv = make_store(world, start_s, generation)
+            store = sealed_store(dist.PrefixStore(prefix, raw), os.environ)
+            if backend == "nccl":
+                torch.cuda.set_device(world_device_index(world))
+            init_group(world, backend, store, start_s, timeout_s)
+            return world, backend, store, rdzv
+        except CollectiveTimeout as e:  # rank 0's previous store closed as we reached it
+            if world.rank == 0 or time.monotonic() > deadline or not store_closed(e):
+                raise
+            log.debug("rendezvous store went away during init (%s); connecting again", e)
+            time.sleep(POLL_S)
+
+
+def sealed_store(store: Any, environ: Mapping[str, str]) -> Any:
+    """The rendezvous store sealed with the launch's secret, when the launcher gave one.
+
+    hora's launchers (the service, ``hora run``, notebook engines) give every rank of a world
+    the same ``HORA_RDZV_SECRET``; a process without it cannot read, write or join the
+    store (:mod:`hora.torch._sealed`). Without one (a plain torchrun), the store is as torch
+    makes it.
+    """
+    secret = environ.get(RDZV_SECRET_VAR, "")
+    if not secret:
+        return store
+    from hora.torch._sealed import SealedStore, store_key
+
+    return SealedStore(store, store_key(secret))
+
+
+def store_closed(e: BaseException) -> bool:
+    """Whether an init failure means the store's host closed the connection (retry)."""
+    text = str(e).lower()
+    return any(w in text for w in ("reset by peer", "broken pipe", "closed", "got 0 bytes"))
