@@ -14,9 +14,11 @@ from pathlib import Path
 import hora.torch
 
 LAYERS: dict[str, tuple[str, ...]] = {
-    "state": ("_sealed", "_state", "compression"),
+    "state": ("_sealed", "_rendezvous", "_heartbeat", "_state", "basics", "compression"),
     "diagnosis": ("_stall", "timeline"),
-    "launch": ("_handles", "_shm", "_comm", "_wire", "_negotiation", "_engine", "_process_sets"),
+    "launch": (
+        "_handles", "_shm", "_hier", "_comm", "_wire", "_negotiation", "_engine", "_process_sets",
+    ),
     "ops": ("_ops", "_gather", "_objects", "_grouped"),
     "api": (
         "_autograd", "mpi_ops", "functions", "_reducer", "optimizer", "sync_batch_norm",

@@ -105,14 +105,33 @@ class Hier:
         self.leaders = None
 
 
-def ring_of(comm: Any, op: str, hosts: list[Any]) -> Hier | None:
-    """Set up the hierarchical path together (every member calls it at the same point).
+def ring_of(comm: Any, op: str) -> _shm.Ring | Hier | None:
+    """The process set's shared-memory path, decided together at every member's first call.
 
-    ``hosts``: each member's host key. The caller has checked that every member wants it
-    (:func:`wanted`). Returns None, on every member alike, when the set is not the global one, no
-    host has two members, or some host's ranks cannot share a segment (gloo then carries
-    the buckets flat).
+    The members tell each other their host (:func:`hora.torch._shm.host_key`) and whether
+    they want the hierarchical path: on one host, the host's segment
+    (:func:`hora.torch._shm.ring_of`); on several, the hierarchical path when every member
+    wants it and it can be set up, else None (gloo carries the buckets flat). Every member
+    gets the same kind of answer.
     """
+    if comm.shm_decided:
+        return comm.shm  # type: ignore[no-any-return]
+    if comm.size < 2 or comm.side is None:
+        comm.shm_decided = True
+        return None
+    rows: list[Any] = [None] * comm.size
+    run_guarded(op, "shm", dist.all_gather_object, rows, (_shm.host_key(), wanted()),
+                group=comm.side)  # fmt: skip
+    hosts = [r[0] for r in rows]
+    if len(set(hosts)) == 1:
+        return _shm.ring_of(comm, op)
+    comm.shm_decided = True
+    comm.shm = _across(comm, op, hosts) if all(r[1] for r in rows) else None
+    return comm.shm  # type: ignore[no-any-return]
+
+
+def _across(comm: Any, op: str, hosts: list[Any]) -> Hier | None:
+    """Set up the path over hosts; None on every member when it cannot be used."""
     groups = by_host(hosts)
     if comm.set_id != 0 or max(len(g) for g in groups) < 2:
         return None

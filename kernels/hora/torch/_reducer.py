@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from hora.errors import HoraError
-from hora.torch import _shm, _state, timeline
+from hora.torch import _hier, _shm, _state, timeline
 from hora.torch._engine import launch_planned
 from hora.torch._grouped import sparse_allreduce_async
 from hora.torch._handles import hold_works
@@ -325,7 +325,7 @@ class Reducer:
             # optimizer picks up the new set here, at the same bucket
             with contextlib.suppress(ValueError):
                 self.comm = comm_of(self.process_set, "DistributedOptimizer")
-        return _shm.ring_of(self.comm, "DistributedOptimizer")
+        return _hier.ring_of(self.comm, "DistributedOptimizer")
 
     # -- synchronize ------------------------------------------------------------------------
     def synchronize(self) -> None:

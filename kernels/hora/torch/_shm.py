@@ -455,6 +455,9 @@ class Work:
 def ring_of(comm: Any, op: str) -> Ring | None:
     """The process set's segment, set up together by its members on the first call.
 
+    For members on one host; :func:`hora.torch._hier.ring_of` is the entry that also
+    handles members on several hosts.
+
     Every member must make the first call at the same point (the engine's first round or
     the optimizer's first bucket). Returns None, on every member alike, when any member
     cannot use it. The set-up's collectives run on the side group, within its timeout, and
@@ -465,15 +468,6 @@ def ring_of(comm: Any, op: str) -> Ring | None:
     comm.shm_decided = True
     if comm.size < 2 or comm.side is None:
         return None
-    from hora.torch import _hier
-
-    rows: list[Any] = [None] * comm.size
-    mine = (host_key(), _hier.wanted())
-    run_guarded(op, "shm", dist.all_gather_object, rows, mine, group=comm.side)
-    hosts = [r[0] for r in rows]
-    if len(set(hosts)) > 1:  # members on several hosts: per host, then across (or gloo)
-        comm.shm = _hier.ring_of(comm, op, hosts) if all(r[1] for r in rows) else None
-        return comm.shm
     n, me = comm.size, comm.index
     slot = slot_bytes(n)
     size = _header_bytes(n) + 2 * n * slot

@@ -1,13 +1,14 @@
-"""Process-wide state of hora.torch: init, shutdown and the world queries (data plane).
+"""Process-wide state of hora.torch: the lifecycle core (data plane).
 
 ``init()`` reads the world from whichever launcher started the process
-(:func:`hora.env.detect_world`), finds the rendezvous (the launcher's ``MASTER_ADDR`` /
-``MASTER_PORT``, a file keyed by the MPI job id under mpirun, or a private store for a world
-of one), and initialises torch.distributed's
-*default* process group, so plain ``torch.distributed`` calls and DDP work in the same script.
-If the user already called ``init_process_group`` that group is adopted instead.
+(:func:`hora.env.detect_world`, or the elastic layer's world source), meets the other ranks
+and creates torch.distributed's *default* process group (:mod:`hora.torch._rendezvous`), so
+plain ``torch.distributed`` calls and DDP work in the same script, and starts the rank's
+:class:`~hora.torch._heartbeat.Heartbeat`. If the user already called
+``init_process_group`` that group is adopted instead. ``shutdown()``, the exit handler, a
+failed world's drop and ``rebuild()`` release what it made. :func:`current` is the one way
+other modules read the state; the world queries are :mod:`hora.torch.basics`.
 """
-
 from __future__ import annotations
 
 import atexit

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hora.torch import _shm, _stall
+from hora.torch import _hier, _stall
 from hora.torch._comm import Comm
 from hora.torch._handles import SIG_LEN
 
@@ -105,7 +105,7 @@ def exchange(comm: Comm, mine: list[int], op: str, name: str) -> list[list[int]]
     set up by every member at its first round), else one all_gather on the side group (two
     when a table is long).
     """
-    ring = _shm.ring_of(comm, op)
+    ring = _hier.ring_of(comm, op)
     if ring is not None:
         tables = ring.allgather_ints(mine, op, name)
         if tables is not None:
