@@ -1159,12 +1159,10 @@ class JobManager:
 
     def _preflight_env(self, kind: str) -> tuple[tuple[str, str], ...]:
         s = self.settings
-        base = s.job_preflight_baseline_dir
-        if kind == "session":  # %dist_start measures the engines, against the baselines
-            return () if base is None else (("HORA_PREFLIGHT_BASELINE", str(base)),)
-        if not s.job_preflight:
+        if kind == "job" and not s.job_preflight:
             return ()
-        env = [("HORA_PREFLIGHT", "1")]
+        # a session's engines are measured by %dist_start, not at init: no HORA_PREFLIGHT
+        env = [("HORA_PREFLIGHT", "1")] if kind == "job" else []
         if s.job_preflight_fail_below is not None:
             env.append(("HORA_PREFLIGHT_FAIL_BELOW", f"{s.job_preflight_fail_below:g}"))
         if s.job_preflight_baseline_dir is not None:

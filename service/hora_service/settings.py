@@ -150,7 +150,7 @@ class Settings(BaseSettings):
         job_preflight: ask every job's ranks for a communication preflight at
             ``hora.torch.init()`` (``HORA_PREFLIGHT=1``; a job's ``env`` may set it to 0).
         job_preflight_fail_below: fail a job whose rank, link or path measures under this
-            fraction of its reference (None: only name it).
+            fraction of its reference, and a session's ``%dist_start`` (None: only name it).
         job_preflight_baseline_dir: the nodes' recorded preflight baselines (``<host>.json``).
     """
 

@@ -13,7 +13,10 @@ reads it: ``GET /v1/sessions/{id}`` and ``GET /v1/jobs/{id}`` carry the validate
 naming rank 1, the session's events have the line while it is ``running``, and so does the
 dashboard's JSON for the session's page (``/ui/api/jobs/{id}``, signed in with the cookie),
 and the page itself in headless Chromium (the *Preflight* box and the events naming rank 1;
-a screenshot is saved under pytest's tmp dir, or ``HORA_SCREENSHOT_DIR``).
+a screenshot is saved under pytest's tmp dir, or ``HORA_SCREENSHOT_DIR``). A second
+service whose admin set ``job_preflight_fail_below`` passes it to the engines: ``%dist_start``
+raises naming rank 1, the session's ``preflight.failed`` has the message, and its page says
+``failed %dist_start`` (the engines stay up until ``%dist_stop``, as the magics page says).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +34,12 @@ from e2e._notebooks_procs import describe, kill_tagged, new_tag, tagged_env, wai
 from e2e.test_dashboard import CHROMIUM, CHROMIUM_ARGS, SCREENSHOT_DIR_VAR, sign_in
 from e2e.test_sessions_notebooks import Notebook
 from helpers.service_server import ServiceServer
-from playwright.sync_api import expect, sync_playwright
+from playwright.sync_api import Page, expect, sync_playwright
 
 pytestmark = pytest.mark.timeout(240)
+needs_chromium = pytest.mark.skipif(
+    not CHROMIUM.exists(), reason="needs Debian's chromium (/usr/bin/chromium)"
+)
 
 # imported by every Python process that has the folder on its path; acts only in the
 # service's session engine of rank 1 (the service passes RANK and the connection info)
@@ -57,9 +64,9 @@ def poll(c: httpx.Client, url: str, ready: Callable[[dict[str, Any]], bool]) -> 
         time.sleep(0.2)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceServer]:
-    root = tmp_path_factory.mktemp("svc-preflight-nb")
+@contextmanager
+def slowing_server(root: Path, env: dict[str, str] | None = None) -> Iterator[ServiceServer]:
+    """A service whose session engine of rank 1 is slowed (see the module docstring)."""
     hook = root / "slow-engine"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(SLOW_ENGINE)
@@ -68,18 +75,16 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceServer]:
         "HORA_SESSION_LEASE_S": "10",
         "HORA_SESSION_IDLE_TIMEOUT_S": "3600",
         "PYTHONPATH": path,  # passed on to the engines (HORA_JOB_ENV_PASSTHROUGH)
+        **(env or {}),
     }
     with ServiceServer(root, {"ann": False, "bob": False}, 2, env) as srv:
         yield srv
 
 
-@pytest.fixture(scope="module")
-def session(
-    server: ServiceServer, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[str, Any]]:
-    """ann's running 2-engine session: its id and ``%dist_start``'s output."""
+@contextmanager
+def two_engines(server: ServiceServer, work: Path) -> Iterator[dict[str, Any]]:
+    """ann's notebook after ``%dist_start -n 2``: the session's id and the cell's output."""
     tag = new_tag()
-    work = tmp_path_factory.mktemp("nb")
     env = tagged_env(tag)
     env.update(HORA_URL=server.url, HORA_TOKEN=server.tokens["ann"],
                HORA_CONFIG=str(work / "no-config"))
@@ -98,6 +103,41 @@ def session(
         left = wait_gone(tag, timeout=30)
         kill_tagged(tag)
         assert left == [], "processes left behind:\n" + describe(left)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceServer]:
+    with slowing_server(tmp_path_factory.mktemp("svc-preflight-nb")) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def session(
+    server: ServiceServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
+    """ann's running 2-engine session: its id and ``%dist_start``'s output."""
+    with two_engines(server, tmp_path_factory.mktemp("nb")) as started:
+        yield started
+
+
+@contextmanager
+def session_page(server: ServiceServer, sid: int, shot: Path) -> Iterator[Page]:
+    """ann signed in with headless Chromium on the session's page; a screenshot at the end."""
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = sign_in(browser, server, "ann")
+            page.goto(server.url + f"/ui#/job/{sid}")
+            yield page
+            shot.parent.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(shot), full_page=True)
+        finally:
+            browser.close()
+
+
+def shots(tmp: Path) -> Path:
+    """Where screenshots go: ``HORA_SCREENSHOT_DIR``, else the test's tmp dir."""
+    return Path(os.environ.get(SCREENSHOT_DIR_VAR) or tmp)
 
 
 def test_dist_start_shows_the_line_naming_the_slowed_engine(session: dict[str, Any]) -> None:
@@ -136,26 +176,38 @@ def test_the_service_reads_the_session_s_preflight(
     assert shown["preflight"]["findings"] == figures["findings"]
 
 
-@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium (/usr/bin/chromium)")
+@needs_chromium
 def test_the_session_s_page_shows_its_preflight(
     server: ServiceServer, session: dict[str, Any], tmp_path: Path
 ) -> None:
-    sid = session["id"]
-    shots = Path(os.environ.get(SCREENSHOT_DIR_VAR) or tmp_path)
-    shots.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            page = sign_in(browser, server, "ann")
-            page.goto(server.url + f"/ui#/job/{sid}")
-            expect(page.locator("#job-state")).to_have_text("running")
-            expect(page.locator("#cancel")).to_have_text("Stop session")
-            expect(page.locator("#job-preflight")).to_be_visible()
-            expect(page.locator("#preflight-line")).to_contain_text("preflight (2 ranks, ")
-            expect(page.locator("#preflight-line")).to_contain_text("SLOW: rank 1 (")
-            expect(page.locator("#preflight-slow li").first).to_contain_text("rank 1 (")
-            expect(page.locator("#preflight-failed")).to_have_count(0)
-            expect(page.locator("#transitions")).to_contain_text("SLOW: rank 1 (")
-            page.screenshot(path=str(shots / "dashboard-session-preflight.png"), full_page=True)
-        finally:
-            browser.close()
+    shot = shots(tmp_path) / "dashboard-session-preflight.png"
+    with session_page(server, session["id"], shot) as page:
+        expect(page.locator("#job-state")).to_have_text("running")
+        expect(page.locator("#cancel")).to_have_text("Stop session")
+        expect(page.locator("#job-preflight")).to_be_visible()
+        expect(page.locator("#preflight-line")).to_contain_text("preflight (2 ranks, ")
+        expect(page.locator("#preflight-line")).to_contain_text("SLOW: rank 1 (")
+        expect(page.locator("#preflight-slow li").first).to_contain_text("rank 1 (")
+        expect(page.locator("#preflight-failed")).to_have_count(0)
+        expect(page.locator("#transitions")).to_contain_text("SLOW: rank 1 (")
+
+
+@needs_chromium
+def test_an_admin_threshold_fails_dist_start_naming_the_engine(tmp_path: Path) -> None:
+    why = "preflight: below 0.3 of the reference: rank 1 ("
+    with (
+        slowing_server(tmp_path, {"HORA_JOB_PREFLIGHT_FAIL_BELOW": "0.3"}) as server,
+        two_engines(server, tmp_path) as started,
+    ):
+        assert why in started["out"], started["out"]  # %dist_start raised, naming rank 1
+        sid = started["id"]
+        with server.client("ann") as c:
+            body = poll(c, f"/v1/sessions/{sid}", lambda b: b["preflight"] is not None)
+        figures = body["preflight"]
+        assert body["state"] == "running"  # the engines stay up until %dist_stop
+        assert figures["failed"].startswith(why) and "FAILED" in figures["line"], figures
+        shot = shots(tmp_path) / "dashboard-session-preflight-failed.png"
+        with session_page(server, sid, shot) as page:
+            failed = page.locator("#preflight-failed")
+            expect(failed).to_contain_text("failed %dist_start: " + why)
+            expect(page.locator("#preflight-line")).to_contain_text("FAILED: threshold crossed")

@@ -266,7 +266,7 @@ function fillJob(job) {
   document.getElementById("resubmit").hidden = !job.can_resubmit;
   document.getElementById("transitions").replaceChildren(table(["state", "at", "reason"],
     job.transitions.map((t) => [stateTag(t.state), new Date(Date.parse(t.at)).toLocaleTimeString(), t.reason || ""])));
-  fillPreflight(job.preflight);
+  fillPreflight(job.preflight, job.kind);
   const codes = Object.entries(job.exit_codes || {});
   document.getElementById("exit-codes").replaceChildren(codes.length
     ? table(["rank", "exit code"], codes.map(([r, c]) => [r, c === null ? "running" : c]))
@@ -275,7 +275,7 @@ function fillJob(job) {
 
 // The communication preflight rank 0 logged at hora.torch.init(): its line, what is far below
 // its reference, and each rank's figures on each path.
-function fillPreflight(p) {
+function fillPreflight(p, kind) {
   const box = document.getElementById("job-preflight");
   box.hidden = !p;
   if (!p) return;
@@ -286,7 +286,7 @@ function fillPreflight(p) {
       rows.push([path.path, r.rank, r.host, r.latency_us.toFixed(0), r.copy_gbps.toFixed(2), r.busbw_gbps.toFixed(2), r.wait_s.toFixed(3)]);
     }
   }
-  const failed = p.failed ? [el("p", { class: "error", id: "preflight-failed" }, `failed the job: ${p.failed}`)] : [];
+  const failed = p.failed ? [el("p", { class: "error", id: "preflight-failed" }, `${kind === "session" ? "failed %dist_start" : "failed the job"}: ${p.failed}`)] : [];
   box.replaceChildren(el("h2", {}, "Preflight"), el("p", { id: "preflight-line" }, p.line), ...failed,
     slow.length ? el("ul", { id: "preflight-slow" }, slow) : el("p", { class: "muted" }, "no rank or link far below its reference"),
     table(["path", "rank", "host", "latency us", "copy GB/s", "busbw GB/s", "waited s"], rows));
