@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from hora.errors import HoraError
-from hora.torch import _hier, _shm, _state, timeline
+from hora.torch import _shm, _state, timeline
 from hora.torch._process_sets import comm_of
 from hora.torch._stall import run_guarded
 
@@ -301,8 +301,7 @@ def _shm_ring(state: _state.State) -> Any:
     """The shared-memory ring when the world's CPU buckets will use it, else None."""
     if state.device.type != "cpu" or state.size < 2 or state.local_size != state.size:
         return None
-    ring = _hier.ring_of(comm_of(None, "preflight"), "preflight")
-    return ring if isinstance(ring, _shm.Ring) else None
+    return _shm.ring_of(comm_of(None, "preflight"), "preflight")  # one host: no _hier
 
 
 # --- summarising -------------------------------------------------------------------------------
