@@ -19,7 +19,7 @@ KEY = "hora/hb/"
 PERIOD_S = 0.25
 
 
-class Heartbeat:
+class StallHeartbeat:
     """The heartbeat thread of one rank; :meth:`stop` ends it.
 
     Args:

@@ -4,7 +4,7 @@
 (:func:`hora.env.detect_world`, or the elastic layer's world source), meets the other ranks
 and creates torch.distributed's *default* process group (:mod:`hora.torch._rendezvous`), so
 plain ``torch.distributed`` calls and DDP work in the same script, and starts the rank's
-:class:`~hora.torch._heartbeat.Heartbeat`. If the user already called
+:class:`~hora.torch._heartbeat.StallHeartbeat`. If the user already called
 ``init_process_group`` that group is adopted instead. ``shutdown()``, the exit handler, a
 failed world's drop and ``rebuild()`` release what it made. :func:`current` is the one way
 other modules read the state; the world queries are :mod:`hora.torch.basics`.
@@ -35,7 +35,7 @@ from hora.errors import (
     UnsupportedError,
 )
 from hora.torch import _rendezvous
-from hora.torch._heartbeat import Heartbeat
+from hora.torch._heartbeat import StallHeartbeat
 
 log = logging.getLogger("hora.torch")
 
@@ -91,7 +91,7 @@ class State:
     broken: bool = False
     out_of_step: str = ""
     rdzv_file: Path | None = None
-    heartbeat: Any = None  # hora.torch._heartbeat.Heartbeat, while init()'s world lives
+    heartbeat: Any = None  # hora.torch._heartbeat.StallHeartbeat, while init()'s world lives
     comms: dict[int, Any] = field(default_factory=dict)
     host_watch: socket.socket | None = None
     excepthooks: tuple[Any, Any] | None = None
@@ -182,7 +182,7 @@ def require_init(op: str) -> State:
 
 def _start(world: World, backend: str, start_s: float, timeout_s: float) -> State:
     state = _connect(world, backend, start_s, timeout_s)
-    state.heartbeat = Heartbeat(state, state.store)
+    state.heartbeat = StallHeartbeat(state, state.store)
     return state
 
 
@@ -519,7 +519,7 @@ def rebuild(master_port: int, start_timeout_s: float | None = None) -> None:
         setattr(state, name, getattr(fresh, name))
     state.seq, state.last_op, state.last_sig = 0, "", 0
     state.comms = {}
-    state.heartbeat = Heartbeat(state, state.store)
+    state.heartbeat = StallHeartbeat(state, state.store)
 
 
 def abort() -> None:

@@ -43,7 +43,12 @@ from hora_service.imageref import IMAGE_ID, ImageRef
 from hora_service.reasons import image_reason
 from hora_service.runtimes.base import AttemptPlan, Exit, RankProcess, RankStatus, Runtime
 from hora_service.runtimes.containment import CGROUP_FS, instance_id, tree_cpu_seconds
-from hora_service.runtimes.docker_images import UNREACHABLE, EngineError, check_image, resolve_image
+from hora_service.runtimes.docker_images import (
+    UNREACHABLE,
+    DockerEngineError,
+    check_image,
+    resolve_image,
+)
 from hora_service.runtimes.docker_images import short as _short
 from hora_service.runtimes.limits import Hits, counter, docker_limits
 from hora_service.runtimes.local import ALLOWED, ALLOWED_PREFIXES, rank_environment, read_exit
@@ -450,11 +455,11 @@ class DockerRuntime(Runtime):
             except UNREACHABLE:
                 created.remove(force=True)
                 raise
-        except EngineError:
+        except DockerEngineError:
             raise
         except UNREACHABLE as e:
             where = self.config.host or "the default socket"
-            raise EngineError(f"the Docker engine at {where} failed: {_short(e)}") from None
+            raise DockerEngineError(f"the Docker engine at {where} failed: {_short(e)}") from None
         box = Box(self, plan, created.id)
         log.info("job %d attempt %d: container %s", plan.job_id, plan.attempt, created.short_id)
         return [DockerRank(rank, box) for rank in ranks]

@@ -25,7 +25,7 @@ from hora_service.imageref import IMAGE_ID, ImageRef
 UNREACHABLE = (docker.errors.DockerException, requests.exceptions.RequestException, OSError)
 
 
-class EngineError(HoraError):
+class DockerEngineError(HoraError):
     """The Docker engine cannot do what an attempt needs (down, image missing, refused)."""
 
 
@@ -77,25 +77,25 @@ def resolve_image(client: Any, policy: ImagePolicy, image: str) -> tuple[str, li
     """The image's ID and environment, pulling it first where the policy allows.
 
     Raises:
-        EngineError: not on the engine and not to be pulled, or the pull failed (with what
+        DockerEngineError: not on the engine and not to be pulled, or the pull failed (with what
             the registry said).
     """
     try:
         found = client.images.get(image)
     except docker.errors.ImageNotFound:
         if policy.pull == "never":
-            raise EngineError(
+            raise DockerEngineError(
                 f"image {image!r} is not on the Docker engine and the pull policy is never"
             ) from None
         if not policy.pulls(image):
-            raise EngineError(
+            raise DockerEngineError(
                 f"image {image!r} is not on the Docker engine, and the pattern that allows "
                 "it names no registry: such images are never pulled"
             ) from None
         try:
             found = client.images.pull(image)
         except UNREACHABLE as e:
-            raise EngineError(f"cannot pull image {image!r}: {engine_says(e)}") from None
+            raise DockerEngineError(f"cannot pull image {image!r}: {engine_says(e)}") from None
     env = (found.attrs.get("Config") or {}).get("Env") or []
     return str(found.id), [str(e) for e in env]
 
