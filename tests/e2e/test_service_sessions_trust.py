@@ -48,13 +48,16 @@ def controller(where: Path) -> Iterator[tuple[dict[str, Any], Path]]:
     ports: set[int] = set()
     while len(ports) < plan.CONNECTION_PORTS:
         ports.add(free_port())
-    engine, client = plan.connection_files(sorted(ports), str(uuid.uuid4()), socket.gethostname())
+    keys = plan.curve_keys()  # as the kernel starts it: CurveZMQ on
+    engine, client = plan.connection_files(
+        sorted(ports), str(uuid.uuid4()), socket.gethostname(), curve_serverkey=keys[0]
+    )
     for name, info in (("engine", engine), ("client", client)):
         (security / f"ipcontroller-{plan.CLUSTER_ID}-{name}.json").write_text(json.dumps(info))
     log = (where / "controller.log").open("wb")
     proc = subprocess.Popen(
         plan.controller_argv(where, reuse=True), stdout=log, stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL, start_new_session=True,
+        stdin=subprocess.DEVNULL, start_new_session=True, env=plan.controller_env(os.environ, keys),
     )  # fmt: skip
     try:
         yield engine, plan.client_file(where)
