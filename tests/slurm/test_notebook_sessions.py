@@ -5,7 +5,8 @@ The kernel's controller listens on the host's bridge address (10.250.0.1), which
 reach; the engines run under one ``srun`` on n1 and n2 and run ``%%distributed`` cells,
 ``--out``, ``%dist_push`` and ``%dist_pull`` across both. While Slurm holds the job back,
 ``%dist_start`` shows Slurm's pending reason; the notebook's interrupt stops a cell on both
-nodes. ``%dist_stop``, an engine that dies, and a kernel killed with -9 (the lease runs out)
+nodes, and a stall report shows the stack of a rank on n2. ``%dist_stop``, an engine that
+dies, and a kernel killed with -9 (the lease runs out)
 end the Slurm job: nothing is left on either node.
 
 Engines on n2 start late: a ``sitecustomize`` on the engines' ``PYTHONPATH`` sleeps
@@ -134,6 +135,15 @@ def test_engines_on_both_nodes_wait_in_slurms_queue_run_cells_and_stop(
     assert "['n1', 'n1', 'n2', 'n2']" in notebook.run("print(host)")
     notebook.run("x = 20")
     notebook.run("%dist_push x")
+    # a stall report shows the stack of a rank on n2 (asked on its control channel); the
+    # blocked rank is released and the process group rebuilt across both nodes
+    stall = notebook.run(
+        "%%distributed --timeout 3\ndef stuck_here():\n    hvd.allreduce(torch.ones(1))\n"
+        "if hvd.rank() == 3:\n    stuck_here()"
+    )
+    assert "--- rank 3 is here" in stall and "in stuck_here" in stall, stall
+    assert "process group rebuilt; engines usable, variables kept" in stall, stall
+
     status = notebook.run("%dist_status")
     assert status.count("alive") >= 4, status  # engines on other nodes are watched by the service
     ran = notebook.run(

@@ -99,6 +99,7 @@ def _session_engine() -> None:
     stack = os.path.join(home, "stack.txt")
     open(stack, "w").close()
     bootstrap.STACK_FILE[:] = [stack]
+    bootstrap.serve_stacks()  # the kernel may be on another machine: it asks for stacks
     _engine(
         [
             f"--stack-file={stack}",

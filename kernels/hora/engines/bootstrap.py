@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
+import time
 from typing import Any
 
 _BG_DONE = threading.Event()
@@ -42,6 +44,59 @@ def start_background_init() -> None:
     global _BG_STARTED
     _BG_STARTED = True
     threading.Thread(target=_background_init, name="hora-init", daemon=True).start()
+
+
+STACK_REQUEST = "hora_stack_request"  # a control message: "send your main thread's stack"
+
+
+def main_stack() -> str:
+    """This process's main thread's stack, written as faulthandler writes it.
+
+    Example:
+        >>> main_stack().splitlines()[0].endswith("(most recent call first):")
+        True
+    """
+    ident = threading.main_thread().ident or 0
+    frame = sys._current_frames().get(ident)
+    lines = [f"Thread 0x{ident:016x} (most recent call first):"]
+    while frame is not None:
+        code = frame.f_code
+        lines.append(f'  File "{code.co_filename}", line {frame.f_lineno} in {code.co_name}')
+        frame = frame.f_back
+    return "\n".join(lines)
+
+
+def serve_stacks(wait_s: float = 120.0) -> None:
+    """Answer :data:`STACK_REQUEST` on the engine's control channel, from a background thread.
+
+    An engine on another machine (a Slurm node) cannot be sent SIGUSR1 by the kernel nor
+    have its stack file read there; its control thread answers while a cell runs (a rank
+    blocked in a collective has released the GIL). The handler is added to the engine
+    kernel's control handlers once ipyparallel has made the kernel.
+    """
+
+    def install() -> None:
+        from ipyparallel.engine.app import IPEngine
+
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            kernel = (
+                getattr(IPEngine.instance(), "kernel", None) if IPEngine.initialized() else None
+            )
+            if kernel is not None:
+                kernel.control_handlers[STACK_REQUEST] = _stack_reply(kernel)
+                return
+            time.sleep(0.1)
+
+    threading.Thread(target=install, name="hora-stacks", daemon=True).start()
+
+
+def _stack_reply(kernel: Any) -> Any:
+    def reply(stream: Any, ident: Any, parent: Any) -> None:
+        content = {"status": "ok", "stack": main_stack()}
+        kernel.session.send(stream, "hora_stack_reply", content, parent, ident=ident)
+
+    return reply
 
 
 def _user_ns() -> dict[str, Any]:

@@ -195,18 +195,20 @@ def _to_rank_error(rank: int, reply: Any) -> RankError | None:
     return RankError(rank, str(ename), str(getattr(reply, "evalue", "")), lines)
 
 
-def read_stack(engine: Engine, wait_s: float = 1.0) -> str:
+def read_stack(engine: Engine, wait_s: float = 1.0, client: Any = None) -> str:
     """Ask an engine for its main thread's current Python stack (SIGUSR1 -> faulthandler).
 
     Args:
         engine: the engine to ask.
         wait_s: how long to wait for the dump.
+        client: the ipyparallel client, to ask an engine on another machine through its
+            control channel (see :func:`hora.engines.bootstrap.serve_stacks`).
 
     Returns:
         The stack, most recent call first, or a note saying why there is none.
     """
     if not engine.local:
-        return f"(no stack: rank {engine.rank} runs on {engine.host}, not on the kernel's machine)"
+        return _remote_stack(client, engine, wait_s)
     try:
         start = engine.stack_file.stat().st_size
         os.kill(engine.pid, signal.SIGUSR1)
@@ -222,6 +224,18 @@ def read_stack(engine: Engine, wait_s: float = 1.0) -> str:
     with open(engine.stack_file, errors="replace") as f:
         f.seek(start)
         return pick_thread(f.read(), engine.main_thread)
+
+
+def _remote_stack(client: Any, engine: Engine, wait_s: float) -> str:
+    """The stack of an engine on another machine, asked on its control channel."""
+    from hora.engines.bootstrap import STACK_REQUEST
+
+    try:
+        ask = client._send_control_request([engine.engine_id], STACK_REQUEST, {}, block=False)
+        (reply,) = ask.result(timeout=max(wait_s, 2.0))
+        return pick_thread(str(reply["content"]["stack"]), engine.main_thread)
+    except Exception as e:  # no answer (an engine without the handler, or gone)
+        return f"(no stack from rank {engine.rank} on {engine.host}: {type(e).__name__} {e})"
 
 
 def interrupt_remote(client: Any, engine_id: int) -> None:
@@ -417,7 +431,9 @@ class CellRun:
         """
         missing = self.pending()
         by_rank = {e.rank: e for e in self.engines}
-        stacks = {r: self.numbers.stack(read_stack(by_rank[r])) for r in missing}
+        stacks = {
+            r: self.numbers.stack(read_stack(by_rank[r], client=self.client)) for r in missing
+        }
         if not any(in_collective(st) for st in stacks.values()):
             self.first_done = time.monotonic()
             return
@@ -467,7 +483,11 @@ class CellRun:
             while self.pending() and time.monotonic() < deadline:
                 self._drain(deadline)
             by_rank = {e.rank: e for e in self.engines}
-            blocked = [r for r in self.pending() if in_collective(read_stack(by_rank[r]))]
+            blocked = [
+                r
+                for r in self.pending()
+                if in_collective(read_stack(by_rank[r], client=self.client))
+            ]
             if blocked:
                 self.released = blocked
                 self._release(blocked)
