@@ -12,11 +12,19 @@ last:
   ``--base`` it uses ``hora-base:bookworm`` and, when the engine lacks it, makes it with
   ``debootstrap --variant=minbase`` from this machine's Debian mirror into a cached directory,
   imported as a one-layer image.
-* ``--gpu`` (``hora:gpu``, ``docker/Dockerfile``): CUDA PyTorch + hora, from the repository.
+* ``--gpu`` (``hora:gpu``, ``docker/Dockerfile``): hora with all of its dependencies and the
+  examples' packages, and torch's CUDA build, on the same base. Its context is the Dockerfile,
+  ``requirements.txt`` (hora's dependencies), ``constraints.txt`` (the lock) and ``wheels/``:
+  made with ``pip --isolated wheel`` and no pip configuration file, against the package index,
+  so that torch's CUDA build and its ``nvidia-*`` wheels (CUDA runtime, cuDNN, NCCL, ...) are
+  gathered, never a local CPU wheel that this machine's pip settings may prefer. The driver
+  comes from the host.
 * ``--notebook`` (``hora:notebook``, ``docker/notebook.Dockerfile``): JupyterLab with the hora
   kernel and engines, on the GPU image (``--base``, default ``hora:gpu``).
 
-Every process is built from an argument list (``debootstrap``, ``tar``, ``pip``).
+Both the CPU and the GPU image are built from a context made here, so the build itself
+downloads nothing; their wheels are kept in the cache (``--cache``) between builds. Every
+process is built from an argument list (``debootstrap``, ``tar``, ``pip``).
 """
 
 from __future__ import annotations
@@ -30,7 +38,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterable
+import tomllib
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +58,8 @@ KINDS = {  # kind -> (default tag, Dockerfile under docker/)
 }
 STEP_TIMEOUT_S = 1800
 CPU_PACKAGES = ("torch", "numpy", "scikit-learn", "ipyparallel")
+GPU_EXTRAS = ("examples",)  # hora's extras the GPU image carries besides its dependencies
+LOCK = ("cpu.txt", "test.txt")  # under constraints/: the versions both images install
 SOURCE_LABEL = "hora.source"
 
 
@@ -125,15 +136,73 @@ def wheel_argvs(
         >>> [argv[-1] for argv in wheel_argvs(Path("/r"), Path("/w"), Path("/h"), "py")]
         ['/r', 'ipyparallel']
     """
-    constraints = [
-        arg for name in ("cpu.txt", "test.txt") if (repo / "constraints" / name).exists()
-        for arg in ("-c", str(repo / "constraints" / name))
-    ]  # fmt: skip
     pip = [python, "-m", "pip", "wheel", "--disable-pip-version-check", "--progress-bar", "off"]
     return [
         [*pip, "--no-deps", "-w", str(hora), str(repo)],
-        [*pip, *constraints, "--find-links", str(wheels), "-w", str(wheels), *CPU_PACKAGES],
-    ]
+        [*pip, *_constraints(repo), "--find-links", str(wheels), "-w", str(wheels),
+         *CPU_PACKAGES],
+    ]  # fmt: skip
+
+
+def gpu_wheel_argvs(
+    repo: Path, wheels: Path, hora: Path, requirements: Path, python: str = sys.executable
+) -> list[list[str]]:
+    """The ``pip wheel`` commands that gather the GPU image's packages.
+
+    hora itself without its dependencies into ``hora``, then what ``requirements`` names
+    (:func:`gpu_requirements`) at the lock's versions into ``wheels``. The second runs with
+    ``--isolated``: pip settings of this machine that prefer a local CPU build of torch (a
+    ``find-links`` folder, an extra index) are ignored, so the package index's torch, a CUDA
+    build with the CUDA libraries as ``nvidia-*`` wheels, is what is gathered (run it with
+    :func:`index_only_env`, which turns off the configuration files ``--isolated`` still reads).
+
+    Example:
+        >>> argvs = gpu_wheel_argvs(Path("/r"), Path("/w"), Path("/h"), Path("/q.txt"), "py")
+        >>> argvs[1][3], argvs[1][-2:]
+        ('--isolated', ['-r', '/q.txt'])
+    """
+    pip = [python, "-m", "pip", "wheel", "--disable-pip-version-check", "--progress-bar", "off"]
+    return [
+        [*pip, "--no-deps", "-w", str(hora), str(repo)],
+        [python, "-m", "pip", "--isolated", *pip[3:], *_constraints(repo),
+         "--find-links", str(wheels), "-w", str(wheels), "-r", str(requirements)],
+    ]  # fmt: skip
+
+
+def index_only_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` for the GPU image's ``pip --isolated wheel``: no pip configuration file.
+
+    ``--isolated`` ignores ``PIP_*`` variables and the user's configuration file, but pip still
+    reads the file ``PIP_CONFIG_FILE`` names and the global one (``/etc/pip.conf``); ``os.devnull``
+    there turns every file off, so no ``find-links`` can offer a local CPU build of torch.
+
+    Example:
+        >>> index_only_env({"PIP_CONFIG_FILE": "/home/me/pip.conf", "PATH": "/bin"})
+        {'PIP_CONFIG_FILE': '/dev/null', 'PATH': '/bin'}
+    """
+    return {**environ, "PIP_CONFIG_FILE": os.devnull}
+
+
+def gpu_requirements(pyproject: str) -> list[str]:
+    """The requirements the GPU image installs: hora's and those of its :data:`GPU_EXTRAS`.
+
+    Example:
+        >>> gpu_requirements('''[project]
+        ... dependencies = ["torch>=2.4", "uvicorn[standard]>=0.29"]
+        ... optional-dependencies = {examples = ["scikit-learn>=1.4"], docs = ["sphinx"]}
+        ... ''')
+        ['torch>=2.4', 'uvicorn[standard]>=0.29', 'scikit-learn>=1.4']
+    """
+    project = tomllib.loads(pyproject)["project"]
+    extras = project.get("optional-dependencies", {})
+    return [*project["dependencies"], *(req for name in GPU_EXTRAS for req in extras[name])]
+
+
+def _constraints(repo: Path) -> list[str]:
+    return [
+        arg for name in LOCK if (repo / "constraints" / name).exists()
+        for arg in ("-c", str(repo / "constraints" / name))
+    ]  # fmt: skip
 
 
 def source_digest(repo: Path) -> str:
@@ -163,11 +232,12 @@ def find_repo(start: Path) -> Path:
     raise HoraError("cannot find hora's repository (docker/cpu.Dockerfile): pass --repo")
 
 
-def _run(argv: list[str], what: str) -> None:
+def _run(argv: list[str], what: str, env: dict[str, str] | None = None) -> None:
     log.info("%s: %s", what, " ".join(argv))
     done = subprocess.run(
-        argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=STEP_TIMEOUT_S
-    )
+        argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=STEP_TIMEOUT_S,
+        env=env,
+    )  # fmt: skip
     if done.returncode != 0:
         tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
         raise HoraError(f"{what} failed (exit {done.returncode}):\n{tail}")
@@ -219,12 +289,45 @@ def cpu_context(repo: Path, cache: Path, into: Path) -> None:
     for argv in wheel_argvs(repo, wheels, into / "hora"):
         _run(argv, "pip wheel")
     shutil.copy(repo / "docker" / "cpu.Dockerfile", into / "Dockerfile")
-    (into / "wheels").mkdir()
+    _link_wheels(wheels, into / "wheels")
+
+
+def gpu_context(repo: Path, cache: Path, into: Path) -> None:
+    """Assemble the GPU image's build context (see ``docker/Dockerfile``).
+
+    Raises:
+        HoraError: pip gathered no CUDA build of torch (no ``nvidia-nccl`` wheel).
+    """
+    wheels = _mkdir(cache / "wheels-gpu")
+    requirements = into / "requirements.txt"
+    requirements.write_text("\n".join(gpu_requirements((repo / "pyproject.toml").read_text())))
+    _say("gathering wheels with pip --isolated from the package index (hora's dependencies at "
+         "the versions of constraints/, torch's CUDA build: several GB the first time)")
+    for whl in wheels.glob("torch-*+cpu*.whl"):  # would win over the CUDA build (2.13.0+cpu
+        whl.unlink()  # sorts after 2.13.0), and never belongs in this cache
+    hora, deps = gpu_wheel_argvs(repo, wheels, into / "hora", requirements)
+    _run(hora, "pip wheel")
+    _run(deps, "pip wheel", env=index_only_env(os.environ))
+    cpu = sorted(p.name for p in wheels.glob("torch-*+cpu*.whl"))
+    if cpu or not any(wheels.glob("nvidia_nccl_cu*.whl")):
+        found = f"it found {cpu[0]}" if cpu else "no nvidia-nccl wheel came with torch"
+        raise HoraError(
+            f"pip gathered no CUDA build of torch into {wheels} ({found}): the package index "
+            "this machine reaches serves a CPU-only torch"
+        )
+    lock = [(repo / "constraints" / name) for name in LOCK]
+    (into / "constraints.txt").write_text("\n".join(p.read_text() for p in lock if p.exists()))
+    shutil.copy(repo / "docker" / "Dockerfile", into / "Dockerfile")
+    _link_wheels(wheels, into / "wheels")
+
+
+def _link_wheels(wheels: Path, into: Path) -> None:
+    into.mkdir()
     for whl in wheels.glob("*.whl"):
         try:
-            os.link(whl, into / "wheels" / whl.name)
+            os.link(whl, into / whl.name)
         except OSError:
-            shutil.copy(whl, into / "wheels" / whl.name)
+            shutil.copy(whl, into / whl.name)
 
 
 def build(
@@ -254,13 +357,11 @@ def build_image(kind: str, client: Any, repo: Path, cache: Path, base: str | Non
     tag = tag or KINDS[kind][0]
     dockerfile = KINDS[kind][1]
     digest = source_digest(repo)
-    if kind == "cpu":
+    if kind in ("cpu", "gpu"):
         base = base or ensure_base(client, cache, mirror)
         with tempfile.TemporaryDirectory(dir=_mkdir(cache)) as ctx:
-            cpu_context(repo, cache, Path(ctx))
+            (cpu_context if kind == "cpu" else gpu_context)(repo, cache, Path(ctx))
             build(client, Path(ctx), "Dockerfile", tag, base, digest)
-    elif kind == "gpu":
-        build(client, repo, f"docker/{dockerfile}", tag, base, digest)
     else:
         build(client, repo / "docker", dockerfile, tag, base, digest)
     return tag

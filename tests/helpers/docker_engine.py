@@ -5,7 +5,8 @@ with ``scripts/dockerd.sh`` and exports ``DOCKER_HOST`` and ``HORA_TEST_DOCKERD_
 starts a private ``dockerd`` (state under a new directory in /tmp) and stops it at the end.
 Where neither is possible (not root, no ``dockerd``) it fails with the reason: these tests are
 never skipped. :func:`cpu_image` builds ``hora:cpu`` with ``hora image build --cpu`` unless
-the engine has one built from this checkout's sources (label ``hora.source``).
+the engine has one built from this checkout's sources (label ``hora.source``); :func:`image`
+does the same for any kind (the opt-in GPU image test builds ``hora:gpu`` with it).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import docker.errors
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERD_SH = ROOT / "scripts" / "dockerd.sh"
 IMAGE = "hora:cpu"
-BUILD_TIMEOUT_S = 1200
+BUILD_TIMEOUT_S = {"cpu": 1200, "gpu": 3600}  # the GPU image gathers several GB of wheels
 
 
 class EngineUnavailable(RuntimeError):
@@ -101,20 +102,26 @@ def engine() -> Iterator[Engine]:
 
 def cpu_image(eng: Engine) -> str:
     """``hora:cpu`` built from this checkout (built now unless the engine has it)."""
+    return image(eng, "cpu")
+
+
+def image(eng: Engine, kind: str) -> str:
+    """``hora:KIND`` built from this checkout (built now unless the engine has it)."""
     from hora_service.images import SOURCE_LABEL, source_digest
 
+    tag = f"hora:{kind}"
     client = eng.client()
     try:
-        labels = client.images.get(IMAGE).labels or {}
+        labels = client.images.get(tag).labels or {}
         if labels.get(SOURCE_LABEL) == source_digest(ROOT):
-            return IMAGE
+            return tag
     except docker.errors.ImageNotFound:
         pass
     proc = subprocess.run(
-        [sys.executable, "-m", "hora.cli", "image", "build", "--cpu", "--repo", str(ROOT)],
+        [sys.executable, "-m", "hora.cli", "image", "build", f"--{kind}", "--repo", str(ROOT)],
         env={**os.environ, "DOCKER_HOST": eng.host},
-        capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, stdin=subprocess.DEVNULL,
+        capture_output=True, text=True, timeout=BUILD_TIMEOUT_S[kind], stdin=subprocess.DEVNULL,
     )  # fmt: skip
-    if proc.returncode != 0 or proc.stdout.strip().splitlines()[-1:] != [IMAGE]:
-        raise EngineUnavailable(f"hora image build --cpu failed:\n{proc.stderr[-3000:]}")
-    return IMAGE
+    if proc.returncode != 0 or proc.stdout.strip().splitlines()[-1:] != [tag]:
+        raise EngineUnavailable(f"hora image build --{kind} failed:\n{proc.stderr[-3000:]}")
+    return tag
