@@ -473,7 +473,7 @@ class HoraMagics(Magics):
             repaired = cluster.repair()
             if repaired:  # an engine died between cells: say so before the cell's output
                 sys.stderr.write(f"hora: {repaired}\n")
-            cluster.run(
+            result = cluster.run(
                 code,
                 sink=sink,
                 shown=shown,
@@ -486,6 +486,8 @@ class HoraMagics(Magics):
             raise
         finally:
             sink.flush()
+        for note in result.notes:  # a rank died during the cell and was replaced
+            sys.stderr.write(f"hora: {note}\n")
         if profile:
             _show_profile(prof.finish_profile(cluster))
         from hora.engines.script import CellRecord

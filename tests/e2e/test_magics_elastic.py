@@ -13,7 +13,7 @@ import time
 
 import pytest
 from _magics_util import wait_gone
-from hora.engines import State
+from hora.engines import RankDiedError, State
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 
@@ -84,3 +84,76 @@ def test_engine_killed_between_cells_is_replaced_and_the_others_keep_their_varia
     ]
     assert cluster().state is State.READY
     assert [r["alive"] for r in cluster().status()] == [True] * N
+
+
+ELASTIC_CELL = """%%distributed --all
+import os, signal
+torch.manual_seed(1234 + hvd.rank())  # a new engine's model starts different: sync fixes it
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+state = hvd.elastic.TorchState(model, opt, step=0)
+
+@hvd.elastic.run
+def train(state):
+    while state.step < 40:
+        if state.step == 10 and globals().get("doomed"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        grad = hvd.allreduce(torch.ones(1), op=hvd.Sum)
+        with torch.no_grad():
+            model.weight.add_(0.01 * grad)
+        state.step += 1
+        state.commit()
+
+train(state)
+weights = hvd.allgather_object(round(model.weight.sum().item(), 4))
+print(os.getpid(), hvd.size(), state.step, weights[0], len(set(weights)), globals().get("mine"))
+"""
+
+
+def expected_weight() -> float:
+    """Rank 0's first weights plus 40 steps of 4 x 0.01 x 3: no step lost, none done twice."""
+    import torch
+
+    torch.manual_seed(1234)
+    return round(torch.nn.Linear(4, 1).weight.sum().item() + 40 * 4 * 0.01 * 3, 4)
+
+
+def test_engine_killed_in_elastic_run_is_replaced_and_training_carries_on(ip):
+    result, cap = run(ip, "%%distributed\nmine = 100 + hvd.rank()\ndoomed = hvd.rank() == 2")
+    assert result.success, cap.stdout + cap.stderr
+    old = pids()
+    result, cap = run(ip, ELASTIC_CELL)
+    assert result.success, cap.stdout + cap.stderr
+    new = pids()
+    assert new[0] == old[0] and new[1] == old[1] and new[2] != old[2]
+    assert f"hora: rank 2 (pid {old[2]}) died during the cell (killed by SIGKILL" in cap.stderr
+    assert "took its place and ran the cell from its start" in cap.stderr
+    # every rank finished at the same step with the same weights (the new engine took them
+    # from rank 0), those of a run without the failure; the survivors kept their variables
+    # and processes, the new engine has none
+    w = expected_weight()
+    assert sorted(cap.stdout.splitlines()) == [
+        f"[rank 0] {old[0]} 3 40 {w} 1 100",
+        f"[rank 1] {old[1]} 3 40 {w} 1 101",
+        f"[rank 2] {new[2]} 3 40 {w} 1 None",
+    ]
+    result, cap = run(ip, "%%distributed\nprint(hvd.allreduce(torch.ones(1), op=hvd.Sum).item())")
+    assert result.success and cap.stdout == "3.0\n", cap.stdout + cap.stderr
+
+
+def test_rank_0_killed_in_elastic_run_ends_the_cell_and_is_replaced_after_it(ip):
+    # rank 0 syncs the others: its new engine has no state to give, so the cell stops
+    result, cap = run(ip, "%%distributed\ndoomed = hvd.rank() == 0")
+    assert result.success, cap.stdout + cap.stderr
+    old = pids()
+    result, cap = run(ip, ELASTIC_CELL)
+    err = result.error_in_exec
+    assert isinstance(err, RankDiedError), cap.stdout + cap.stderr
+    assert list(err.dead) == [0]
+    assert sorted(e.rank for e in err.errors) == [1, 2]
+    assert {e.ename for e in err.errors} == {"RootLostError"}
+    assert "engine replaced" in cap.stdout and "ranks 1-2 kept theirs" in cap.stdout
+    new = pids()
+    assert new[1] == old[1] and new[2] == old[2] and new[0] != old[0]
+    result, cap = run(ip, "%%distributed\nprint(hvd.allreduce(torch.ones(1), op=hvd.Sum).item())")
+    assert result.success and cap.stdout == "3.0\n", cap.stdout + cap.stderr

@@ -17,6 +17,8 @@ import threading
 import time
 from typing import Any
 
+from hora.engines import world
+
 _BG_DONE = threading.Event()
 _BG_ERROR: list[BaseException] = []
 _BG_STARTED = False
@@ -28,6 +30,10 @@ def _background_init() -> None:
     try:
         import hora.torch as hvd
 
+        if os.environ.get(world.VAR):  # a notebook kernel's engine: it says where worlds are
+            from hora.torch import _state
+
+            _state.set_world_source(world.engine_world)
         hvd.init()
     except BaseException as e:  # re-raised by init_engine in the main thread, with context
         _BG_ERROR.append(e)
@@ -198,7 +204,16 @@ def rebuild_group(master_port: int, start_timeout_s: float | None = None) -> int
     """
     from hora.torch import _state
 
-    _state.rebuild(master_port, start_timeout_s)
+    if _state.current() is not None:
+        _state.rebuild(master_port, start_timeout_s)
+        world.note_current()
+    else:  # its hvd.elastic.run left the world and found no new one (rank 0 had died)
+        import hora.torch as hvd
+        from hora.torch import optimizer
+
+        world.join_at(master_port)
+        hvd.init()
+        optimizer.rebind_all()  # as hvd.elastic.run does after its own init()
     return _state.require_init("rebuild").rank
 
 

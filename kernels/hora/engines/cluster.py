@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from hora.engines import bootstrap, plan
+from hora.engines import bootstrap, plan, world
 from hora.engines.errors import (
     CellFailedError,
     ClusterBrokenError,
@@ -208,6 +208,7 @@ class Cluster(Recovery):
             gpus=[d for d in self._devices if d is not None],
             rdzv_secret=self._rdzv_secret,
         )
+        env[world.VAR] = str(self.world_file())  # where re-formed worlds meet
         stack = self._dir / f"stack{rank}.txt"
         stack.touch()
         # a replacement engine gets its own log: the dead one's explains the death
@@ -391,6 +392,7 @@ class Cluster(Recovery):
         """
         self._require_ready()
         self.repair()  # engines that died since the last cell (the magic says so first)
+        self.replacing = None
         stall = self.options.timeout_s if timeout is None else timeout
         try:
             return run_cell(
@@ -402,6 +404,7 @@ class Cluster(Recovery):
                 stall_timeout_s=stall,
                 cell_number=cell_number,
                 numbers=self.numbers,
+                replacer=self,
             )
         except RankDiedError as e:
             e.outcome = self._after_death(e)

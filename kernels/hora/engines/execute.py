@@ -34,6 +34,7 @@ from hora.engines.errors import (
     StallError,
     rank_ranges,
 )
+from hora.engines.rejoin import Rejoin, Replacer
 from hora.engines.report import CellNumbers, hide_hora_frames, in_collective, log_tail, pick_thread
 
 log = logging.getLogger("hora.engines")
@@ -129,12 +130,14 @@ class CellResult:
         stderr: text written to stderr, by rank.
         outputs: rich outputs (display_data and execute_result contents), by rank.
         elapsed_s: wall time from send to the last rank's end.
+        notes: what happened to the engines during the cell (a rank died and was replaced).
     """
 
     stdout: dict[int, str] = field(default_factory=dict)
     stderr: dict[int, str] = field(default_factory=dict)
     outputs: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     elapsed_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
 
 
 class EnginesInterrupted(KeyboardInterrupt):
@@ -264,6 +267,8 @@ class CellRun:
         stall_timeout_s: how long ranks may still run after the first one finished.
         cell_number: the notebook's number of the cell, put in the engines' tracebacks.
         numbers: what earlier cells were numbered (updated with this one).
+        replacer: starts new engines for ranks that die while the others wait for them in
+            ``hvd.elastic.run``; the new engines run the cell from its start.
     """
 
     def __init__(
@@ -276,8 +281,11 @@ class CellRun:
         stall_timeout_s: float,
         cell_number: int | None = None,
         numbers: CellNumbers | None = None,
+        replacer: Replacer | None = None,
     ) -> None:
         self.client, self.engines, self.code, self.sink = client, list(engines), code, sink
+        self.rejoin = None if replacer is None else Rejoin(self, replacer, DEATH_GRACE_S)
+        self.by_id = {e.engine_id: e.rank for e in self.engines}
         self.cell_number = cell_number
         self.numbers = numbers if numbers is not None else CellNumbers()
         self.failed_in_collective: list[int] = []
@@ -295,13 +303,13 @@ class CellRun:
         self.released: list[int] = []
 
     # --- IO thread side: enqueue only -------------------------------------------------------
-    def _hook(self, rank: int, fut: Any) -> None:
-        fut.iopub_callbacks.append(partial(self._put, "iopub", rank))
-        fut.add_done_callback(partial(self._put, "reply", rank))
-        fut.output.add_done_callback(partial(self._put, "idle", rank))
+    def _hook(self, engine_id: int, fut: Any) -> None:
+        fut.iopub_callbacks.append(partial(self._put, "iopub", engine_id))
+        fut.add_done_callback(partial(self._put, "reply", engine_id))
+        fut.output.add_done_callback(partial(self._put, "idle", engine_id))
 
-    def _put(self, kind: str, rank: int, payload: Any) -> None:
-        self.q.put((kind, rank, payload))
+    def _put(self, kind: str, engine_id: int, payload: Any) -> None:
+        self.q.put((kind, engine_id, payload))
 
     # --- main thread side --------------------------------------------------------------------
     def send(self) -> None:
@@ -310,13 +318,17 @@ class CellRun:
         for e in self.engines:
             self.result.stdout[e.rank], self.result.stderr[e.rank] = "", ""
             self.result.outputs[e.rank] = []
-            self.client.send_execute_request(
-                self.client._mux_stream,
-                self.code,
-                silent=False,
-                ident=e.ident,
-                message_future_hook=partial(self._hook, e.rank),
-            )
+            self.send_to(e)
+
+    def send_to(self, e: Engine) -> None:
+        """Send the cell to one engine (a new one replacing a dead rank, too)."""
+        self.client.send_execute_request(
+            self.client._mux_stream,
+            self.code,
+            silent=False,
+            ident=e.ident,
+            message_future_hook=partial(self._hook, e.engine_id),
+        )
 
     def pending(self) -> list[int]:
         """Return the ranks that have not finished the cell (nor died)."""
@@ -326,7 +338,10 @@ class CellRun:
             if not (e.rank in self.replied and e.rank in self.idle) and e.rank not in self.dead
         ]
 
-    def _handle(self, kind: str, rank: int, payload: Any) -> None:
+    def _handle(self, kind: str, engine_id: int, payload: Any) -> None:
+        rank = self.by_id.get(engine_id)
+        if rank is None:  # a dead engine's request, failed by ipyparallel: its rank is re-run
+            return
         if kind == "iopub":
             self._on_iopub(rank, payload)
             return
@@ -412,6 +427,8 @@ class CellRun:
                 self._check_deaths()
                 if self.dead and death_deadline is None:
                     death_deadline = now + DEATH_GRACE_S
+                if self.dead and self.rejoin is not None and death_deadline is not None:
+                    death_deadline = self.rejoin.step(now, death_deadline)
             if death_deadline is not None and now >= death_deadline:
                 break
             # a rank that failed will never join its peers' collective: look sooner
@@ -541,6 +558,7 @@ def run_cell(
     stall_timeout_s: float = 60.0,
     cell_number: int | None = None,
     numbers: CellNumbers | None = None,
+    replacer: Replacer | None = None,
 ) -> CellResult:
     """Run ``code`` on every engine and wait, streaming the shown ranks' output to ``sink``.
 
@@ -553,6 +571,7 @@ def run_cell(
         stall_timeout_s: seconds ranks may keep running after the first rank finished.
         cell_number: the notebook's cell number, shown in tracebacks instead of the engine's.
         numbers: the numbers of the cells run before (updated with this one).
+        replacer: replaces ranks that die while the others wait in ``hvd.elastic.run``.
 
     Returns:
         Every rank's output.
@@ -568,7 +587,8 @@ def run_cell(
         '1' + chr(10)
     """
     run = CellRun(
-        client, engines, code, sink or NullSink(), shown, stall_timeout_s, cell_number, numbers
+        client, engines, code, sink or NullSink(), shown, stall_timeout_s, cell_number, numbers,
+        replacer,
     )
     run.send()
     return run.wait()

@@ -13,12 +13,15 @@ import logging
 import subprocess
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hora.engines import bootstrap
+from hora.engines import bootstrap, world
 from hora.engines.errors import (
     RECOVER,
     ClusterBrokenError,
+    EngineStartError,
     RankDiedError,
     exit_status,
     rank_ranges,
@@ -34,10 +37,33 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("hora.engines")
 
 
+@dataclass
+class Replacing:
+    """New engines started for dead ranks, on their way into the process group.
+
+    Attributes:
+        dead: the ranks they replace.
+        port: the store port of the world they join.
+        before: the engine ids the controller knew before they started.
+        probe: ``init_engine`` sent to them during a cell (it returns once the survivors met
+            them: they re-form the world in ``hvd.elastic.run``).
+    """
+
+    dead: list[int]
+    port: int
+    before: set[int]
+    probe: dict[int, Any] = field(default_factory=dict)
+
+
 class Recovery:
     """Release, rebuild, replace, restart: the cluster's ways back to a usable state."""
 
+    generation = 0  # the last world published to the engines (engines.world)
+    replacing: Replacing | None = None
+
     if TYPE_CHECKING:  # provided by Cluster
+        _dir: Path | None
+        backend: str
         options: ClusterOptions
         client: Any
         engines: list[Engine]
@@ -122,20 +148,44 @@ class Recovery:
             self.state, self.broken_reason = State.BROKEN, reason
             return f"replacing the dead engines failed ({exc}); {RECOVER}"
 
+    def world_file(self) -> Path | None:
+        """The file that tells the engines where a re-formed world meets (engines.world)."""
+        return None if self._dir is None else self._dir / "world.json"
+
+    def begin_replace(self, dead: Sequence[int]) -> Replacing:
+        """Publish a new world on a fresh port and start new engines for the ``dead`` ranks.
+
+        Survivors inside ``hvd.elastic.run`` join that world at once; others are moved to it
+        by :meth:`_replace` after the cell.
+        """
+        path = self.world_file()
+        port, before = free_port(), set(self.client.ids)
+        self.generation += 1
+        if path is not None:
+            gen = world.Generation(self.generation, port, root_lost=0 in dead)
+            world.write_generation(path, gen)
+        self.replaced += 1
+        self._pending = [(r, self._spawn_engine(r, port)) for r in dead]
+        self.replacing = Replacing(list(dead), port, before)
+        return self.replacing
+
     def _replace(self, dead: Sequence[int]) -> str:
         """Start new engines for the ``dead`` ranks; the others keep theirs and their variables.
 
         The survivors rebuild the process group on a fresh store, and the new engines join it
-        as they start (their rank environment names that store).
+        as they start (their rank environment names that store). New engines started during
+        the cell (:meth:`begin_replace`) are the ones used.
         """
         survivors = [e for e in self.engines if e.rank not in dead]
         view = self.client[[e.engine_id for e in survivors]]
         names = sorted(set().union(*view.apply_async(bootstrap.user_names).get(timeout=10)))
         deadline = time.perf_counter() + self.options.start_timeout_s
-        port, before = free_port(), set(self.client.ids)
-        self.replaced += 1
-        self._pending = [(r, self._spawn_engine(r, port)) for r in dead]
-        rebuilt = view.apply_async(bootstrap.rebuild_group, port, self.options.start_timeout_s)
+        begun = self.replacing
+        if begun is None or begun.dead != list(dead):
+            begun = self.begin_replace(dead)
+        before = begun.before
+        start_s = self.options.start_timeout_s
+        rebuilt = view.apply_async(bootstrap.rebuild_group, begun.port, start_s)
         self._wait(
             f"waiting for {len(dead)} new engines to register",
             deadline,
@@ -143,10 +193,7 @@ class Recovery:
         )
         fresh = self._init_engines(sorted(set(self.client.ids) - before), deadline)
         rebuilt.get(timeout=max(1.0, deadline - time.perf_counter()))
-        self.engines = sorted(survivors + fresh, key=lambda e: e.rank)
-        self._pending = []
-        for rank in dead:  # a new engine counts its cells from 1 again
-            self.numbers.by_count.pop(rank, None)
+        self._adopt(fresh)
         # what a fresh engine defines by itself (hvd, torch) was not lost
         own = set(self.client[fresh[0].engine_id].apply_sync(bootstrap.user_names))
         lost = ", ".join(n for n in names if n not in own) or "none"
@@ -155,6 +202,59 @@ class Recovery:
             f"engine replaced; variables lost on {rank_ranges(dead)}: {lost}; "
             f"{kept} kept theirs; process group rebuilt"
         )
+
+    def _adopt(self, fresh: Sequence[Engine]) -> None:
+        """Put the new engines in the dead ones' places."""
+        ranks = {e.rank for e in fresh}
+        self.engines = sorted(
+            [e for e in self.engines if e.rank not in ranks] + list(fresh), key=lambda e: e.rank
+        )
+        self._pending, self.replacing = [], None
+        for rank in ranks:  # a new engine counts its cells from 1 again
+            self.numbers.by_count.pop(rank, None)
+
+    # --- during a cell (execute.Replacer) ---------------------------------------------------
+    def begin(self, dead: Sequence[int]) -> None:
+        """Engines died during a cell: start their replacements now (see begin_replace)."""
+        try:
+            self.begin_replace(sorted(dead))
+        except Exception as exc:  # the death is reported as usual; the way out follows
+            log.warning("starting engines for %s failed: %s", rank_ranges(list(dead)), exc)
+            self.replacing = None
+
+    def waiting(self) -> list[int]:
+        """The ranks waiting in ``hvd.elastic.run`` for a world after the current one."""
+        path = self.world_file()
+        return [] if path is None else world.waiting_ranks(path, self.generation)
+
+    @property
+    def rejoin_s(self) -> float:
+        """How long survivors may wait for new engines during a cell (the start timeout)."""
+        return self.options.start_timeout_s
+
+    def joined(self) -> list[Engine]:
+        """The new engines, once the survivors met them in the new world ([] until then)."""
+        r = self.replacing
+        if r is None:
+            return []
+        ids = sorted(set(self.client.ids) - r.before)
+        if len(ids) < len(r.dead):
+            return []
+        if not r.probe:
+            args = (self.backend, self.options.timeout_s, self.options.threads,
+                    self.options.start_timeout_s)  # fmt: skip
+            r.probe = {i: self.client[i].apply_async(bootstrap.init_engine, *args) for i in ids}
+        if not all(ar.ready() for ar in r.probe.values()):
+            return []
+        deadline = time.perf_counter() + self.options.start_timeout_s
+        try:
+            fresh = self._init_engines(ids, deadline)  # each answers at once now
+        except EngineStartError as exc:  # the cell reports the death; a restart is the way out
+            log.warning("new engines for %s failed: %s", rank_ranges(r.dead), exc)
+            self.replacing = None
+            return []
+        self._adopt(fresh)
+        return fresh
 
     def _restart_after(self, reason: str) -> str:
         log.warning("%s; restarting the engines", reason)

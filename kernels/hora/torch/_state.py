@@ -103,6 +103,8 @@ class State:
 
 
 _STATE: State | None = None
+# whether the last world this process left (shutdown(), or init() after a failure) had failed
+_LEFT_BROKEN: list[bool] = [False]
 
 # Hooks of the upper layers (timeline, handles, process sets), registered when they are
 # imported (``hora.torch`` imports them all), so this module imports none of them.
@@ -379,6 +381,7 @@ def _drop_broken() -> None:
     log.warning("hora.torch: the last collective failed; init() starts a new world")
     _stop_heartbeat(state)
     _STATE = None
+    _LEFT_BROKEN[0] = True
     for release in _RELEASE_HOOKS:
         release()
     _release(state, graceful=False)
@@ -403,6 +406,7 @@ def shutdown() -> None:
         stop(False)
     _stop_heartbeat(state)
     _STATE = None
+    _LEFT_BROKEN[0] = state.broken
     for release in _RELEASE_HOOKS:
         release()
     _release(state, graceful=not state.broken)  # a failed world may never finish its work
@@ -543,3 +547,10 @@ def abort() -> None:
         gc.collect()
 
 
+def left_broken() -> bool:
+    """Return whether the last world this process left had failed (a peer died, a timeout).
+
+    A world source uses it to tell ``hvd.elastic.run``'s re-forming ``init()`` (after a
+    failure) from a script's own ``shutdown()`` and ``init()``.
+    """
+    return _LEFT_BROKEN[0]
