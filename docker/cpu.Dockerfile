@@ -7,8 +7,10 @@
 # host, so nothing is downloaded inside the build). BASE: a Debian with python3 and venv
 # (`hora image build --cpu` makes hora-base:bookworm with debootstrap when none is given).
 ARG BASE=hora-base:bookworm
+# The wheels are installed in a first stage and only the installed environment is copied into
+# the image, so they take no layer of the result.
 # hadolint ignore=DL3006
-FROM ${BASE}
+FROM ${BASE} AS deps
 COPY wheels /tmp/wheels
 # DL3013: the versions come from the wheels in the context (pinned by constraints/).
 # --ignore-requires-python: the lock was made on a later 3.11 than Debian's 3.11.2, and a few
@@ -17,8 +19,11 @@ COPY wheels /tmp/wheels
 # hadolint ignore=DL3013
 RUN python3 -m venv /opt/hora \
     && /opt/hora/bin/pip install --no-cache-dir --no-index --ignore-requires-python \
-       --find-links /tmp/wheels torch numpy scikit-learn ipyparallel \
-    && rm -rf /tmp/wheels
+       --find-links /tmp/wheels torch numpy scikit-learn ipyparallel
+
+# hadolint ignore=DL3006
+FROM ${BASE}
+COPY --from=deps /opt/hora /opt/hora
 # hora last, in a layer of its own: a change to hora rebuilds only this
 COPY hora /tmp/hora
 # hadolint ignore=DL3013,DL3059
