@@ -107,13 +107,15 @@ def test_buckets_go_through_each_host_then_across_and_match_the_flat_path(
 ) -> None:
     n = len(hosts)
     hier = run_world(__file__, "_train_body", n, args=(hosts, -1), timeout=180)
-    flat = run_world(__file__, "_train_body", n, args=(hosts, n - 1), timeout=180)
     assert [r["kind"] for r in hier] == ["Hier"] * n
     assert [r["leader"] for r in hier] == [True, False, True, False][:n]
-    assert [r["kind"] for r in flat] == ["NoneType"] * n  # one rank said no: nobody uses it
-    assert all(r["same_on_every_rank"] for r in hier + flat)
-    for a, b in zip(hier[0]["weights"], flat[0]["weights"], strict=True):
-        assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
+    assert all(r["same_on_every_rank"] for r in hier)
+    if n == 4:  # the flat path once: one rank says no, nobody uses it, the weights agree
+        flat = run_world(__file__, "_train_body", n, args=(hosts, n - 1), timeout=180)
+        assert [r["kind"] for r in flat] == ["NoneType"] * n
+        assert all(r["same_on_every_rank"] for r in flat)
+        for a, b in zip(hier[0]["weights"], flat[0]["weights"], strict=True):
+            assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
     for key, (same, diff) in hier[0]["sums"].items():
         assert same, key
         assert diff <= (0 if "int" in key else 1e-3), (key, diff)
