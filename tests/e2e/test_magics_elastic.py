@@ -86,8 +86,10 @@ def test_engine_killed_between_cells_is_replaced_and_the_others_keep_their_varia
     assert [r["alive"] for r in cluster().status()] == [True] * N
 
 
+KILL = "import os, signal\n    doomed = lambda: os.kill(os.getpid(), signal.SIGKILL)"
+
 ELASTIC_CELL = """%%distributed --all
-import os, signal
+import os
 torch.manual_seed(1234 + hvd.rank())  # a new engine's model starts different: sync fixes it
 model = torch.nn.Linear(4, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -96,8 +98,8 @@ state = hvd.elastic.TorchState(model, opt, step=0)
 @hvd.elastic.run
 def train(state):
     while state.step < 40:
-        if state.step == 10 and globals().get("doomed"):
-            os.kill(os.getpid(), signal.SIGKILL)
+        if state.step == 10 and callable(globals().get("doomed")):
+            doomed()
         grad = hvd.allreduce(torch.ones(1), op=hvd.Sum)
         with torch.no_grad():
             model.weight.add_(0.01 * grad)
@@ -119,7 +121,8 @@ def expected_weight() -> float:
 
 
 def test_engine_killed_in_elastic_run_is_replaced_and_training_carries_on(ip):
-    result, cap = run(ip, "%%distributed\nmine = 100 + hvd.rank()\ndoomed = hvd.rank() == 2")
+    cell = f"%%distributed\nmine = 100 + hvd.rank()\nif hvd.rank() == 2:\n    {KILL}"
+    result, cap = run(ip, cell)
     assert result.success, cap.stdout + cap.stderr
     old = pids()
     result, cap = run(ip, ELASTIC_CELL)
@@ -143,7 +146,7 @@ def test_engine_killed_in_elastic_run_is_replaced_and_training_carries_on(ip):
 
 def test_rank_0_killed_in_elastic_run_ends_the_cell_and_is_replaced_after_it(ip):
     # rank 0 syncs the others: its new engine has no state to give, so the cell stops
-    result, cap = run(ip, "%%distributed\ndoomed = hvd.rank() == 0")
+    result, cap = run(ip, f"%%distributed\ndoomed = None\nif hvd.rank() == 0:\n    {KILL}")
     assert result.success, cap.stdout + cap.stderr
     old = pids()
     result, cap = run(ip, ELASTIC_CELL)
@@ -157,3 +160,27 @@ def test_rank_0_killed_in_elastic_run_ends_the_cell_and_is_replaced_after_it(ip)
     assert new[1] == old[1] and new[2] == old[2] and new[0] != old[0]
     result, cap = run(ip, "%%distributed\nprint(hvd.allreduce(torch.ones(1), op=hvd.Sum).item())")
     assert result.success and cap.stdout == "3.0\n", cap.stdout + cap.stderr
+
+
+RAISE = """%%distributed
+doomed = None
+if hvd.rank() == 1:
+    def doomed():
+        global doomed
+        doomed = None  # once
+        raise hvd.elastic.HorovodInternalError("rank 1 lost a collective")
+"""
+
+
+def test_failed_collective_in_elastic_run_re_forms_the_same_engines(ip):
+    # nobody died: every rank goes back to the last commit and they meet again
+    result, cap = run(ip, RAISE)
+    assert result.success, cap.stdout + cap.stderr
+    old = pids()
+    result, cap = run(ip, ELASTIC_CELL)
+    assert result.success, cap.stdout + cap.stderr
+    assert pids() == old
+    w = expected_weight()
+    assert [line.split()[3:7] for line in sorted(cap.stdout.splitlines())] == [
+        ["3", "40", str(w), "1"]
+    ] * N

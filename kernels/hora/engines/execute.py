@@ -429,6 +429,8 @@ class CellRun:
                     death_deadline = now + DEATH_GRACE_S
                 if self.dead and self.rejoin is not None and death_deadline is not None:
                     death_deadline = self.rejoin.step(now, death_deadline)
+                elif self.rejoin is not None:
+                    self.rejoin.reform_if_waiting()
             if death_deadline is not None and now >= death_deadline:
                 break
             # a rank that failed will never join its peers' collective: look sooner

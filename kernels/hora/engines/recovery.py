@@ -227,6 +227,13 @@ class Recovery:
         path = self.world_file()
         return [] if path is None else world.waiting_ranks(path, self.generation)
 
+    def reform(self) -> None:
+        """Publish a new world on a fresh port for the same engines (nobody died)."""
+        path = self.world_file()
+        if path is not None:
+            self.generation += 1
+            world.write_generation(path, world.Generation(self.generation, free_port()))
+
     @property
     def rejoin_s(self) -> float:
         """How long survivors may wait for new engines during a cell (the start timeout)."""

@@ -39,6 +39,9 @@ class Replacer(Protocol):
     def joined(self) -> list[Engine]:
         """The new engines, once the survivors met them in the new world ([] until then)."""
 
+    def reform(self) -> None:
+        """Publish a new world for the same engines (a collective failed; nobody died)."""
+
 
 class Rejoin:
     """The replacement of a cell's dead ranks while the survivors wait for them.
@@ -69,6 +72,17 @@ class Rejoin:
         for e in self.replacer.joined():
             self._swap(e)
         return deadline if run.dead else None
+
+    def reform_if_waiting(self) -> None:
+        """Every rank in the cell waits for a new world though none died: publish one.
+
+        A collective that failed without a death (one rank raised ``HorovodInternalError``,
+        a timeout) sends every rank back to its last commit; they meet again on a fresh port.
+        """
+        pending = set(self.run.pending())
+        if pending and pending <= set(self.replacer.waiting()):
+            log.warning("%s wait for a new world: re-forming it", rank_ranges(sorted(pending)))
+            self.replacer.reform()
 
     def _swap(self, e: Engine) -> None:
         """Put a new engine in a dead rank's place and send it the cell."""

@@ -6,9 +6,10 @@ fresh store port and writes a new *generation* there: its number and that port. 
 engine whose cell runs ``hvd.elastic.run`` leaves the failed world and calls ``hvd.init()``
 again: :func:`engine_world` (``init()``'s world source in the engines) marks it waiting, waits
 for a generation newer than the one it is in, and returns its own rank at that port, where the
-new engine meets it. Any other ``init()`` takes the last generation's port (the engine's
-environment before there is one), so that every engine agrees. Standard library only; the
-kernel writes and reads the same file.
+new engine meets it (when every rank waits and none died, a collective failed: the kernel
+publishes a new generation for the same engines). Any other ``init()`` takes the last
+generation's port (the engine's environment before there is one), so that every engine
+agrees. Standard library only; the kernel writes and reads the same file.
 """
 
 from __future__ import annotations
