@@ -7,6 +7,15 @@ The service stays the owner of the slots: it grants them by rewriting the attemp
 (``RUN_DIR/elastic.hosts``, one ``localhost:N`` line that the driver re-reads every second,
 ``--host-file``), and it learns each new world from the ``membership`` lines the driver
 prints on its stderr (``--report-membership``), which land in rank 0's log.
+
+The driver runs as the job's account, which in multi-user mode cannot reach the run
+directory by its path (the data directory is the service's alone, and the attempt's mount
+namespace hides it). So the rank shim, still root, opens the run directory and hands the
+driver that descriptor: its ``--host-file`` is ``/proc/self/fd/N/elastic.hosts``
+(:data:`HOSTS_ARG`, the launch file's ``run_dir_arg``). The directory and the file stay the
+service's (mode 0750 and 0640, group the job's account's): the driver can read the slots it
+is offered but neither change the file nor put another in its place, and no other account
+can read them.
 :class:`ElasticRun` reads them and keeps the job's :class:`~hora.spec.ElasticInfo`.
 
 The driver's report is informational (the job's size and history); what the job holds is
@@ -17,6 +26,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -25,27 +35,46 @@ from hora.launch.elastic_rdzv import read_membership
 from hora.spec import ElasticInfo, ElasticMember, JobSpec, MembershipChange
 
 HOSTS_FILE = "elastic.hosts"
+HOSTS_ARG = "--host-file"  # the driver's argument the shim points into the run directory
 HISTORY_MAX = 200  # the newest membership changes a job keeps
 READ_MAX = 1 << 20  # most log bytes one poll reads
 
 
-def driver_argv(spec: JobSpec, hosts_file: Path, workers: int, python: str) -> list[str]:
+def driver_argv(spec: JobSpec, workers: int, python: str) -> list[str]:
     """The argument list of an elastic job's one process: the driver, then the job's command.
+
+    The slot file is named relative to the run directory (``elastic.hosts``); the shim makes
+    it a path through its descriptor of that directory (:func:`hosts_arg`).
 
     Example:
         >>> from hora.spec import ElasticSpec
         >>> spec = JobSpec(command=["python", "t.py"], elastic=ElasticSpec(min_workers=2,
         ...                max_workers=3))
-        >>> driver_argv(spec, Path("/d/elastic.hosts"), 3, "py")[3:9]
-        ['-np', '3', '--min-np', '2', '--max-np', '3']
+        >>> driver_argv(spec, 3, "py")[3:11]
+        ['-np', '3', '--min-np', '2', '--max-np', '3', '--host-file', 'elastic.hosts']
     """
     assert spec.elastic is not None
     e = spec.elastic
     return [
         python, "-m", "hora.launch", "-np", str(workers), "--min-np", str(e.min_workers),
-        "--max-np", str(e.max_workers), "--host-file", str(hosts_file), "--report-membership",
+        "--max-np", str(e.max_workers), HOSTS_ARG, HOSTS_FILE, "--report-membership",
         "--", *spec.command,
     ]  # fmt: skip
+
+
+def hosts_arg(driver: Sequence[str]) -> int:
+    """The index of the slot file's name in a driver's argument list (``run_dir_arg``).
+
+    Only the service's own part, before ``--``, can hold it: the first ``--host-file``.
+
+    Example:
+        >>> from hora.spec import ElasticSpec
+        >>> spec = JobSpec(command=["x", "--host-file", "y"], elastic=ElasticSpec(
+        ...                min_workers=1, max_workers=2))
+        >>> hosts_arg(driver_argv(spec, 1, "py"))
+        10
+    """
+    return list(driver).index(HOSTS_ARG) + 1
 
 
 def write_hosts(path: Path, workers: int, gid: int) -> None:

@@ -453,8 +453,6 @@ class JobManager:
             raise SpecError("elastic", "elastic jobs run on the local runtime only for now")
         if self._kind == "gpu":
             raise SpecError("elastic", "elastic jobs run on CPU slots only for now")
-        if self.user_mode == "multi":
-            raise SpecError("elastic", "elastic jobs are not available in multi-user mode yet")
         most = e.max_workers * spec.gpus_per_worker
         if most > total:
             raise SpecError(
@@ -1133,7 +1131,8 @@ class JobManager:
         if job.spec.elastic is not None:
             sized = job.spec.elastic.max_workers * job.spec.gpus_per_worker
             workers = len(slots) // job.spec.gpus_per_worker
-            driver = tuple(driver_argv(job.spec, run_dir / HOSTS_FILE, workers, python()))
+            py = str(self.settings.session_python or python())
+            driver = tuple(driver_argv(job.spec, workers, py))
         return AttemptPlan(
             job_id=job.id,
             attempt=attempt,

@@ -108,9 +108,10 @@ class Settings(BaseSettings):
             session's engines as computing (their CPU time is sampled every 2 s); below it
             they are idle, whatever the kernel's heartbeats say.
         session_python: the Python that runs local sessions' engines (``python -m
-            hora.engines._child session-engine``); it needs hora, ipyparallel and torch. By
-            default the service's own, which in multi-user mode the job accounts must be
-            able to execute (a virtualenv under ``/root`` is not).
+            hora.engines._child session-engine``) and elastic jobs' drivers (``python -m
+            hora.launch``); it needs hora, ipyparallel and torch. By default the service's
+            own, which in multi-user mode the job accounts must be able to execute (a
+            virtualenv under ``/root`` is not).
         job_umask: the file mode creation mask of every rank (octal; ``077``: files a job
             creates are its account's alone).
         job_memory_limit: most memory one attempt's processes hold together: ``auto`` (the

@@ -5,6 +5,7 @@ The real service, workers and kills are in tests/e2e/test_service_elastic.py.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ from hora.jobs_cli import build_parser, spec_from_args
 from hora.launch import elastic_rdzv as rdzv
 from hora.launch.config import parse_args
 from hora.spec import ElasticInfo, ElasticSpec, JobSpec
-from hora_service.elastic import ElasticRun, driver_argv, write_hosts
+from hora_service.elastic import ElasticRun, driver_argv, hosts_arg, write_hosts
 from hora_service.manager import Attempt
 from hora_service.usage import Usage
 
@@ -55,13 +56,21 @@ def test_bad_elastic_fields_name_the_field(fields: dict[str, object], field: str
 
 def test_the_driver_argv_is_hora_run_with_the_slot_file_then_the_command(tmp_path: Path) -> None:
     hostile = ["python", "t.py", "--name", "$(rm -rf /)", "a b'c"]
-    argv = driver_argv(_spec(command=hostile), tmp_path / "elastic.hosts", 3, sys.executable)
+    argv = driver_argv(_spec(command=[*hostile, "--host-file", "x"]), 3, sys.executable)
     assert argv[:3] == [sys.executable, "-m", "hora.launch"]
-    assert argv[argv.index("--") + 1 :] == hostile
+    assert argv[argv.index("--") + 1 :] == [*hostile, "--host-file", "x"]
+    at = hosts_arg(argv)  # the shim's: the service's own --host-file, not the command's
+    assert at < argv.index("--") and argv[at] == "elastic.hosts"
     (tmp_path / "elastic.hosts").write_text("localhost:3\n")
-    ec = parse_args(argv[3:], cwd=tmp_path).elastic  # what the driver will make of it
-    assert ec is not None and (ec.min_np, ec.max_np, ec.report) == (2, 3, True)
-    assert ec.host_file == tmp_path / "elastic.hosts"
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:  # what the driver will make of it, with the shim's descriptor of the run dir
+        argv[at] = f"/proc/self/fd/{fd}/{argv[at]}"
+        ec = parse_args(argv[3:], cwd=Path("/")).elastic
+        assert ec is not None and (ec.min_np, ec.max_np, ec.report) == (2, 3, True)
+        assert ec.host_file == Path(argv[at])  # not resolved to a path the job cannot reach
+        assert ec.host_file.read_text() == "localhost:3\n"
+    finally:
+        os.close(fd)
 
 
 def test_the_slot_file_is_replaced_whole(tmp_path: Path) -> None:

@@ -256,7 +256,9 @@ def _elastic(ns: argparse.Namespace, np: int, cwd: Path) -> ElasticConfig | None
     if ns.host_file is not None:
         if script is not None:
             raise SpecError("--host-file", "give --host-file or --host-discovery-script, not both")
-        host_file = (cwd / ns.host_file).resolve()
+        # not resolved: /proc/self/fd/N/NAME (a descriptor of a directory the job's account
+        # cannot reach by its path, the service's elastic jobs) must stay that
+        host_file = Path(os.path.abspath(cwd / ns.host_file))
         if not host_file.is_file():
             raise SpecError("--host-file", f"{str(host_file)!r} is not a file")
     low, high = (_number("--blacklist-cooldown-range", v, float, 0.0, 1e6)

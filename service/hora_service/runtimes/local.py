@@ -25,6 +25,7 @@ from pathlib import Path
 import psutil
 from hora.env import RDZV_SECRET_VAR, rank_env
 
+from hora_service.elastic import hosts_arg
 from hora_service.runtimes import namespaces, scratch
 from hora_service.runtimes.base import AttemptPlan, Exit, RankProcess, RankStatus, Runtime
 from hora_service.runtimes.containment import TAG_VAR
@@ -119,7 +120,7 @@ def rank_environment(plan: AttemptPlan, rank: int, base: Mapping[str, str]) -> d
 def launch_file(plan: AttemptPlan, rank: int, base: Mapping[str, str]) -> dict[str, object]:
     """What the shim reads from ``rank<R>.launch`` (see :mod:`hora_service.runtimes.shim`)."""
     who = plan.run_as
-    return {
+    fields: dict[str, object] = {
         "command": plan.command,
         "env": rank_environment(plan, rank, base),
         "uid": who.uid if who is not None else None,
@@ -129,6 +130,9 @@ def launch_file(plan: AttemptPlan, rank: int, base: Mapping[str, str]) -> dict[s
         "cwd": str(plan.workdir),  # entered by the command once it runs as the job's account
         "umask": plan.umask,
     }
+    if plan.driver:  # the slot file, read through the shim's descriptor of the run directory
+        fields["run_dir_arg"] = hosts_arg(plan.driver)
+    return fields
 
 
 def _private_file(path: Path, gid: int, mode: int, text: str = "") -> None:

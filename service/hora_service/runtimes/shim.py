@@ -15,7 +15,10 @@ and, optionally, ``cwd`` (the command's working directory, entered after the uid
 else the shim's own), ``umask`` (default ``077``) and ``namespaces`` (descriptors the shim
 inherited of the attempt's network and mount namespaces, see
 :mod:`hora_service.runtimes.namespaces`: the command enters them, as root, before it drops
-privileges).
+privileges) and ``run_dir_arg`` (an elastic job's driver: the index of the argument naming
+its slot file, relative to the run directory; the shim opens ``RUN_DIR`` read-only and the
+argument becomes ``/proc/self/fd/N/NAME`` through that descriptor, which the command
+inherits, since the job's account cannot reach ``RUN_DIR`` by its path).
 
 It writes ``rank<R>.pid``, starts the command (which joins the cgroups, clears its
 supplementary groups, sets its gid then its uid, then enters ``cwd`` and sets ``umask``
@@ -251,6 +254,11 @@ def main(argv: list[str]) -> int:
         launch = json.load(f)
     command = [str(a) for a in launch["command"]]
     log = Log(base + ".log", int(launch["log_limit"]))
+    keep: list[int] = []
+    at = launch.get("run_dir_arg")
+    if isinstance(at, int) and 0 < at < len(command):
+        keep.append(os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
+        command[at] = f"/proc/self/fd/{keep[0]}/{command[at]}"
     read_end, write_end = os.pipe()
     try:
         child = subprocess.Popen(
@@ -259,6 +267,7 @@ def main(argv: list[str]) -> int:
             stdin=subprocess.DEVNULL,
             stdout=write_end,
             stderr=write_end,
+            pass_fds=keep,
             preexec_fn=lambda: _become(
                 launch["uid"], launch["gid"], launch["cgroups"], launch.get("cwd"),
                 int(launch.get("umask", 0o077)), launch.get("namespaces") or [],
@@ -274,7 +283,7 @@ def main(argv: list[str]) -> int:
         return 127
     finally:
         os.close(write_end)
-        for fd in launch.get("namespaces") or []:  # the command holds them now
+        for fd in [*(launch.get("namespaces") or []), *keep]:  # the command holds them now
             os.close(fd)
     code = _pump(child, read_end, log)
     _record_exit(base, code, reserved)
