@@ -76,13 +76,16 @@ class Bounds:
             raise SpecError("working_dir", f"{spec.working_dir!r} is not an existing directory")
         return path
 
-    def preflight(self, spec: JobSpec, workdir: Path, who: RunAs | None) -> None:
+    def preflight(
+        self, spec: JobSpec, workdir: Path, who: RunAs | None, driver: str | None = None
+    ) -> None:
         """Check as the job's account that it can enter ``workdir`` and run the program.
 
-        The program is checked for the local runtime only (in docker it is the image's).
+        The program is checked for the local runtime only (in docker it is the image's);
+        ``driver``: an elastic job's driver Python, which the account must run too.
 
         Raises:
-            SpecError: field ``working_dir`` or ``command``, naming the path.
+            SpecError: field ``working_dir``, ``command`` or ``elastic``, naming the path.
         """
         local = spec.runtime.value == "local"
         path = spec.env.get("PATH") or self.base_env.get("PATH") or "/usr/bin:/bin"
@@ -90,6 +93,13 @@ class Bounds:
             who, workdir, spec.command[0] if local and spec.command else None, path,
             writable=spec.working_dir is None and who is not None,
         )  # fmt: skip
+        if driver is not None and who is not None:
+            try:
+                preflight.check(who, workdir, driver, path)
+            except SpecError as e:
+                raise SpecError(
+                    "elastic", f"the elastic driver's Python (setting session_python): {e.message}"
+                ) from None
 
     def limits(self, user: str, slots: int) -> JobLimits:
         """The limits of an attempt of ``user`` holding ``slots`` slots.

@@ -442,7 +442,13 @@ class JobManager:
         if spec.image is not None and spec.runtime.value not in ("docker", "slurm"):
             raise SpecError("image", "an image is used only by the docker runtime")
         self._runtime(spec.runtime.value).check(spec)
-        self.bounds.preflight(spec, self.workdir(spec, user), who)
+        self.bounds.preflight(spec, self.workdir(spec, user), who, self._driver_python(spec))
+
+    def _driver_python(self, spec: JobSpec) -> str | None:
+        """The Python an elastic job's driver runs with (None for other jobs)."""
+        if spec.elastic is None:
+            return None
+        return str(self.settings.session_python or python())
 
     def _check_elastic(self, spec: JobSpec, total: int, unit: str) -> None:
         """Refuse an elastic job that can never run here, naming the field."""
@@ -1066,7 +1072,7 @@ class JobManager:
             workdir = self.workdir(job.spec, job.user)
             plan = self._plan(job, n, slots, workdir, free_port(), who)
             try:
-                self.bounds.preflight(job.spec, workdir, who)
+                self.bounds.preflight(job.spec, workdir, who, self._driver_python(job.spec))
             except SpecError:
                 retry = False  # the job's account cannot start it: a retry would not either
                 raise
@@ -1131,8 +1137,7 @@ class JobManager:
         if job.spec.elastic is not None:
             sized = job.spec.elastic.max_workers * job.spec.gpus_per_worker
             workers = len(slots) // job.spec.gpus_per_worker
-            py = str(self.settings.session_python or python())
-            driver = tuple(driver_argv(job.spec, workers, py))
+            driver = tuple(driver_argv(job.spec, workers, str(self._driver_python(job.spec))))
         return AttemptPlan(
             job_id=job.id,
             attempt=attempt,

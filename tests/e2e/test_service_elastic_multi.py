@@ -203,3 +203,24 @@ def test_an_elastic_job_of_one_account_replaces_a_killed_worker_and_cannot_touch
         assert r["step"] == 16, (wid, r)
         for got, want in zip(r["weights"], _reference(), strict=True):
             torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_driver_python_the_account_cannot_run_is_a_422_naming_elastic(
+    base: Path, accounts: dict[str, int]
+) -> None:
+    ann = next(iter(accounts))
+    iso.work_dir(base)
+    hidden = base / "hidden"
+    hidden.mkdir(mode=0o700)  # root's: the job accounts cannot enter it
+    (hidden / "python3").symlink_to(iso.JOB_PY)
+    with iso.serve(base, accounts, HORA_SESSION_PYTHON=str(hidden / "python3")) as srv:
+        with srv.client(ann) as a:
+            body = {"command": [iso.JOB_PY, "-c", "pass"], "working_dir": ".",
+                    "elastic": {"min_workers": 1, "max_workers": 2}}  # fmt: skip
+            r = a.post("/v1/jobs", json=body)
+            assert r.status_code == 422, r.text
+            detail = r.json()["detail"][0]
+            assert detail["loc"][-1] == "elastic" and str(hidden) in detail["msg"], r.text
+            # the same job without elastic starts: only the driver's Python was refused
+            plain = iso.submit(a, command=[iso.JOB_PY, "-c", "pass"], working_dir=".")
+            assert wait_state(a, plain, ("succeeded", "failed"))["state"] == "succeeded"
