@@ -184,3 +184,15 @@ def test_failed_collective_in_elastic_run_re_forms_the_same_engines(ip):
     assert [line.split()[3:7] for line in sorted(cap.stdout.splitlines())] == [
         ["3", "40", str(w), "1"]
     ] * N
+
+
+def test_fresh_engines_after_a_restart_are_replaced_in_elastic_run_too(ip):
+    cluster().restart()  # the same cluster object (as after a rank that did not stop)
+    cell = f"%%distributed\ndoomed = None\nif hvd.rank() == 1:\n    {KILL}"
+    result, cap = run(ip, cell)
+    assert result.success, cap.stdout + cap.stderr
+    old = pids()
+    result, cap = run(ip, ELASTIC_CELL)
+    assert result.success, cap.stdout + cap.stderr
+    assert f"hora: rank 1 (pid {old[1]}) died during the cell" in cap.stderr
+    assert pids()[0] == old[0] and pids()[1] != old[1]

@@ -185,6 +185,7 @@ class Cluster(Recovery):
         self.backend = self.options.backend or ("nccl" if devices[0] is not None else "gloo")
         self._devices = list(devices)
         self._logs_of = {}
+        self.generation, self.replacing = 0, None  # fresh engines: no world published yet
         self._rdzv_secret = new_rdzv_secret()  # a replacement engine gets the same one
         base = {k: v for k, v in os.environ.items()}
         # CurveZMQ: the controller writes its public key only into its private connection files
