@@ -244,6 +244,14 @@ class HoraMagics(Magics):
             raise ClusterNotRunningError("no engines are running; run %dist_start first")
         return self.cluster
 
+    def _repaired(self) -> Any:
+        """The running cluster, its engines that died since the last cell replaced (said so)."""
+        cluster = self._running()
+        repaired = cluster.repair()
+        if repaired:
+            sys.stderr.write(f"hora: {repaired}\n")
+        return cluster
+
     @staticmethod
     def _check_rank(rank: int | None, size: int) -> None:
         if rank is not None and not 0 <= rank < size:
@@ -370,7 +378,7 @@ class HoraMagics(Magics):
         missing = [n for n in args.names if n not in self._ns()]
         if missing:
             raise UsageError(f"%dist_push: {', '.join(missing)} not defined in the notebook")
-        cluster = self._running()
+        cluster = self._repaired()
         self._check_rank(args.rank, cluster.size)
         ranks = None if args.rank is None else [args.rank]
         values = {n: self._ns()[n] for n in args.names}
@@ -389,7 +397,7 @@ class HoraMagics(Magics):
         Example: ``%dist_pull loss --rank 0``
         """
         args = parse_argstring(self.dist_pull, line)
-        cluster = self._running()
+        cluster = self._repaired()
         self._check_rank(args.rank, cluster.size)
         ranks = None if args.rank is None else [args.rank]
         for name in _names(args.names, "%dist_pull"):
@@ -470,9 +478,7 @@ class HoraMagics(Magics):
 
             prof.start_profile(cluster)
         try:
-            repaired = cluster.repair()
-            if repaired:  # an engine died between cells: say so before the cell's output
-                sys.stderr.write(f"hora: {repaired}\n")
+            self._repaired()  # an engine died between cells: say so before the cell's output
             result = cluster.run(
                 code,
                 sink=sink,

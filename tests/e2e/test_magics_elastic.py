@@ -86,6 +86,19 @@ def test_engine_killed_between_cells_is_replaced_and_the_others_keep_their_varia
     assert [r["alive"] for r in cluster().status()] == [True] * N
 
 
+def test_push_and_pull_after_a_death_reach_every_rank(ip):
+    old = pids()
+    os.kill(old[2], signal.SIGKILL)
+    assert exited(cluster().engines[2].proc) is not None
+    with capture_output() as cap:
+        ip.user_ns["lr"] = 0.5
+        ip.run_line_magic("dist_push", "lr")
+        ip.run_line_magic("dist_pull", "lr")
+    assert f"hora: rank 2 (pid {old[2]}) died (killed by SIGKILL" in cap.stderr
+    assert ip.user_ns["lr"] == [0.5] * N
+    assert pids()[0] == old[0] and pids()[2] != old[2]
+
+
 KILL = "import os, signal\n    doomed = lambda: os.kill(os.getpid(), signal.SIGKILL)"
 
 ELASTIC_CELL = """%%distributed --all
