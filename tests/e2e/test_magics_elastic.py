@@ -27,7 +27,7 @@ def ip():
     shell = InteractiveShell.instance()
     shell.run_line_magic("load_ext", "hora")
     with capture_output():
-        shell.run_line_magic("dist_start", f"-n {N} --timeout 20 --no-preflight")
+        shell.run_line_magic("dist_start", f"-n {N} --timeout 30 --no-preflight")
     yield shell
     from hora import magics
 
