@@ -168,7 +168,10 @@ def snapshot(obj: Any, into: Any = None) -> Any:
     digits CNN cost as much as half a training step.
 
     Example:
-        >>> t = torch.ones(2); s = snapshot({"w": t}); t.add_(1); s["w"].tolist()
+        >>> t = torch.ones(2)
+        >>> s = snapshot({"w": t})
+        >>> _ = t.add_(1)
+        >>> s["w"].tolist()
         [1.0, 1.0]
     """
     if isinstance(obj, torch.Tensor):
