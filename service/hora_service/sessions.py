@@ -156,7 +156,7 @@ def check_interface(runtime: RuntimeName, interface: str) -> None:
         raise ValueError(
             "connection.interface: engines on Slurm nodes cannot reach a controller on the "
             "loopback; it must listen on an address of this machine the nodes reach "
-            "(GET /v1/sessions/address?runtime=slurm names it)"
+            "(GET /v1/session-address?runtime=slurm names it)"
         )
     if runtime != RuntimeName.slurm and not loopback:
         raise ValueError(

@@ -211,7 +211,7 @@ def test_a_slurm_session_needs_an_address_the_nodes_reach(server: ServiceServer)
         "iopub": 5, "hb_ping": 6, "hb_pong": 7, "key": "k",
     }  # fmt: skip
     with server.client("ann") as c:
-        assert c.get("/v1/sessions/address", params={"runtime": "slurm"}).json()["address"] == (
+        assert c.get("/v1/session-address", params={"runtime": "slurm"}).json()["address"] == (
             BRIDGE
         )
         loop = c.post("/v1/sessions", json={"runtime": "slurm", "connection": conn})

@@ -254,7 +254,7 @@ class ServiceCluster(Cluster):
         cuda_check: as for :class:`Cluster`.
         runtime: where the service starts the engines: ``local`` (its machine) or ``slurm``
             (one Slurm job; the controller then listens on an address the nodes reach).
-        ip: that address (default: the one the service names, ``GET /v1/sessions/address``).
+        ip: that address (default: the one the service names, ``GET /v1/session-address``).
 
     Example:
         >>> c = ServiceCluster(plan.ClusterOptions(n=2))  # doctest: +SKIP
@@ -374,7 +374,7 @@ class ServiceCluster(Cluster):
             return "127.0.0.1"
         if self.ip is not None:
             return self.ip
-        resp = self.service.request("GET", "/v1/sessions/address", params={"runtime": "slurm"})
+        resp = self.service.request("GET", "/v1/session-address", params={"runtime": "slurm"})
         return str(resp.json()["address"])
 
     def _ask(self, n: int, connection: dict[str, Any]) -> None:

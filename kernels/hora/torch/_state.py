@@ -198,7 +198,13 @@ def _connect(world: World, backend: str, start_s: float, timeout_s: float) -> St
     if "nccl" in backend and torch.cuda.is_available():
         device = torch.device("cuda", _rendezvous.world_device_index(world))
         torch.cuda.set_device(device)
-    side = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        side = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, dist.DistError) as e:  # rank 0, the store's host, went away
+        if not adopted:  # a later try must not adopt this half-made world
+            dist.distributed_c10d._abort_process_group()
+        where = f"{world.master_addr}:{world.master_port}"
+        raise RendezvousError(where, f"the side group could not be formed: {e}") from None
     state = State(
         rank=world.rank,
         size=world.size,

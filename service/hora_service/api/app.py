@@ -97,6 +97,7 @@ def create_app(settings: Settings | None = None, manager: JobManager | None = No
     app.include_router(jobs.router)
     app.include_router(logs.router)
     app.include_router(sessions.router)
+    app.include_router(sessions.address_router)
     app.include_router(system.router)
     app.include_router(queue.router)
     ui.install(app)

@@ -26,6 +26,8 @@ from hora_service.sessions import (
 )
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
+# beside /v1/sessions/{id}, not under it: an id route must not answer other methods there
+address_router = APIRouter(prefix="/v1", tags=["sessions"])
 
 Responses = dict[int | str, dict[str, Any]]
 BODY: Responses = {400: {"description": "The body could not be read (not UTF-8, not JSON)"}}
@@ -102,8 +104,8 @@ def list_sessions(
     return SessionList(items=items, total=len(mine))
 
 
-@router.get(
-    "/address",
+@address_router.get(
+    "/session-address",
     response_model=SessionAddress,
     summary="Where a kernel's controller listens",
     responses={**AUTH_RESPONSES, 422: {"description": "Slurm's nodes cannot be asked"}},
