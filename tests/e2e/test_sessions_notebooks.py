@@ -8,6 +8,7 @@ them. The lease and the idle timeout are seconds long here so that the tests tak
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import sys
@@ -15,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import nbformat
@@ -34,10 +36,18 @@ while not gate.exists():
 
 
 class Notebook:
-    """One live notebook: a kernel started by nbclient, cells added and run one at a time."""
+    """One live notebook: a kernel started by nbclient, cells added and run one at a time.
+
+    Everything runs on the notebook's own event loop (whichever thread calls), so its
+    kernel client's sockets are always driven by the loop they were made on: a suite's
+    shared per-thread loop, or a first cell run from another thread, once left a cell
+    waiting for a send that never went out.
+    """
 
     def __init__(self, env: dict[str, str], workdir: Path) -> None:
         self.nb = nbformat.v4.new_notebook()
+        self.loop = asyncio.new_event_loop()
+        self.lock = threading.Lock()
         self.client = NotebookClient(
             self.nb,
             timeout=120,
@@ -47,8 +57,12 @@ class Notebook:
             resources={"metadata": {"path": str(workdir)}},
         )
         self.client.km = self.client.create_kernel_manager()
-        self.client.start_new_kernel(env=env)
-        self.client.start_new_kernel_client()
+        self._sync(self.client.async_start_new_kernel(env=env))
+        self._sync(self.client.async_start_new_kernel_client())
+
+    def _sync(self, coro: Any) -> Any:
+        with self.lock:
+            return self.loop.run_until_complete(coro)
 
     @property
     def pid(self) -> int:
@@ -57,14 +71,16 @@ class Notebook:
     def run(self, source: str) -> str:
         cell = nbformat.v4.new_code_cell(source)
         self.nb.cells.append(cell)
-        self.client.execute_cell(cell, len(self.nb.cells) - 1)
+        self._sync(self.client.async_execute_cell(cell, len(self.nb.cells) - 1))
         return text_of(cell)
 
     def close(self) -> None:
         try:
-            self.client._cleanup_kernel()
+            self._sync(self.client._async_cleanup_kernel())
         except Exception:  # a kernel killed by the test is already gone
             pass
+        finally:
+            self.loop.close()
 
 
 def text_of(cell: nbformat.NotebookNode) -> str:
