@@ -9,6 +9,9 @@ The same table is in docs/dev/architecture.md ("Layering").
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import hora.torch
@@ -46,7 +49,16 @@ def _imports(source: str) -> set[str]:
 
 
 def _graph() -> dict[str, set[str]]:
-    return {p.stem: _imports(p.read_text()) - {p.stem} for p in sorted(PACKAGE.glob("*.py"))}
+    """The import graph, read in a fresh interpreter (see test_size_limits._sizes: CPython
+    3.11.7's ast.parse can fail late in a long test process)."""
+    out = subprocess.run([sys.executable, __file__], capture_output=True, text=True, check=True,
+                         timeout=120)  # fmt: skip
+    return {k: set(v) for k, v in json.loads(out.stdout).items()}
+
+
+def _read_graph() -> dict[str, list[str]]:
+    return {p.stem: sorted(_imports(p.read_text()) - {p.stem})
+            for p in sorted(PACKAGE.glob("*.py"))}  # fmt: skip
 
 
 def test_every_module_has_a_layer() -> None:
@@ -87,3 +99,7 @@ def test_lazy_imports_are_seen() -> None:
 
 def _layer(mod: str) -> str:
     return next(name for name, mods in LAYERS.items() if mod in mods)
+
+
+if __name__ == "__main__":  # what _graph() runs
+    print(json.dumps(_read_graph()))
