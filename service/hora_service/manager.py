@@ -91,6 +91,8 @@ class Attempt:
     created: float = 0.0  # when the job was submitted (its queue wait ends when it runs)
     elastic: ElasticRun | None = None  # an elastic job's membership, read from its driver
     counted: float | None = None  # its slot-seconds are in the usage up to then (None: none)
+    # a session's dead engines, kept (their slots too) until the kernel asks for new ones
+    lost: dict[int, str] = field(default_factory=dict)
 
     def count(self, usage: Usage, now: float) -> None:
         """Add the slot-seconds held since the last count (slots change in an elastic job)."""
@@ -777,7 +779,8 @@ class JobManager:
         if shrinking and run is not None and run.released():
             self._release(attempt, now)
         if attempt.stop_state is None:
-            failed = first_failure(attempt.codes)
+            codes = self._keep_engines(attempt, now)
+            failed = first_failure(codes)
             self._watch_preflight(attempt, now)
             if failed is not None:
                 first, status = failed
@@ -806,6 +809,66 @@ class JobManager:
                 if code is Exit.running:
                     rank.signal(signal.SIGKILL)
 
+    def _keep_engines(self, attempt: Attempt, now: float) -> list[RankStatus]:
+        """Note a session's newly dead engines; the codes with those kept counted as running.
+
+        A session whose runtime can start one engine again (:meth:`Runtime.replace_rank`)
+        keeps running with a dead engine, and its slot, until the kernel asks for a new one
+        (:meth:`replace_engine`); the lease and the idle timeout still end it. Once no
+        engine is left, or on another runtime, a death ends the session as it ends a job.
+        """
+        if attempt.kind != "session":
+            return attempt.codes
+        if not self._runtime(attempt.plan.spec.runtime.value).replaces_ranks:
+            return attempt.codes
+        dead = {r: c for r, c in enumerate(attempt.codes) if r not in attempt.lost and c != 0
+                and c is not Exit.running}  # fmt: skip
+        if len(dead) + len(attempt.lost) >= len(attempt.codes):
+            return attempt.codes  # no engine left: the session ends
+        if dead:
+            for rank, code in sorted(dead.items()):
+                attempt.lost[rank] = why = describe(rank, code, attempt.ranks[rank].note)
+                event = f"engine {why}; its slot is kept for the new engine the notebook asks for"
+                log.warning("session %d: %s", attempt.job_id, event)
+                self._write(Write(attempt.job_id, JobState.running, now, event, event=True))
+        return [Exit.running if r in attempt.lost else c for r, c in enumerate(attempt.codes)]
+
+    def replace_engine(self, session_id: int, rank: int, master_port: int) -> JobRecord:
+        """Start a new engine for ``rank`` of a running session whose engine died.
+
+        It meets the surviving engines at the store on ``master_port`` (the kernel's
+        choice: its surviving engines host it there).
+
+        Raises:
+            HoraError: the session is not running, or that rank's engine is (409).
+            SpecError: no such rank, or the session's runtime cannot (field named; 422).
+        """
+        with self._lock:
+            attempt = self._attempts.get(session_id)
+            if attempt is None or attempt.kind != "session" or attempt.stop_state is not None:
+                raise HoraError(f"session {session_id} is not running")
+            if not 0 <= rank < len(attempt.ranks):
+                last = len(attempt.ranks) - 1
+                raise SpecError("rank", f"session {session_id} has ranks 0..{last}")
+            now = time.time()
+            attempt.codes = [rank_status(r) for r in attempt.ranks]
+            self._keep_engines(attempt, now)
+            if rank not in attempt.lost:
+                raise HoraError(f"rank {rank}'s engine of session {session_id} is running")
+            runtime = self._runtime(attempt.plan.spec.runtime.value)
+            try:
+                new = runtime.replace_rank(attempt.plan, rank, self._base_env, master_port)
+            except OSError as e:
+                raise HoraError(f"could not start a new engine for rank {rank}: {e}") from None
+            attempt.ranks[rank] = new
+            del attempt.lost[rank]
+            event = f"rank {rank}: new engine started (asked by the notebook; port {master_port})"
+            self._write(Write(session_id, JobState.running, now, event, event=True))
+        self._wake.set()
+        found = self._record(session_id)
+        assert found is not None
+        return found
+
     def _watch_preflight(
         self, attempt: Attempt, now: float, force: bool = False
     ) -> PreflightFigures | None:
@@ -817,7 +880,8 @@ class JobManager:
         if not attempt.plan.preflight_env and attempt.kind != "session":
             return None
         plan = attempt.plan
-        force = force or any(c is not Exit.running for c in attempt.codes)
+        ended = [c for r, c in enumerate(attempt.codes) if r not in attempt.lost]
+        force = force or any(c is not Exit.running for c in ended)
         found = self.preflight.poll(attempt.job_id, plan.attempt, plan.log_path(0), now, force)
         if found is not None:
             self._write(Write(attempt.job_id, JobState.running, now, found.event(), event=True))

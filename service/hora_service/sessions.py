@@ -53,6 +53,7 @@ from hora_service.users import check_idle_timeout
 log = logging.getLogger(__name__)
 
 CONNECTION_VAR = "HORA_ENGINE_CONNECTION"
+WORLD_VAR = "HORA_ENGINE_WORLD"  # hora.engines.world.VAR
 Port = Annotated[int, Field(ge=1, le=65535)]
 INLINE_MPL = "module://matplotlib_inline.backend_inline"
 BUSY_SAMPLE_S = 2.0  # how often the engines' CPU time is read
@@ -113,10 +114,18 @@ class SessionRequest(BaseModel):
     priority: Priority = Priority.normal
     runtime: RuntimeName = RuntimeName.local
     image: Annotated[str | None, Field(max_length=512, pattern=IMAGE_PATTERN)] = None
+    # the kernel's file where a world re-formed during a cell meets (engines.world): engines
+    # on this machine, as the kernel's user, read it; a path the engines cannot use is ignored
+    world_file: Annotated[str | None, Field(max_length=1024, pattern=r"^/[^\x00]*$")] = None
 
     @model_validator(mode="after")
     def _reachable(self) -> SessionRequest:
         check_interface(self.runtime, self.connection.interface)
+        if self.world_file is not None and self.runtime != RuntimeName.local:
+            raise ValueError(
+                f"world_file: only engines of a local session share the kernel's files, "
+                f"not those of a {self.runtime.value} session"
+            )
         return self
 
 
@@ -188,6 +197,19 @@ class Heartbeat(BaseModel):
     idle_s: Annotated[float, Field(ge=0, le=365 * 24 * 3600)] = 0.0
 
 
+class EngineReplacement(BaseModel):
+    """What ``POST /v1/sessions/{id}/replace`` carries: which dead engine, and where it meets.
+
+    The surviving engines rebuild their process group around a new store on ``master_port``
+    (on this machine; the kernel chose it); the new engine of ``rank`` joins them there.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rank: Annotated[int, Field(ge=0, le=1023)]
+    master_port: Annotated[int, Field(ge=1024, le=65535)]
+
+
 class SessionRecord(BaseModel):
     """A session as ``/v1/sessions`` answers it."""
 
@@ -227,6 +249,8 @@ def session_spec(req: SessionRequest, backend: str, python: str = sys.executable
         "OMP_NUM_THREADS": str(req.threads),
         "MPLBACKEND": INLINE_MPL,
     }
+    if req.world_file is not None:
+        env[WORLD_VAR] = req.world_file
     # in a container the image's own python runs the engine (the image must have hora)
     exe = "python" if req.runtime == RuntimeName.docker else python
     return JobSpec(

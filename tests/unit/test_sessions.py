@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from hora.errors import SpecError
+from hora.errors import HoraError, SpecError
 from hora.spec import JobSpec, JobState
 from hora_service.manager import JobManager
 from hora_service.models import User
@@ -404,3 +404,79 @@ def test_a_session_slurm_holds_back_shows_its_reason_in_the_cell() -> None:
     assert text == (
         "session 7 waits in the runtime's queue: slurm: Resources (waited 40s; Ctrl-C withdraws)"
     )
+
+
+class ReplacingRuntime(ScriptedRuntime):
+    """Scripted ranks whose runtime starts one rank again, as the local runtime does."""
+
+    replaces_ranks = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.replaced: list[tuple[int, int]] = []
+
+    def replace_rank(self, plan, rank, base_env, master_port):  # type: ignore[no-untyped-def]
+        from test_service_core import ScriptedRank
+
+        self.replaced.append((rank, master_port))
+        return ScriptedRank(rank, self.obeys_term)
+
+
+def test_a_dead_engine_ends_a_session_whose_runtime_cannot_replace_it(
+    mgr: JobManager, sessions: SessionManager, rt: ScriptedRuntime
+) -> None:
+    s = sessions.create("ann", request())
+    mgr.tick()
+    rt.started[0][1][1].status = -9
+    mgr.tick()
+    mgr.tick()
+    record = mgr.get(s.id)
+    assert record is not None and record.state == JobState.failed
+    assert record.reason == "rank 1 was killed by SIGKILL"
+    with pytest.raises(HoraError, match="not running"):
+        mgr.replace_engine(s.id, 1, 40000)
+
+
+def test_a_dead_engine_keeps_its_slot_until_the_kernel_asks_for_a_new_one(
+    tmp_path: Path,
+) -> None:
+    rt = ReplacingRuntime()
+    settings = Settings(
+        data_dir=tmp_path / "data", work_root=tmp_path, gpus="0", cpu_slots=3, kill_grace_s=5,
+        containment="tag",
+    )  # fmt: skip
+    mgr = JobManager(settings, runtimes={"local": rt})
+    mgr.open_store()
+    sessions = SessionManager(mgr, settings)
+    s = sessions.create("ann", request(workers=3))
+    mgr.tick()
+    ranks = rt.started[0][1]
+    with pytest.raises(HoraError, match="rank 1's engine of session .* is running"):
+        mgr.replace_engine(s.id, 1, 40000)
+    ranks[1].status = -9
+    for _ in range(3):
+        mgr.tick()
+    record = mgr.get(s.id)
+    assert record is not None and record.state == JobState.running
+    assert [h.job_id for h in mgr.slots()] == [s.id] * 3  # the dead engine's slot is kept
+    kept = [t.reason for t in record.transitions if t.reason and "slot is kept" in t.reason]
+    assert kept == ["engine rank 1 was killed by SIGKILL; its slot is kept for the new engine "
+                    "the notebook asks for"]  # fmt: skip
+    with pytest.raises(SpecError, match="rank"):
+        mgr.replace_engine(s.id, 3, 40000)
+    mgr.replace_engine(s.id, 1, 40001)
+    assert rt.replaced == [(1, 40001)]
+    mgr.tick()
+    assert state(mgr, s.id) == JobState.running
+    # the new engine is watched like the first: when every engine is gone the session ends
+    for r in (0, 2):
+        ranks[r].status = 3
+    mgr.tick()
+    assert state(mgr, s.id) == JobState.running  # rank 1's new engine still runs
+    new = mgr._attempts[s.id].ranks[1]  # noqa: SLF001 - the runtime's rank, as the monitor sees it
+    new.status = 1  # type: ignore[attr-defined]
+    for _ in range(3):
+        mgr.tick()
+    record = mgr.get(s.id)
+    assert record is not None and record.state == JobState.failed
+    assert record.reason == "rank 0 exited with code 3"

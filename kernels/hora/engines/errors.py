@@ -100,6 +100,9 @@ def rank_ranges(ranks: Sequence[int]) -> str:
     return ("rank " if len(ordered) == 1 else "ranks ") + text
 
 
+UNSEEN_EXIT = 1 << 16  # a process the service started (an engine) is gone; how is unknown here
+
+
 def exit_status(code: int | None) -> str:
     """Describe a process exit code the way a user reads it.
 
@@ -115,6 +118,8 @@ def exit_status(code: int | None) -> str:
     """
     if code is None:
         return "still running"
+    if code == UNSEEN_EXIT:
+        return "gone; its exit status is in the session's events"
     if code >= 0:
         return f"exit code {code}"
     try:

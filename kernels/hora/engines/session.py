@@ -31,11 +31,18 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from hora.client import Client
+from hora.client import Client, ServiceError
 from hora.client_config import config_path
 from hora.engines import plan
 from hora.engines.cluster import Cluster, _track, kernel_cuda_initialized
-from hora.engines.errors import RECOVER, EngineError, EngineStartError, RankDiedError, rank_ranges
+from hora.engines.errors import (
+    RECOVER,
+    UNSEEN_EXIT,
+    EngineError,
+    EngineStartError,
+    RankDiedError,
+    rank_ranges,
+)
 from hora.engines.execute import CellResult
 from hora.engines.state import State
 from hora.errors import HoraError, SpecError
@@ -46,6 +53,7 @@ log = logging.getLogger("hora.engines")
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 POLL_S = 0.25
+ASK_S = 10.0  # how long a new engine is asked for while the service sees the old one run
 
 
 class SessionInfo(BaseModel):
@@ -137,7 +145,8 @@ def service_configured(environ: Mapping[str, str] | None = None) -> bool:
 class RemoteProcess:
     """An engine process the service started, watched by its pid (the kernel is not its parent).
 
-    Its exit code is the service's to know (``hora logs``); here a gone process reads as 1.
+    Its exit code is the service's to know (the session's events, ``hora logs``); here a gone
+    process reads as :data:`~hora.engines.errors.UNSEEN_EXIT`.
     An engine on another machine (a Slurm node) cannot be watched by its pid: it reads as
     gone once the service ended the session (``ended``), which it does when any engine ends.
     """
@@ -157,8 +166,22 @@ class RemoteProcess:
         if self.returncode is None:
             gone = self._ended() if self._ended is not None else not _alive(self._pid)
             if gone:
-                self.returncode = 1
+                self.returncode = UNSEEN_EXIT
         return self.returncode
+
+
+class AskedEngine:
+    """A new engine the service was asked for: known by its pid once it registers.
+
+    Until then it counts as alive; a session that ends meanwhile is what says otherwise.
+    """
+
+    pid = -1
+    returncode: int | None = None
+
+    def poll(self) -> int | None:
+        """None: whether it starts is the service's to say (the session's state)."""
+        return None
 
 
 def _alive(pid: int) -> bool:
@@ -388,6 +411,8 @@ class ServiceCluster(Cluster):
             "idle_timeout_s": self.idle_timeout_s,
             "runtime": self.runtime,
         }
+        if self.runtime == "local":  # engines on this machine: where re-formed worlds meet
+            body["world_file"] = str(self.world_file())
         self.session = SessionInfo.model_validate(
             self.service.request("POST", "/v1/sessions", json=body).json()
         )
@@ -451,10 +476,24 @@ class ServiceCluster(Cluster):
         return beat is not None and beat.ended is not None
 
     def _spawn_engine(self, rank: int, port: int) -> Any:
-        raise EngineStartError(
-            "a session's engines are started by the service, not one by one; when one dies the "
-            "service ends the session"
-        )
+        """Ask the service for a new engine of ``rank``; it meets the survivors at ``port``.
+
+        The service keeps a dead engine's slot for it (local sessions; on docker and Slurm a
+        dead engine ends the session). It may not have seen the death yet: asked again
+        for up to :data:`ASK_S` while it says the engine runs.
+        """
+        if self.session is None:
+            raise EngineStartError("no session to start an engine in")
+        body = {"rank": rank, "master_port": port}
+        until = time.monotonic() + ASK_S
+        while True:
+            try:
+                self.service.request("POST", f"/v1/sessions/{self.session.id}/replace", json=body)
+                return AskedEngine()
+            except ServiceError as e:
+                if e.status != 409 or "is running" not in str(e) or time.monotonic() > until:
+                    raise EngineStartError(f"the service did not start a new engine: {e}") from e
+            time.sleep(POLL_S)
 
     def _session_over(self) -> SessionInfo | None:
         """The session as it ended, if the service ended it (asked now if an engine is gone)."""
@@ -478,8 +517,15 @@ class ServiceCluster(Cluster):
         super()._require_ready()
 
     def _after_death(self, e: RankDiedError) -> str:
-        """A session's engine died: the service ends the whole session, so say why."""
+        """A session's engine died: the service starts a new one (local), or ends the session.
+
+        On the local runtime the service keeps the dead engine's slot and starts a new
+        engine when asked (:meth:`_spawn_engine`); the survivors keep their variables, as
+        with kernel-local engines. On docker and Slurm it ends the session: say why.
+        """
         ended = self._session_over()
+        if ended is None and self.runtime == "local":
+            return super()._after_death(e)
         if ended is not None:
             reason = self._ended_reason(ended)
         else:

@@ -134,6 +134,8 @@ def engine_world(
         note_current(environ)
         return dataclasses.replace(world, master_port=port)
     path = Path(raw)
+    if not os.access(path.parent, os.W_OK | os.X_OK):  # not the kernel's user: no re-forming
+        return world
     gen = read_generation(path)
     if _Joined.number is None:  # the first init(): a new engine's environment names its world
         _Joined.number = gen.number if gen is not None else 0

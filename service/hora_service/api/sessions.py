@@ -1,7 +1,8 @@
 """Routes under ``/v1/sessions``: a notebook's engines as a scheduled session (control plane).
 
-Create, list, get, heartbeat, delete. Ownership is the jobs' rule (:func:`owned_job`): another
-user's session answers 404 exactly like one that does not exist; a job's id is not a session.
+Create, list, get, heartbeat, replace a dead engine, hand off, delete. Ownership is the jobs'
+rule (:func:`owned_job`): another user's session answers 404 exactly like one that does not
+exist; a job's id is not a session.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from hora_service.api.errors import AUTH_RESPONSES, unprocessable
 from hora_service.jobpreflight import job_preflight
 from hora_service.models import JobRecord
 from hora_service.sessions import (
+    EngineReplacement,
     Heartbeat,
     SessionAddress,
     SessionManager,
@@ -155,6 +157,32 @@ def heartbeat(job: OwnedSession, beat: Heartbeat, sessions: SessionsDep) -> Sess
     (with ``reason``) once it ended.
     """
     return sessions.heartbeat(job, beat)
+
+
+@router.post(
+    "/{job_id}/replace",
+    response_model=SessionRecord,
+    summary="Start a new engine for a dead one",
+    responses={
+        **SESSION_RESPONSES,
+        **BODY,
+        409: {"description": "The session is not running, or that rank's engine is"},
+        422: {"description": "No such rank, or the session's runtime cannot (field named)"},
+    },  # fmt: skip
+)
+def replace_engine(
+    job: OwnedSession, body: EngineReplacement, manager: ManagerDep, sessions: SessionsDep
+) -> SessionRecord:
+    """Start a new engine for ``rank``, whose engine died; the other engines are untouched.
+
+    The session keeps a dead engine's slot until the kernel asks (``%%distributed``'s next
+    cell does, after rebuilding the survivors' process group around a store on
+    ``master_port``). Local sessions only: on docker and Slurm a dead engine ends the session.
+    """
+    try:
+        return sessions.view(manager.replace_engine(job.id, body.rank, body.master_port))
+    except SpecError as e:
+        raise unprocessable(e) from None
 
 
 @router.post(

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hora.errors import SpecError
 from hora.spec import JobSpec
 
 from hora_service.identity import RunAs
@@ -175,13 +176,33 @@ class Runtime(ABC):
             and a restart re-adopts a starting job instead of failing it.
         uses_cgroup: whether the ranks run in the attempt's own cgroup (``plan.container``),
             which :meth:`start` then creates; docker's ranks run in the container's.
+        replaces_ranks: whether :meth:`replace_rank` can start one rank of a running
+            attempt again (a notebook session's dead engine).
     """
 
     name = "runtime"
     uses_cgroup = True
     queues = False  # the runtime has a queue of its own (Slurm): a started job may wait there
+    replaces_ranks = False  # it can start one rank of a running attempt again (replace_rank)
     # where the runtime posts why a job it holds back waits (set by the job manager)
     waits: ReasonBoard | None = None
+
+    def replace_rank(
+        self, plan: AttemptPlan, rank: int, base_env: dict[str, str], master_port: int
+    ) -> RankProcess:
+        """Start rank ``rank`` of a running attempt again, its peers untouched.
+
+        For a notebook session whose engine died (:mod:`hora_service.engine_repair`): the new
+        engine meets the surviving ones at the store on ``master_port``, which they host.
+
+        Raises:
+            SpecError: this runtime cannot start one rank alone (field ``runtime``).
+        """
+        raise SpecError(
+            "runtime",
+            f"the {self.name} runtime cannot start one engine of a session alone; "
+            "a session there ends when one of its engines dies",
+        )
 
     def check(self, spec: JobSpec) -> None:
         """Refuse at submission a spec this runtime can never run.

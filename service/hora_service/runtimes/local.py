@@ -12,6 +12,7 @@ list and the environment are built by pure functions (:func:`rank_argv`,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -262,6 +263,7 @@ class LocalRuntime(Runtime):
     """One process per rank on this machine (see the module docstring)."""
 
     name = "local"
+    replaces_ranks = True
 
     def __init__(self) -> None:
         # each started attempt's namespace holder (multi-user mode), reaped at its clear()
@@ -298,34 +300,67 @@ class LocalRuntime(Runtime):
     ) -> list[RankProcess]:
         ranks: list[RankProcess] = []
         try:
-            gid = plan.run_as.gid if plan.run_as is not None else os.getegid()
             for rank in range(plan.ranks):
-                fields = {**launch_file(plan, rank, base_env), **namespaces.launch_fields(holder)}
-                if tmp is not None and scratch.VAR not in plan.spec.env:
-                    fields["env"][scratch.VAR] = str(tmp)  # type: ignore[index]
-                launch = json.dumps(fields)
-                _private_file(plan.run_dir / f"rank{rank}.launch", os.getegid(), 0o600, launch)
-                _private_file(plan.log_path(rank), gid, 0o640)
-                with plan.log_path(rank).open("ab") as log:
-                    proc = subprocess.Popen(
-                        rank_argv(plan, rank),
-                        env={},
-                        cwd=plan.run_dir,  # the shim's; the command enters workdir itself
-                        stdin=subprocess.DEVNULL,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                        pass_fds=holder.fds if holder is not None else (),
-                    )
-                # the shim writes this too; writing it here means a job recorded as running
-                # always has its pid files, whatever instant the service dies at
-                write_pid(plan.run_dir, rank, proc.pid)
-                ranks.append(ChildRank(rank, proc, plan.run_dir))
+                ranks.append(self._start_rank(plan, rank, base_env, holder, tmp))
         except OSError:
             for started in ranks:
                 started.signal(signal.SIGKILL)
             raise
         return ranks
+
+    def _start_rank(
+        self,
+        plan: AttemptPlan,
+        rank: int,
+        base_env: dict[str, str],
+        holder: namespaces.Holder | None,
+        tmp: Path | None,
+        again: bool = False,
+    ) -> ChildRank:
+        """Start the shim of ``rank``; ``again``: a replacement, whose log goes on the old one."""
+        gid = plan.run_as.gid if plan.run_as is not None else os.getegid()
+        fields = {**launch_file(plan, rank, base_env), **namespaces.launch_fields(holder)}
+        if tmp is not None and scratch.VAR not in plan.spec.env:
+            fields["env"][scratch.VAR] = str(tmp)  # type: ignore[index]
+        launch = json.dumps(fields)
+        _private_file(plan.run_dir / f"rank{rank}.launch", os.getegid(), 0o600, launch)
+        if not again:
+            _private_file(plan.log_path(rank), gid, 0o640)
+        with plan.log_path(rank).open("ab") as log:
+            if again:
+                log.write(f"[hora] rank {rank} started again (a replacement)\n".encode())
+                log.flush()
+            proc = subprocess.Popen(
+                rank_argv(plan, rank),
+                env={},
+                cwd=plan.run_dir,  # the shim's; the command enters workdir itself
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                pass_fds=holder.fds if holder is not None else (),
+            )
+        # the shim writes this too; writing it here means a job recorded as running
+        # always has its pid files, whatever instant the service dies at
+        write_pid(plan.run_dir, rank, proc.pid)
+        return ChildRank(rank, proc, plan.run_dir)
+
+    def replace_rank(
+        self, plan: AttemptPlan, rank: int, base_env: dict[str, str], master_port: int
+    ) -> RankProcess:
+        """Start rank ``rank`` again in the attempt's cgroup, meeting its peers at ``master_port``.
+
+        The dead rank's exit file goes (the new shim records its own); its log goes on.
+
+        Raises:
+            SpecError: the attempt runs in namespaces of its own (never a session's).
+        """
+        if namespaces.wanted(plan):
+            return super().replace_rank(plan, rank, base_env, master_port)
+        exit_file = plan.run_dir / f"rank{rank}.exit"
+        exit_file.unlink(missing_ok=True)
+        moved = dataclasses.replace(plan, master_port=master_port)
+        return self._start_rank(moved, rank, base_env, None, scratch.existing(plan), again=True)
 
     def _adopt(self, plan: AttemptPlan) -> list[RankProcess]:
         return [AdoptedRank(rank, plan.run_dir) for rank in range(plan.ranks)]

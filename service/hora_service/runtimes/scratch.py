@@ -53,6 +53,20 @@ def make(plan: AttemptPlan, where: str | None = None) -> Path | None:
     return path
 
 
+def existing(plan: AttemptPlan, where: str | None = None) -> Path | None:
+    """The attempt's directory made by :func:`make` (a real directory, never a link), if any."""
+    start = prefix(plan)
+    if start is None:
+        return None
+    for path in sorted(Path(where or tempfile.gettempdir()).glob(start + "*")):
+        try:
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                return path
+        except OSError:  # removed meanwhile
+            continue
+    return None
+
+
 def remove(plan: AttemptPlan, where: str | None = None) -> None:
     """Remove the attempt's directories (call once none of its processes is left).
 
