@@ -1,0 +1,230 @@
+"""Admission: the checks a submission passes, and the commands on a job.
+
+A spec that can never run here (too many slots, over quota, an unavailable runtime, a
+working directory outside the work root) or over the service's limits is refused at the
+edge; an admitted job is written and queued. Cancel, hand off and delete act on one job.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from hora.errors import HoraError, SpecError
+from hora.spec import JobSpec, JobState
+from sqlalchemy import Connection
+
+from hora_service.elastic import python
+from hora_service.jobs.attempt import _outside
+from hora_service.jobs.core import ManagerCore
+from hora_service.journal import Write
+from hora_service.models import JobRecord
+from hora_service.quotas import OverLimit, spec_bytes
+from hora_service.store import Store, StoreUnavailable
+
+
+class Admission(ManagerCore):
+    """Submitting, checking, cancelling, handing off and deleting jobs."""
+
+    def submit(self, user: str, spec: JobSpec) -> JobRecord:
+        """Queue a job (or return the one this user submitted with the same submission id).
+
+        Raises:
+            SpecError: see :meth:`submit_or_find`.
+        """
+        return self.submit_or_find(user, spec)[0]
+
+    def submit_or_find(
+        self,
+        user: str,
+        spec: JobSpec,
+        kind: str = "job",
+        also: Callable[[Store, Connection, int], None] | None = None,
+    ) -> tuple[JobRecord, bool]:
+        """Queue a job; with a submission id this user used before, find that job instead.
+
+        ``kind`` is ``session`` for a notebook's engines (:mod:`hora_service.sessions`);
+        ``also`` writes what goes with the new row, in the same transaction.
+
+        Returns:
+            The job, and True when it was created by this call.
+
+        Raises:
+            SpecError: the job can never run here (more slots than exist or than the user's
+                quota, an unavailable runtime, an image without the docker runtime, a working
+                directory outside the work root); ``field`` names the field.
+            OverLimit: the spec is larger than ``max_spec_bytes`` (413) or the user has
+                ``max_queued_jobs_per_user`` jobs waiting already (429).
+            StoreUnavailable: the store could not take the write in time (busy, full).
+            sqlalchemy.exc.OperationalError: the same, as SQLite reported it.
+        """
+        store = self.open_store()
+        self.check(user, spec)
+        self._check_limits(user, spec)
+        # the check and the insert are one write transaction; a store that cannot take it
+        # within the timeout answers StoreUnavailable (a 503 with Retry-After), never a hang
+        with store.tx(self.settings.store_write_timeout_s) as conn:
+            if spec.submission_id is not None:
+                existing = store.job_by_submission(conn, user, spec.submission_id)
+                if existing is not None:
+                    found = store.get(existing, conn)
+                    assert found is not None
+                    return found, False
+            now = time.time()
+            job_id = store.insert_job(conn, user, spec, now, kind)
+            if also is not None:
+                also(store, conn, job_id)
+            record = store.get(job_id, conn)
+            assert record is not None
+        self._forget(job_id)  # a new job changes every page it belongs to
+        self._enqueue(job_id, user, spec, None)
+        return record, True
+
+    def _check_limits(self, user: str, spec: JobSpec) -> None:
+        size, most = spec_bytes(spec), self.settings.max_spec_bytes
+        if size > most:
+            raise OverLimit("spec", f"the job spec is {size} bytes; the limit is {most}", 413)
+        queued = self.settings.max_queued_jobs_per_user
+        if queued is not None:
+            with self._lock:
+                waiting = sum(1 for p, _ in self._pending.values() if p.user == user)
+            if waiting >= queued:
+                raise OverLimit(
+                    "queued_jobs",
+                    f"you have {waiting} jobs waiting in the queue; the limit is {queued}",
+                    429,
+                )
+
+    def check(self, user: str, spec: JobSpec) -> None:
+        """Refuse a spec that can never run on this service (see :meth:`submit`)."""
+        total, need = len(self.inventory), spec.total_gpus
+        unit = "GPUs" if self._kind == "gpu" else "slots"
+        field = "workers" if spec.gpus_per_worker == 1 else "gpus_per_worker"
+        if need > total and not _outside(spec):
+            raise SpecError(
+                field,
+                f"asks for {need} {unit} ({spec.workers} workers x {spec.gpus_per_worker}); "
+                f"this cluster has {total}",
+            )
+        quota = self._quotas().get(user, self.settings.user_gpu_quota)
+        if quota is not None and need > quota:
+            raise SpecError(field, f"asks for {need} {unit}; your quota is {quota}")
+        self._check_elastic(spec, total, unit)
+        who = self.users.run_as_of(user) if self.user_mode == "multi" else None
+        if spec.image is not None and spec.runtime.value not in ("docker", "slurm"):
+            raise SpecError("image", "an image is used only by the docker runtime")
+        self._runtime(spec.runtime.value).check(spec)
+        self.bounds.preflight(spec, self.workdir(spec, user), who, self._driver_python(spec))
+
+    def _driver_python(self, spec: JobSpec) -> str | None:
+        """The Python an elastic job's driver runs with (None for other jobs)."""
+        if spec.elastic is None:
+            return None
+        return str(self.settings.session_python or python())
+
+    def _check_elastic(self, spec: JobSpec, total: int, unit: str) -> None:
+        """Refuse an elastic job that can never run here, naming the field."""
+        e = spec.elastic
+        if e is None:
+            return
+        if spec.runtime.value != "local":
+            raise SpecError("elastic", "elastic jobs run on the local runtime only for now")
+        if self._kind == "gpu":
+            raise SpecError("elastic", "elastic jobs run on CPU slots only for now")
+        most = e.max_workers * spec.gpus_per_worker
+        if most > total:
+            raise SpecError(
+                "elastic.max_workers",
+                f"{e.max_workers} workers x {spec.gpus_per_worker} need {most} {unit}; "
+                f"this cluster has {total}",
+            )
+
+    def workdir(self, spec: JobSpec, user: str | None = None) -> Path:
+        """The ranks' working directory (see :meth:`hora_service.bounds.Bounds.workdir`).
+
+        Raises:
+            SpecError: it escapes the work root or is not an existing directory.
+        """
+        return self.bounds.workdir(spec, user)
+
+    def cancel(self, job_id: int, reason: str = "cancelled by the user") -> JobRecord:
+        """Cancel a job; a no-op on a finished one. Running ranks get SIGTERM, then SIGKILL.
+
+        Raises:
+            HoraError: there is no such job.
+        """
+        with self._lock:
+            job = self._record(job_id)
+            if job is None:
+                raise HoraError(f"job {job_id} not found")
+            now = time.time()
+            if job_id in self._pending:
+                del self._pending[job_id]
+                self._set_state(job_id, JobState.cancelled, now, reason, finished_at=now)
+            elif job_id in self._attempts:
+                self._attempts[job_id].stop(
+                    JobState.cancelled, reason, now, self.settings.kill_grace_s, retry=False
+                )
+                self._write(Write(job_id, None, now, None, {"cancel_requested": 1}))
+            self._dirty = True
+        self._wake.set()
+        found = self._record(job_id)
+        assert found is not None
+        return found
+
+    def handoff(self, session_id: int, user: str, spec: JobSpec) -> JobRecord:
+        """Submit ``spec`` for ``user`` and give it the running session's slots.
+
+        The session is stopped; once its processes are gone the job starts on its slots,
+        before the next scheduling pass (no queued job can take them in between).
+
+        Raises:
+            HoraError: the session is not running.
+            SpecError: the job needs more slots than the session holds, or cannot run here.
+        """
+        with self._lock:
+            attempt = self._attempts.get(session_id)
+            if attempt is None or attempt.kind != "session" or attempt.stop_state is not None:
+                raise HoraError(f"session {session_id} is not running; submit the job instead")
+            have, field = len(attempt.plan.slots), "workers"
+            if spec.total_gpus > have:
+                raise SpecError(field, f"asks for {spec.total_gpus} slots; the session has {have}")
+            job, _ = self.submit_or_find(user, spec)
+            self._handoffs[session_id] = job.id
+        self.cancel(session_id, reason=f"stopped: its slots were handed to job {job.id}")
+        return job
+
+    def delete(self, job_id: int) -> None:
+        """Remove a finished job and its logs.
+
+        Raises:
+            HoraError: the job is still active.
+            StoreUnavailable: the store has not taken the job's end yet.
+        """
+        store = self.open_store()
+        with self._lock:
+            job = self._record(job_id)
+            if job is None:
+                return
+            if not job.state.terminal:
+                raise HoraError(f"job {job_id} is {job.state.value}; cancel it first")
+            if self.journal.pending(job_id):  # its end is not recorded yet: keep the row
+                why = self.journal.error
+                raise StoreUnavailable(f"job {job_id}'s end is not recorded yet ({why})")
+            store.delete_job(job_id)
+            self._forget(job_id)
+        shutil.rmtree(self.settings.logs_dir / str(int(job_id)), ignore_errors=True)
+
+    def log_path(self, job_id: int, rank: int, attempt: int) -> Path:
+        """The log file of one rank of one attempt (built from integers only).
+
+        Raises:
+            SpecError: a negative rank or attempt.
+        """
+        if rank < 0:
+            raise SpecError("rank", "must be >= 0")
+        if attempt < 0:
+            raise SpecError("attempt", "must be >= 0")
+        return self.settings.logs_dir / str(int(job_id)) / str(int(attempt)) / f"rank{rank}.log"

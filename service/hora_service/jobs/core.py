@@ -1,0 +1,230 @@
+"""The job manager's state and its journaled writes (the base of every role's mixin).
+
+:class:`ManagerCore` builds the manager's state (slots, queue, attempts, caches, journal),
+opens the store, and records every change: to the store when it takes it, else to the
+journal (:mod:`hora_service.journal`), retried on later passes of the monitor.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+from hora.spec import PRIORITY_RANK, JobSpec, JobState
+
+from hora_service import identity, runtimes
+from hora_service.bounds import Bounds
+from hora_service.inventory import Slot, inventory
+from hora_service.jobpreflight import PreflightBook
+from hora_service.jobs.attempt import Attempt, _outside
+from hora_service.journal import Journal, Write
+from hora_service.models import JobRecord, User
+from hora_service.reasons import ReasonBoard
+from hora_service.runtimes import Runtime
+from hora_service.runtimes.containment import Containment
+from hora_service.runtimes.local import allowed_env
+from hora_service.scheduler import Pending
+from hora_service.settings import Settings
+from hora_service.store import Store, is_unavailable
+from hora_service.usage import Usage
+from hora_service.users import Users
+
+log = logging.getLogger(__name__)
+
+LATENCY_WINDOW = 1000
+CACHE_MAX = 50_000
+PAGES_MAX = 1024
+STOP_JOIN_S = 30.0
+RETRY_WRITE_S = 0.25  # how long one pass of the monitor waits for the store's write lock
+
+
+class ManagerCore:
+    """The job manager's state, its store and its journaled writes, which every role uses.
+
+    Args:
+        settings: the service settings.
+        runtimes: runtimes by name to use instead of building them from the registry.
+    """
+
+    def __init__(self, settings: Settings, runtimes: dict[str, Runtime] | None = None) -> None:
+        self.settings = settings
+        self.store: Store | None = None
+        self.inventory: list[Slot] = inventory(settings.gpus, settings.cpu_slots)
+        self._kind = self.inventory[0].kind
+        self._lock = threading.RLock()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pending: dict[int, tuple[Pending, float | None]] = {}
+        self._attempts: dict[int, Attempt] = {}
+        self._dirty = True
+        self._runtimes: dict[str, Runtime] = dict(runtimes or {})
+        self._base_env = allowed_env(os.environ, settings.job_env_passthrough)
+        self.users = Users(
+            identity.resolve_mode(settings.user_mode), self.open_store, settings.work_root,
+            settings.disk_bytes,
+        )  # fmt: skip
+        self.bounds = Bounds(settings, self.users, self._base_env, len(self.inventory))
+        self._containment: Containment | None = None
+        self._latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
+        self._latency_sum = 0.0
+        self._latency_count = 0
+        self._last_pass_s = 0.0
+        # job id -> (record, its JSON); dropped on every write to the job (see _forget)
+        self._cache: dict[int, tuple[JobRecord, bytes]] = {}
+        self._cache_lock = threading.Lock()
+        self._generation = 0  # moves on at every write to the jobs table
+        self._pages: dict[tuple[object, ...], tuple[int, list[int], int]] = {}
+        self.journal = Journal()  # state changes the store has not taken yet
+        self._quota_memo: dict[str, int] = {}
+        # called with the time at the end of every monitor pass (sessions' leases, idle culling)
+        self.hooks: list[Callable[[float], None]] = []
+        self.waits = ReasonBoard()  # reasons runtimes post for jobs they hold back
+        for given in self._runtimes.values():
+            given.waits = self.waits
+        self.usage = Usage()  # queue waits and slot-hours by user, for /metrics
+        self.preflight = PreflightBook()  # the jobs' preflight figures, for pages and /metrics
+        self._handoffs: dict[int, int] = {}  # session id -> the job that takes its slots
+
+    def open_store(self) -> Store:
+        """Open (and migrate) the SQLite store if it is not open yet."""
+        if self.store is None:
+            for d in (self.settings.data_dir, self.settings.logs_dir):
+                d.mkdir(parents=True, exist_ok=True)
+                d.chmod(0o700)  # the service's alone: jobs never read the store or others' logs
+            self.store = Store(self.settings.db_path)
+        return self.store
+
+    def close_store(self) -> None:
+        """Close the store's connections."""
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+    # users ------------------------------------------------------------------------------
+
+    def create_user(
+        self,
+        name: str,
+        admin: bool = False,
+        quota: int | None = None,
+        uid: int | None = None,
+        make_account: bool = False,
+        idle_timeout_s: float | None = None,
+    ) -> str:
+        """Create a user and return their token (see :meth:`hora_service.users.Users.create`)."""
+        return self.users.create(name, admin, quota, uid, make_account, idle_timeout_s)
+
+    def remove_user(self, name: str) -> bool:
+        """Delete a user; their token stops working at once. False if there was none."""
+        return self.users.remove(name)
+
+    def user_for_token(self, token: str) -> User | None:
+        """The user a bearer token belongs to, or None."""
+        return self.users.for_token(token)
+
+    def list_users(self) -> list[User]:
+        """Every user."""
+        return self.users.all()
+
+    @property
+    def user_mode(self) -> str:
+        """The user mode in effect: ``multi``, ``single`` or ``shared``."""
+        return self.users.mode
+
+    def quota_of(self, user: str) -> int | None:
+        """Most slots ``user``'s jobs and sessions may hold (None: no limit)."""
+        return self._quotas().get(user, self.settings.user_gpu_quota)
+
+    def _forget(self, job_id: int) -> None:
+        with self._cache_lock:
+            self._generation += 1
+            self._cache.pop(job_id, None)
+
+    def _enqueue(self, job_id: int, user: str, spec: JobSpec, due: float | None) -> None:
+        need = 0 if _outside(spec) else spec.total_gpus
+        pending = Pending(job_id, user, need, PRIORITY_RANK[spec.priority], spec.timeout_s)
+        with self._lock:
+            self._pending[job_id] = (pending, due)
+            self._dirty = True
+        self._wake.set()
+
+    def _set_state(
+        self, job_id: int, state: JobState, now: float, reason: str | None, **fields: object
+    ) -> None:
+        self._write(Write(job_id, state, now, reason, fields))
+
+    def _write(self, write: Write) -> bool:
+        """Record a change: now if the store takes it, else from the journal on a later pass.
+
+        Returns:
+            True once it is in the store.
+        """
+        self.journal.add(write)
+        self._forget(write.job_id)
+        if len(self.journal) > 1:
+            return False  # earlier writes are still waiting; this one goes after them
+        return self._flush(RETRY_WRITE_S)
+
+    def _flush(self, timeout_s: float) -> bool:
+        """Write every journaled change in one transaction; True when the journal is empty."""
+        store = self.open_store()
+
+        def apply(writes: list[Write]) -> None:
+            with store.tx(timeout_s) as conn:
+                for w in writes:
+                    if w.state is not None and w.event:
+                        store.add_transition(conn, w.job_id, w.state, w.at, w.reason)
+                        continue
+                    if w.state is None:
+                        store.update_job(conn, w.job_id, **w.fields)
+                        continue
+                    store.update_job(conn, w.job_id, state=w.state, reason=w.reason, **w.fields)
+                    store.add_transition(conn, w.job_id, w.state, w.at, w.reason)
+
+        first_failure = self.journal.failing_since is None
+        try:
+            written = self.journal.flush(apply, time.time())
+        except Exception as e:
+            if not is_unavailable(e):
+                raise
+            if first_failure:
+                log.warning(
+                    "the store did not take a job state change (%s); the monitor keeps the "
+                    "jobs' state in memory and retries on every pass", self.journal.error
+                )  # fmt: skip
+            return False
+        if written and not first_failure:
+            log.warning("the store took the %d job(s) whose changes waited", len(written))
+        for job_id in written:
+            self._forget(job_id)
+        return True
+
+    def _record(self, job_id: int) -> JobRecord | None:
+        """One job from the store with its journaled changes (the monitor's truth)."""
+        record = self.open_store().get(job_id)
+        return None if record is None else self.journal.overlay(record)
+
+    def _quotas(self) -> dict[str, int]:
+        """User -> their own GPU quota, for the users that have one (one query a pass).
+
+        While the store cannot be read, the last answer stands.
+        """
+        try:
+            users = self.open_store().users()
+        except Exception as e:
+            if not is_unavailable(e):
+                raise
+            return self._quota_memo
+        self._quota_memo = {u.name: u.gpu_quota for u in users if u.gpu_quota is not None}
+        return self._quota_memo
+
+    def _runtime(self, name: str) -> Runtime:
+        if name not in self._runtimes:
+            self._runtimes[name] = runtimes.create(name, self.settings)
+            self._runtimes[name].waits = self.waits
+        return self._runtimes[name]

@@ -1,0 +1,149 @@
+"""Elastic jobs' slots: growing into spare slots, shrinking for a job of higher priority.
+
+An elastic job's driver reads its slot file; the service writes there what it may use
+(:func:`hora_service.elastic.write_hosts`) and reads the membership back from the driver's
+log (:class:`hora_service.elastic.ElasticRun`). Slots freed by a shrink are released once
+the workers have left them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import replace
+
+from hora.spec import PRIORITY_RANK, JobSpec
+
+from hora_service.elastic import HOSTS_FILE, ElasticRun, write_hosts
+from hora_service.jobs.attempt import Attempt
+from hora_service.jobs.core import ManagerCore
+from hora_service.journal import Write
+from hora_service.models import JobRecord
+from hora_service.runtimes import AttemptPlan
+from hora_service.runtimes.base import prepare_run_dir
+from hora_service.scheduler import Pending
+
+log = logging.getLogger(__name__)
+
+
+class ElasticSlots(ManagerCore):
+    """Offering, growing, shrinking and releasing elastic jobs' slots."""
+
+    def _shrink_for(self, head: Pending, free: int, now: float) -> None:
+        """Shrink lower-priority elastic jobs (down to their min) so that ``head`` fits."""
+        runs = [a for a in self._attempts.values() if a.elastic is not None]
+        if any(a.elastic.target is not None for a in runs if a.elastic is not None):
+            return  # a shrink is under way: its slots come first
+        if self._room_in_quota(head.user) < head.need:
+            return  # it waits for its user's own jobs, not for slots
+        lower = sorted(
+            (a for a in runs if a.stop_state is None
+             and PRIORITY_RANK[a.plan.spec.priority] < head.priority),
+            key=lambda a: (PRIORITY_RANK[a.plan.spec.priority], -a.started),
+        )  # fmt: skip
+        short, cuts = head.need - free, []
+        for a in lower:
+            spec = a.plan.spec
+            assert spec.elastic is not None
+            g = spec.gpus_per_worker
+            give = min(len(a.plan.slots) - spec.elastic.min_workers * g, -(-short // g) * g)
+            if give > 0 and short > 0:
+                cuts.append((a, len(a.plan.slots) - give))
+                short -= give
+        if short > 0:
+            return  # shrinking would not let it start: nobody is disturbed
+        for a, keep in cuts:
+            assert a.elastic is not None
+            why = f"shrinking to {keep} slot(s): job {head.id} of higher priority needs them"
+            a.elastic.shrink(keep, why, now)
+            self._offer(a.plan, keep)
+            self._write(Write(a.job_id, None, now, None, {"elastic": a.elastic.info}))
+
+    def _release(self, attempt: Attempt, now: float) -> None:
+        """A shrink is done: the slots its workers left are free."""
+        run = attempt.elastic
+        assert run is not None and run.target is not None
+        plan, keep = attempt.plan, run.target
+        gone = ", ".join(map(str, plan.slots[keep:]))
+        attempt.count(self.usage, now)
+        attempt.plan = replace(plan, slots=plan.slots[:keep])
+        run.target = None
+        run.granted(keep, f"gave back slot(s) {gone}", now)
+        self._write(Write(attempt.job_id, None, now, None,
+                          {"slots": list(attempt.plan.slots), "elastic": run.info}))  # fmt: skip
+        self._dirty = True
+
+    def _room(self, user: str, spec: JobSpec, held: int, spare: list[int]) -> int:
+        """Slots an elastic job holding ``held`` may take from ``spare`` (whole workers)."""
+        assert spec.elastic is not None
+        g = spec.gpus_per_worker
+        room = min(spec.elastic.max_workers * g - held, len(spare))
+        return max(0, min(room, self._room_in_quota(user)) // g * g)
+
+    def _room_in_quota(self, user: str) -> int:
+        """Slots ``user``'s jobs may still take under their quota."""
+        quota = self.quota_of(user)
+        if quota is None:
+            return len(self.inventory)
+        return quota - sum(len(a.plan.slots) for a in self._attempts.values() if a.user == user)
+
+    def _grow(self, spare: list[int], now: float) -> None:
+        """Offer spare slots to running elastic jobs, oldest first; the world grows at a commit."""
+        for attempt in sorted(self._attempts.values(), key=lambda a: a.started):
+            run = attempt.elastic
+            if run is None or run.target is not None or attempt.stop_state is not None:
+                continue
+            if not spare:
+                break
+            plan = attempt.plan
+            take = self._room(attempt.user, plan.spec, len(plan.slots), spare)
+            if take == 0:
+                continue
+            extra, spare[:] = spare[:take], spare[take:]
+            attempt.count(self.usage, now)
+            attempt.plan = plan = replace(plan, slots=plan.slots + tuple(extra))
+            try:
+                self._offer(plan)
+            except OSError as e:  # the slots stay held; the next write of the file offers them
+                log.warning("job %d: cannot offer slots %s: %s", attempt.job_id, extra, e)
+            g = plan.spec.gpus_per_worker
+            names = ", ".join(map(str, extra))
+            run.granted(len(plan.slots), f"slot(s) {names} freed: room for "
+                        f"{len(plan.slots) // g} workers", now)  # fmt: skip
+            self._write(Write(attempt.job_id, None, now, None,
+                              {"slots": list(plan.slots), "elastic": run.info}))  # fmt: skip
+
+    def _widen(
+        self, job: JobRecord, slots: tuple[int, ...], spare: list[int] | None
+    ) -> tuple[int, ...]:
+        """An elastic job starts with what is free (``spare``), up to its max."""
+        if job.spec.elastic is None or not spare:
+            return slots
+        take = self._room(job.user, job.spec, len(slots), spare)
+        slots, spare[:] = slots + tuple(spare[:take]), spare[take:]
+        return slots
+
+    def _reoffer(self, plan: AttemptPlan) -> None:
+        """Offer a re-adopted driver the slots the store says it holds.
+
+        A shrink or a grant the service was making when it stopped is undone (a shrink starts
+        again if a job still waits for the slots).
+        """
+        try:
+            self._offer(plan)
+        except OSError as e:
+            log.warning("job %d: cannot rewrite its slot file: %s", plan.job_id, e)
+
+    def _elastic_run(self, job: JobRecord, plan: AttemptPlan, now: float) -> ElasticRun | None:
+        if not plan.driver:
+            return None
+        return ElasticRun.begin(job.spec, plan.log_path(0), len(plan.slots), now, job.elastic)
+
+    def _offer(self, plan: AttemptPlan, slots: int | None = None) -> None:
+        """Write an elastic driver's slot file: one worker per whole set of ``slots`` slots."""
+        if not plan.driver:
+            return
+        prepare_run_dir(plan)
+        gid = plan.run_as.gid if plan.run_as is not None else os.getegid()
+        n = len(plan.slots) if slots is None else slots
+        write_hosts(plan.run_dir / HOSTS_FILE, n // plan.spec.gpus_per_worker, gid)

@@ -1,0 +1,344 @@
+"""The monitor loop: the one loop that moves every job through its lifecycle.
+
+Each pass (:meth:`Monitor.tick`) retries the journal, polls every attempt's ranks, stops
+failed and timed-out attempts (SIGTERM, then SIGKILL after the grace period), frees slots
+once an attempt's processes are gone, retries or finishes jobs, and schedules the queue.
+A session whose runtime can start one engine again keeps running past an engine's death
+until the kernel asks for a new one (:meth:`Monitor.replace_engine`).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import signal
+import threading
+import time
+
+from hora.errors import HoraError, SpecError
+from hora.spec import JobState
+
+from hora_service.jobpreflight import PreflightFigures
+from hora_service.jobs.attempt import Attempt, describe
+from hora_service.jobs.core import RETRY_WRITE_S, STOP_JOIN_S
+from hora_service.jobs.recovery import Recovery
+from hora_service.journal import Write
+from hora_service.models import JobRecord
+from hora_service.quotas import within_running_limit
+from hora_service.runtimes import Exit
+from hora_service.runtimes.base import RankStatus, first_failure, rank_status
+from hora_service.scheduler import INF, Holding, queue_order, schedule
+
+log = logging.getLogger(__name__)
+
+
+class Monitor(Recovery):
+    """Starting and stopping the loop, and its passes."""
+
+    def start(self) -> None:
+        """Open the store, recover jobs from an earlier run, start the monitor loop.
+
+        Raises:
+            HoraError: single-user mode over a store with several users (their jobs would
+                all run as this service's account without anyone having opted in).
+        """
+        self.users.check_start(self.settings.db_path)
+        root = self.settings.work_root
+        if self.user_mode == "multi" and root.is_dir() and not root.stat().st_mode & 0o001:
+            log.warning(
+                "multi-user mode, but the work root %s cannot be entered by other accounts: "
+                "jobs (which run as their users' accounts) will not reach their working "
+                "directories; set HORA_WORK_ROOT to a directory they can enter",
+                root,
+            )
+        self.users.make_homes_private()
+        with self._lock:
+            self._recover()
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._loop, name="hora-monitor", daemon=True)
+        self._thread.start()
+        log.info("job manager started: %d %s slot(s)", len(self.inventory), self._kind)
+
+    def stop(self) -> None:
+        """Stop the monitor loop and close the store; running jobs keep running.
+
+        The next :meth:`start` re-adopts them.
+        """
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=STOP_JOIN_S)
+            self._thread = None
+        if len(self.journal):
+            with self._lock:
+                self._flush(timeout_s=5.0)
+            if len(self.journal):
+                log.error(
+                    "stopping with %d state change(s) the store did not take (%s); the next "
+                    "start reads how the jobs ended from their ranks' exit files",
+                    len(self.journal), self.journal.error,
+                )  # fmt: skip
+        self.close_store()
+
+    def shutdown_jobs(self, timeout: float | None = None) -> None:
+        """Cancel every active job and wait (bounded) until their processes are gone."""
+        with self._lock:
+            for job_id in list(self._attempts):
+                self.cancel(job_id, reason="cancelled: the service is shutting down")
+        deadline = time.monotonic() + (timeout or self.settings.kill_grace_s + 10.0)
+        while self._attempts and time.monotonic() < deadline:
+            self.tick()
+            time.sleep(0.05)
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self.tick()
+            except Exception:  # the loop must outlive any one bad pass
+                log.exception("monitor pass failed")
+            self._wake.wait(self._next_wait())
+            self._wake.clear()
+
+    def _next_wait(self) -> float:
+        wait = self.settings.monitor_interval_s
+        if not self._attempts and not len(self.journal):
+            due = [t for _, t in self._pending.values() if t is not None]
+            wait = max(wait, min(due) - time.time()) if due else 5.0
+        return max(0.0, min(wait, 5.0))
+
+    def tick(self, now: float | None = None) -> None:
+        """One pass of the monitor loop: poll ranks, stop, finish, retry, schedule."""
+        with self._lock:
+            now = time.time() if now is None else now
+            if len(self.journal):
+                self._flush(RETRY_WRITE_S)
+            for attempt in list(self._attempts.values()):
+                self._poll(attempt, now)
+            # nothing new starts until the store has taken what already happened
+            due = any(t is not None and t <= now for _, t in self._pending.values())
+            if (self._dirty or due) and not len(self.journal):
+                self._dirty = False
+                self._schedule(now)
+            for hook in self.hooks:
+                hook(now)
+
+    def _poll(self, attempt: Attempt, now: float) -> None:
+        grace = self.settings.kill_grace_s
+        attempt.codes = [rank_status(r) for r in attempt.ranks]
+        if attempt.held and attempt.stop_state is None:
+            if any(r.pending_reason is not None for r in attempt.ranks):
+                return
+            if Exit.lost not in attempt.codes:  # it runs, or ran between two passes
+                self._running(attempt)
+        run = attempt.elastic
+        if run is not None and run.read():
+            self._write(Write(attempt.job_id, None, now, None, {"elastic": run.info}))
+        shrinking = run is not None and run.target is not None and attempt.stop_state is None
+        if shrinking and run is not None and run.released():
+            self._release(attempt, now)
+        if attempt.stop_state is None:
+            codes = self._keep_engines(attempt, now)
+            failed = first_failure(codes)
+            self._watch_preflight(attempt, now)
+            if failed is not None:
+                first, status = failed
+                why = describe(first, status, attempt.ranks[first].note)
+                if attempt.plan.driver:  # rank 0 is hora run's driver; its log says why
+                    why = f"the elastic driver ({why}; rank 0's log says why)"
+                why = self.bounds.explain(
+                    self._runtime(attempt.plan.spec.runtime.value), attempt.plan, first, why, status
+                )
+                attempt.stop(JobState.failed, why, now, grace, retry=True)
+            elif attempt.deadline is not None and now > attempt.deadline:
+                timeout = attempt.plan.spec.timeout_s or 0
+                attempt.stop(JobState.failed, f"timed out after {timeout:g}s", now, grace, False)
+            elif all(c == 0 for c in attempt.codes):
+                if self._cleared(attempt, now):
+                    self._finish(attempt, JobState.succeeded, None, now)
+                return
+        if attempt.stop_state is None:
+            return
+        if all(c is not Exit.running for c in attempt.codes):
+            if self._cleared(attempt, now):
+                self._finish(attempt, attempt.stop_state, attempt.stop_reason, now)
+        elif now >= attempt.kill_at:
+            self._runtime(attempt.plan.spec.runtime.value).clear(attempt.plan)
+            for rank, code in zip(attempt.ranks, attempt.codes, strict=True):
+                if code is Exit.running:
+                    rank.signal(signal.SIGKILL)
+
+    def _keep_engines(self, attempt: Attempt, now: float) -> list[RankStatus]:
+        """Note a session's newly dead engines; the codes with those kept counted as running.
+
+        A session whose runtime can start one engine again (:meth:`Runtime.replace_rank`)
+        keeps running with a dead engine, and its slot, until the kernel asks for a new one
+        (:meth:`replace_engine`); the lease and the idle timeout still end it. Once no
+        engine is left, or on another runtime, a death ends the session as it ends a job.
+        """
+        if attempt.kind != "session":
+            return attempt.codes
+        if not self._runtime(attempt.plan.spec.runtime.value).replaces_ranks:
+            return attempt.codes
+        dead = {r: c for r, c in enumerate(attempt.codes) if r not in attempt.lost and c != 0
+                and c is not Exit.running}  # fmt: skip
+        if len(dead) + len(attempt.lost) >= len(attempt.codes):
+            return attempt.codes  # no engine left: the session ends
+        if dead:
+            for rank, code in sorted(dead.items()):
+                attempt.lost[rank] = why = describe(rank, code, attempt.ranks[rank].note)
+                event = f"engine {why}; its slot is kept for the new engine the notebook asks for"
+                log.warning("session %d: %s", attempt.job_id, event)
+                self._write(Write(attempt.job_id, JobState.running, now, event, event=True))
+        return [Exit.running if r in attempt.lost else c for r, c in enumerate(attempt.codes)]
+
+    def replace_engine(self, session_id: int, rank: int, master_port: int) -> JobRecord:
+        """Start a new engine for ``rank`` of a running session whose engine died.
+
+        It meets the surviving engines at the store on ``master_port`` (the kernel's
+        choice: its surviving engines host it there).
+
+        Raises:
+            HoraError: the session is not running, or that rank's engine is (409).
+            SpecError: no such rank, or the session's runtime cannot (field named; 422).
+        """
+        with self._lock:
+            attempt = self._attempts.get(session_id)
+            if attempt is None or attempt.kind != "session" or attempt.stop_state is not None:
+                raise HoraError(f"session {session_id} is not running")
+            if not 0 <= rank < len(attempt.ranks):
+                last = len(attempt.ranks) - 1
+                raise SpecError("rank", f"session {session_id} has ranks 0..{last}")
+            now = time.time()
+            attempt.codes = [rank_status(r) for r in attempt.ranks]
+            self._keep_engines(attempt, now)
+            if rank not in attempt.lost:
+                raise HoraError(f"rank {rank}'s engine of session {session_id} is running")
+            runtime = self._runtime(attempt.plan.spec.runtime.value)
+            try:
+                new = runtime.replace_rank(attempt.plan, rank, self._base_env, master_port)
+            except OSError as e:
+                raise HoraError(f"could not start a new engine for rank {rank}: {e}") from None
+            attempt.ranks[rank] = new
+            del attempt.lost[rank]
+            event = f"rank {rank}: new engine started (asked by the notebook; port {master_port})"
+            self._write(Write(session_id, JobState.running, now, event, event=True))
+        self._wake.set()
+        found = self._record(session_id)
+        assert found is not None
+        return found
+
+    def _watch_preflight(
+        self, attempt: Attempt, now: float, force: bool = False
+    ) -> PreflightFigures | None:
+        """Name the attempt's preflight in its events once rank 0 logged it; its figures.
+
+        A job's ranks log it at ``hvd.init()`` when asked (``preflight_env``); a session's
+        rank 0 engine when ``%dist_start`` measures (unless ``--no-preflight``).
+        """
+        if not attempt.plan.preflight_env and attempt.kind != "session":
+            return None
+        plan = attempt.plan
+        ended = [c for r, c in enumerate(attempt.codes) if r not in attempt.lost]
+        force = force or any(c is not Exit.running for c in ended)
+        found = self.preflight.poll(attempt.job_id, plan.attempt, plan.log_path(0), now, force)
+        if found is not None:
+            self._write(Write(attempt.job_id, JobState.running, now, found.event(), event=True))
+        return self.preflight.known(attempt.job_id, plan.attempt)
+
+    def _cleared(self, attempt: Attempt, now: float) -> bool:
+        """Every rank has ended: kill what is left of the attempt; True once nothing is.
+
+        Until then the attempt keeps its slots (a leftover process may hold a GPU); one that
+        cannot be emptied within ``clear_timeout_s`` is logged as stuck, and still held.
+        """
+        try:
+            runtime = self._runtime(attempt.plan.spec.runtime.value)
+        except HoraError:  # it never started (no such runtime here): only its cgroup is left
+            box = attempt.plan.container
+            try:
+                empty = box is None or box.clear()
+            except OSError as e:
+                log.warning("job %d: cannot clear its cgroup: %s", attempt.job_id, e)
+                empty = False
+        else:
+            empty = runtime.clear(attempt.plan)
+        if empty:
+            return True
+        if attempt.clearing_since is None:
+            attempt.clearing_since = now
+        elif now - attempt.clearing_since > self.settings.clear_timeout_s:
+            if not attempt.stuck_reported:
+                attempt.stuck_reported = True
+                log.error(
+                    "job %d attempt %d: processes are left after %.0fs of killing; its slots "
+                    "%s stay held until they are gone",
+                    attempt.job_id, attempt.plan.attempt, now - attempt.clearing_since,
+                    list(attempt.plan.slots),
+                )  # fmt: skip
+        return False
+
+    def _finish(self, attempt: Attempt, state: JobState, reason: str | None, now: float) -> None:
+        """The attempt's processes are all gone: free its slots and record the outcome."""
+        del self._attempts[attempt.job_id]
+        self._dirty = True
+        attempt.count(self.usage, now)
+        figures = self._watch_preflight(attempt, now, force=True)  # every rank has ended
+        self.preflight.done(attempt.job_id, attempt.plan.attempt)
+        if figures is not None and state == JobState.failed:
+            reason = figures.explain(reason or "")  # a crossed threshold names its rank
+        heir = self._handoffs.pop(attempt.job_id, None)
+        if heir in self._pending:  # the session's slots go straight to the job it handed to
+            self._launch(heir, attempt.plan.slots[: self._pending[heir][0].need])
+        codes = {r: (c if isinstance(c, int) else None) for r, c in enumerate(attempt.codes)}
+        spec = attempt.plan.spec
+        if (
+            state == JobState.failed
+            and attempt.retriable
+            and attempt.plan.attempt <= spec.max_retries
+        ):
+            delay = self.settings.retry_backoff_s * 2 ** (attempt.plan.attempt - 1)
+            self._set_state(
+                attempt.job_id, JobState.retrying, now, reason,
+                exit_codes=codes, slots=[], retry_at=now + delay,
+            )  # fmt: skip
+            self._enqueue(attempt.job_id, attempt.user, spec, now + delay)
+            return
+        self._set_state(
+            attempt.job_id, state, now, reason, exit_codes=codes, slots=[], finished_at=now
+        )
+
+    def _schedule(self, now: float) -> None:
+        t0 = time.perf_counter()
+        ready = [p for p, due in self._pending.values() if due is None or due <= now]
+        running = collections.Counter(a.user for a in self._attempts.values())
+        ready = within_running_limit(ready, running, self.settings.max_running_jobs_per_user)
+        # jobs whose runtime owns its resources (slurm) take none of the service's slots
+        outside = [p for p in ready if p.need == 0]
+        ready = [p for p in ready if p.need > 0]
+        held = {s for a in self._attempts.values() for s in a.plan.slots}
+        free = [s.index for s in self.inventory if s.index not in held]
+        holding = [
+            Holding(a.job_id, a.user, a.plan.slots, a.deadline if a.deadline else INF)
+            for a in self._attempts.values()
+        ]
+        used: dict[str, int] = {}
+        for a in self._attempts.values():
+            used[a.user] = used.get(a.user, 0) + len(a.plan.slots)
+        quotas = self._quotas()
+        default = self.settings.user_gpu_quota
+        limit = None if default is None and not quotas else lambda u: quotas.get(u, default)
+        placements = schedule(ready, free, holding, now, limit, used)
+        self._last_pass_s = time.perf_counter() - t0
+        placed = {s for p in placements for s in p.slots}
+        # slots nobody waits for: elastic jobs grow into them (up to their max_workers)
+        spare = [s for s in free if s not in placed] if len(placements) == len(ready) else []
+        for placement in placements:
+            self._launch(placement.job_id, placement.slots, spare)
+        for p in outside:
+            self._launch(p.id, ())
+        if spare:
+            self._grow(spare, now)
+        elif len(placements) < len(ready):
+            waiting = sorted((p for p in ready if p.id not in {x.job_id for x in placements}),
+                             key=queue_order)  # fmt: skip
+            self._shrink_for(waiting[0], len(free) - len(placed), now)

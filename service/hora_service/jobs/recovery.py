@@ -1,0 +1,73 @@
+"""Recovery after a restart: re-adopting the attempts an earlier run of the service left.
+
+Ranks still alive are adopted again, attempts a queueing runtime (Slurm) still holds stay
+``starting``, and attempts caught while starting are failed (then retried per policy);
+the queue is read back from the store.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from hora.errors import HoraError
+from hora.spec import JobSpec, JobState
+
+from hora_service.elastic import ElasticRun
+from hora_service.jobs.attempt import Attempt, _outside
+from hora_service.jobs.launch import Launch
+from hora_service.runtimes import RankProcess
+from hora_service.scheduler import Pending
+
+log = logging.getLogger(__name__)
+
+
+class Recovery(Launch):
+    """Re-adopting, finishing or failing attempts found at start."""
+
+    def _recover(self) -> None:
+        """Re-adopt, finish or fail the attempts an earlier run of the service left behind."""
+        store = self.open_store()
+        now = time.time()
+        cancelling = store.cancel_requested()
+        grace = self.settings.kill_grace_s
+        for job in store.jobs_in((JobState.starting, JobState.running)):
+            plan = self._plan(job, job.attempt, job.slots, self.settings.work_root, 0)
+            ranks = self._runtime(job.spec.runtime.value).adopt(plan)
+            started = job.started_at.timestamp() if job.started_at else now
+            timeout = job.spec.timeout_s
+            attempt = Attempt(
+                job.id, job.user, plan, ranks, started, started + timeout if timeout else None,
+                kind=job.kind, created=job.created_at.timestamp(),
+            )  # fmt: skip
+            if plan.driver and job.elastic is not None:  # its membership, read on from the log
+                g = job.spec.gpus_per_worker
+                attempt.elastic = ElasticRun(job.elastic, plan.log_path(0), g)
+                self._reoffer(plan)
+            self._attempts[job.id] = attempt
+            if job.id in cancelling:
+                attempt.stop(JobState.cancelled, "cancelled by the user", now, grace, False)
+            elif job.state == JobState.starting and self._held(job.spec.runtime.value, ranks):
+                attempt.held = True  # still in the runtime's queue, or started meanwhile
+            elif job.state == JobState.starting:
+                reason = "the service stopped while the job was starting"
+                attempt.stop(JobState.failed, reason, now, grace, retry=True)
+        for job_id, user, need, priority, spec_json, retry_at in store.pending_rows():
+            spec = JobSpec.model_validate_json(spec_json)
+            self._pending[job_id] = (
+                Pending(job_id, user, 0 if _outside(spec) else need, priority, spec.timeout_s),
+                retry_at,
+            )
+        self._dirty = True
+        if self._attempts or self._pending:
+            log.info(
+                "recovered %d active and %d queued job(s)", len(self._attempts), len(self._pending)
+            )
+
+    def _held(self, runtime: str, ranks: list[RankProcess]) -> bool:
+        """A starting job a queueing runtime (Slurm) took: re-adopted, never started twice."""
+        try:
+            queues = self._runtime(runtime).queues
+        except HoraError:
+            return False
+        return queues and bool(ranks) and all(r.container_id is not None for r in ranks)

@@ -1,0 +1,132 @@
+"""What the slots and the queue look like now: holders, a queued job's place, metrics.
+
+These are read-only views of the monitor's state, taken under its lock, for the API's
+slot and queue pages and for ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from hora.errors import HoraError
+
+from hora_service.jobs.attempt import Holder, QueueView
+from hora_service.jobs.core import ManagerCore
+from hora_service.models import MetricsSnapshot, SlotInfo
+from hora_service.scheduler import INF, Holding, Pending, queue_order, reserve
+
+
+class SlotViews(ManagerCore):
+    """The slots, their holders, the queue and the metrics."""
+
+    def slots(self) -> list[SlotInfo]:
+        """Every slot and the job (and user) holding it."""
+        with self._lock:
+            held = {s: a for a in self._attempts.values() for s in a.plan.slots}
+        return [
+            SlotInfo(
+                index=s.index,
+                kind=s.kind,
+                name=s.name,
+                job_id=held[s.index].job_id if s.index in held else None,
+                user=held[s.index].user if s.index in held else None,
+                holder_kind=held[s.index].kind if s.index in held else None,
+            )
+            for s in self.inventory
+        ]
+
+    def cpu_seconds(self, job_id: int) -> float | None:
+        """CPU seconds the running attempt of ``job_id`` has used (None: none, or unknown)."""
+        with self._lock:
+            attempt = self._attempts.get(job_id)
+        if attempt is None:
+            return None
+        try:
+            runtime = self._runtime(attempt.plan.spec.runtime.value)
+        except HoraError:
+            return None
+        return runtime.cpu_seconds(attempt.plan)
+
+    def cluster_slots(self) -> list[SlotInfo]:
+        """The Slurm cluster's GPUs and their holders (none unless ``slurm_conf`` is set)."""
+        if self.settings.slurm_conf is None:
+            return []
+        with self._lock:
+            holders = {
+                r.container_id.removeprefix("slurm:"): (a.job_id, a.user, a.kind)
+                for a in self._attempts.values()
+                for r in a.ranks[:1]
+                if r.container_id and r.container_id.startswith("slurm:")
+            }
+        from hora_service.runtimes.slurm import SlurmRuntime  # only where Slurm is used
+
+        runtime = self._runtime("slurm")
+        return runtime.cluster_slots(holders) if isinstance(runtime, SlurmRuntime) else []
+
+    def queue_view(self, job_id: int, now: float | None = None) -> QueueView:
+        """Where queued ``job_id`` stands (position 0 when it is not queued)."""
+        now = time.time() if now is None else now
+        with self._lock:
+            order = sorted((p for p, _ in self._pending.values()), key=queue_order)
+            mine = [i for i, p in enumerate(order) if p.id == job_id]
+            attempts = sorted(self._attempts.values(), key=lambda a: a.started)
+            held = sum(len(a.plan.slots) for a in attempts)
+            owner = order[mine[0]].user if mine else None
+            used = sum(len(a.plan.slots) for a in attempts if a.user == owner)
+        free = len(self.inventory) - held
+        holders = tuple(
+            Holder(a.job_id, a.kind, a.user, a.plan.slots, a.started, a.deadline) for a in attempts
+        )
+        if not mine:
+            return QueueView(0, 0, free, holders, None, False)
+        job = order[mine[0]]
+        quota = self._quotas().get(job.user, self.settings.user_gpu_quota)
+        slots = [Holding(h.id, h.user, h.slots, h.ends_at or INF) for h in holders]
+        shadow = reserve(job, free, slots, now).shadow
+        return QueueView(
+            mine[0] + 1, job.need, free, holders, shadow if shadow < INF else None,
+            quota is not None and used + job.need > quota,
+        )  # fmt: skip
+
+    def queue_snapshot(self) -> tuple[list[tuple[Pending, float | None]], tuple[Holder, ...]]:
+        """The queued jobs (with their retry time) and the holders, oldest first, at once."""
+        with self._lock:
+            pending = list(self._pending.values())
+            attempts = sorted(self._attempts.values(), key=lambda a: a.started)
+        holders = tuple(
+            Holder(
+                a.job_id, a.kind, a.user, a.plan.slots, a.started, a.deadline,
+                a.stop_state is not None,
+            )  # fmt: skip
+            for a in attempts
+        )
+        return pending, holders
+
+    def metrics(self) -> MetricsSnapshot:
+        """Jobs by state, queue length, slots, and submit-to-running latency."""
+        counts = self.open_store().count_by_state()
+        now = time.time()
+        with self._lock:
+            lat = sorted(self._latencies)
+            allocated = sum(len(a.plan.slots) for a in self._attempts.values())
+            running: dict[str, float] = {}
+            for a in self._attempts.values():
+                held = len(a.plan.slots) * max(0.0, now - (a.counted or a.started))
+                running[a.user] = running.get(a.user, 0.0) + held
+        return MetricsSnapshot(
+            slot_kind=self._kind,
+            queue_wait=self.usage.wait_rows(),
+            slot_hours=self.usage.slot_hours(running),
+            jobs_by_state=counts,
+            queue_length=counts.get("queued", 0) + counts.get("retrying", 0),
+            slots_total=len(self.inventory),
+            slots_allocated=allocated,
+            schedule_latency_p50_s=statistics.median(lat) if lat else None,
+            schedule_latency_p99_s=lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else None,
+            schedule_latency_sum_s=self._latency_sum,
+            schedule_latency_count=self._latency_count,
+            schedule_pass_seconds=self._last_pass_s,
+            store_pending_writes=len(self.journal),
+            preflight_bandwidth_gbps=self.preflight.by_node(),
+        )
