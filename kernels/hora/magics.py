@@ -3,120 +3,35 @@
 Thin by design: each magic parses its line with IPython's ``magic_arguments`` (never ``eval``),
 calls :class:`hora.engines.Cluster`, and displays the result. ``%load_ext hora`` registers them
 without importing torch or ipyparallel; those load when a magic first starts engines.
+What they show is in :mod:`hora.magics_display`, and ``%dist_submit``'s job path in
+:mod:`hora.magics_submit`; the names they define stay importable from here.
 """
 
 from __future__ import annotations
 
-import html
-import os
-import pickle
-import re
 import sys
-import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from hora.errors import HoraError
+from hora.magics_display import DisplaySink, QueueDisplay, Table, notify, show_profile
+from hora.magics_submit import JobEndedError, submit_history, write_job_files
+
+__all__ = [
+    "DisplaySink",
+    "HoraMagics",
+    "JobEndedError",
+    "QueueDisplay",
+    "Table",
+    "load_ipython_extension",
+    "unload_ipython_extension",
+    "write_job_files",
+]
 
 _MAGICS: HoraMagics | None = None
-
-
-class Table:
-    """Rows of dicts shown as an HTML table in notebooks and aligned text elsewhere."""
-
-    def __init__(self, rows: Sequence[dict[str, Any]], title: str = "") -> None:
-        self.rows, self.title = list(rows), title
-        self.cols = list(self.rows[0]) if self.rows else []
-
-    def __repr__(self) -> str:
-        cells = [self.cols] + [[str(r[c]) for c in self.cols] for r in self.rows]
-        widths = [max(len(row[i]) for row in cells) for i in range(len(self.cols))]
-        lines = [
-            "  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip()
-            for row in cells
-        ]
-        return "\n".join(([self.title] if self.title else []) + lines)
-
-    def _repr_html_(self) -> str:
-        head = "".join(f"<th>{html.escape(c)}</th>" for c in self.cols)
-        body = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(str(r[c]))}</td>" for c in self.cols) + "</tr>"
-            for r in self.rows
-        )
-        cap = f"<caption>{html.escape(self.title)}</caption>" if self.title else ""
-        return f"<table>{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-
-
-_LINE_END = re.compile(r"(\r\n|\r|\n)")
-
-
-class DisplaySink:
-    r"""Shows a cell's live output in the notebook: text as it streams, rich output displayed.
-
-    With ``prefix`` (``--all``) text is passed on a whole line at a time, each line prefixed
-    ``[rank N]``: ranks print concurrently, and a partial line of one rank must not be joined
-    with another rank's text. A line ends at ``\n`` or ``\r`` (so progress bars that redraw
-    with ``\r`` still update); what is left at the end of the cell is written by :meth:`flush`.
-
-    Args:
-        prefix: prefix each line with ``[rank N]`` (``--all``).
-    """
-
-    def __init__(self, prefix: bool) -> None:
-        self.prefix = prefix
-        self._partial: dict[tuple[int, str], str] = {}
-
-    def stream(self, rank: int, name: str, text: str) -> None:
-        """Write a rank's text to the notebook's stdout or stderr."""
-        if self.prefix:
-            key = (rank, name)
-            parts = _LINE_END.split(self._partial.pop(key, "") + text)
-            if parts[-1]:
-                self._partial[key] = parts[-1]
-            text = "".join(
-                end if not line and end == "\r" else f"[rank {rank}] {line}{end}"
-                for line, end in zip(parts[:-1:2], parts[1::2], strict=True)
-            )
-        self._write(name, text)
-
-    def flush(self) -> None:
-        """Write the ranks' unfinished lines (text printed without a newline at the end)."""
-        for (rank, name), line in sorted(self._partial.items()):
-            self._write(name, f"[rank {rank}] {line}\n")
-        self._partial.clear()
-
-    @staticmethod
-    def _write(name: str, text: str) -> None:
-        if not text:
-            return
-        out = sys.stderr if name == "stderr" else sys.stdout
-        out.write(text)
-        out.flush()
-
-    def display(self, rank: int, content: dict[str, Any]) -> None:
-        """Display a rank's rich output (plots, tables, the cell's last value, updates)."""
-        from IPython.display import clear_output, publish_display_data
-
-        if content.get("clear"):
-            clear_output(wait=bool(content.get("wait")))
-            return
-        transient = dict(content.get("transient") or {})
-        if "display_id" in transient:  # ranks may reuse ids; keep them apart in the notebook
-            transient["display_id"] = f"rank{rank}-{transient['display_id']}"
-        if self.prefix and not content.get("update"):
-            sys.stdout.write(f"[rank {rank}]\n")
-            sys.stdout.flush()
-        publish_display_data(
-            content.get("data", {}),
-            content.get("metadata", {}),
-            transient=transient or None,
-            update=bool(content.get("update")),
-        )
 
 
 def _names(names: Sequence[str], flag: str) -> list[str]:
@@ -197,7 +112,7 @@ class HoraMagics(Magics):
             raise UsageError(f"--runtime {runtime} needs a hora service (HORA_URL), not --local")
         if not local and service_configured():
             self.cluster = ServiceCluster(
-                options, progress=queue.update, notify=_notify, idle_timeout_s=idle,
+                options, progress=queue.update, notify=notify, idle_timeout_s=idle,
                 runtime=runtime, ip=ip,
             )  # fmt: skip
             try:
@@ -495,7 +410,7 @@ class HoraMagics(Magics):
         for note in result.notes:  # a rank died during the cell and was replaced
             sys.stderr.write(f"hora: {note}\n")
         if profile:
-            _show_profile(prof.finish_profile(cluster))
+            show_profile(prof.finish_profile(cluster))
         from hora.engines.script import CellRecord
 
         self._record(CellRecord(self.cell_number, code))
@@ -522,40 +437,17 @@ class HoraMagics(Magics):
 
         Example: ``job = %dist_submit --workers 2 --name digits --wait``
         """
-        from hora.client import Client, parse_spec
-        from hora.engines.script import CellRecord, pushed_blobs, render_script
-        from hora.errors import SpecError
-
         args = parse_argstring(self.dist_submit, line)
         workers = args.workers or (self.cluster.size if self._is_up() else self._last_size)
         if workers is None:
             raise UsageError("%dist_submit: no engines are running; pass --workers N")
         session = self._session_id() if args.handoff else None
-        try:
-            if self.cluster is not None and self.cluster.starts != self._history_of:
-                self.history = []
-            text, blobs = render_script(self.history), pushed_blobs(self.history)
-        except SpecError as e:
-            raise UsageError(f"%dist_submit: {e}") from None
-        script, values = write_job_files(Path.cwd() / "hora-jobs", args.name, text, blobs)
-        n = sum(isinstance(r, CellRecord) for r in self.history)
-        # not closed here: the returned Job keeps using it (job.logs(), job.wait())
-        client = Client()
-        command = [sys.executable, str(script), str(values)]
-        if session is None:
-            job = client.submit(command, workers=workers, gpus=args.gpus, name=args.name)
-        else:
-            data = {"command": command, "workers": workers, "gpus_per_worker": args.gpus}
-            job = client.handoff(session, parse_spec(data | {"name": args.name}))
-            self._stop_engines()  # the service stops the engines; this ends the controller
-            sys.stdout.write(f"session {session}'s slots handed to job {job.id}\n")
-        sys.stdout.write(
-            f"submitted job {job.id} ({args.name}): {n} cells of this notebook, {script}\n"
-            f"follow it: hora logs -f {job.id}  (hora status {job.id}, hora cancel {job.id})\n"
-        )
-        if args.wait:
-            _wait_for_job(job)
-        return job
+        if self.cluster is not None and self.cluster.starts != self._history_of:
+            self.history = []
+        return submit_history(
+            self.history, name=args.name, workers=workers, gpus=args.gpus, session=session,
+            wait=args.wait, stop_engines=self._stop_engines,
+        )  # fmt: skip
 
     def _session_id(self) -> int:
         session = getattr(self.cluster, "session", None) if self._is_up() else None
@@ -571,90 +463,6 @@ class HoraMagics(Magics):
         if self.cluster is not None:
             self.cluster.stop()
             self.cluster = None
-
-
-class QueueDisplay:
-    """Shows a queued ``%dist_start`` live in its cell: one display, updated in place."""
-
-    def __init__(self) -> None:
-        self.handle: Any = None
-        self.t0 = time.monotonic()
-
-    def update(self, info: Any) -> None:
-        """Show the session's place in the queue (called while it waits)."""
-        from datetime import UTC, datetime
-
-        from IPython.display import display
-
-        from hora.engines.session import render_queue
-
-        text = _Text(render_queue(info, datetime.now(UTC), time.monotonic() - self.t0))
-        if self.handle is None:
-            self.handle = display(text, display_id=True)
-        else:
-            self.handle.update(text)
-
-    def done(self, cluster: Any) -> None:
-        """Say how long the engines waited (the last queue state stays shown above)."""
-        if self.handle is not None:
-            sys.stdout.write(f"slots granted after {cluster.queued_s:.1f}s in the queue\n")
-
-
-class _Text:
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-    def __repr__(self) -> str:
-        return self.text
-
-
-def _show_profile(report: Any) -> None:
-    """Display ``%%distributed --profile``'s table, chart and verdict."""
-    from IPython.display import display
-
-    from hora.engines.profile import ChartHTML
-
-    if report is None:
-        sys.stderr.write("--profile: some rank recorded nothing (was the cell interrupted?)\n")
-        return
-    display(Table(report.rows(), "scaling report (--profile)"))
-    display(ChartHTML(report))
-    sys.stdout.write(report.verdict() + "\n")
-
-
-def _notify(text: str) -> None:
-    """Show a session notice (from the heartbeat thread) in the notebook's latest output."""
-    sys.stderr.write(text + "\n")
-    sys.stderr.flush()
-
-
-class JobEndedError(HoraError):
-    """A job submitted with ``%dist_submit --wait`` failed or was cancelled."""
-
-    def _render_traceback_(self) -> list[str]:
-        return [f"{type(self).__name__}: {self}"]
-
-
-def write_job_files(folder: Path, name: str, text: str, blobs: list[bytes]) -> tuple[Path, Path]:
-    """Write the job's script and the pushed values next to it; return both paths."""
-    folder.mkdir(parents=True, exist_ok=True)
-    safe = re.sub(r"[^A-Za-z0-9._-]", "-", name).strip("-.") or "notebook"
-    stem = f"{safe}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-    script, values = folder / f"{stem}.py", folder / f"{stem}.pushed.pkl"
-    script.write_text(text)
-    with values.open("wb") as f:
-        pickle.dump(blobs, f)
-    return script, values
-
-
-def _wait_for_job(job: Any) -> None:
-    for text in job.follow(0):
-        sys.stdout.write(text)
-        sys.stdout.flush()
-    info = job.status()
-    sys.stdout.write(f"job {job.id}: {info.state.value}\n")
-    if info.state.value != "succeeded":
-        raise JobEndedError(f"job {job.id} {info.state.value}: {info.reason or 'see hora status'}")
 
 
 def load_ipython_extension(ipython: Any) -> None:
