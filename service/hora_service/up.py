@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from hora.client import load_config, save_config
+from hora.procs import signal_group
 
 log = logging.getLogger(__name__)
 
@@ -307,6 +308,8 @@ def wait_quiet(quiet_s: float = LAB_QUIET_S, timeout: float = 10.0) -> None:
 def stop_group(proc: subprocess.Popen[bytes], grace_s: float = LAB_STOP_GRACE_S) -> None:
     """SIGTERM the process group of ``proc``, SIGKILL it after ``grace_s``; reap the leader."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
+        # not signal_group: a group we may not signal is an error to report here, not a
+        # group that is gone
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
@@ -323,10 +326,7 @@ def stop_group(proc: subprocess.Popen[bytes], grace_s: float = LAB_STOP_GRACE_S)
 
 def _kill_leftovers(pgid: int) -> None:
     # kernels that JupyterLab started stay in its group; don't let them outlive it
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    signal_group(pgid, signal.SIGKILL)
 
 
 def _watch(lab: subprocess.Popen[bytes], server: Any) -> None:

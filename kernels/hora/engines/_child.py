@@ -29,6 +29,8 @@ import tempfile
 import threading
 import time
 
+from hora.procs import signal_group
+
 _STACK_FILES: list[object] = []
 
 
@@ -42,7 +44,7 @@ def _watch_parent(parent: int, cleanup: str | None) -> None:
             # whole group down, including processes it forked (the controller's heart monitor,
             # DataLoader workers of an engine), which have no watchdog of their own
             try:
-                os.killpg(0, signal.SIGKILL)
+                signal_group(0, signal.SIGKILL)
             finally:
                 os._exit(1)
 

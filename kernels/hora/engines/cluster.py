@@ -51,6 +51,7 @@ from hora.engines.report import CellNumbers, log_tail
 from hora.engines.state import State
 from hora.env import new_rdzv_secret
 from hora.net import free_port
+from hora.procs import signal_group
 
 log = logging.getLogger("hora.engines")
 
@@ -519,19 +520,12 @@ def _init_error(errors: dict[int, str]) -> EngineStartError:
     return EngineStartError(f"hora.torch.init() failed on rank {ranks[0]}: {last}\n{first}{also}")
 
 
-def _signal_group(p: subprocess.Popen[bytes], sig: int) -> None:
-    # each process leads its own session, so its group holds anything user code forked
-    try:
-        os.killpg(p.pid, sig)
-    except OSError:
-        pass
-
-
 def kill(procs: Sequence[subprocess.Popen[bytes]]) -> None:
     """SIGKILL processes with their process groups and reap them."""
     for p in procs:
         if p.poll() is None:
-            _signal_group(p, signal.SIGKILL)
+            # each process leads its own session, so its group holds anything user code forked
+            signal_group(p.pid, signal.SIGKILL)
     for p in procs:
         p.wait(timeout=10)
 

@@ -9,11 +9,11 @@ instead of a wall of N tracebacks, and still counts as an error for nbclient and
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hora.errors import CollectiveTimeout, HoraError, RankFailedError
+from hora.procs import exit_words
 
 RECOVER = "run %dist_restart to start fresh engines (their variables are lost)"
 
@@ -110,7 +110,8 @@ def exit_status(code: int | None) -> str:
         code: ``Popen.returncode`` (negative: killed by that signal), or None if still running.
 
     Returns:
-        e.g. ``"exit code 3"``, ``"killed by SIGKILL (out of memory?)"``, ``"still running"``.
+        e.g. ``"exit code 3"``, ``"killed by SIGKILL (out of memory?)"`` (the words of
+        ``hora.procs.exit_words``), ``"still running"``.
 
     Example:
         >>> exit_status(-11)
@@ -120,18 +121,7 @@ def exit_status(code: int | None) -> str:
         return "still running"
     if code == UNSEEN_EXIT:
         return "gone; its exit status is in the session's events"
-    if code >= 0:
-        return f"exit code {code}"
-    try:
-        name = signal.Signals(-code).name
-    except ValueError:
-        name = f"signal {-code}"
-    notes = {
-        "SIGKILL": " (out of memory?)",
-        "SIGSEGV": " (segmentation fault)",
-        "SIGABRT": " (abort)",
-    }
-    return f"killed by {name}{notes.get(name, '')}"
+    return exit_words(code)
 
 
 def _others_line(first: RankError, others: Sequence[RankError]) -> str:

@@ -17,6 +17,8 @@ import signal
 import sys
 from pathlib import Path
 
+from hora.procs import signal_group as signal_group  # the callers' procs.signal_group
+
 log = logging.getLogger("hora.launch")
 
 _PR_SET_CHILD_SUBREAPER = 36
@@ -36,25 +38,6 @@ def exit_code(returncode: int) -> int:
         137
     """
     return 128 - returncode if returncode < 0 else returncode & 0xFF
-
-
-def signal_group(pgid: int, sig: int) -> bool:
-    """Send ``sig`` to the process group ``pgid``.
-
-    Args:
-        pgid: the group id (a rank's pid: each rank leads its own group).
-        sig: the signal number.
-
-    Returns:
-        True when the group still had a member to signal, False when it is empty.
-    """
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # a member changed its uid; nothing we may do
-        return False
-    return True
 
 
 def group_has_live_members(pgid: int) -> bool:

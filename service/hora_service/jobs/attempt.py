@@ -10,6 +10,7 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass, field
 
+from hora.procs import ended
 from hora.spec import JobSpec, JobState
 
 from hora_service.elastic import ElasticRun
@@ -122,10 +123,4 @@ def describe(rank: int, status: RankStatus, note: str | None = None) -> str:
     if status is Exit.lost:
         return f"rank {rank} ended while the service was down; its exit status is unknown"
     assert isinstance(status, int)
-    if status < 0:
-        try:
-            name = signal.Signals(-status).name
-        except ValueError:
-            name = f"signal {-status}"
-        return f"rank {rank} was killed by {name}"
-    return f"rank {rank} exited with code {status}"
+    return f"rank {rank} {ended(status)}"

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import psutil
 from hora.env import RDZV_SECRET_VAR, rank_env
+from hora.procs import signal_group
 
 from hora_service.elastic import hosts_arg
 from hora_service.runtimes import namespaces, scratch
@@ -174,13 +175,6 @@ def write_pid(run_dir: Path, rank: int, pid: int) -> None:
     os.replace(tmp, path)
 
 
-def _signal_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)  # the shim leads its own session: its pid is the group id
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 class ChildRank(RankProcess):
     """A rank this service started (it is the shim's parent and reaps it)."""
 
@@ -199,7 +193,7 @@ class ChildRank(RankProcess):
 
     def signal(self, sig: int) -> None:
         """Signal the rank's process group."""
-        _signal_group(self.proc.pid, sig)
+        signal_group(self.proc.pid, sig)
 
 
 class AdoptedRank(RankProcess):
@@ -256,7 +250,7 @@ class AdoptedRank(RankProcess):
             self._owed = signal.SIGKILL if signal.SIGKILL in (sig, self._owed) else sig
         elif self._alive():
             assert self.pid is not None
-            _signal_group(self.pid, sig)
+            signal_group(self.pid, sig)
 
 
 class LocalRuntime(Runtime):
