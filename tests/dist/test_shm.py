@@ -305,6 +305,10 @@ def _rank_interrupted(rank: int, size: int) -> dict[str, Any]:
     from hora.torch import _shm
     from hora.torch._process_sets import comm_of
 
+    # Python's own SIGINT handler, as in a terminal: a rank started from a background job
+    # (a CI script's `cmd &`) inherits SIGINT ignored, and then no handler turns it into
+    # KeyboardInterrupt
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     hvd.init()
     ring = _shm.ring_of(comm_of(None, "test"), "test")
     assert ring is not None
