@@ -53,18 +53,24 @@ def make(plan: AttemptPlan, where: str | None = None) -> Path | None:
     return path
 
 
-def existing(plan: AttemptPlan, where: str | None = None) -> Path | None:
-    """The attempt's directory made by :func:`make` (a real directory, never a link), if any."""
+def _dirs(plan: AttemptPlan, where: str | None) -> list[Path]:
+    """The attempt's directories: real directories (never links) named with its prefix."""
     start = prefix(plan)
     if start is None:
-        return None
+        return []
+    found = []
     for path in sorted(Path(where or tempfile.gettempdir()).glob(start + "*")):
         try:
             if stat.S_ISDIR(os.lstat(path).st_mode):
-                return path
+                found.append(path)
         except OSError:  # removed meanwhile
             continue
-    return None
+    return found
+
+
+def existing(plan: AttemptPlan, where: str | None = None) -> Path | None:
+    """The attempt's directory made by :func:`make` (a real directory, never a link), if any."""
+    return next(iter(_dirs(plan, where)), None)
 
 
 def remove(plan: AttemptPlan, where: str | None = None) -> None:
@@ -73,14 +79,8 @@ def remove(plan: AttemptPlan, where: str | None = None) -> None:
     Only real directories whose names start with the attempt's prefix; a symlink of that
     name is left alone, and what lies inside is removed without following links.
     """
-    start = prefix(plan)
-    if start is None:
-        return
-    base = Path(where or tempfile.gettempdir())
-    for path in base.glob(start + "*"):
+    for path in _dirs(plan, where):
         try:
-            if not stat.S_ISDIR(os.lstat(path).st_mode):
-                continue
             shutil.rmtree(path)
         except OSError as e:
             log.warning("job %d: cannot remove %s: %s", plan.job_id, path, e)
