@@ -17,7 +17,7 @@ from pathlib import Path
 import hora.torch
 
 LAYERS: dict[str, tuple[str, ...]] = {
-    "state": ("_sealed", "_rendezvous", "_heartbeat", "_state", "basics", "compression"),
+    "state": ("_dist", "_sealed", "_rendezvous", "_heartbeat", "_state", "basics", "compression"),
     "diagnosis": ("_stall", "timeline"),
     "launch": (
         "_handles", "_shm", "_hier", "_comm", "_wire", "_negotiation", "_engine", "_process_sets",

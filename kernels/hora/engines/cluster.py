@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from hora.engines import bootstrap, plan, world
+from hora.engines import _ipp, bootstrap, plan, world
 from hora.engines.errors import (
     CellFailedError,
     ClusterBrokenError,
@@ -303,7 +303,7 @@ class Cluster(Recovery):
         return Engine(
             rank=rank,
             engine_id=eid,
-            ident=self.client._engines[eid].encode(),
+            ident=_ipp.engine_ident(self.client, eid),
             proc=proc,
             host=info["host"],
             device=info["device"],

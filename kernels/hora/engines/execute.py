@@ -26,6 +26,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
+from hora.engines import _ipp
 from hora.engines.bootstrap import abort_group
 from hora.engines.errors import (
     CellFailedError,
@@ -234,7 +235,7 @@ def _remote_stack(client: Any, engine: Engine, wait_s: float) -> str:
     from hora.engines.bootstrap import STACK_REQUEST
 
     try:
-        ask = client._send_control_request([engine.engine_id], STACK_REQUEST, {}, block=False)
+        ask = _ipp.control_request(client, engine.engine_id, STACK_REQUEST)
         (reply,) = ask.result(timeout=max(wait_s, 2.0))
         return pick_thread(str(reply["content"]["stack"]), engine.main_thread)
     except Exception as e:  # no answer (an engine without the handler, or gone)
@@ -246,11 +247,11 @@ def interrupt_remote(client: Any, engine_id: int) -> None:
 
     ipykernel's ``interrupt_request`` (which the engine answers on its control thread, also
     while it runs a cell) makes the engine send SIGINT to itself; ipyparallel's public
-    ``send_signal`` needs a nanny, which hora's engines run without. This is the one place
-    that uses the client's private control request.
+    ``send_signal`` needs a nanny, which hora's engines run without. The control request is
+    private to ipyparallel's client (see :mod:`hora.engines._ipp`).
     """
     try:
-        client._send_control_request([engine_id], "interrupt_request", {}, block=False)
+        _ipp.control_request(client, engine_id, "interrupt_request")
     except Exception as e:  # the controller or the engine is gone: the cell says so anyway
         log.info("engine %d: interrupt not sent: %s", engine_id, e)
 
@@ -322,13 +323,7 @@ class CellRun:
 
     def send_to(self, e: Engine) -> None:
         """Send the cell to one engine (a new one replacing a dead rank, too)."""
-        self.client.send_execute_request(
-            self.client._mux_stream,
-            self.code,
-            silent=False,
-            ident=e.ident,
-            message_future_hook=partial(self._hook, e.engine_id),
-        )
+        _ipp.send_cell(self.client, self.code, e.ident, partial(self._hook, e.engine_id))
 
     def pending(self) -> list[int]:
         """Return the ranks that have not finished the cell (nor died)."""

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from hora.env import RDZV_SECRET_VAR, World
 from hora.errors import CollectiveTimeout, LauncherEnvError, RendezvousError
+from hora.torch import _dist
 
 log = logging.getLogger("hora.torch")
 
@@ -313,7 +314,7 @@ def create_group(
     0 that reached rank 0's store of the previous init() just before it closed connects again.
     """
     if dist.is_initialized():
-        store = dist.distributed_c10d._get_default_store()
+        store = _dist.default_store()
         return world_from_group(world), str(dist.get_backend()), store, None
     # Importing this torch package while a group exists keeps that group alive for good (its
     # threads and rank 0's store, hence the port, survive destroy_process_group). torch

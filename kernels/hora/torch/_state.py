@@ -34,7 +34,7 @@ from hora.errors import (
     RendezvousError,
     UnsupportedError,
 )
-from hora.torch import _rendezvous
+from hora.torch import _dist, _rendezvous
 from hora.torch._heartbeat import StallHeartbeat
 
 log = logging.getLogger("hora.torch")
@@ -202,7 +202,7 @@ def _connect(world: World, backend: str, start_s: float, timeout_s: float) -> St
         side = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     except (RuntimeError, dist.DistError) as e:  # rank 0, the store's host, went away
         if not adopted:  # a later try must not adopt this half-made world
-            dist.distributed_c10d._abort_process_group()
+            _dist.abort_default_group()
         where = f"{world.master_addr}:{world.master_port}"
         raise RendezvousError(where, f"the side group could not be formed: {e}") from None
     state = State(
@@ -309,7 +309,7 @@ def _release(state: State, *, graceful: bool, abort_shm: bool | None = None) -> 
             if graceful:
                 dist.destroy_process_group()
             else:
-                dist.distributed_c10d._abort_process_group()
+                _dist.abort_default_group()
         except Exception as e:  # a group already aborted by a failure: nothing left to free
             log.debug("releasing the process group: %s", e)
     _restore_excepthook(state)
@@ -539,7 +539,7 @@ def abort() -> None:
     and on every peer waiting for this rank; :func:`rebuild` makes a new group.
     """
     if dist.is_initialized():
-        dist.distributed_c10d._abort_process_group()
+        _dist.abort_default_group()
     if _STATE is not None:
         # gloo closes a group's connections only when the group is freed: drop hora's
         # references (a DDP module built on the group still holds one)
