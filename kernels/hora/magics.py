@@ -173,9 +173,9 @@ class HoraMagics(Magics):
             raise UsageError(f"--rank {rank} is outside 0..{size - 1}")
 
     def _is_up(self) -> bool:
-        from hora.engines import State
+        from hora.engines import ClusterState
 
-        return self.cluster is not None and self.cluster.state is not State.STOPPED
+        return self.cluster is not None and self.cluster.state is not ClusterState.STOPPED
 
     # --- magics ----------------------------------------------------------------------------
     @magic_arguments()

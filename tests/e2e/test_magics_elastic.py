@@ -13,7 +13,7 @@ import time
 
 import pytest
 from _magics_util import wait_gone
-from hora.engines import RankDiedError, State
+from hora.engines import ClusterState, RankDiedError
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 
@@ -82,7 +82,7 @@ def test_engine_killed_between_cells_is_replaced_and_the_others_keep_their_varia
         "[rank 1] None 3 3.0",
         "[rank 2] 102 3 3.0",
     ]
-    assert cluster().state is State.READY
+    assert cluster().state is ClusterState.READY
     assert [r["alive"] for r in cluster().status()] == [True] * N
 
 

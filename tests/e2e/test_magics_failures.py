@@ -16,11 +16,11 @@ from hora.engines import (
     ClusterBrokenError,
     ClusterNotRunningError,
     ClusterOptions,
+    ClusterState,
     CudaInitializedError,
     EngineStartError,
     RankDiedError,
     StallError,
-    State,
 )
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
@@ -91,7 +91,7 @@ def test_rank_death_is_reported_and_only_the_dead_engine_is_replaced(ip, kill, s
     assert wait_gone([old[1]]) == []
     new = {e.rank: e.pid for e in cluster().engines}
     assert new[0] == old[0] and new[1] != old[1]
-    assert cluster().state is State.READY
+    assert cluster().state is ClusterState.READY
     assert [r["alive"] for r in cluster().status()] == [True, True]
     result, cap = run(
         ip,
@@ -153,7 +153,7 @@ def test_stall_names_missing_rank_and_shows_its_stack(ip):
     assert "in stuck_here" in err.stacks[1] and "allreduce" in err.stacks[1]
     # the blocked rank was released and the process group rebuilt: no restart needed
     assert "process group rebuilt; engines usable, variables kept" in cap.stdout
-    assert cluster().state is State.READY
+    assert cluster().state is ClusterState.READY
 
 
 def test_rank_computing_alone_past_the_timeout_is_not_a_stall(ip):
@@ -165,7 +165,7 @@ def test_rank_computing_alone_past_the_timeout_is_not_a_stall(ip):
     result, cap = run(ip, cell)
     assert result.success, cap.stdout
     assert cap.stdout == "done\n"
-    assert cluster().state is State.READY
+    assert cluster().state is ClusterState.READY
 
 
 def test_stall_in_a_collective_shows_the_collective(ip):
@@ -218,7 +218,7 @@ def test_engines_keep_their_variables_after_a_broken_collective(ip, cell, error)
     pids = cluster().pids
     result, cap = run(ip, cell)
     assert isinstance(result.error_in_exec, error), cap.stdout
-    assert cluster().state is State.READY
+    assert cluster().state is ClusterState.READY
     assert cluster().pids == pids  # the same engine processes
     result, cap = run(ip, AFTER)
     assert result.success, cap.stdout
@@ -266,7 +266,7 @@ def test_cuda_initialised_in_kernel_is_refused():
     c = Cluster(ClusterOptions(n=2), cuda_check=lambda: True)
     with pytest.raises(CudaInitializedError, match="restart the kernel and run %dist_start"):
         c.start()
-    assert c.state is State.STOPPED and c.pids == []
+    assert c.state is ClusterState.STOPPED and c.pids == []
 
 
 def test_api_run_returns_every_rank_output():
@@ -296,7 +296,7 @@ def test_init_failure_names_the_rank_and_leaves_no_process():
         c.start()
     assert re.search(r"hora.torch.init\(\) failed on rank [01]: .*nccl", str(exc.value))
     assert "Traceback" in str(exc.value)
-    assert c.state is State.STOPPED
+    assert c.state is ClusterState.STOPPED
     assert wait_gone(set(children_of(os.getpid())) - before, timeout=5) == []
 
 

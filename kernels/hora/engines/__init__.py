@@ -7,7 +7,7 @@ only inside the engines.
 
 from __future__ import annotations
 
-from hora.engines.cluster import Cluster, State
+from hora.engines.cluster import Cluster, ClusterState
 from hora.engines.errors import (
     CellFailedError,
     ClusterBrokenError,
@@ -37,5 +37,5 @@ __all__ = [
     "OutputSink",
     "RankDiedError",
     "StallError",
-    "State",
+    "ClusterState",
 ]

@@ -48,7 +48,7 @@ from hora.engines.execute import (
 )
 from hora.engines.recovery import Recovery
 from hora.engines.report import CellNumbers, log_tail
-from hora.engines.state import State
+from hora.engines.state import ClusterState
 from hora.env import new_rdzv_secret
 from hora.net import free_port
 from hora.procs import signal_group
@@ -103,7 +103,7 @@ class Cluster(Recovery):
     ) -> None:
         self.options = options or plan.ClusterOptions()
         self.cuda_check = cuda_check
-        self.state = State.STOPPED
+        self.state = ClusterState.STOPPED
         self.engines: list[Engine] = []
         self.client: Any = None
         self.broken_reason = ""
@@ -144,12 +144,12 @@ class Cluster(Recovery):
             NotEnoughGpusError: more GPUs asked for than visible and free.
             EngineStartError: an engine exited, did not register, or failed to initialise.
         """
-        if self.state is not State.STOPPED:
+        if self.state is not ClusterState.STOPPED:
             raise EngineStartError(f"the cluster is {self.state.value}; run %dist_stop first")
         plan.check_cuda_free(self.cuda_check)
         devices = plan.plan_devices(self.options.n, self.options.gpus, visible_gpus())
         t0 = time.perf_counter()
-        self.state = State.STARTING
+        self.state = ClusterState.STARTING
         _track(self)
         try:
             self._launch(devices)
@@ -159,7 +159,7 @@ class Cluster(Recovery):
             self.stop()
             raise
         self.start_s = time.perf_counter() - t0
-        self.state = State.READY
+        self.state = ClusterState.READY
         self.starts += 1
         log.info("%d engines ready in %.2fs", self.size, self.start_s)
         return self.table()
@@ -332,7 +332,7 @@ class Cluster(Recovery):
         self._procs, self._logs, self.engines, self._dir = [], [], [], None
         self._pending = []
         self._controller = None
-        self.state, self.broken_reason = State.STOPPED, ""
+        self.state, self.broken_reason = ClusterState.STOPPED, ""
         self.numbers = CellNumbers()
         _LIVE.discard(self)
 
@@ -347,11 +347,11 @@ class Cluster(Recovery):
 
     # --- work ---------------------------------------------------------------------------------
     def _require_ready(self) -> None:
-        if self.state is State.BROKEN:
+        if self.state is ClusterState.BROKEN:
             raise ClusterBrokenError(
                 f"{self.broken_reason}; run %dist_restart (engine variables are lost)"
             )
-        if self.state is not State.READY:
+        if self.state is not ClusterState.READY:
             raise ClusterNotRunningError("no engines are running; run %dist_start first")
 
     def rank_of(self, engine_id: int) -> int:

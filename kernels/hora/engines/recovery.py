@@ -26,7 +26,7 @@ from hora.engines.errors import (
     exit_status,
     rank_ranges,
 )
-from hora.engines.state import State
+from hora.engines.state import ClusterState
 from hora.net import free_port
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -67,7 +67,7 @@ class Recovery:
         options: ClusterOptions
         client: Any
         engines: list[Engine]
-        state: State
+        state: ClusterState
         broken_reason: str
         rebuilds: int
         replaced: int
@@ -122,7 +122,7 @@ class Recovery:
         dead: dict[int, int | None] = {
             e.rank: code for e in self.engines if (code := e.proc.poll()) is not None
         }
-        if not dead or self.state is not State.READY:
+        if not dead or self.state is not ClusterState.READY:
             return ""
         pids = {e.rank: e.pid for e in self.engines}
         what = "; ".join(
@@ -131,7 +131,7 @@ class Recovery:
         log.warning("%s since the last cell; replacing", what)
         outcome = self._after_death(RankDiedError(dead))
         text = f"{what} since the last cell; {outcome}"
-        if self.state is State.BROKEN:
+        if self.state is ClusterState.BROKEN:
             raise ClusterBrokenError(text)
         return text
 
@@ -139,13 +139,13 @@ class Recovery:
         """Replace the dead engines and rebuild the group; say which variables were lost."""
         reason = "; ".join(f"rank {r} died" for r in sorted(e.dead))
         if e.running:  # a survivor never ended the cell: only a restart reaches it
-            self.state, self.broken_reason = State.BROKEN, reason
+            self.state, self.broken_reason = ClusterState.BROKEN, reason
             return RECOVER
         try:
             return self._replace(sorted(e.dead))
         except Exception as exc:  # the death stays the error shown; the way out is a restart
             log.warning("replacing the engines of %s failed: %s", rank_ranges(list(e.dead)), exc)
-            self.state, self.broken_reason = State.BROKEN, reason
+            self.state, self.broken_reason = ClusterState.BROKEN, reason
             return f"replacing the dead engines failed ({exc}); {RECOVER}"
 
     def world_file(self) -> Path | None:
@@ -268,7 +268,7 @@ class Recovery:
         try:
             self.restart()
         except Exception as exc:  # the cell's own error stays the one raised
-            self.state, self.broken_reason = State.BROKEN, f"{reason}; restart failed: {exc}"
+            self.state, self.broken_reason = ClusterState.BROKEN, f"{reason}; restart failed: {exc}"
             return f"{reason}; restarting the engines failed ({exc}): {RECOVER}"
         return f"{reason}; the engines were restarted (their variables are lost)"
 

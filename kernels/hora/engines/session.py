@@ -44,7 +44,7 @@ from hora.engines.errors import (
     rank_ranges,
 )
 from hora.engines.execute import CellResult
-from hora.engines.state import State
+from hora.engines.state import ClusterState
 from hora.errors import HoraError, SpecError
 from hora.net import free_port
 from hora.spec import QueueInfo
@@ -192,7 +192,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-class Heartbeat:
+class SessionHeartbeat:
     """Renews the session's lease from a background thread; keeps the warnings and the end.
 
     Args:
@@ -308,7 +308,7 @@ class ServiceCluster(Cluster):
         self.idle_timeout_s = idle_timeout_s
         self.session: SessionInfo | None = None
         self.asked: int | None = None  # the id of the last session asked for (kept after stop)
-        self.heartbeat: Heartbeat | None = None
+        self.heartbeat: SessionHeartbeat | None = None
         self.queued_s = 0.0
         self.busy = False
         self.last_active = time.monotonic()
@@ -333,11 +333,11 @@ class ServiceCluster(Cluster):
             EngineStartError: the session ended before its engines registered, or they did
                 not register and initialise within ``start_timeout_s`` of getting slots.
         """
-        if self.state is not State.STOPPED:
+        if self.state is not ClusterState.STOPPED:
             raise EngineStartError(f"the cluster is {self.state.value}; run %dist_stop first")
         plan.check_cuda_free(self.cuda_check)
         t0 = time.perf_counter()
-        self.state = State.STARTING
+        self.state = ClusterState.STARTING
         _track(self)
         try:
             connection = self._start_controller(t0 + self.options.start_timeout_s)
@@ -358,7 +358,7 @@ class ServiceCluster(Cluster):
             raise
         self.backend = "nccl" if self.engines[0].device.startswith("cuda") else "gloo"
         self.start_s = time.perf_counter() - t0
-        self.state = State.READY
+        self.state = ClusterState.READY
         self.starts += 1
         self.last_active = time.monotonic()
         return self.table()
@@ -419,11 +419,11 @@ class ServiceCluster(Cluster):
         self.asked = self.session.id
         beat = Client(self.service.url, self.service.token)
         period = max(0.2, self.session.lease_s / 3)
-        self.heartbeat = Heartbeat(beat, self.session.id, period, self._idle, self.notify)
+        self.heartbeat = SessionHeartbeat(beat, self.session.id, period, self._idle, self.notify)
         self.heartbeat.start()
 
     def _idle(self) -> float:
-        if self.busy or self.state is not State.READY:
+        if self.busy or self.state is not ClusterState.READY:
             return 0.0
         return time.monotonic() - self.last_active
 
@@ -512,8 +512,8 @@ class ServiceCluster(Cluster):
 
     def _require_ready(self) -> None:
         ended = self._session_over()
-        if ended is not None and self.state is not State.BROKEN:
-            self.state, self.broken_reason = State.BROKEN, self._ended_reason(ended)
+        if ended is not None and self.state is not ClusterState.BROKEN:
+            self.state, self.broken_reason = ClusterState.BROKEN, self._ended_reason(ended)
         super()._require_ready()
 
     def _after_death(self, e: RankDiedError) -> str:
@@ -530,7 +530,7 @@ class ServiceCluster(Cluster):
             reason = self._ended_reason(ended)
         else:
             reason = f"{rank_ranges(sorted(e.dead))} died; the hora service ends the session"
-        self.state, self.broken_reason = State.BROKEN, reason
+        self.state, self.broken_reason = ClusterState.BROKEN, reason
         return f"{reason}; {RECOVER}"
 
     def run(self, code: str, **kwargs: Any) -> CellResult:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 
 
-class State(enum.Enum):
+class ClusterState(enum.Enum):
     """Lifecycle of a cluster."""
 
     STOPPED = "stopped"

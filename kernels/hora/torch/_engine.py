@@ -80,7 +80,7 @@ def negotiate() -> bool:
 
 
 
-def begin(comm: Comm, op: str, name: str | None) -> tuple[_state.State, str]:
+def begin(comm: Comm, op: str, name: str | None) -> tuple[_state.RankState, str]:
     """Enter a collective: count it for the stall report and default its name."""
     state = _state.require_init(op)
     state.seq += 1
@@ -257,7 +257,7 @@ def wait_launched(comm: Comm, handle: Handle) -> None:
         comm.waiting = before
 
 
-def check_in_step(state: _state.State, op: str, name: str) -> None:
+def check_in_step(state: _state.RankState, op: str, name: str) -> None:
     """Refuse a collective once a deadlock left the ranks out of step (until ``init()``).
 
     Raises:

@@ -23,7 +23,7 @@ class StallHeartbeat:
     """The heartbeat thread of one rank; :meth:`stop` ends it.
 
     Args:
-        state: the rank's ``hora.torch._state.State`` (its ``rank``, ``seq``, ``last_sig``,
+        state: the rank's ``hora.torch._state.RankState`` (its ``rank``, ``seq``, ``last_sig``,
             ``last_op`` are published).
         store: the rendezvous store (a second connection to it is opened).
     """

@@ -72,7 +72,7 @@ class ProcessSet:
 global_process_set = ProcessSet()
 
 
-def _global(state: _state.State) -> Comm:
+def _global(state: _state.RankState) -> Comm:
     comm = state.comms.get(0)
     if comm is None:
         comm = Comm(0, list(range(state.size)), state.rank, state.group, state.side_group)

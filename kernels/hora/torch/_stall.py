@@ -1,6 +1,6 @@
 """Turn hangs and backend failures into errors that name ranks (data plane).
 
-Every rank counts the collectives it enters (``State.seq``, an int increment: no per-op
+Every rank counts the collectives it enters (``RankState.seq``, an int increment: no per-op
 communication) and a heartbeat thread publishes the counter to the rendezvous store every
 0.25 s. The backend's own timeout (``init(timeout=)``, default 60 s) bounds every wait; when a
 collective fails or times out, :func:`diagnose` reads the other ranks' counters twice:
@@ -36,7 +36,7 @@ def _read(store: Any, rank: int) -> Beat | None:
     return int(seq), float(ts), int(sig), (op[0] if op else "")
 
 
-def _snapshot(state: _state.State) -> dict[int, Beat | None]:
+def _snapshot(state: _state.RankState) -> dict[int, Beat | None]:
     store = state.heartbeat.store if state.heartbeat is not None else state.store
     return {r: _read(store, r) for r in range(state.size) if r != state.rank}
 

@@ -42,7 +42,7 @@ log = logging.getLogger("hora.torch")
 
 
 @dataclass
-class State:
+class RankState:
     """Everything hora.torch knows about this process's place in the job.
 
     Attributes:
@@ -102,7 +102,7 @@ class State:
 
 
 
-_STATE: State | None = None
+_STATE: RankState | None = None
 # whether the last world this process left (shutdown(), or init() after a failure) had failed
 _LEFT_BROKEN: list[bool] = [False]
 
@@ -157,7 +157,7 @@ def register_release_hook(fn: Callable[[], None]) -> None:
     _RELEASE_HOOKS.append(fn)
 
 
-def current() -> State | None:
+def current() -> RankState | None:
     """The state ``init()`` made, None before it (or after ``shutdown()``).
 
     What the engines, the timeline and the elastic layer read; they never assign it.
@@ -165,14 +165,14 @@ def current() -> State | None:
     return _STATE
 
 
-def require_init(op: str) -> State:
+def require_init(op: str) -> RankState:
     """Return the state, or raise NotInitializedError naming ``op``.
 
     Args:
         op: the public name of the operation being called (e.g. "allreduce").
 
     Returns:
-        The process-wide :class:`State`.
+        The process-wide :class:`RankState`.
 
     Raises:
         NotInitializedError: when ``init()`` has not run (or ``shutdown()`` ran).
@@ -182,13 +182,13 @@ def require_init(op: str) -> State:
     return _STATE
 
 
-def _start(world: World, backend: str, start_s: float, timeout_s: float) -> State:
+def _start(world: World, backend: str, start_s: float, timeout_s: float) -> RankState:
     state = _connect(world, backend, start_s, timeout_s)
     state.heartbeat = StallHeartbeat(state, state.store)
     return state
 
 
-def _connect(world: World, backend: str, start_s: float, timeout_s: float) -> State:
+def _connect(world: World, backend: str, start_s: float, timeout_s: float) -> RankState:
     """Rendezvous, create (or adopt) the default group and the side group; no heartbeat yet."""
     adopted = dist.is_initialized()
     hook = sys.excepthook
@@ -205,7 +205,7 @@ def _connect(world: World, backend: str, start_s: float, timeout_s: float) -> St
             _dist.abort_default_group()
         where = f"{world.master_addr}:{world.master_port}"
         raise RendezvousError(where, f"the side group could not be formed: {e}") from None
-    state = State(
+    state = RankState(
         rank=world.rank,
         size=world.size,
         local_rank=world.local_rank,
@@ -283,12 +283,12 @@ def init(
         hook(environ, process_sets)
 
 
-def _stop_heartbeat(state: State) -> None:
+def _stop_heartbeat(state: RankState) -> None:
     if state.heartbeat is not None:
         state.heartbeat.stop()
 
 
-def _release(state: State, *, graceful: bool, abort_shm: bool | None = None) -> None:
+def _release(state: RankState, *, graceful: bool, abort_shm: bool | None = None) -> None:
     """Free the groups init() made, the store and its connections, while Python is alive.
 
     gloo's worker threads drop the last reference to a finished Work (and the tensors it
@@ -334,7 +334,7 @@ def _release(state: State, *, graceful: bool, abort_shm: bool | None = None) -> 
         gc.collect()
 
 
-def _restore_excepthook(state: State) -> None:
+def _restore_excepthook(state: RankState) -> None:
     """Put back the ``sys.excepthook`` that ``init_process_group`` wrapped.
 
     torch wraps the hook (to prefix tracebacks with the rank) at every
@@ -444,7 +444,7 @@ def _watch_host(world: World) -> socket.socket | None:
         return None
 
 
-def _await_host_close(state: State, timeout_s: float) -> None:
+def _await_host_close(state: RankState, timeout_s: float) -> None:
     """Wait at most ``timeout_s`` for rank 0 to close its store; a slower rank 0 costs that.
 
     The server drops its connections a moment before its listening socket: once the watch
@@ -475,7 +475,7 @@ def _await_host_close(state: State, timeout_s: float) -> None:
             pass
 
 
-# What rebuild() takes from the fresh connection into the State objects already hold
+# What rebuild() takes from the fresh connection into the RankState objects already hold
 _REBUILT_FIELDS = (
     "group",
     "side_group",
@@ -492,7 +492,7 @@ def rebuild(master_port: int, start_timeout_s: float | None = None) -> None:
     The current group (and every group made from it) is aborted, which closes its connections:
     a peer still blocked in a collective of the old group fails at once instead of waiting
     for its timeout. Every rank then meets again at a fresh store on ``master_port`` (rank 0
-    hosts it) and creates a new default group. The :class:`State` object is updated in place,
+    hosts it) and creates a new default group. The :class:`RankState` object is updated in place,
     so objects that hold it (``DistributedOptimizer``) keep working; collective counters start
     again at 0 on every rank. A DDP module built before keeps the old group: wrap it again.
 

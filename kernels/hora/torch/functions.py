@@ -74,12 +74,12 @@ def _check_same(op: str, items: list[tuple[str, torch.Tensor]], process_set: Any
     raise TensorMismatchError(op, every[0][k][0], detail, [0, *bad])
 
 
-def _group_for(state: _state.State, comm: Any, device: torch.device) -> Any:
+def _group_for(state: _state.RankState, comm: Any, device: torch.device) -> Any:
     return comm.side if device.type == "cpu" and state.backend == "nccl" else comm.group
 
 
 def _broadcast_flat(
-    op: str, tensors: list[torch.Tensor], root: int, state: _state.State, comm: Any
+    op: str, tensors: list[torch.Tensor], root: int, state: _state.RankState, comm: Any
 ) -> None:
     """Broadcast root's tensors into every rank's tensors, one flat buffer per dtype/device."""
     kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
@@ -163,7 +163,7 @@ def _paste(obj: Any, tensors: list[torch.Tensor]) -> Any:
     return obj
 
 
-def _wire_device(state: _state.State, device: str) -> torch.device:
+def _wire_device(state: _state.RankState, device: str) -> torch.device:
     """NCCL moves CUDA tensors only; CPU state (Adam's step counts) travels on the device."""
     if state.backend == "nccl":
         return state.device
@@ -248,7 +248,7 @@ def _collect_slots(obj: Any, out: list[_Slot]) -> None:
             _collect_slots(v, out)
 
 
-def _pack(values: Any, state: _state.State) -> tuple[torch.Tensor, list[tuple[str, Any]]]:
+def _pack(values: Any, state: _state.RankState) -> tuple[torch.Tensor, list[tuple[str, Any]]]:
     """Flatten a number, a tensor or a dict of them into one float64 vector plus a recipe."""
     device = state.device if state.backend == "nccl" else torch.device("cpu")
     items = values.items() if isinstance(values, Mapping) else [("", values)]

@@ -209,7 +209,7 @@ def _hooks(phase: str) -> None:
 class _Path:
     """How one path reduces a tensor in place (gloo/NCCL group, or the shared-memory ring)."""
 
-    def __init__(self, name: str, state: _state.State, ring: Any = None) -> None:
+    def __init__(self, name: str, state: _state.RankState, ring: Any = None) -> None:
         self.name, self.state, self.ring = name, state, ring
 
     def allreduce(self, t: torch.Tensor, tag: str) -> None:
@@ -266,7 +266,7 @@ def _ring_pairs(n: int) -> list[tuple[int, int]]:
     return [(0, 1)] if n == 2 else [(i, (i + 1) % n) for i in range(n)]
 
 
-def _ping(state: _state.State, t: torch.Tensor, a: int, b: int, tag: str) -> float:
+def _ping(state: _state.RankState, t: torch.Tensor, a: int, b: int, tag: str) -> float:
     """One round trip a -> b -> a; its time on ``a`` (0 on ``b``)."""
     t0 = time.perf_counter()
     if state.rank == a:
@@ -281,7 +281,7 @@ def _ping(state: _state.State, t: torch.Tensor, a: int, b: int, tag: str) -> flo
     return time.perf_counter() - t0 if state.rank == a else 0.0
 
 
-def _measure_links(state: _state.State, nbytes: int) -> dict[str, list[float]]:
+def _measure_links(state: _state.RankState, nbytes: int) -> dict[str, list[float]]:
     """Ping-pong each ring neighbour pair this rank is in; times kept by the pair's first rank."""
     small = torch.zeros(1, device=state.device)
     big = torch.zeros(nbytes // 4, device=state.device)
@@ -297,7 +297,7 @@ def _measure_links(state: _state.State, nbytes: int) -> dict[str, list[float]]:
     return out
 
 
-def _shm_ring(state: _state.State) -> Any:
+def _shm_ring(state: _state.RankState) -> Any:
     """The shared-memory ring when the world's CPU buckets will use it, else None."""
     if state.device.type != "cpu" or state.size < 2 or state.local_size != state.size:
         return None
@@ -530,7 +530,7 @@ def run(
     return report
 
 
-def _report(state: _state.State, sizes: tuple[int, ...], every: list[dict[str, Any]],
+def _report(state: _state.RankState, sizes: tuple[int, ...], every: list[dict[str, Any]],
             link_bytes: int, below: float) -> PreflightReport:
     hosts = [e["host"] for e in every]
     bases = {e["host"]: e["base"] for e in every}

@@ -32,7 +32,9 @@ def _bshape(x: torch.Tensor) -> list[int]:
 
 
 @torch.no_grad()
-def _global_stats(x: torch.Tensor, state: _state.State) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _global_stats(
+    x: torch.Tensor, state: _state.RankState
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Return (mean, biased var, total count) over every rank's batch, per channel."""
     dims = _reduce_dims(x)
     n = x.numel() // x.size(1) if x.size(1) else 0
