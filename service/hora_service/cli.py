@@ -158,7 +158,7 @@ def user(args: argparse.Namespace) -> int:
     manager = JobManager(settings_from_args(args))
     try:
         if args.verb == "add":
-            token = manager.create_user(
+            token = manager.users.create(
                 args.name, admin=args.admin, quota=args.quota, uid=args.uid, make_account=True,
                 idle_timeout_s=args.idle_timeout,
             )  # fmt: skip
@@ -172,9 +172,9 @@ def user(args: argparse.Namespace) -> int:
         elif args.verb == "set":
             return set_user(manager, args)
         elif args.verb == "list":
-            for u in manager.list_users():
+            for u in manager.users.all():
                 sys.stdout.write(user_line(u) + "\n")
-        elif not manager.remove_user(args.name):
+        elif not manager.users.remove(args.name):
             sys.stderr.write(f"hora user: no user {args.name!r}\n")
             return 1
     finally:

@@ -142,13 +142,13 @@ def ensure_admin(manager: Any, url: str) -> tuple[str | None, bool]:
         The token (None when unknown) and whether it was just created (printed once).
     """
     saved = load_config(url=url).token
-    if saved and manager.user_for_token(saved) is not None:
+    if saved and manager.users.for_token(saved) is not None:
         save_config(url, saved)
         return saved, False
-    if manager.list_users():
+    if manager.users.all():
         return None, False
     name = re.sub(r"[^A-Za-z0-9._-]", "-", getpass.getuser()).strip("-.") or "admin"
-    token = str(manager.create_user(name, admin=True))
+    token = str(manager.users.create(name, admin=True))
     save_config(url, token)
     return token, True
 
