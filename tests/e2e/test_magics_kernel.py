@@ -220,7 +220,7 @@ def test_killed_kernel_leaves_no_engines():
         reply, _, msgs = k.run("%load_ext hora\n%dist_start -n 2")
         assert reply["status"] == "ok", error_text(msgs)
         pids = k.pids()
-        reply, out, _ = k.run("print(magics._MAGICS.cluster._dir)")
+        reply, out, _ = k.run("print(magics._MAGICS.cluster.workdir)")
         workdir = Path(out.strip())
         assert len(alive(pids)) == 3 and workdir.is_dir()
         # the controller forks a heart monitor: every process in hora's groups must go

@@ -1,10 +1,13 @@
 """A local ipyparallel cluster of GPU-bound engines with the process group initialised (data plane).
 
-:class:`Cluster` is the Python API behind the magics: ``start`` launches a controller and N
-engine processes at once (each engine with its own environment from :func:`plan.engine_env`,
-started by hora so their pids and exit codes are known), connects a client, and runs
-``hora.torch.init()`` in every engine; ``run`` executes a cell on every rank; ``push``/``pull``
-move variables; ``status`` reports liveness and memory; ``stop`` leaves no process behind.
+:class:`Cluster` is the Python API behind the magics: ``start`` has its
+:class:`~hora.engines.launchers.EngineLauncher` start a controller and N engines (by default
+the kernel's own child processes, each with its own environment from :func:`plan.engine_env`,
+so their pids and exit codes are known; a session's launcher asks the hora service), connects
+a client, and runs ``hora.torch.init()`` in every engine; ``run`` executes a cell on every
+rank; ``push``/``pull`` move variables; ``status`` reports liveness and memory; ``stop`` leaves
+no process behind. What happens after a failed cell is its
+:class:`~hora.engines.recovery.Recovery`'s.
 
 States form a small lifecycle: STOPPED -> STARTING -> READY, and READY -> BROKEN after a rank
 died (``restart`` is the way out). A stall, an interrupt or a collective that failed on some
@@ -17,19 +20,14 @@ from __future__ import annotations
 import atexit
 import json
 import logging
-import os
-import shutil
-import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from hora.engines import _ipp, bootstrap, plan, world
+from hora.engines import _ipp, bootstrap, plan
 from hora.engines.errors import (
     CellFailedError,
     ClusterBrokenError,
@@ -38,20 +36,11 @@ from hora.engines.errors import (
     RankDiedError,
     StallError,
 )
-from hora.engines.execute import (
-    CellResult,
-    Engine,
-    EngineProcess,
-    EnginesInterrupted,
-    OutputSink,
-    run_cell,
-)
+from hora.engines.execute import CellResult, Engine, EnginesInterrupted, OutputSink, run_cell
+from hora.engines.launchers import EngineLauncher, EngineProcess, LocalLauncher, world_file
 from hora.engines.recovery import Recovery
-from hora.engines.report import CellNumbers, log_tail
+from hora.engines.report import CellNumbers
 from hora.engines.state import ClusterState
-from hora.env import new_rdzv_secret
-from hora.net import free_port
-from hora.procs import signal_group
 
 log = logging.getLogger("hora.engines")
 
@@ -66,27 +55,15 @@ def kernel_cuda_initialized() -> bool:
     return bool(torch is not None and torch.cuda.is_initialized())
 
 
-def visible_gpus(environ: dict[str, str] | None = None) -> list[plan.GpuInfo]:
-    """List the GPUs the kernel may hand to engines (see :func:`hora.inventory.visible_gpus`).
-
-    Args:
-        environ: the kernel's environment (default ``os.environ``), for ``CUDA_VISIBLE_DEVICES``.
-
-    Returns:
-        The visible GPUs with the pids using them; empty on a machine without GPUs.
-    """
-    from hora.inventory import visible_gpus as found
-
-    return found(environ)
-
-
-class Cluster(Recovery):
+class Cluster:
     """N persistent engines, one rank each, with ``hora.torch`` initialised.
 
     Args:
         options: how to start (engines, GPUs, backend, timeouts).
         cuda_check: returns whether the kernel already holds a CUDA context (injectable for
             tests: a CUDA context cannot be created on a CPU-only machine).
+        launcher: starts and stops the controller and the engines (default: a
+            :class:`~hora.engines.launchers.LocalLauncher`, engines as this kernel's children).
 
     Example (starts engines, so not run as a test):
         >>> c = Cluster(plan.ClusterOptions(n=2))
@@ -100,27 +77,19 @@ class Cluster(Recovery):
         self,
         options: plan.ClusterOptions | None = None,
         cuda_check: Callable[[], bool] = kernel_cuda_initialized,
+        launcher: EngineLauncher | None = None,
     ) -> None:
         self.options = options or plan.ClusterOptions()
         self.cuda_check = cuda_check
+        self.launcher: EngineLauncher = launcher or LocalLauncher(self.options)
+        self.recovery = Recovery(self)
         self.state = ClusterState.STOPPED
         self.engines: list[Engine] = []
         self.client: Any = None
         self.broken_reason = ""
         self.start_s = 0.0
-        self.backend = ""
-        self.rebuilds = 0
-        self.replaced = 0
         self.starts = 0
         self.numbers = CellNumbers()
-        self._devices: list[str | None] = []
-        self._logs_of: dict[int, Path] = {}
-        self._rdzv_secret = ""
-        self._pending: list[tuple[int, subprocess.Popen[bytes]]] = []
-        self._controller: subprocess.Popen[bytes] | None = None
-        self._procs: list[subprocess.Popen[bytes]] = []
-        self._logs: list[IO[bytes]] = []
-        self._dir: Path | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
     @property
@@ -131,7 +100,26 @@ class Cluster(Recovery):
     @property
     def pids(self) -> list[int]:
         """Return the pids of every process this cluster started (controller and engines)."""
-        return [p.pid for p in self._procs]
+        return self.launcher.pids
+
+    @property
+    def backend(self) -> str:
+        """The process group's backend ("nccl", "gloo"; "" before the first start)."""
+        return self.launcher.backend
+
+    @property
+    def workdir(self) -> Path | None:
+        """The controller's profile directory (connection files, logs); None when stopped."""
+        return self.launcher.workdir
+
+    def world_file(self) -> Path | None:
+        """The file that tells the engines where a re-formed world meets (engines.world)."""
+        workdir = self.launcher.workdir
+        return None if workdir is None else world_file(workdir)
+
+    def set_broken(self, reason: str) -> None:
+        """Mark the cluster BROKEN: ``reason`` is shown until a restart."""
+        self.state, self.broken_reason = ClusterState.BROKEN, reason
 
     def start(self) -> list[dict[str, Any]]:
         """Start the controller and engines and initialise the process group.
@@ -143,18 +131,27 @@ class Cluster(Recovery):
             CudaInitializedError: CUDA is already initialised in this kernel.
             NotEnoughGpusError: more GPUs asked for than visible and free.
             EngineStartError: an engine exited, did not register, or failed to initialise.
+            SessionWithdrawn: a session's start interrupted while queued (the launcher's).
         """
         if self.state is not ClusterState.STOPPED:
             raise EngineStartError(f"the cluster is {self.state.value}; run %dist_stop first")
         plan.check_cuda_free(self.cuda_check)
-        devices = plan.plan_devices(self.options.n, self.options.gpus, visible_gpus())
+        self.launcher.prepare()
         t0 = time.perf_counter()
         self.state = ClusterState.STARTING
         _track(self)
+        self.recovery.reset()
         try:
-            self._launch(devices)
-            self._connect(t0 + self.options.start_timeout_s)
-            self._init(t0 + self.options.start_timeout_s)
+            launched = self.launcher.launch(t0 + self.options.start_timeout_s)
+            self._connect(launched.deadline, launched.engines)
+            self.engines = self.init_engines(list(self.client.ids), launched.deadline)
+            self.launcher.started([e.device for e in self.engines])
+        except KeyboardInterrupt:
+            withdrawn = self.launcher.withdrawn()
+            self.stop()
+            if withdrawn is None:
+                raise
+            raise withdrawn from None
         except BaseException:
             self.stop()
             raise
@@ -164,77 +161,14 @@ class Cluster(Recovery):
         log.info("%d engines ready in %.2fs", self.size, self.start_s)
         return self.table()
 
-    def _spawn(self, argv: list[str], env: dict[str, str], name: str) -> subprocess.Popen[bytes]:
-        assert self._dir is not None
-        out = open(self._dir / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
-        self._logs.append(out)
-        # own session: the notebook's interrupt (SIGINT to the kernel's process group) must not
-        # reach the controller; hora forwards it to the engines itself
-        proc = subprocess.Popen(
-            argv,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        self._procs.append(proc)
-        return proc
+    def wait_until(self, what: str, deadline: float, ready: Callable[[], bool]) -> None:
+        """Wait until ``ready()``, while the launcher checks that what is awaited can come.
 
-    def _launch(self, devices: list[str | None]) -> None:
-        self._dir = Path(tempfile.mkdtemp(prefix="hora-engines-"))
-        self.backend = self.options.backend or ("nccl" if devices[0] is not None else "gloo")
-        self._devices = list(devices)
-        self._logs_of = {}
-        self.generation, self.replacing = 0, None  # fresh engines: no world published yet
-        self._rdzv_secret = new_rdzv_secret()  # a replacement engine gets the same one
-        base = {k: v for k, v in os.environ.items()}
-        # CurveZMQ: the controller writes its public key only into its private connection files
-        argv = plan.controller_argv(self._dir)
-        self._controller = self._spawn(argv, plan.controller_env(base), "controller")
-        port = free_port()
-        self._pending = [(rank, self._spawn_engine(rank, port)) for rank in range(len(devices))]
-
-    def _spawn_engine(self, rank: int, port: int) -> subprocess.Popen[bytes]:
-        """Start the engine of ``rank``; it meets the others at the store on ``port``."""
-        assert self._dir is not None
-        env = plan.engine_env(
-            dict(os.environ),
-            rank=rank,
-            size=len(self._devices),
-            device=self._devices[rank],
-            master_port=port,
-            backend=self.backend,
-            timeout_s=self.options.timeout_s,
-            threads=self.options.threads,
-            gpus=[d for d in self._devices if d is not None],
-            rdzv_secret=self._rdzv_secret,
-        )
-        env[world.VAR] = str(self.world_file())  # where re-formed worlds meet
-        stack = self._dir / f"stack{rank}.txt"
-        stack.touch()
-        # a replacement engine gets its own log: the dead one's explains the death
-        name = f"engine{rank}" + (f"-{self.replaced}" if rank in self._logs_of else "")
-        self._logs_of[rank] = self._dir / f"{name}.log"
-        return self._spawn(plan.engine_argv(self._dir, stack), env, name)
-
-    def _check_alive(self, what: str) -> None:
-        assert self._dir is not None
-        if self._controller is not None and self._controller.poll() is not None:
-            raise EngineStartError(
-                f"the controller exited ({self._controller.returncode}) while {what}:\n"
-                + log_tail(self._dir / "controller.log")
-            )
-        for rank, proc in self._pending:
-            if proc.poll() is not None:
-                raise EngineStartError(
-                    f"engine of rank {rank} exited ({proc.returncode}) while {what}:\n"
-                    + log_tail(self._logs_of[rank])
-                )
-
-    def _wait(self, what: str, deadline: float, ready: Callable[[], bool]) -> None:
+        Raises:
+            EngineStartError: the controller or an awaited engine exited, or ``deadline`` passed.
+        """
         while not ready():
-            self._check_alive(what)
+            self.launcher.check_alive(what)
             if time.perf_counter() > deadline:
                 raise EngineStartError(
                     f"timed out after {self.options.start_timeout_s:g}s {what}; "
@@ -242,11 +176,13 @@ class Cluster(Recovery):
                 )
             time.sleep(0.02)
 
-    def _connect(self, deadline: float, n: int | None = None) -> None:
+    def _connect(self, deadline: float, n: int) -> None:
         import ipyparallel as ipp
 
-        assert self._dir is not None
-        path = plan.client_file(self._dir)
+        workdir = self.launcher.workdir
+        if workdir is None:
+            raise EngineStartError("no controller to connect to")
+        path = plan.client_file(workdir)
         info: dict[str, Any] = {}
 
         def have_file() -> bool:
@@ -256,18 +192,18 @@ class Cluster(Recovery):
                 return False
             return True
 
-        self._wait("waiting for the controller", deadline, have_file)
+        self.wait_until("waiting for the controller", deadline, have_file)
         self.client = ipp.Client(info, timeout=max(1.0, deadline - time.perf_counter()))
-        n = len(self._pending) if n is None else n
-        self._wait(
+        self.wait_until(
             f"waiting for {n} engines to register", deadline, lambda: len(self.client.ids) >= n
         )
 
-    def _init(self, deadline: float) -> None:
-        self.engines = self._init_engines(list(self.client.ids), deadline)
+    def init_engines(self, ids: Sequence[int], deadline: float) -> list[Engine]:
+        """Initialise hora.torch in the engines awaited (``ids``); return them by rank.
 
-    def _init_engines(self, ids: Sequence[int], deadline: float) -> list[Engine]:
-        """Initialise hora.torch in the pending engines (``ids``); return them by rank."""
+        Raises:
+            EngineStartError: an engine failed to initialise, or ``deadline`` passed.
+        """
         start_s = max(1.0, deadline - time.perf_counter())  # late engines: see init_engine
         args = (self.backend, self.options.timeout_s, self.options.threads, start_s)
         ars = {eid: self.client[eid].apply_async(bootstrap.init_engine, *args) for eid in ids}
@@ -275,25 +211,22 @@ class Cluster(Recovery):
         def failed(ar: Any) -> bool:
             return bool(ar.ready() and (not ar.successful() or "error" in ar.get(0)))
 
-        self._wait(
+        self.wait_until(
             "initialising hora.torch in the engines",
             deadline,
             lambda: all(ar.ready() for ar in ars.values()) or any(map(failed, ars.values())),
         )
         infos = {eid: ar.get(0) for eid, ar in ars.items() if ar.ready() and ar.successful()}
-        errors = {self._placed(i)[0]: i["error"] for i in infos.values() if "error" in i}
+        placed = self.launcher.placed
+        errors = {placed(i)[0]: i["error"] for i in infos.values() if "error" in i}
         if errors or len(infos) < len(ars):
             raise _init_error(errors)
-        engines = [self._engine(eid, info, self._placed(info)) for eid, info in infos.items()]
+        engines = [self._engine(eid, info, placed(info)) for eid, info in infos.items()]
         return sorted(engines, key=lambda e: e.rank)
 
-    def _placed(self, info: dict[str, Any]) -> tuple[int, EngineProcess]:
-        """The rank and process of an engine that answered ``init_engine`` (by its pid)."""
-        by_pid = {proc.pid: (rank, proc) for rank, proc in self._pending}
-        return by_pid[info["pid"]]
-
-    def _engine(self, eid: int, info: dict[str, Any], placed: tuple[int, Any]) -> Engine:
-        assert self._dir is not None
+    def _engine(
+        self, eid: int, info: dict[str, Any], placed: tuple[int, EngineProcess]
+    ) -> Engine:
         rank, proc = placed
         if rank != info["rank"]:
             raise EngineStartError(
@@ -308,8 +241,10 @@ class Cluster(Recovery):
             host=info["host"],
             device=info["device"],
             gpu=info["gpu"],
-            stack_file=Path(info.get("stack_file") or self._dir / f"stack{rank}.txt"),
-            log_file=self._logs_of.get(rank, self._dir / f"engine{rank}.log"),
+            stack_file=Path(
+                info.get("stack_file") or Path(self.workdir or ".") / f"stack{rank}.txt"
+            ),
+            log_file=self.launcher.log_file(rank),
             main_thread=info["main_thread"],
             local=info["host"] == socket.gethostname(),
         )
@@ -322,16 +257,8 @@ class Cluster(Recovery):
             except Exception as e:  # closing a client whose controller died can fail; go on
                 log.debug("closing the client: %s", e)
             self.client = None
-        # engines are killed outright: their state is discarded anyway, and SIGTERM makes a
-        # torch engine spend a second in teardown (and sometimes abort) for nothing
-        kill(self._procs)
-        for f in self._logs:
-            f.close()
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-        self._procs, self._logs, self.engines, self._dir = [], [], [], None
-        self._pending = []
-        self._controller = None
+        self.launcher.stop()
+        self.engines = []
         self.state, self.broken_reason = ClusterState.STOPPED, ""
         self.numbers = CellNumbers()
         _LIVE.discard(self)
@@ -347,6 +274,9 @@ class Cluster(Recovery):
 
     # --- work ---------------------------------------------------------------------------------
     def _require_ready(self) -> None:
+        ended = self.launcher.ended([e.proc for e in self.engines])
+        if ended is not None and self.state is not ClusterState.BROKEN:
+            self.set_broken(ended)
         if self.state is ClusterState.BROKEN:
             raise ClusterBrokenError(
                 f"{self.broken_reason}; run %dist_restart (engine variables are lost)"
@@ -392,10 +322,22 @@ class Cluster(Recovery):
                 (``outcome`` says so; engines that did not stop are restarted).
             KeyboardInterrupt: interrupted; as for a stall, the group is rebuilt when needed.
         """
-        self._require_ready()
-        self.repair()  # engines that died since the last cell (the magic says so first)
-        self.replacing = None
-        stall = self.options.timeout_s if timeout is None else timeout
+        with self.launcher.cell():
+            self._require_ready()
+            self.repair()  # engines that died since the last cell (the magic says so first)
+            self.recovery.replacing = None
+            stall = self.options.timeout_s if timeout is None else timeout
+            return self._run(code, sink, shown, stall, cell_number)
+
+    def _run(
+        self,
+        code: str,
+        sink: OutputSink | None,
+        shown: Sequence[int],
+        stall: float,
+        cell_number: int | None,
+    ) -> CellResult:
+        recovery = self.recovery
         try:
             return run_cell(
                 self.client,
@@ -406,20 +348,36 @@ class Cluster(Recovery):
                 stall_timeout_s=stall,
                 cell_number=cell_number,
                 numbers=self.numbers,
-                replacer=self,
+                replacer=recovery,
             )
         except RankDiedError as e:
-            e.outcome = self._after_death(e)
+            e.outcome = recovery.after_death(e)
             raise
         except StallError as e:
-            e.outcome = self._recover(e.still_running, forced=True)
+            e.outcome = recovery.recover(e.still_running, forced=True)
             raise
         except CellFailedError as e:
-            e.outcome = self._recover(e.still_running, forced=bool(e.released or e.in_collective))
+            forced = bool(e.released or e.in_collective)
+            e.outcome = recovery.recover(e.still_running, forced=forced)
             raise
         except EnginesInterrupted as e:
-            e.outcome = self._recover(e.stuck, forced=bool(e.released)) or e.outcome
+            e.outcome = recovery.recover(e.stuck, forced=bool(e.released)) or e.outcome
             raise
+
+    def repair(self) -> str:
+        """Replace the engines that died since the last cell, before the next one runs.
+
+        The survivors keep their processes and variables; the process group is rebuilt with
+        the new engines, so the next cell runs on every rank.
+
+        Returns:
+            What happened, for the notebook ("" when every engine is alive).
+
+        Raises:
+            ClusterBrokenError: the dead engines could not be replaced (a session's engines
+                are the service's to replace; it ends the session instead).
+        """
+        return self.recovery.repair()
 
     def push(self, values: dict[str, Any], ranks: Sequence[int] | None = None) -> None:
         """Copy variables into the engines' namespaces (tensors go to each engine's device).
@@ -429,7 +387,7 @@ class Cluster(Recovery):
             ranks: which ranks (default all).
         """
         self._require_ready()
-        view = self._view(ranks)
+        view = self.view(ranks)
         view.apply_async(bootstrap.push_values, values).get(timeout=self.options.timeout_s)
 
     def pull(self, name: str, ranks: Sequence[int] | None = None) -> list[Any]:
@@ -478,7 +436,8 @@ class Cluster(Recovery):
             raise SpecError("rank", f"rank {bad[0]} is outside 0..{self.size - 1}")
         return chosen
 
-    def _view(self, ranks: Sequence[int] | None) -> Any:
+    def view(self, ranks: Sequence[int] | None) -> Any:
+        """An ipyparallel view of the engines of ``ranks`` (all when None), in rank order."""
         return self.client[[self.engines[r].engine_id for r in self._ranks(ranks)]]
 
     def table(self) -> list[dict[str, Any]]:
@@ -518,16 +477,6 @@ def _init_error(errors: dict[int, str]) -> EngineStartError:
     also = f"\n(also failed on ranks {', '.join(map(str, others))})" if others else ""
     last = first.splitlines()[-1] if first else ""
     return EngineStartError(f"hora.torch.init() failed on rank {ranks[0]}: {last}\n{first}{also}")
-
-
-def kill(procs: Sequence[subprocess.Popen[bytes]]) -> None:
-    """SIGKILL processes with their process groups and reap them."""
-    for p in procs:
-        if p.poll() is None:
-            # each process leads its own session, so its group holds anything user code forked
-            signal_group(p.pid, signal.SIGKILL)
-    for p in procs:
-        p.wait(timeout=10)
 
 
 def _track(cluster: Cluster) -> None:

@@ -35,6 +35,7 @@ from hora.engines.errors import (
     StallError,
     rank_ranges,
 )
+from hora.engines.launchers import EngineProcess
 from hora.engines.rejoin import Rejoin, Replacer
 from hora.engines.report import CellNumbers, hide_hora_frames, in_collective, log_tail, pick_thread
 
@@ -47,17 +48,6 @@ INTERRUPT_GRACE_S = 5.0  # a loaded 2-core machine took over 3 s to answer a Key
 ERROR_STALL_S = 2.0
 # how long ranks released from a collective may take to end their cell
 RELEASE_GRACE_S = 10.0
-
-
-class EngineProcess(Protocol):
-    """An engine's process as the kernel watches it: a ``Popen``, or one the service started."""
-
-    @property
-    def pid(self) -> int:
-        """The process id."""
-
-    def poll(self) -> int | None:
-        """None while it runs, else its exit code."""
 
 
 @dataclass

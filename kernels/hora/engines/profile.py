@@ -148,7 +148,7 @@ def run_preflight(cluster: Any) -> dict[str, Any] | None:
 
     cluster.preflight = None
     try:
-        view = cluster._view(None)
+        view = cluster.view(None)
         answers = view.apply_async(engine_preflight).get(timeout=cluster.options.timeout_s + 30)
     except Exception as e:  # noqa: BLE001  (the engines stay usable; say why there is no line)
         sys.stderr.write(f"preflight: no figures ({type(e).__name__}: {e})\n")
@@ -169,12 +169,12 @@ def run_preflight(cluster: Any) -> dict[str, Any] | None:
 
 def start_profile(cluster: Any) -> None:
     """Start recording the next cell on every engine."""
-    cluster._view(None).apply_async(begin).get(timeout=cluster.options.timeout_s)
+    cluster.view(None).apply_async(begin).get(timeout=cluster.options.timeout_s)
 
 
 def finish_profile(cluster: Any) -> ProfileReport | None:
     """Stop recording on every engine; the report (None when some rank recorded nothing)."""
-    records = cluster._view(None).apply_async(end).get(timeout=cluster.options.timeout_s)
+    records = cluster.view(None).apply_async(end).get(timeout=cluster.options.timeout_s)
     if not records or any(not r for r in records):
         return None
     return summarise(list(records), preflight_busbw(getattr(cluster, "preflight", None)))
@@ -183,7 +183,7 @@ def finish_profile(cluster: Any) -> ProfileReport | None:
 def abandon_profile(cluster: Any, timeout_s: float = 5.0) -> None:
     """After a failed cell: stop recording where the engines answer soon (errors ignored)."""
     try:
-        cluster._view(None).apply_async(end).get(timeout=timeout_s)
+        cluster.view(None).apply_async(end).get(timeout=timeout_s)
     except Exception:  # noqa: BLE001  (a dead or busy engine: its next begin() cleans up)
         return
 

@@ -2,19 +2,19 @@
 
 After a stall, an interrupt or a collective that failed on some ranks, the process group is
 rebuilt in the same engine processes (their variables stay); after a death, only the dead ranks
-get new engines; a rank that cannot be reached at all leaves a full restart as the way out. The
-:class:`Recovery` methods are part of :class:`hora.engines.cluster.Cluster`, which provides the
-engines, the client and the launch steps they use.
+get new engines; a rank that cannot be reached at all leaves a full restart as the way out.
+:class:`Recovery` is a component of :class:`hora.engines.cluster.Cluster`: it is given the
+cluster, reads and replaces its engines through the cluster's public attributes, starts new
+engines through the cluster's :class:`~hora.engines.launchers.EngineLauncher`, and keeps its
+own data (the world generation, the replacement under way, the counts).
 """
 
 from __future__ import annotations
 
 import logging
-import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hora.engines import bootstrap, world
@@ -30,9 +30,8 @@ from hora.engines.state import ClusterState
 from hora.net import free_port
 
 if TYPE_CHECKING:  # pragma: no cover
+    from hora.engines.cluster import Cluster
     from hora.engines.execute import Engine
-    from hora.engines.plan import ClusterOptions
-    from hora.engines.report import CellNumbers
 
 log = logging.getLogger("hora.engines")
 
@@ -56,34 +55,32 @@ class Replacing:
 
 
 class Recovery:
-    """Release, rebuild, replace, restart: the cluster's ways back to a usable state."""
+    """Release, rebuild, replace, restart: the cluster's ways back to a usable state.
 
-    generation = 0  # the last world published to the engines (engines.world)
-    replacing: Replacing | None = None
+    It is also the cluster's :class:`hora.engines.rejoin.Replacer` during a cell.
 
-    if TYPE_CHECKING:  # provided by Cluster
-        _dir: Path | None
-        backend: str
-        options: ClusterOptions
-        client: Any
-        engines: list[Engine]
-        state: ClusterState
-        broken_reason: str
-        rebuilds: int
-        replaced: int
-        numbers: CellNumbers
-        _pending: list[tuple[int, subprocess.Popen[bytes]]]
+    Args:
+        cluster: the cluster it recovers.
 
-        def restart(self) -> list[dict[str, Any]]:
-            """Stop and start the engines again (see ``Cluster.restart``)."""
-            ...
+    Attributes:
+        generation: the last world published to the engines (:mod:`engines.world`).
+        replacing: the new engines under way, if any.
+        rebuilds: process groups rebuilt so far.
+        replaced: rounds of engines started for dead ranks so far.
+    """
 
-        def _view(self, ranks: Sequence[int] | None) -> Any: ...
-        def _spawn_engine(self, rank: int, port: int) -> subprocess.Popen[bytes]: ...
-        def _wait(self, what: str, deadline: float, ready: Callable[[], bool]) -> None: ...
-        def _init_engines(self, ids: Sequence[int], deadline: float) -> list[Engine]: ...
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.generation = 0
+        self.replacing: Replacing | None = None
+        self.rebuilds = 0
+        self.replaced = 0
 
-    def _recover(self, stuck: Sequence[int], forced: bool) -> str:
+    def reset(self) -> None:
+        """Fresh engines: no world published yet, no replacement under way."""
+        self.generation, self.replacing = 0, None
+
+    def recover(self, stuck: Sequence[int], forced: bool) -> str:
         """Make the engines usable after a failed cell; say what was done ("" if nothing).
 
         Ranks that never ended the cell cannot be reached: the engines are restarted (their
@@ -120,37 +117,38 @@ class Recovery:
                 are the service's to replace; it ends the session instead).
         """
         dead: dict[int, int | None] = {
-            e.rank: code for e in self.engines if (code := e.proc.poll()) is not None
+            e.rank: code for e in self.cluster.engines if (code := e.proc.poll()) is not None
         }
-        if not dead or self.state is not ClusterState.READY:
+        if not dead or self.cluster.state is not ClusterState.READY:
             return ""
-        pids = {e.rank: e.pid for e in self.engines}
+        pids = {e.rank: e.pid for e in self.cluster.engines}
         what = "; ".join(
             f"rank {r} (pid {pids[r]}) died ({exit_status(c)})" for r, c in sorted(dead.items())
         )
         log.warning("%s since the last cell; replacing", what)
-        outcome = self._after_death(RankDiedError(dead))
+        outcome = self.after_death(RankDiedError(dead))
         text = f"{what} since the last cell; {outcome}"
-        if self.state is ClusterState.BROKEN:
+        if self.cluster.state is ClusterState.BROKEN:
             raise ClusterBrokenError(text)
         return text
 
-    def _after_death(self, e: RankDiedError) -> str:
+    def after_death(self, e: RankDiedError) -> str:
         """Replace the dead engines and rebuild the group; say which variables were lost."""
+        procs = [engine.proc for engine in self.cluster.engines]
+        cannot = self.cluster.launcher.after_death(sorted(e.dead), procs)
+        if cannot is not None:  # a session's service ends it instead of replacing the engine
+            self.cluster.set_broken(cannot)
+            return f"{cannot}; {RECOVER}"
         reason = "; ".join(f"rank {r} died" for r in sorted(e.dead))
         if e.running:  # a survivor never ended the cell: only a restart reaches it
-            self.state, self.broken_reason = ClusterState.BROKEN, reason
+            self.cluster.set_broken(reason)
             return RECOVER
         try:
             return self._replace(sorted(e.dead))
         except Exception as exc:  # the death stays the error shown; the way out is a restart
             log.warning("replacing the engines of %s failed: %s", rank_ranges(list(e.dead)), exc)
-            self.state, self.broken_reason = ClusterState.BROKEN, reason
+            self.cluster.set_broken(reason)
             return f"replacing the dead engines failed ({exc}); {RECOVER}"
-
-    def world_file(self) -> Path | None:
-        """The file that tells the engines where a re-formed world meets (engines.world)."""
-        return None if self._dir is None else self._dir / "world.json"
 
     def begin_replace(self, dead: Sequence[int]) -> Replacing:
         """Publish a new world on a fresh port and start new engines for the ``dead`` ranks.
@@ -158,14 +156,14 @@ class Recovery:
         Survivors inside ``hvd.elastic.run`` join that world at once; others are moved to it
         by :meth:`_replace` after the cell.
         """
-        path = self.world_file()
-        port, before = free_port(), set(self.client.ids)
+        path = self.cluster.world_file()
+        port, before = free_port(), set(self.cluster.client.ids)
         self.generation += 1
         if path is not None:
             gen = world.Generation(self.generation, port, root_lost=0 in dead)
             world.write_generation(path, gen)
         self.replaced += 1
-        self._pending = [(r, self._spawn_engine(r, port)) for r in dead]
+        self.cluster.launcher.spawn_engines(dead, port)
         self.replacing = Replacing(list(dead), port, before)
         return self.replacing
 
@@ -176,26 +174,26 @@ class Recovery:
         as they start (their rank environment names that store). New engines started during
         the cell (:meth:`begin_replace`) are the ones used.
         """
-        survivors = [e for e in self.engines if e.rank not in dead]
-        view = self.client[[e.engine_id for e in survivors]]
+        survivors = [e for e in self.cluster.engines if e.rank not in dead]
+        view = self.cluster.client[[e.engine_id for e in survivors]]
         names = sorted(set().union(*view.apply_async(bootstrap.user_names).get(timeout=10)))
-        deadline = time.perf_counter() + self.options.start_timeout_s
+        deadline = time.perf_counter() + self.cluster.options.start_timeout_s
         begun = self.replacing
         if begun is None or begun.dead != list(dead):
             begun = self.begin_replace(dead)
         before = begun.before
-        start_s = self.options.start_timeout_s
+        start_s = self.cluster.options.start_timeout_s
         rebuilt = view.apply_async(bootstrap.rebuild_group, begun.port, start_s)
-        self._wait(
+        self.cluster.wait_until(
             f"waiting for {len(dead)} new engines to register",
             deadline,
-            lambda: len(set(self.client.ids) - before) >= len(dead),
+            lambda: len(set(self.cluster.client.ids) - before) >= len(dead),
         )
-        fresh = self._init_engines(sorted(set(self.client.ids) - before), deadline)
+        fresh = self.cluster.init_engines(sorted(set(self.cluster.client.ids) - before), deadline)
         rebuilt.get(timeout=max(1.0, deadline - time.perf_counter()))
         self._adopt(fresh)
         # what a fresh engine defines by itself (hvd, torch) was not lost
-        own = set(self.client[fresh[0].engine_id].apply_sync(bootstrap.user_names))
+        own = set(self.cluster.client[fresh[0].engine_id].apply_sync(bootstrap.user_names))
         lost = ", ".join(n for n in names if n not in own) or "none"
         kept = rank_ranges([e.rank for e in survivors])
         return (
@@ -206,12 +204,11 @@ class Recovery:
     def _adopt(self, fresh: Sequence[Engine]) -> None:
         """Put the new engines in the dead ones' places."""
         ranks = {e.rank for e in fresh}
-        self.engines = sorted(
-            [e for e in self.engines if e.rank not in ranks] + list(fresh), key=lambda e: e.rank
-        )
-        self._pending, self.replacing = [], None
+        kept = [e for e in self.cluster.engines if e.rank not in ranks]
+        self.cluster.engines = sorted(kept + list(fresh), key=lambda e: e.rank)
+        self.replacing = None
         for rank in ranks:  # a new engine counts its cells from 1 again
-            self.numbers.by_count.pop(rank, None)
+            self.cluster.numbers.by_count.pop(rank, None)
 
     # --- during a cell (execute.Replacer) ---------------------------------------------------
     def begin(self, dead: Sequence[int]) -> None:
@@ -224,12 +221,12 @@ class Recovery:
 
     def waiting(self) -> list[int]:
         """The ranks waiting in ``hvd.elastic.run`` for a world after the current one."""
-        path = self.world_file()
+        path = self.cluster.world_file()
         return [] if path is None else world.waiting_ranks(path, self.generation)
 
     def reform(self) -> None:
         """Publish a new world on a fresh port for the same engines (nobody died)."""
-        path = self.world_file()
+        path = self.cluster.world_file()
         if path is not None:
             self.generation += 1
             world.write_generation(path, world.Generation(self.generation, free_port()))
@@ -237,25 +234,24 @@ class Recovery:
     @property
     def rejoin_s(self) -> float:
         """How long survivors may wait for new engines during a cell (the start timeout)."""
-        return self.options.start_timeout_s
+        return self.cluster.options.start_timeout_s
 
     def joined(self) -> list[Engine]:
         """The new engines, once the survivors met them in the new world ([] until then)."""
-        r = self.replacing
+        r, c, opts = self.replacing, self.cluster, self.cluster.options
         if r is None:
             return []
-        ids = sorted(set(self.client.ids) - r.before)
+        ids = sorted(set(c.client.ids) - r.before)
         if len(ids) < len(r.dead):
             return []
         if not r.probe:
-            args = (self.backend, self.options.timeout_s, self.options.threads,
-                    self.options.start_timeout_s)  # fmt: skip
-            r.probe = {i: self.client[i].apply_async(bootstrap.init_engine, *args) for i in ids}
+            args = (c.backend, opts.timeout_s, opts.threads, opts.start_timeout_s)
+            r.probe = {i: c.client[i].apply_async(bootstrap.init_engine, *args) for i in ids}
         if not all(ar.ready() for ar in r.probe.values()):
             return []
-        deadline = time.perf_counter() + self.options.start_timeout_s
+        deadline = time.perf_counter() + opts.start_timeout_s
         try:
-            fresh = self._init_engines(ids, deadline)  # each answers at once now
+            fresh = c.init_engines(ids, deadline)  # each answers at once now
         except EngineStartError as exc:  # the cell reports the death; a restart is the way out
             log.warning("new engines for %s failed: %s", rank_ranges(r.dead), exc)
             self.replacing = None
@@ -266,9 +262,9 @@ class Recovery:
     def _restart_after(self, reason: str) -> str:
         log.warning("%s; restarting the engines", reason)
         try:
-            self.restart()
+            self.cluster.restart()
         except Exception as exc:  # the cell's own error stays the one raised
-            self.state, self.broken_reason = ClusterState.BROKEN, f"{reason}; restart failed: {exc}"
+            self.cluster.set_broken(f"{reason}; restart failed: {exc}")
             return f"{reason}; restarting the engines failed ({exc}): {RECOVER}"
         return f"{reason}; the engines were restarted (their variables are lost)"
 
@@ -276,13 +272,13 @@ class Recovery:
         """Abort the process group on every rank and make a new one on a fresh store."""
         t0 = time.perf_counter()
         port = free_port()
-        self._view(None).apply_async(bootstrap.rebuild_group, port).get(
-            timeout=self.options.start_timeout_s
+        self.cluster.view(None).apply_async(bootstrap.rebuild_group, port).get(
+            timeout=self.cluster.options.start_timeout_s
         )
         self.rebuilds += 1
         log.info("process group rebuilt in %.2fs (store port %d)", time.perf_counter() - t0, port)
 
     def _collective_counts(self) -> dict[int, int]:
-        view = self.client[[e.engine_id for e in self.engines]]
+        view = self.cluster.client[[e.engine_id for e in self.cluster.engines]]
         counts = view.apply_async(bootstrap.collective_count).get(timeout=10)
-        return {e.rank: c for e, c in zip(self.engines, counts, strict=True)}
+        return {e.rank: c for e, c in zip(self.cluster.engines, counts, strict=True)}

@@ -20,13 +20,12 @@ import json
 import logging
 import os
 import socket
-import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -34,16 +33,16 @@ from pydantic import BaseModel, ConfigDict
 from hora.client import Client, ServiceError
 from hora.client_config import config_path
 from hora.engines import plan
-from hora.engines.cluster import Cluster, _track, kernel_cuda_initialized
-from hora.engines.errors import (
-    RECOVER,
-    UNSEEN_EXIT,
-    EngineError,
-    EngineStartError,
-    RankDiedError,
-    rank_ranges,
+from hora.engines.cluster import Cluster, kernel_cuda_initialized
+from hora.engines.errors import EngineError, EngineStartError, rank_ranges
+from hora.engines.launchers import (
+    AskedEngine,
+    EngineProcess,
+    KernelProcesses,
+    Launched,
+    RemoteProcess,
+    world_file,
 )
-from hora.engines.execute import CellResult
 from hora.engines.state import ClusterState
 from hora.errors import HoraError, SpecError
 from hora.net import free_port
@@ -142,56 +141,6 @@ def service_configured(environ: Mapping[str, str] | None = None) -> bool:
     return bool(env.get("HORA_URL") or env.get("HORA_TOKEN")) or config_path(env).is_file()
 
 
-class RemoteProcess:
-    """An engine process the service started, watched by its pid (the kernel is not its parent).
-
-    Its exit code is the service's to know (the session's events, ``hora logs``); here a gone
-    process reads as :data:`~hora.engines.errors.UNSEEN_EXIT`.
-    An engine on another machine (a Slurm node) cannot be watched by its pid: it reads as
-    gone once the service ended the session (``ended``), which it does when any engine ends.
-    """
-
-    def __init__(self, pid: int, ended: Callable[[], bool] | None = None) -> None:
-        self._pid = pid
-        self._ended = ended
-        self.returncode: int | None = None
-
-    @property
-    def pid(self) -> int:
-        """The engine's process id (on its own machine)."""
-        return self._pid
-
-    def poll(self) -> int | None:
-        """None while the process lives (a zombie counts as gone), else 1."""
-        if self.returncode is None:
-            gone = self._ended() if self._ended is not None else not _alive(self._pid)
-            if gone:
-                self.returncode = UNSEEN_EXIT
-        return self.returncode
-
-
-class AskedEngine:
-    """A new engine the service was asked for: known by its pid once it registers.
-
-    Until then it counts as alive; a session that ends meanwhile is what says otherwise.
-    """
-
-    pid = -1
-    returncode: int | None = None
-
-    def poll(self) -> int | None:
-        """None: whether it starts is the service's to say (the session's state)."""
-        return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 class SessionHeartbeat:
     """Renews the session's lease from a background thread; keeps the warnings and the end.
 
@@ -265,8 +214,8 @@ class SessionHeartbeat:
                 log.debug("heartbeat of session %d failed: %s", self.session_id, e)
 
 
-class ServiceCluster(Cluster):
-    """A :class:`Cluster` whose engines are a session of the hora service (module docstring).
+class SessionLauncher(KernelProcesses):
+    """Starts the controller here and asks the hora service for the engines (a session).
 
     Args:
         options: how many engines, backend, timeouts (``gpus`` is the service's choice).
@@ -274,30 +223,28 @@ class ServiceCluster(Cluster):
         progress: called with the session while it is queued (the magic shows it live).
         notify: shows heartbeat notices (idle warning, the session's end) in the notebook.
         idle_timeout_s: the idle timeout to ask for (default: the service's).
-        cuda_check: as for :class:`Cluster`.
         runtime: where the service starts the engines: ``local`` (its machine) or ``slurm``
             (one Slurm job; the controller then listens on an address the nodes reach).
         ip: that address (default: the one the service names, ``GET /v1/session-address``).
+        ready: whether the cluster is ready (a cluster that is not counts as never idle).
 
-    Example:
-        >>> c = ServiceCluster(plan.ClusterOptions(n=2))  # doctest: +SKIP
-        >>> c.start(); c.session.id  # doctest: +SKIP
-        12
+    Raises:
+        SpecError: ``gpus`` given, or ``ip`` without the ``slurm`` runtime.
     """
 
     def __init__(
         self,
-        options: plan.ClusterOptions | None = None,
+        options: plan.ClusterOptions,
         service: Client | None = None,
         progress: Callable[[SessionInfo], None] | None = None,
         notify: Callable[[str], None] | None = None,
         idle_timeout_s: float | None = None,
-        cuda_check: Callable[[], bool] = kernel_cuda_initialized,
         runtime: str = "local",
         ip: str | None = None,
+        ready: Callable[[], bool] = lambda: True,
     ) -> None:
-        super().__init__(options, cuda_check)
-        if self.options.gpus is not None:
+        super().__init__(options)
+        if options.gpus is not None:
             raise SpecError("gpus", "the service chooses a session's GPUs; leave out --gpus")
         if ip is not None and runtime != "slurm":
             raise SpecError("ip", "only engines on Slurm nodes need another address than 127.0.0.1")
@@ -306,6 +253,7 @@ class ServiceCluster(Cluster):
         self.service = service or Client()
         self.progress, self.notify = progress, notify
         self.idle_timeout_s = idle_timeout_s
+        self.ready = ready
         self.session: SessionInfo | None = None
         self.asked: int | None = None  # the id of the last session asked for (kept after stop)
         self.heartbeat: SessionHeartbeat | None = None
@@ -322,48 +270,25 @@ class ServiceCluster(Cluster):
             sid += f", on Slurm nodes; the controller listens on {self.address} for them"
         return f"the hora service at {self.service.url} ({sid})"
 
-    def start(self) -> list[dict[str, Any]]:
-        """Ask the service for engines, wait for slots, connect, initialise hora.torch.
+    def prepare(self) -> None:
+        """Nothing to check here: the service chooses the GPUs."""
+
+    def launch(self, deadline: float) -> Launched:
+        """Start the controller, ask for a session, wait for its slots.
 
         Returns:
-            One row per rank (see :meth:`Cluster.start`).
+            The session's engines, awaited for ``start_timeout_s`` from when it got slots.
 
         Raises:
-            SessionWithdrawn: interrupted while queued (the session was deleted).
-            EngineStartError: the session ended before its engines registered, or they did
-                not register and initialise within ``start_timeout_s`` of getting slots.
+            EngineStartError: the session ended before it got slots.
         """
-        if self.state is not ClusterState.STOPPED:
-            raise EngineStartError(f"the cluster is {self.state.value}; run %dist_stop first")
-        plan.check_cuda_free(self.cuda_check)
-        t0 = time.perf_counter()
-        self.state = ClusterState.STARTING
-        _track(self)
-        try:
-            connection = self._start_controller(t0 + self.options.start_timeout_s)
-            self._ask(self.options.n or plan.DEFAULT_CPU_ENGINES, connection)
-            self._wait_for_slots()
-            deadline = time.perf_counter() + self.options.start_timeout_s
-            self._connect_engines(deadline)
-            self._init(deadline)
-        except KeyboardInterrupt:
-            sid = self.session.id if self.session else "?"
-            self.stop()
-            raise SessionWithdrawn(
-                f"interrupted: session {sid} withdrawn from the queue; run %dist_start again "
-                "to ask for engines"
-            ) from None
-        except BaseException:
-            self.stop()
-            raise
-        self.backend = "nccl" if self.engines[0].device.startswith("cuda") else "gloo"
-        self.start_s = time.perf_counter() - t0
-        self.state = ClusterState.READY
-        self.starts += 1
-        self.last_active = time.monotonic()
-        return self.table()
+        connection = self._start_controller()
+        self._ask(self.options.n or plan.DEFAULT_CPU_ENGINES, connection)
+        self._wait_for_slots()
+        assert self.session is not None
+        return Launched(self.session.workers, time.perf_counter() + self.options.start_timeout_s)
 
-    def _start_controller(self, deadline: float) -> dict[str, Any]:
+    def _start_controller(self) -> dict[str, Any]:
         """Start the controller on connection files chosen here; return the engines' file.
 
         The engines need not wait for the controller: the service starts them while it
@@ -371,7 +296,7 @@ class ServiceCluster(Cluster):
         CurveZMQ: only a peer given its public key (the service's engines) gets through,
         though another user's engines share the host's loopback (or the nodes' network).
         """
-        self._dir = Path(tempfile.mkdtemp(prefix="hora-engines-"))
+        directory = self._open()
         self.backend = self.options.backend or "gloo"  # the engines' own init already chose
         self.address = self._address()
         ports: set[int] = set()
@@ -381,13 +306,13 @@ class ServiceCluster(Cluster):
         engine, client = plan.connection_files(
             sorted(ports), str(uuid.uuid4()), socket.gethostname(), self.address, keys[0]
         )
-        security = self._dir / "security"
+        security = directory / "security"
         security.mkdir(mode=0o700)
         for name, info in (("engine", engine), ("client", client)):
             path = security / f"ipcontroller-{plan.CLUSTER_ID}-{name}.json"
             with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
                 json.dump(info, f)
-        argv = plan.controller_argv(self._dir, reuse=True, ip=self.address)
+        argv = plan.controller_argv(directory, reuse=True, ip=self.address)
         self._controller = self._spawn(argv, plan.controller_env(os.environ, keys), "controller")
         return engine
 
@@ -411,8 +336,8 @@ class ServiceCluster(Cluster):
             "idle_timeout_s": self.idle_timeout_s,
             "runtime": self.runtime,
         }
-        if self.runtime == "local":  # engines on this machine: where re-formed worlds meet
-            body["world_file"] = str(self.world_file())
+        if self.runtime == "local" and self._dir is not None:  # where re-formed worlds meet
+            body["world_file"] = str(world_file(self._dir))
         self.session = SessionInfo.model_validate(
             self.service.request("POST", "/v1/sessions", json=body).json()
         )
@@ -423,7 +348,7 @@ class ServiceCluster(Cluster):
         self.heartbeat.start()
 
     def _idle(self) -> float:
-        if self.busy or self.state is not ClusterState.READY:
+        if self.busy or not self.ready():
             return 0.0
         return time.monotonic() - self.last_active
 
@@ -451,12 +376,9 @@ class ServiceCluster(Cluster):
             time.sleep(POLL_S)
         self.queued_s = time.perf_counter() - t0
 
-    def _connect_engines(self, deadline: float) -> None:
-        assert self.session is not None
-        self._connect(deadline, self.session.workers)
-
-    def _check_alive(self, what: str) -> None:
-        super()._check_alive(what)
+    def check_alive(self, what: str) -> None:
+        """As for kernel-local engines, and the session must not have ended meanwhile."""
+        super().check_alive(what)
         now = time.monotonic()
         if self.session is None or now - self._last_check < POLL_S:
             return
@@ -465,7 +387,8 @@ class ServiceCluster(Cluster):
         if info.ended:
             raise EngineStartError(f"session {info.id} {info.state} while {what}: {info.reason}")
 
-    def _placed(self, info: dict[str, Any]) -> tuple[int, RemoteProcess]:
+    def placed(self, info: Mapping[str, Any]) -> tuple[int, EngineProcess]:
+        """The rank the engine reports, and its process watched by its pid."""
         if info.get("host") == socket.gethostname():
             return int(info.get("rank", -1)), RemoteProcess(int(info["pid"]))
         # on a Slurm node: its pid means nothing here; the service says when it is gone
@@ -475,7 +398,13 @@ class ServiceCluster(Cluster):
         beat = self.heartbeat
         return beat is not None and beat.ended is not None
 
-    def _spawn_engine(self, rank: int, port: int) -> Any:
+    def spawn_engines(self, ranks: Sequence[int], port: int) -> list[EngineProcess]:
+        """Ask the service for new engines of ``ranks``; they meet the survivors at ``port``."""
+        procs = [self._spawn_engine(rank, port) for rank in ranks]
+        self._pending = list(zip(ranks, procs, strict=True))
+        return procs
+
+    def _spawn_engine(self, rank: int, port: int) -> EngineProcess:
         """Ask the service for a new engine of ``rank``; it meets the survivors at ``port``.
 
         The service keeps a dead engine's slot for it (local sessions; on docker and Slurm a
@@ -495,49 +424,57 @@ class ServiceCluster(Cluster):
                     raise EngineStartError(f"the service did not start a new engine: {e}") from e
             time.sleep(POLL_S)
 
-    def _session_over(self) -> SessionInfo | None:
+    def started(self, devices: Sequence[str]) -> None:
+        """The engines chose their backend by their devices; they are idle from now."""
+        self.backend = "nccl" if devices[0].startswith("cuda") else "gloo"
+        self.last_active = time.monotonic()
+
+    def _session_over(self, procs: Sequence[EngineProcess]) -> SessionInfo | None:
         """The session as it ended, if the service ended it (asked now if an engine is gone)."""
         beat = self.heartbeat
         if beat is None:
             return None
-        if beat.ended is None and any(e.proc.poll() is not None for e in self.engines):
+        if beat.ended is None and any(p.poll() is not None for p in procs):
             try:
                 beat.beat()  # why are the engines gone? (the thread may not have asked yet)
             except HoraError as e:
                 log.debug("asking about session %d: %s", beat.session_id, e)
         return beat.ended
 
-    def _ended_reason(self, ended: SessionInfo) -> str:
-        return f"the hora service ended session {ended.id}: {ended.reason or ended.state}"
+    def ended(self, procs: Sequence[EngineProcess]) -> str | None:
+        """Why the session's engines are gone, once the service ended the session."""
+        over = self._session_over(procs)
+        return None if over is None else _ended_reason(over)
 
-    def _require_ready(self) -> None:
-        ended = self._session_over()
-        if ended is not None and self.state is not ClusterState.BROKEN:
-            self.state, self.broken_reason = ClusterState.BROKEN, self._ended_reason(ended)
-        super()._require_ready()
-
-    def _after_death(self, e: RankDiedError) -> str:
+    def after_death(self, dead: Sequence[int], procs: Sequence[EngineProcess]) -> str | None:
         """A session's engine died: the service starts a new one (local), or ends the session.
 
         On the local runtime the service keeps the dead engine's slot and starts a new
-        engine when asked (:meth:`_spawn_engine`); the survivors keep their variables, as
-        with kernel-local engines. On docker and Slurm it ends the session: say why.
+        engine when asked (:meth:`spawn_engines`): None, the cluster replaces it and the
+        survivors keep their variables, as with kernel-local engines. On docker and Slurm
+        it ends the session: say why.
         """
-        ended = self._session_over()
-        if ended is None and self.runtime == "local":
-            return super()._after_death(e)
-        if ended is not None:
-            reason = self._ended_reason(ended)
-        else:
-            reason = f"{rank_ranges(sorted(e.dead))} died; the hora service ends the session"
-        self.state, self.broken_reason = ClusterState.BROKEN, reason
-        return f"{reason}; {RECOVER}"
+        over = self._session_over(procs)
+        if over is None and self.runtime == "local":
+            return None
+        if over is not None:
+            return _ended_reason(over)
+        return f"{rank_ranges(sorted(dead))} died; the hora service ends the session"
 
-    def run(self, code: str, **kwargs: Any) -> CellResult:
-        """Run ``code`` on every rank (see :meth:`Cluster.run`); the time counts as activity."""
+    def withdrawn(self) -> EngineError | None:
+        """The start was interrupted while queued: the session is withdrawn by :meth:`stop`."""
+        sid = self.session.id if self.session else "?"
+        return SessionWithdrawn(
+            f"interrupted: session {sid} withdrawn from the queue; run %dist_start again "
+            "to ask for engines"
+        )
+
+    @contextmanager
+    def cell(self) -> Iterator[None]:
+        """A running cell is activity: the engines are not idle meanwhile."""
         self.busy = True
         try:
-            return super().run(code, **kwargs)
+            yield
         finally:
             self.busy = False
             self.last_active = time.monotonic()
@@ -554,3 +491,75 @@ class ServiceCluster(Cluster):
                 log.warning("could not end session %d: %s", self.session.id, e)
         self.session = None
         super().stop()
+
+
+def _ended_reason(ended: SessionInfo) -> str:
+    return f"the hora service ended session {ended.id}: {ended.reason or ended.state}"
+
+
+class ServiceCluster(Cluster):
+    """A :class:`Cluster` whose engines are a session of the hora service (module docstring).
+
+    It only wires a :class:`SessionLauncher` and shows its session.
+
+    Args:
+        options: how many engines, backend, timeouts (``gpus`` is the service's choice).
+        service: the service client (default: :class:`hora.Client` from the configuration).
+        progress: called with the session while it is queued (the magic shows it live).
+        notify: shows heartbeat notices (idle warning, the session's end) in the notebook.
+        idle_timeout_s: the idle timeout to ask for (default: the service's).
+        cuda_check: as for :class:`Cluster`.
+        runtime: where the service starts the engines: ``local`` (its machine) or ``slurm``
+            (one Slurm job; the controller then listens on an address the nodes reach).
+        ip: that address (default: the one the service names, ``GET /v1/session-address``).
+
+    Example:
+        >>> c = ServiceCluster(plan.ClusterOptions(n=2))  # doctest: +SKIP
+        >>> c.start(); c.session.id  # doctest: +SKIP
+        12
+    """
+
+    launcher: SessionLauncher
+
+    def __init__(
+        self,
+        options: plan.ClusterOptions | None = None,
+        service: Client | None = None,
+        progress: Callable[[SessionInfo], None] | None = None,
+        notify: Callable[[str], None] | None = None,
+        idle_timeout_s: float | None = None,
+        cuda_check: Callable[[], bool] = kernel_cuda_initialized,
+        runtime: str = "local",
+        ip: str | None = None,
+    ) -> None:
+        options = options or plan.ClusterOptions()
+        launcher = SessionLauncher(
+            options, service, progress, notify, idle_timeout_s, runtime, ip,
+            ready=lambda: self.state is ClusterState.READY,
+        )  # fmt: skip
+        super().__init__(options, cuda_check, launcher)
+
+    @property
+    def session(self) -> SessionInfo | None:
+        """The session, as the service last answered it (None when stopped)."""
+        return self.launcher.session
+
+    @property
+    def asked(self) -> int | None:
+        """The id of the last session asked for (kept after stop)."""
+        return self.launcher.asked
+
+    @property
+    def heartbeat(self) -> SessionHeartbeat | None:
+        """The session's heartbeat thread (None when stopped)."""
+        return self.launcher.heartbeat
+
+    @property
+    def queued_s(self) -> float:
+        """How long the last start waited in the queue."""
+        return self.launcher.queued_s
+
+    @property
+    def where(self) -> str:
+        """Where the engines come from, for the magics' output."""
+        return self.launcher.where
