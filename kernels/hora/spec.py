@@ -409,3 +409,38 @@ class JobInfo(BaseModel):
     def name(self) -> str:
         """The job's name from its spec."""
         return self.spec.name
+
+
+class SessionInfo(BaseModel):
+    """A session as ``/v1/sessions`` answers it: the one wire model, for service and kernel.
+
+    A session is a notebook's engines, scheduled as a job of kind ``session``; its states
+    are a job's, so :attr:`ended` is :attr:`JobState.terminal`.
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    id: int
+    user: str
+    name: str
+    state: JobState
+    workers: int
+    slots: list[int]
+    reason: str | None = None
+    created_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    lease_s: float
+    idle_timeout_s: float | None = None
+    idle_s: float | None = None
+    stop_in_s: float | None = Field(None, description="seconds left before the idle timeout")
+    warning: str | None = None
+    queue: QueueInfo | None = None
+    preflight: dict[str, Any] | None = Field(
+        default=None, description="what %dist_start's preflight measured (GET /v1/sessions/ID)"
+    )
+
+    @property
+    def ended(self) -> bool:
+        """The session is over (its engines are gone or going)."""
+        return self.state.terminal

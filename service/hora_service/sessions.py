@@ -36,10 +36,17 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from hora.errors import HoraError, SpecError
-from hora.spec import IMAGE_PATTERN, JobSpec, JobState, Priority, QueueInfo, RuntimeName
+from hora.spec import (
+    IMAGE_PATTERN,
+    JobSpec,
+    JobState,
+    Priority,
+    RuntimeName,
+    SessionInfo,
+)
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from sqlalchemy import Connection
 
@@ -210,28 +217,8 @@ class EngineReplacement(BaseModel):
     master_port: Annotated[int, Field(ge=1024, le=65535)]
 
 
-class SessionRecord(BaseModel):
-    """A session as ``/v1/sessions`` answers it."""
-
-    id: int
-    user: str
-    name: str
-    state: JobState
-    workers: int
-    slots: list[int]
-    reason: str | None = None
-    created_at: datetime
-    started_at: datetime | None = None
-    finished_at: datetime | None = None
-    lease_s: float
-    idle_timeout_s: float | None = None
-    idle_s: float | None = None
-    stop_in_s: float | None = Field(None, description="seconds left before the idle timeout")
-    warning: str | None = None
-    queue: QueueInfo | None = None
-    preflight: dict[str, Any] | None = Field(
-        default=None, description="what %dist_start's preflight measured (GET /v1/sessions/ID)"
-    )
+# the wire model lives in hora.spec, shared with the kernel; its old name here stays
+SessionRecord = SessionInfo
 
 
 def session_spec(req: SessionRequest, backend: str, python: str = sys.executable) -> JobSpec:
@@ -368,7 +355,7 @@ class SessionManager:
             self._leases.setdefault(job_id, Lease(lease, idle, now, now))
         self._loaded = True
 
-    def create(self, user: str, req: SessionRequest) -> SessionRecord:
+    def create(self, user: str, req: SessionRequest) -> SessionInfo:
         """Queue a session for ``user``.
 
         Raises:
@@ -432,7 +419,7 @@ class SessionManager:
             ) from None
         return SessionAddress(runtime=runtime, address=address, source=f"the route to {node}")
 
-    def heartbeat(self, job: JobRecord, beat: Heartbeat) -> SessionRecord:
+    def heartbeat(self, job: JobRecord, beat: Heartbeat) -> SessionInfo:
         """Renew the lease and note the engines' idle time; answer with the session."""
         now = time.time()
         with self._lock:
@@ -446,7 +433,7 @@ class SessionManager:
                 lease.active = now - beat.idle_s
         return self.view(self.manager.get(job.id) or job)
 
-    def delete(self, job: JobRecord) -> SessionRecord:
+    def delete(self, job: JobRecord) -> SessionInfo:
         """Withdraw a queued session or stop a running one (a no-op on a finished one)."""
         reason = "withdrawn by the user" if job.state == JobState.queued else "stopped by the user"
         return self.view(self.manager.cancel(job.id, reason=reason))
@@ -494,7 +481,7 @@ class SessionManager:
 
     def view(
         self, job: JobRecord, now: float | None = None, viewer: User | None = None
-    ) -> SessionRecord:
+    ) -> SessionInfo:
         """The session as the API answers it, with its queue place while queued.
 
         ``viewer`` (default: the session's owner) sees the idle time of the sessions holding
@@ -515,7 +502,7 @@ class SessionManager:
                     )
         who = viewer or User(name=job.user)
         queue = job_queue(self.manager, job, self.idle_seen_by(who, now))  # Slurm's word too
-        return SessionRecord(
+        return SessionInfo(
             id=job.id, user=job.user, name=job.spec.name, state=job.state,
             workers=job.spec.workers, slots=job.slots, reason=job.reason,
             created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at,

@@ -136,13 +136,16 @@ EVERY_KIND = [
 def test_the_notebook_queue_display_shows_each_kind(why: WaitReason) -> None:
     from datetime import UTC, datetime
 
-    from hora.engines.session import SessionInfo, render_queue
+    from hora.engines.session import render_queue
+    from hora.spec import SessionInfo
 
+    now = datetime(2026, 1, 1, tzinfo=UTC)
     info = SessionInfo(
-        id=5, state="queued", workers=1, slots=[], lease_s=30,
+        id=5, user="ann", name="s", state="queued", workers=1, slots=[], created_at=now,
+        lease_s=30,
         queue=QueueInfo(position=1, need=1, free=0, holders=[], reason=why.text, why=why),
     )  # fmt: skip
-    first = render_queue(info, datetime(2026, 1, 1, tzinfo=UTC)).splitlines()[0]
+    first = render_queue(info, now).splitlines()[0]
     assert first.startswith("session 5 queued: position 1; " + why.text)
 
 

@@ -328,12 +328,14 @@ def test_connection_files_match_what_the_controller_writes() -> None:
 def test_the_queue_display_names_place_holders_and_estimate() -> None:
     from datetime import UTC, datetime, timedelta
 
-    from hora.engines.session import SessionInfo, render_queue
+    from hora.engines.session import render_queue
+    from hora.spec import SessionInfo
 
     now = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
     info = SessionInfo.model_validate(
         {
-            "id": 14, "state": "queued", "workers": 1, "slots": [], "lease_s": 30,
+            "id": 14, "user": "ann", "name": "s", "state": "queued", "workers": 1, "slots": [],
+            "created_at": now, "lease_s": 30,
             "queue": {
                 "position": 2, "need": 1, "free": 0, "reason": "waiting for 1 slot(s); 0 free",
                 "estimate_at": now + timedelta(minutes=30),
@@ -395,12 +397,16 @@ def test_a_slurm_session_whose_controller_is_not_on_this_machine_is_refused(
 
 
 def test_a_session_slurm_holds_back_shows_its_reason_in_the_cell() -> None:
-    from hora.engines.session import SessionInfo, render_queue
-    from hora.spec import QueueInfo
+    from hora.engines.session import render_queue
+    from hora.spec import QueueInfo, SessionInfo
 
     queue = QueueInfo(position=0, need=4, free=0, holders=[], reason="slurm: Resources")
-    info = SessionInfo(id=7, state="starting", workers=4, slots=[], lease_s=30, queue=queue)
-    text = render_queue(info, datetime.now(UTC), 40)
+    now = datetime.now(UTC)
+    info = SessionInfo(
+        id=7, user="ann", name="s", state="starting", workers=4, slots=[], created_at=now,
+        lease_s=30, queue=queue,
+    )  # fmt: skip
+    text = render_queue(info, now, 40)
     assert text == (
         "session 7 waits in the runtime's queue: slurm: Resources (waited 40s; Ctrl-C withdraws)"
     )

@@ -28,8 +28,6 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
-
 from hora.client import Client, ServiceError
 from hora.client_config import config_path
 from hora.engines import plan
@@ -46,36 +44,12 @@ from hora.engines.launchers import (
 from hora.engines.state import ClusterState
 from hora.errors import HoraError, SpecError
 from hora.net import free_port
-from hora.spec import QueueInfo
+from hora.spec import SessionInfo
 
 log = logging.getLogger("hora.engines")
 
-TERMINAL = ("succeeded", "failed", "cancelled")
 POLL_S = 0.25
 ASK_S = 10.0  # how long a new engine is asked for while the service sees the old one run
-
-
-class SessionInfo(BaseModel):
-    """A session as the service answers it."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    id: int
-    state: str
-    workers: int
-    slots: list[int]
-    reason: str | None = None
-    lease_s: float
-    idle_timeout_s: float | None = None
-    idle_s: float | None = None
-    stop_in_s: float | None = None
-    warning: str | None = None
-    queue: QueueInfo | None = None
-
-    @property
-    def ended(self) -> bool:
-        """The session is over (its engines are gone or going)."""
-        return self.state in TERMINAL
 
 
 class SessionWithdrawn(EngineError):

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from hora.errors import SpecError
-from hora.spec import JobSpec, JobState, RuntimeName
+from hora.spec import JobSpec, JobState, RuntimeName, SessionInfo
 from pydantic import BaseModel
 
 from hora_service.api.deps import CurrentUser, ManagerDep, OwnedJob
@@ -23,7 +23,6 @@ from hora_service.sessions import (
     Heartbeat,
     SessionAddress,
     SessionManager,
-    SessionRecord,
     SessionRequest,
 )
 
@@ -43,7 +42,7 @@ SESSION_RESPONSES: Responses = {
 class SessionList(BaseModel):
     """Sessions, newest first."""
 
-    items: list[SessionRecord]
+    items: list[SessionInfo]
     total: int
 
 
@@ -69,7 +68,7 @@ OwnedSession = Annotated[JobRecord, Depends(owned_session)]
 @router.post(
     "",
     status_code=201,
-    response_model=SessionRecord,
+    response_model=SessionInfo,
     summary="Ask for engines",
     responses={
         **AUTH_RESPONSES,
@@ -79,7 +78,7 @@ OwnedSession = Annotated[JobRecord, Depends(owned_session)]
         429: {"description": "Too many of your jobs and sessions wait in the queue already"},
     },  # fmt: skip
 )
-def create_session(req: SessionRequest, user: CurrentUser, sessions: SessionsDep) -> SessionRecord:
+def create_session(req: SessionRequest, user: CurrentUser, sessions: SessionsDep) -> SessionInfo:
     """Queue a session of ``workers`` engines that connect to the kernel's controller.
 
     It is scheduled with the jobs (priority, quota, backfill); the answer's ``queue`` says
@@ -129,11 +128,11 @@ def session_address(
 
 
 @router.get(
-    "/{job_id}", response_model=SessionRecord, summary="Get a session", responses=SESSION_RESPONSES
+    "/{job_id}", response_model=SessionInfo, summary="Get a session", responses=SESSION_RESPONSES
 )
 def get_session(
     job: OwnedSession, user: CurrentUser, sessions: SessionsDep, manager: ManagerDep
-) -> SessionRecord:
+) -> SessionInfo:
     """State, slots, queue place (while queued), idle time, warning and preflight of one session.
 
     ``preflight`` is what ``%dist_start`` measured on the engines (rank 0 logs it), as a
@@ -146,11 +145,11 @@ def get_session(
 
 @router.post(
     "/{job_id}/heartbeat",
-    response_model=SessionRecord,
+    response_model=SessionInfo,
     summary="Renew a session's lease",
     responses={**SESSION_RESPONSES, **BODY},
 )
-def heartbeat(job: OwnedSession, beat: Heartbeat, sessions: SessionsDep) -> SessionRecord:
+def heartbeat(job: OwnedSession, beat: Heartbeat, sessions: SessionsDep) -> SessionInfo:
     """The kernel is alive; its engines have been idle ``idle_s`` seconds.
 
     The answer carries ``warning`` when the idle timeout is near, and the session's state
@@ -161,7 +160,7 @@ def heartbeat(job: OwnedSession, beat: Heartbeat, sessions: SessionsDep) -> Sess
 
 @router.post(
     "/{job_id}/replace",
-    response_model=SessionRecord,
+    response_model=SessionInfo,
     summary="Start a new engine for a dead one",
     responses={
         **SESSION_RESPONSES,
@@ -172,7 +171,7 @@ def heartbeat(job: OwnedSession, beat: Heartbeat, sessions: SessionsDep) -> Sess
 )
 def replace_engine(
     job: OwnedSession, body: EngineReplacement, manager: ManagerDep, sessions: SessionsDep
-) -> SessionRecord:
+) -> SessionInfo:
     """Start a new engine for ``rank``, whose engine died; the other engines are untouched.
 
     The session keeps a dead engine's slot until the kernel asks (``%%distributed``'s next
@@ -207,10 +206,10 @@ def handoff(job: OwnedSession, spec: JobSpec, manager: ManagerDep) -> JobRecord:
 
 @router.delete(
     "/{job_id}",
-    response_model=SessionRecord,
+    response_model=SessionInfo,
     summary="Stop or withdraw a session",
     responses={**SESSION_RESPONSES, **BUSY},
 )
-def delete_session(job: OwnedSession, sessions: SessionsDep) -> SessionRecord:
+def delete_session(job: OwnedSession, sessions: SessionsDep) -> SessionInfo:
     """Withdraw a queued session or stop a running one's engines; its slots are freed."""
     return sessions.delete(job)
