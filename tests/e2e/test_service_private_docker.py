@@ -11,6 +11,7 @@ naming the limit.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -174,3 +175,8 @@ def test_a_container_forking_past_its_pids_limit_fails_naming_the_limit(
     assert "fork failed after" in log and "Resource temporarily unavailable" in log, log
     assert int(log.split("fork failed after ")[1].split()[0]) < 500, log
     assert "pids limit (500 processes and threads per attempt)" in job["reason"], job
+    # the engine removes the container's cgroup once its init exits (often before the service
+    # reads it): the init recorded the counters on its way out
+    recorded = list(srv.data_dir.rglob(f"logs/{job['id']}/*/container.hits"))
+    assert len(recorded) == 1, recorded
+    assert json.loads(recorded[0].read_text())["pids_max"] >= 1, recorded[0].read_text()

@@ -3,13 +3,18 @@ and what a failed job's reason says (hora_service.runtimes.limits)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from hora_service.runtimes import container_init
+from hora_service.runtimes.docker import _recorded_hits
 from hora_service.runtimes.limits import (
     Hits,
     JobLimits,
     LimitError,
     Machine,
     cgroup_files,
+    counter,
     docker_limits,
     note,
     parse,
@@ -94,3 +99,51 @@ def test_the_reason_names_the_limit_hit() -> None:
     assert extra is not None and "pids limit (1000 processes and threads per attempt)" in extra
     assert note(limits, Hits(), killed=True) == (None, None)
     assert note(JobLimits(), Hits(oom_kills=1, pids_max=1), killed=True) == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        # cgroup v1, as the engine mounts the container's own directories in it
+        (
+            {
+                "pids/pids.events": "max 7\n",
+                "memory/memory.oom_control": "oom_kill_disable 0\nunder_oom 0\noom_kill 2\n",
+            },
+            Hits(oom_kills=2, pids_max=7),
+        ),
+        # cgroup v2: one directory
+        (
+            {
+                "pids.events": "max 3\n",
+                "memory.events": "low 0\nhigh 0\nmax 1\noom 1\noom_kill 1\n",
+            },
+            Hits(oom_kills=1, pids_max=3),
+        ),
+        ({}, Hits()),  # no cgroup mounted in the container
+    ],
+)
+def test_what_a_containers_init_records_of_its_cgroup_is_what_the_service_reads(
+    tmp_path: Path, files: dict[str, str], expected: Hits
+) -> None:
+    # the engine removes the container's cgroup once its init exits, often before the service
+    # has read it: the init (standard library only) records the counters on its way out
+    root = tmp_path / "cgroup"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    container_init._record_hits(str(run_dir), str(root))
+    assert _recorded_hits(run_dir / "container.hits") == expected
+    if files:  # the init's stdlib reader agrees with the service's
+        for name in files:
+            for key in ("max", "oom_kill"):
+                assert container_init._counter(str(root / name), key) == counter(root / name, key)
+
+
+def test_a_missing_or_garbled_record_counts_nothing(tmp_path: Path) -> None:
+    assert _recorded_hits(tmp_path / "absent") == Hits()
+    for text in ("not json", "[1, 2]", '{"pids_max": "many"}'):
+        (tmp_path / "container.hits").write_text(text)
+        assert _recorded_hits(tmp_path / "container.hits") == Hits()

@@ -16,7 +16,9 @@ survives that), so per-rank logs, pid and exit files, exit codes and signals beh
 and no rank can rewrite its log or exit file. A signal the engine delivers (``docker stop``:
 SIGTERM) is passed to every rank's process group; as PID 1 it also reaps whatever its ranks
 leave orphaned. It exits once every shim has: 0 when every rank succeeded, else the first
-failing rank's status. Standard library only.
+failing rank's status. Before it exits it writes ``RUN_DIR/container.hits``: what the
+container's cgroup counted (refused forks, OOM kills), since the engine removes that cgroup as
+soon as PID 1 is gone, often before the service has read it. Standard library only.
 """
 
 import json
@@ -57,6 +59,41 @@ def _start(run_dir: str, rank: int) -> int:
     return proc.pid
 
 
+# what the container's own cgroup counted, as mounted in it (v1: one directory per controller;
+# v2: one directory): the hits' name -> (file, key) per layout
+_COUNTERS = {
+    "pids_max": (("pids/pids.events", "pids.events"), "max"),
+    "oom_kills": (("memory/memory.oom_control", "memory.events"), "oom_kill"),
+}
+
+
+def _counter(path: str, key: str) -> int:
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _record_hits(run_dir: str, cgroup_root: str = "/sys/fs/cgroup") -> None:
+    """Write what the container's cgroup counted to ``RUN_DIR/container.hits`` (JSON)."""
+    hits = {
+        name: max(_counter(os.path.join(cgroup_root, f), key) for f in files)
+        for name, (files, key) in _COUNTERS.items()
+    }
+    path = os.path.join(run_dir, "container.hits")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o640)
+        with os.fdopen(fd, "w") as f:
+            json.dump(hits, f)
+    except OSError:
+        pass  # the service then reads the cgroup itself, if it still can
+
+
 def _status(raw: int) -> int:
     return os.waitstatus_to_exitcode(raw) if raw else 0
 
@@ -80,6 +117,7 @@ def main(argv: list[str]) -> int:
             break
         if pid in _shims:
             codes[_shims[pid]] = _status(raw)
+    _record_hits(run_dir)
     failed = [codes[r] for r in sorted(codes) if codes[r] != 0]
     if not failed:
         return 0

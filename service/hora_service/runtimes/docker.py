@@ -69,6 +69,8 @@ ENGINE_GRACE_S = 15.0  # an engine that does not answer for this long has lost i
 API_TIMEOUT_S = 30
 CONTAINER_HOME = "/tmp"  # the account's home on the host is not mounted
 INIT_CAPS = ("SETUID", "SETGID", "KILL")  # all the container's root keeps: drop uid, signal
+
+
 @dataclass(frozen=True)
 class DockerConfig:
     """The docker settings of the service (see :class:`~hora_service.settings.Settings`).
@@ -512,13 +514,18 @@ class DockerRuntime(Runtime):
         return tree_cpu_seconds(pid) if pid > 0 else None
 
     def limit_hits(self, plan: AttemptPlan) -> Hits:
-        """The container's OOM kill (the engine's ``OOMKilled``) and refused forks (its cgroup)."""
+        """The container's OOM kill (the engine's ``OOMKilled``) and refused forks (its cgroup).
+
+        The engine removes the container's cgroup as soon as its init exits, so what the init
+        recorded on its way out (``container.hits``) counts as well.
+        """
+        recorded = _recorded_hits(plan.run_dir / "container.hits")
         try:
             found = self.find(plan)
         except UNREACHABLE:
-            return Hits()
+            return recorded
         if found is None:
-            return Hits()
+            return recorded
         oom = int(bool((found.attrs.get("State") or {}).get("OOMKilled")))
         # the container's cgroup: cgroupfs driver on v1, on v2, and systemd's driver on v2
         v1 = ("{}/docker/" + found.id,)
@@ -530,7 +537,7 @@ class DockerRuntime(Runtime):
             counter(CGROUP_FS / d / "pids.events", "max")
             for d in (*(w.format("pids") for w in v1), *v2)
         )
-        return Hits(oom_kills=oom, pids_max=pids)
+        return Hits(oom_kills=max(oom, recorded.oom_kills), pids_max=max(pids, recorded.pids_max))
 
     def _clear(self, plan: AttemptPlan) -> bool:
         """Remove the attempt's container; with the engine gone, nothing of it can run.
@@ -573,6 +580,15 @@ class DockerRuntime(Runtime):
 
 def _filters(wanted: Mapping[str, str]) -> list[str]:
     return [f"{k}={v}" for k, v in wanted.items()]
+
+
+def _recorded_hits(path: Path) -> Hits:
+    """What a container's init recorded of its cgroup's counters (none if it wrote nothing)."""
+    try:
+        raw = json.loads(path.read_text())
+        return Hits(oom_kills=int(raw.get("oom_kills", 0)), pids_max=int(raw.get("pids_max", 0)))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return Hits()
 
 
 def _group_file(path: Path, gid: int, text: str) -> None:
