@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 from hora_service.runtimes import container_init
-from hora_service.runtimes.docker import _recorded_hits
 from hora_service.runtimes.limits import (
     Hits,
     JobLimits,
@@ -18,6 +17,7 @@ from hora_service.runtimes.limits import (
     docker_limits,
     note,
     parse,
+    recorded_hits,
     resolve,
 )
 from hora_service.settings import Settings
@@ -135,7 +135,7 @@ def test_what_a_containers_init_records_of_its_cgroup_is_what_the_service_reads(
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     container_init._record_hits(str(run_dir), str(root))
-    assert _recorded_hits(run_dir / "container.hits") == expected
+    assert recorded_hits(run_dir / "container.hits") == expected
     if files:  # the init's stdlib reader agrees with the service's
         for name in files:
             for key in ("max", "oom_kill"):
@@ -143,7 +143,7 @@ def test_what_a_containers_init_records_of_its_cgroup_is_what_the_service_reads(
 
 
 def test_a_missing_or_garbled_record_counts_nothing(tmp_path: Path) -> None:
-    assert _recorded_hits(tmp_path / "absent") == Hits()
+    assert recorded_hits(tmp_path / "absent") == Hits()
     for text in ("not json", "[1, 2]", '{"pids_max": "many"}'):
         (tmp_path / "container.hits").write_text(text)
-        assert _recorded_hits(tmp_path / "container.hits") == Hits()
+        assert recorded_hits(tmp_path / "container.hits") == Hits()

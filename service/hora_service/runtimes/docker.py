@@ -50,7 +50,7 @@ from hora_service.runtimes.docker_images import (
     resolve_image,
 )
 from hora_service.runtimes.docker_images import short as _short
-from hora_service.runtimes.limits import Hits, counter, docker_limits
+from hora_service.runtimes.limits import Hits, counter, docker_limits, recorded_hits
 from hora_service.runtimes.local import ALLOWED, ALLOWED_PREFIXES, rank_environment, read_exit
 from hora_service.settings import Settings
 
@@ -519,7 +519,7 @@ class DockerRuntime(Runtime):
         The engine removes the container's cgroup as soon as its init exits, so what the init
         recorded on its way out (``container.hits``) counts as well.
         """
-        recorded = _recorded_hits(plan.run_dir / "container.hits")
+        recorded = recorded_hits(plan.run_dir / "container.hits")
         try:
             found = self.find(plan)
         except UNREACHABLE:
@@ -580,15 +580,6 @@ class DockerRuntime(Runtime):
 
 def _filters(wanted: Mapping[str, str]) -> list[str]:
     return [f"{k}={v}" for k, v in wanted.items()]
-
-
-def _recorded_hits(path: Path) -> Hits:
-    """What a container's init recorded of its cgroup's counters (none if it wrote nothing)."""
-    try:
-        raw = json.loads(path.read_text())
-        return Hits(oom_kills=int(raw.get("oom_kills", 0)), pids_max=int(raw.get("pids_max", 0)))
-    except (OSError, ValueError, TypeError, AttributeError):
-        return Hits()
 
 
 def _group_file(path: Path, gid: int, text: str) -> None:

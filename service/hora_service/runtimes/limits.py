@@ -26,6 +26,7 @@ powers of 1024). The local runtime writes them into the attempt's cgroup
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -301,6 +302,18 @@ def hits(kind: str, dirs: tuple[Path, ...]) -> Hits:
         oom_kills=counter(mem / events, "oom_kill") if mem is not None else 0,
         pids_max=counter(pids / "pids.events", "max") if pids is not None else 0,
     )
+
+
+def recorded_hits(path: Path) -> Hits:
+    """What a docker container's init recorded of its cgroup's counters in ``path`` (JSON).
+
+    Zero where it wrote nothing or what it wrote does not read.
+    """
+    try:
+        raw = json.loads(path.read_text())
+        return Hits(oom_kills=int(raw.get("oom_kills", 0)), pids_max=int(raw.get("pids_max", 0)))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return Hits()
 
 
 def note(limits: JobLimits, found: Hits, killed: bool) -> tuple[str | None, str | None]:
