@@ -69,7 +69,7 @@ class Server:
         manager = JobManager(Settings(data_dir=data_dir, user_mode="single"))
         if hasattr(manager, "open_store"):
             manager.open_store()
-        self.token = str(manager.create_user("bench", admin=True))
+        self.token = str(manager.users.create("bench", admin=True))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("HORA_")}

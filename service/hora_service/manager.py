@@ -67,6 +67,6 @@ class JobManager(Monitor, Reads, SlotViews):
 
     Example:
         >>> mgr = JobManager(Settings(data_dir=tmp_path, gpus="0", cpu_slots=2))  # doctest: +SKIP
-        >>> mgr.start(); token = mgr.create_user("ann")  # doctest: +SKIP
+        >>> mgr.start(); token = mgr.users.create("ann")  # doctest: +SKIP
         >>> mgr.submit("ann", JobSpec(command=["python", "-c", "pass"]))  # doctest: +SKIP
     """

@@ -397,7 +397,7 @@ def test_a_removed_users_token_stops_at_the_next_request(tmp_path: Path) -> None
     with ServiceServer(tmp_path) as srv, srv.client("ann") as ann:
         assert ann.get("/v1/jobs").status_code == 200
         other = JobManager(Settings(data_dir=srv.data_dir))  # as `hora user remove` does
-        assert other.remove_user("ann")
+        assert other.users.remove("ann")
         other.close_store()
         assert ann.get("/v1/jobs").status_code == 401
         assert ann.post("/v1/jobs", json={"command": ["true"]}).status_code == 401

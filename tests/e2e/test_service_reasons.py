@@ -53,7 +53,7 @@ def srv(work: Path) -> Iterator[ServiceServer]:
     users = {"ann": False, "bob": False, "root": True}
     server = ServiceServer(work, users=users, cpu_slots=4)
     manager = JobManager(Settings(data_dir=server.data_dir, user_mode="shared"))
-    server.tokens["carol"] = manager.create_user("carol", quota=2)
+    server.tokens["carol"] = manager.users.create("carol", quota=2)
     manager.close_store()
     with server:
         yield server

@@ -117,7 +117,7 @@ def make_users(
         open_users()
     for name, admin in users.items():
         uid = (accounts or {}).get(name)
-        tokens[name] = str(manager.create_user(name, admin=admin, uid=uid))
+        tokens[name] = str(manager.users.create(name, admin=admin, uid=uid))
     close = getattr(manager, "close_store", None)
     if close is not None:
         close()

@@ -264,7 +264,7 @@ def test_submission_checks_name_the_field(
 
 
 def test_quota_rejects_impossible_and_queues_over_quota(mgr: JobManager) -> None:
-    mgr.create_user("ann", quota=2)
+    mgr.users.create("ann", quota=2)
     with pytest.raises(SpecError, match="your quota is 2"):
         mgr.submit("ann", spec(workers=3))
     first = mgr.submit("ann", spec(workers=2))
@@ -287,25 +287,25 @@ def test_submission_id_is_per_user_and_idempotent(mgr: JobManager) -> None:
 
 
 def test_users_tokens_are_hashed(mgr: JobManager, tmp_path: Path) -> None:
-    token = mgr.create_user("ann", admin=True)
-    user = mgr.user_for_token(token)
-    assert user is not None and user.is_admin and mgr.user_for_token(token + "x") is None
+    token = mgr.users.create("ann", admin=True)
+    user = mgr.users.for_token(token)
+    assert user is not None and user.is_admin and mgr.users.for_token(token + "x") is None
     with pytest.raises(StoreError, match="exists"):
-        mgr.create_user("ann")
+        mgr.users.create("ann")
     with pytest.raises(SpecError):
-        mgr.create_user("ann smith")
+        mgr.users.create("ann smith")
     raw = b"".join(p.read_bytes() for p in (tmp_path / "data").glob("hora.db*"))  # db + WAL
     assert token.encode() not in raw and token_hash(token).encode() in raw
-    assert mgr.remove_user("ann") and mgr.user_for_token(token) is None
+    assert mgr.users.remove("ann") and mgr.users.for_token(token) is None
 
 
 def test_a_recreated_name_does_not_inherit_the_old_users_jobs(mgr: JobManager) -> None:
-    mgr.create_user("ann")
+    mgr.users.create("ann")
     old = mgr.submit("ann", spec(submission_id="s1"))
-    first = mgr.user_for_token(mgr.create_user("bob"))
-    assert mgr.remove_user("ann")
-    token = mgr.create_user("ann")
-    new = mgr.user_for_token(token)
+    first = mgr.users.for_token(mgr.users.create("bob"))
+    assert mgr.users.remove("ann")
+    token = mgr.users.create("ann")
+    new = mgr.users.for_token(token)
     assert new is not None and first is not None and new.id > first.id  # ids are never reused
     assert mgr.list_jobs("ann", None, 50, 0) == ([], 0)
     again = mgr.submit("ann", spec(submission_id="s1"))  # the old submission id is free
@@ -315,16 +315,16 @@ def test_a_recreated_name_does_not_inherit_the_old_users_jobs(mgr: JobManager) -
 
 def test_single_user_mode_refuses_a_second_user(tmp_path: Path) -> None:
     single = JobManager(Settings(data_dir=tmp_path / "d", user_mode="single", gpus="0"))
-    single.create_user("ann")
+    single.users.create("ann")
     with pytest.raises(SpecError, match="HORA_USER_MODE=shared") as e:
-        single.create_user("bob")
+        single.users.create("bob")
     assert e.value.field == "name" and "single-user mode" in str(e.value)
     with pytest.raises(SpecError, match="multi-user mode"):
-        single.create_user("ann2", uid=4321)
+        single.users.create("ann2", uid=4321)
     single.close_store()
     shared = JobManager(Settings(data_dir=tmp_path / "d", user_mode="shared", gpus="0"))
-    shared.create_user("bob")  # the admin opted in
-    assert [u.name for u in shared.list_users()] == ["ann", "bob"]
+    shared.users.create("bob")  # the admin opted in
+    assert [u.name for u in shared.users.all()] == ["ann", "bob"]
     shared.close_store()
     later = JobManager(Settings(data_dir=tmp_path / "d", user_mode="single", gpus="0"))
     with pytest.raises(HoraError, match="has 2 users"):  # no silent downgrade at start
@@ -352,7 +352,7 @@ def test_multi_user_mode_needs_root_and_a_safe_account(tmp_path: Path) -> None:
 def test_multi_user_mode_refuses_jobs_of_a_user_without_an_account(tmp_path: Path) -> None:
     mgr = JobManager(Settings(data_dir=tmp_path / "d", gpus="0", containment="tag"))
     mgr.users.mode = "multi"  # what a root service resolves to; no account is created here
-    mgr.create_user("ann")
+    mgr.users.create("ann")
     with pytest.raises(SpecError, match="no OS account") as e:
         mgr.submit("ann", spec())
     assert e.value.field == "user"

@@ -103,7 +103,7 @@ def test_a_session_is_a_job_of_kind_session_with_the_engines_command(
 
 
 def test_sessions_and_jobs_share_one_quota(mgr: JobManager, sessions: SessionManager) -> None:
-    mgr.create_user("ann", quota=2)
+    mgr.users.create("ann", quota=2)
     s = sessions.create("ann", request())
     mgr.tick()
     mine = mgr.submit("ann", job(workers=1))
@@ -261,7 +261,7 @@ def test_effective_idle_timeout_refuses_bad_or_too_long_requests(requested: floa
 def test_a_users_idle_timeout_applies_to_their_new_sessions(
     mgr: JobManager, sessions: SessionManager
 ) -> None:
-    mgr.create_user("cal", idle_timeout_s=45)
+    mgr.users.create("cal", idle_timeout_s=45)
     assert sessions.create("cal", request()).idle_timeout_s == 45
     assert sessions.create("cal", request(idle_timeout_s=90)).idle_timeout_s == 90
     assert mgr.users.set_idle_timeout("cal", None)
@@ -271,7 +271,7 @@ def test_a_users_idle_timeout_applies_to_their_new_sessions(
             mgr.users.set_idle_timeout("cal", bad)
         assert err.value.field == "idle_timeout_s"
     with pytest.raises(SpecError):
-        mgr.create_user("dee", idle_timeout_s=float("nan"))
+        mgr.users.create("dee", idle_timeout_s=float("nan"))
     assert not mgr.users.set_idle_timeout("nobody", 60)
 
 

@@ -68,7 +68,7 @@ def create_app(settings: Settings | None = None, manager: JobManager | None = No
         if owned:
             mgr.start()
         try:
-            check_safe(settings, len(mgr.list_users()))
+            check_safe(settings, len(mgr.users.all()))
             probe.start()
             yield
         finally:

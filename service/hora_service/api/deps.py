@@ -107,9 +107,9 @@ async def current_user(
         raise unauthorized("invalid token")
     cache: TokenCache | None = getattr(request.app.state, "token_cache", None)
     if cache is not None:
-        user = await run_in_threadpool(cache.lookup, token, manager.user_for_token)
+        user = await run_in_threadpool(cache.lookup, token, manager.users.for_token)
     else:
-        user = await run_in_threadpool(manager.user_for_token, token)
+        user = await run_in_threadpool(manager.users.for_token, token)
     if user is None:
         raise unauthorized("invalid token")
     return user

@@ -22,7 +22,7 @@ from hora_service.inventory import Slot, inventory
 from hora_service.jobpreflight import PreflightBook
 from hora_service.jobs.attempt import Attempt, _outside
 from hora_service.journal import Journal, Write
-from hora_service.models import JobRecord, User
+from hora_service.models import JobRecord
 from hora_service.reasons import ReasonBoard
 from hora_service.runtimes import Runtime
 from hora_service.runtimes.containment import Containment
@@ -106,30 +106,6 @@ class ManagerCore:
             self.store = None
 
     # users ------------------------------------------------------------------------------
-
-    def create_user(
-        self,
-        name: str,
-        admin: bool = False,
-        quota: int | None = None,
-        uid: int | None = None,
-        make_account: bool = False,
-        idle_timeout_s: float | None = None,
-    ) -> str:
-        """Create a user and return their token (see :meth:`hora_service.users.Users.create`)."""
-        return self.users.create(name, admin, quota, uid, make_account, idle_timeout_s)
-
-    def remove_user(self, name: str) -> bool:
-        """Delete a user; their token stops working at once. False if there was none."""
-        return self.users.remove(name)
-
-    def user_for_token(self, token: str) -> User | None:
-        """The user a bearer token belongs to, or None."""
-        return self.users.for_token(token)
-
-    def list_users(self) -> list[User]:
-        """Every user."""
-        return self.users.all()
 
     @property
     def user_mode(self) -> str:

@@ -107,7 +107,7 @@ async def viewer(request: Request) -> Viewer:
     if session is None:
         raise HTTPException(401, "not signed in")
     manager: JobManager = request.app.state.manager
-    user = await run_in_threadpool(manager.user_for_token, session.token)
+    user = await run_in_threadpool(manager.users.for_token, session.token)
     if user is None:
         sessions.close(request.cookies.get(COOKIE))
         raise HTTPException(401, "not signed in (the user was removed)")

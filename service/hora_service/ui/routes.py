@@ -83,7 +83,7 @@ async def login(body: Login, request: Request) -> JSONResponse:
     """Exchange a token for a session cookie; answers who signed in and the CSRF token."""
     if not same_origin(request):
         raise HTTPException(403, "cross-site request refused")
-    user = await run_in_threadpool(_mgr(request).user_for_token, body.token)
+    user = await run_in_threadpool(_mgr(request).users.for_token, body.token)
     if user is None:
         raise HTTPException(401, "unknown token")
     sessions: UiSessions = request.app.state.ui_sessions
@@ -275,7 +275,7 @@ def users(request: Request, who: ViewerDep) -> dict[str, Any]:
         raise HTTPException(403, "admins only")
     s = _mgr(request).settings
     rows = [u.model_dump(include={"name", "is_admin", "gpu_quota", "os_uid", "idle_timeout_s"})
-            for u in _mgr(request).list_users()]  # fmt: skip
+            for u in _mgr(request).users.all()]  # fmt: skip
     limits = {
         k: getattr(s, k)
         for k in (
