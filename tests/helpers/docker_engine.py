@@ -6,16 +6,21 @@ starts a private ``dockerd`` (state under a new directory in /tmp) and stops it 
 Where neither is possible (not root, no ``dockerd``) it fails with the reason: these tests are
 never skipped. :func:`cpu_image` builds ``hora:cpu`` with ``hora image build --cpu`` unless
 the engine has one built from this checkout's sources (label ``hora.source``); :func:`image`
-does the same for any kind (the opt-in GPU image test builds ``hora:gpu`` with it).
+does the same for any kind (the opt-in GPU image test builds ``hora:gpu`` with it). Where
+``HORA_TEST_IMAGE_LOCK`` names a file, the build waits for an exclusive ``flock`` on it first:
+``.ci/run`` builds the image in the background under that lock while the suite starts, and a
+docker test that comes before it is done waits for it rather than building a second one.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCKERD_SH = ROOT / "scripts" / "dockerd.sh"
 IMAGE = "hora:cpu"
 BUILD_TIMEOUT_S = {"cpu": 1200, "gpu": 3600}  # the GPU image gathers several GB of wheels
+LOCK_VAR = "HORA_TEST_IMAGE_LOCK"
 
 
 class EngineUnavailable(RuntimeError):
@@ -107,6 +113,36 @@ def cpu_image(eng: Engine) -> str:
 
 def image(eng: Engine, kind: str) -> str:
     """``hora:KIND`` built from this checkout (built now unless the engine has it)."""
+    with _held(os.environ.get(LOCK_VAR), BUILD_TIMEOUT_S[kind]):
+        return _built(eng, kind)
+
+
+@contextmanager
+def _held(lock: str | None, timeout_s: float) -> Iterator[None]:
+    """An exclusive ``flock`` on ``lock`` (nothing when None), waited for up to ``timeout_s``."""
+    if not lock:
+        yield
+        return
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise EngineUnavailable(
+                        f"the image build holding {lock} ({LOCK_VAR}) did not end within "
+                        f"{timeout_s:.0f} s"
+                    ) from None
+                time.sleep(1)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _built(eng: Engine, kind: str) -> str:
     from hora_service.images import SOURCE_LABEL, source_digest
 
     tag = f"hora:{kind}"
