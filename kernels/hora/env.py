@@ -24,6 +24,15 @@ DEFAULT_MASTER_PORT = 29500
 # hora.torch.init() seals every key and value of its rendezvous store with it, so a process
 # that reaches the store without it can neither read, write nor join (hora.torch._sealed).
 RDZV_SECRET_VAR = "HORA_RDZV_SECRET"
+# The variables by which a launcher (hora, torchrun, Open MPI, MPICH / Intel MPI, srun) places
+# a process in its world: a launcher strips them from the environment it starts from, so that
+# its children see only the world it gives them, never the one their parent was started in.
+LAUNCHER_VARS: tuple[str, ...] = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "GROUP_RANK",
+    "CROSS_RANK", "CROSS_SIZE", "MASTER_ADDR", "MASTER_PORT", "HORA_LAUNCHER",
+    "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_RANK", "PMI_SIZE", "SLURM_PROCID", RDZV_SECRET_VAR,
+)  # fmt: skip
 
 
 def new_rdzv_secret() -> str:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hora.engines.errors import CudaInitializedError, NotEnoughGpusError
-from hora.env import RDZV_SECRET_VAR, rank_env
+from hora.env import LAUNCHER_VARS, RDZV_SECRET_VAR, rank_env
 from hora.errors import SpecError
 from hora.inventory import GpuInfo
 
@@ -30,29 +30,17 @@ CLUSTER_ID = "hora"
 HEARTBEAT_MS = 250
 HEARTBEAT_MISSES = 40
 INLINE_MPL = "module://matplotlib_inline.backend_inline"
-_STRIP = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "LOCAL_SIZE",
-    "GROUP_RANK",
-    "CROSS_RANK",
-    "CROSS_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "HORA_LAUNCHER",
+# What an engine must not inherit from the notebook kernel: a launcher's world
+# (hora.env.LAUNCHER_VARS), the kernel's own GPU, and Jupyter's and ipyparallel's ties to the
+# kernel's parent and controller.
+_STRIP = frozenset(LAUNCHER_VARS) | {
     "HORA_GPU",
     "JPY_PARENT_PID",
     "IPP_CONNECTION_INFO",
     "IPP_ENABLE_CURVE",
     "IPP_CURVE_PUBLICKEY",
     "IPP_CURVE_SECRETKEY",
-    "OMPI_COMM_WORLD_RANK",
-    "PMI_RANK",
-    "SLURM_PROCID",
-    RDZV_SECRET_VAR,
-)
+}
 
 
 @dataclass(frozen=True)

@@ -16,20 +16,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from hora.env import RDZV_SECRET_VAR, new_rdzv_secret, rank_env
+from hora.env import LAUNCHER_VARS, RDZV_SECRET_VAR, new_rdzv_secret, rank_env
 from hora.errors import SpecError
 
 PROG = "hora run"
 BACKENDS = ("gloo", "nccl")
 DEFAULT_GRACE_S = 5.0
 _LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1", "localhost.localdomain"}
-# Variables a parent launcher may have set; a rank must see only the world hora gives it.
-_PARENT_LAUNCHER_VARS = (
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "GROUP_RANK",
-    "CROSS_RANK", "CROSS_SIZE", "MASTER_ADDR", "MASTER_PORT", "HORA_LAUNCHER",
-    "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-    "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_RANK", "PMI_SIZE", "SLURM_PROCID", RDZV_SECRET_VAR,
-)
 
 
 @dataclass(frozen=True)
@@ -364,7 +357,7 @@ def build_rank_envs(
         >>> [e["RANK"] for e in envs]
         ['0', '1']
     """
-    base = {k: v for k, v in base_env.items() if k not in _PARENT_LAUNCHER_VARS}
+    base = {k: v for k, v in base_env.items() if k not in LAUNCHER_VARS}
     base.setdefault("PYTHONUNBUFFERED", "1")
     base.setdefault("OMP_NUM_THREADS", "1")
     extra = {**launch_extra(config), RDZV_SECRET_VAR: rdzv_secret or new_rdzv_secret()}

@@ -34,11 +34,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, cast
 
-from hora.env import RDZV_SECRET_VAR, new_rdzv_secret, rank_env
+from hora.env import LAUNCHER_VARS, RDZV_SECRET_VAR, new_rdzv_secret, rank_env
 from hora.errors import SpecError
 from hora.launch import elastic_rdzv as rdzv
 from hora.launch import procs
-from hora.launch.config import _PARENT_LAUNCHER_VARS, ElasticConfig, LaunchConfig
+from hora.launch.config import ElasticConfig, LaunchConfig
 from hora.launch.hosts import Blacklist, discover, parse_hosts_output
 from hora.launch.launcher import FORWARDED, LaunchResult, RankExit
 from hora.launch.output import PrefixedSink, prefix, start_pump
@@ -94,7 +94,7 @@ class ElasticDriver:
         if config.elastic is None:
             raise ValueError("ElasticDriver needs config.elastic")
         self.config, self.ec = config, config.elastic
-        self.base = {k: v for k, v in base_env.items() if k not in _PARENT_LAUNCHER_VARS}
+        self.base = {k: v for k, v in base_env.items() if k not in LAUNCHER_VARS}
         self._rdzv_secret = new_rdzv_secret()  # every worker of every generation: one secret
         self.cwd = cwd
         self._out = PrefixedSink(stdout or __import__("sys").stdout)
