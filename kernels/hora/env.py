@@ -7,15 +7,23 @@ Two pure functions define how a process learns its place in a data-parallel worl
 * :func:`detect_world` reads whichever launcher started this process: hora / torchrun,
   Open MPI, MPICH / Intel MPI, Slurm's srun, or none (a world of one).
 
+:class:`RankEnv` is the contract itself: every variable a hora launcher (``hora run``, the
+notebook engines, the service's runtimes) writes into a rank's environment and the data plane
+reads back, one typed field each, with :meth:`RankEnv.to_environ` and
+:meth:`RankEnv.from_environ` as the only spelling of their names. :data:`LAUNCHER_VARS` lists
+what a launcher strips from the environment it starts from.
+
 Neither touches ``os.environ``: callers pass the mapping in and hand the result to children.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import re
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hora.errors import LauncherEnvError
 
@@ -75,6 +83,156 @@ class World:
     job_id: str | None = None
 
 
+@dataclass(frozen=True)
+class RankEnv:
+    """The rank contract: what a hora launcher tells a rank through its environment.
+
+    Every field is optional (None: the variable is not set). The world's names are torchrun's,
+    so a script hora starts also runs under torchrun or ``init_process_group("env://")``; the
+    ``HORA_*`` ones are hora's own.
+
+    Attributes:
+        rank: ``RANK``, the global rank.
+        world_size: ``WORLD_SIZE``.
+        local_rank: ``LOCAL_RANK``, the rank on this host.
+        local_world_size: ``LOCAL_WORLD_SIZE`` (also written as Horovod's ``LOCAL_SIZE``).
+        cross_rank: ``CROSS_RANK``, the host's index (also written as torchrun's
+            ``GROUP_RANK``, read when ``CROSS_RANK`` is not set).
+        cross_size: ``CROSS_SIZE``, the number of hosts.
+        master_addr: ``MASTER_ADDR``, the rendezvous host.
+        master_port: ``MASTER_PORT``, the rendezvous port.
+        launcher: ``HORA_LAUNCHER`` ("hora" when hora placed the rank).
+        backend: ``HORA_BACKEND``, "nccl" or "gloo".
+        timeout: ``HORA_TIMEOUT``, seconds for each collective.
+        start_timeout: ``HORA_START_TIMEOUT``, seconds for the rendezvous.
+        gpu: ``HORA_GPU``, this rank's own GPU id(s).
+        slots: ``HORA_SLOTS``, this rank's own slots (GPU ids, or CPU slot numbers).
+        gpus_per_rank: ``HORA_GPUS_PER_RANK`` (the slurm runtime's launch files).
+        job_id: ``HORA_JOB_ID``, the service's job id.
+        restart_count: ``HORA_RESTART_COUNT``, 0 on a job's first attempt.
+        attempt: ``HORA_ATTEMPT``, the attempt's containment tag ``<instance>/<job>/<attempt>``.
+        rdzv_secret: ``HORA_RDZV_SECRET``, the secret sealing the ranks' rendezvous store.
+        engine_world: ``HORA_ENGINE_WORLD``, the file naming a notebook engine's world.
+        master_host: ``HORA_MASTER_HOST``, the first node of a Slurm job (its batch script's).
+        slurm_job_id: ``HORA_SLURM_JOB_ID``, the Slurm job of a rank.
+        node: ``HORA_NODE``, the node a Slurm rank runs on.
+
+    Example:
+        >>> RankEnv(rank=1, world_size=2, gpu="3").to_environ()
+        {'RANK': '1', 'WORLD_SIZE': '2', 'HORA_GPU': '3'}
+        >>> RankEnv.from_environ({"RANK": "1", "LOCAL_SIZE": "2"}).local_world_size
+        2
+    """
+
+    rank: int | None = None
+    world_size: int | None = None
+    local_rank: int | None = None
+    local_world_size: int | None = None
+    cross_rank: int | None = None
+    cross_size: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    launcher: str | None = None
+    backend: str | None = None
+    timeout: float | None = None
+    start_timeout: float | None = None
+    gpu: str | None = None
+    slots: str | None = None
+    gpus_per_rank: int | None = None
+    job_id: int | None = None
+    restart_count: int | None = None
+    attempt: str | None = None
+    rdzv_secret: str | None = field(default=None, repr=False)  # never in a log line
+    engine_world: str | None = None
+    master_host: str | None = None
+    slurm_job_id: str | None = None
+    node: str | None = None
+
+    def to_environ(self) -> dict[str, str]:
+        """The variables of the fields that are set, as strings (seconds as ``%g``).
+
+        Returns:
+            A new dict, to merge over a child's base environment.
+
+        Example:
+            >>> RankEnv(local_world_size=2, timeout=60.0).to_environ()
+            {'LOCAL_WORLD_SIZE': '2', 'LOCAL_SIZE': '2', 'HORA_TIMEOUT': '60'}
+        """
+        env: dict[str, str] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                text = f"{value:g}" if str(f.type).startswith("float") else str(value)
+                env.update(dict.fromkeys(_RANK_VARS[f.name], text))
+        return env
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> RankEnv:
+        """Read the contract's variables; an unset or blank one leaves its field None.
+
+        Args:
+            environ: the environment to read (default: this process's).
+
+        Returns:
+            The :class:`RankEnv` those variables describe.
+
+        Raises:
+            LauncherEnvError: when a number does not parse (the message names the variable).
+
+        Example:
+            >>> RankEnv.from_environ({"GROUP_RANK": "1", "CROSS_RANK": "2"}).cross_rank
+            2
+        """
+        values: dict[str, object] = {}
+        for f in dataclasses.fields(cls):
+            names = _RANK_VARS[f.name]
+            name = next((n for n in names if environ.get(n, "").strip()), None)
+            if name is not None:
+                values[f.name] = _parse(name, environ[name], str(f.type))
+        return cls(**values)  # type: ignore[arg-type]
+
+
+# Each field's variables: all are written (to_environ), the first one set is read (from_environ)
+_RANK_VARS: dict[str, tuple[str, ...]] = {
+    "rank": ("RANK",),
+    "world_size": ("WORLD_SIZE",),
+    "local_rank": ("LOCAL_RANK",),
+    "local_world_size": ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"),
+    "cross_rank": ("CROSS_RANK", "GROUP_RANK"),
+    "cross_size": ("CROSS_SIZE",),
+    "master_addr": ("MASTER_ADDR",),
+    "master_port": ("MASTER_PORT",),
+    "launcher": ("HORA_LAUNCHER",),
+    "backend": ("HORA_BACKEND",),
+    "timeout": ("HORA_TIMEOUT",),
+    "start_timeout": ("HORA_START_TIMEOUT",),
+    "gpu": ("HORA_GPU",),
+    "slots": ("HORA_SLOTS",),
+    "gpus_per_rank": ("HORA_GPUS_PER_RANK",),
+    "job_id": ("HORA_JOB_ID",),
+    "restart_count": ("HORA_RESTART_COUNT",),
+    "attempt": ("HORA_ATTEMPT",),
+    "rdzv_secret": (RDZV_SECRET_VAR,),
+    "engine_world": ("HORA_ENGINE_WORLD",),
+    "master_host": ("HORA_MASTER_HOST",),
+    "slurm_job_id": ("HORA_SLURM_JOB_ID",),
+    "node": ("HORA_NODE",),
+}
+
+
+def _parse(name: str, value: str, kind: str) -> object:
+    """``value`` of variable ``name`` as the field's type (``int | None``, ``float | None``...)."""
+    try:
+        if kind.startswith("int"):
+            return int(value)
+        if kind.startswith("float"):
+            return float(value)
+    except ValueError:
+        what = "an integer" if kind.startswith("int") else "a number"
+        raise LauncherEnvError(f"{name}={value!r} is not {what}") from None
+    return value
+
+
 def rank_env(
     rank: int,
     size: int,
@@ -122,19 +280,17 @@ def rank_env(
         raise LauncherEnvError(f"rank {rank} is outside the world of size {size}")
     if not 0 <= lr < ls:
         raise LauncherEnvError(f"local rank {lr} is outside local size {ls}")
-    env = {
-        "RANK": str(rank),
-        "WORLD_SIZE": str(size),
-        "LOCAL_RANK": str(lr),
-        "LOCAL_WORLD_SIZE": str(ls),
-        "LOCAL_SIZE": str(ls),
-        "GROUP_RANK": str(cross_rank),
-        "CROSS_RANK": str(cross_rank),
-        "CROSS_SIZE": str(cross_size),
-        "MASTER_ADDR": master_addr,
-        "MASTER_PORT": str(master_port),
-        "HORA_LAUNCHER": "hora",
-    }
+    env = RankEnv(
+        rank=rank,
+        world_size=size,
+        local_rank=lr,
+        local_world_size=ls,
+        cross_rank=cross_rank,
+        cross_size=cross_size,
+        master_addr=master_addr,
+        master_port=master_port,
+        launcher="hora",
+    ).to_environ()
     if extra:
         env.update(extra)
     return env

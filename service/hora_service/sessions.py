@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Annotated, Literal
 
+from hora.env import RankEnv
 from hora.errors import HoraError, SpecError
 from hora.spec import (
     IMAGE_PATTERN,
@@ -60,7 +61,6 @@ from hora_service.users import check_idle_timeout
 log = logging.getLogger(__name__)
 
 CONNECTION_VAR = "HORA_ENGINE_CONNECTION"
-WORLD_VAR = "HORA_ENGINE_WORLD"  # hora.engines.world.VAR
 Port = Annotated[int, Field(ge=1, le=65535)]
 INLINE_MPL = "module://matplotlib_inline.backend_inline"
 BUSY_SAMPLE_S = 2.0  # how often the engines' CPU time is read
@@ -228,16 +228,18 @@ def session_spec(req: SessionRequest, backend: str, python: str = sys.executable
         >>> session_spec(req, "gloo").command[-1]  # doctest: +SKIP
         'session-engine'
     """
+    own = RankEnv(
+        backend=req.backend or backend,
+        timeout=req.timeout_s,
+        start_timeout=req.start_timeout_s,
+        engine_world=req.world_file,
+    )
     env = {
         CONNECTION_VAR: req.connection.model_dump_json(),
-        "HORA_BACKEND": req.backend or backend,
-        "HORA_TIMEOUT": f"{req.timeout_s:g}",
-        "HORA_START_TIMEOUT": f"{req.start_timeout_s:g}",
+        **own.to_environ(),
         "OMP_NUM_THREADS": str(req.threads),
         "MPLBACKEND": INLINE_MPL,
     }
-    if req.world_file is not None:
-        env[WORLD_VAR] = req.world_file
     # in a container the image's own python runs the engine (the image must have hora)
     exe = "python" if req.runtime == RuntimeName.docker else python
     return JobSpec(

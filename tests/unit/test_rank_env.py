@@ -1,10 +1,70 @@
-"""hora.env's launcher variables: LAUNCHER_VARS is the one list a launcher strips."""
+"""hora.env's rank contract: RankEnv round-trips, LAUNCHER_VARS is the one strip list."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 from hora.engines import plan
-from hora.env import LAUNCHER_VARS, rank_env
+from hora.env import LAUNCHER_VARS, RankEnv, rank_env
+from hora.errors import LauncherEnvError
 from hora.launch.config import LaunchConfig, build_rank_envs
+
+FULL = RankEnv(
+    rank=3, world_size=4, local_rank=1, local_world_size=2, cross_rank=1, cross_size=2,
+    master_addr="node0", master_port=29500, launcher="hora", backend="nccl", timeout=60.0,
+    start_timeout=2.5, gpu="6,7", slots="6,7", gpus_per_rank=2, job_id=17, restart_count=1,
+    attempt="inst/17/2", rdzv_secret="s" * 64, engine_world="/run/w.json",
+    master_host="gpu01", slurm_job_id="123", node="gpu02",
+)  # fmt: skip
+
+
+def test_every_field_is_set_in_the_full_example() -> None:
+    assert all(getattr(FULL, f.name) is not None for f in dataclasses.fields(RankEnv))
+
+
+@pytest.mark.parametrize("value", [RankEnv(), FULL, RankEnv(rank=0, world_size=1)])
+def test_round_trip(value: RankEnv) -> None:
+    assert RankEnv.from_environ(value.to_environ()) == value
+
+
+def test_to_environ_writes_only_set_fields_and_the_aliases() -> None:
+    assert RankEnv().to_environ() == {}
+    env = RankEnv(local_world_size=2, cross_rank=1, timeout=60.0).to_environ()
+    assert env == {"LOCAL_WORLD_SIZE": "2", "LOCAL_SIZE": "2", "CROSS_RANK": "1",
+                   "GROUP_RANK": "1", "HORA_TIMEOUT": "60"}  # fmt: skip
+
+
+def test_from_environ_ignores_blank_and_unrelated_variables() -> None:
+    got = RankEnv.from_environ({"RANK": " ", "PATH": "/bin", "HORA_GPU": "3"})
+    assert got == RankEnv(gpu="3")
+
+
+def test_first_name_set_wins() -> None:
+    env = {"LOCAL_WORLD_SIZE": "4", "LOCAL_SIZE": "2", "GROUP_RANK": "1", "CROSS_RANK": "0"}
+    got = RankEnv.from_environ(env)
+    assert (got.local_world_size, got.cross_rank) == (4, 0)
+    assert RankEnv.from_environ({"LOCAL_SIZE": "2", "GROUP_RANK": "1"}) == RankEnv(
+        local_world_size=2, cross_rank=1
+    )
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "what"),
+    [("RANK", "one", "an integer"), ("MASTER_PORT", "80a", "an integer"),
+     ("HORA_JOB_ID", "7.5", "an integer"), ("HORA_TIMEOUT", "soon", "a number")],
+)  # fmt: skip
+def test_a_value_that_does_not_parse_names_the_variable(var: str, value: str, what: str) -> None:
+    with pytest.raises(LauncherEnvError, match=f"{var}='{value}' is not {what}"):
+        RankEnv.from_environ({var: value})
+
+
+def test_rank_env_is_the_contract_s_world() -> None:
+    env = rank_env(1, 2, master_port=1234)
+    assert RankEnv.from_environ(env) == RankEnv(
+        rank=1, world_size=2, local_rank=1, local_world_size=2, cross_rank=0, cross_size=1,
+        master_addr="127.0.0.1", master_port=1234, launcher="hora",
+    )  # fmt: skip
 
 
 def test_launcher_vars_hold_every_world_variable_hora_writes() -> None:

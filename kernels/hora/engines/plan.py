@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hora.engines.errors import CudaInitializedError, NotEnoughGpusError
-from hora.env import LAUNCHER_VARS, RDZV_SECRET_VAR, rank_env
+from hora.env import LAUNCHER_VARS, RankEnv, rank_env
 from hora.errors import SpecError
 from hora.inventory import GpuInfo
 
@@ -187,19 +187,11 @@ def engine_env(
     # hora.torch (and Horovod code doing torch.cuda.set_device(hvd.local_rank())) picks
     # cuda:r, its own; NCCL's CUDA IPC / NVLink paths need GPUs the ranks share.
     env.update(rank_env(rank, size, master_port=master_port))
-    env.update(
-        {
-            "HORA_BACKEND": backend,
-            "HORA_TIMEOUT": f"{timeout_s:g}",
-            "PYTHONUNBUFFERED": "1",
-            "MPLBACKEND": INLINE_MPL,
-        }
-    )
-    if rdzv_secret:
-        env[RDZV_SECRET_VAR] = rdzv_secret
+    own = RankEnv(backend=backend, timeout=timeout_s, rdzv_secret=rdzv_secret or None, gpu=device)
+    env.update(own.to_environ())
+    env.update({"PYTHONUNBUFFERED": "1", "MPLBACKEND": INLINE_MPL})
     if device is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus) if gpus else device
-        env["HORA_GPU"] = device
     else:
         env.setdefault("OMP_NUM_THREADS", str(threads))
     return env

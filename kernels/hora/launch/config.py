@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from hora.env import LAUNCHER_VARS, RDZV_SECRET_VAR, new_rdzv_secret, rank_env
+from hora.env import LAUNCHER_VARS, RankEnv, new_rdzv_secret, rank_env
 from hora.errors import SpecError
 
 PROG = "hora run"
@@ -321,11 +321,10 @@ def launch_extra(config: LaunchConfig) -> dict[str, str]:
     extra: dict[str, str] = {}
     if config.timeline_filename is not None:
         extra["HOROVOD_TIMELINE"] = str(config.timeline_filename)
-    if config.start_timeout is not None:
-        extra["HORA_START_TIMEOUT"] = f"{config.start_timeout:g}"
-        extra["HORA_TIMEOUT"] = f"{config.start_timeout:g}"
-    if config.backend is not None:
-        extra["HORA_BACKEND"] = config.backend
+    timeouts = config.start_timeout
+    extra.update(
+        RankEnv(start_timeout=timeouts, timeout=timeouts, backend=config.backend).to_environ()
+    )
     return extra
 
 
@@ -360,7 +359,8 @@ def build_rank_envs(
     base = {k: v for k, v in base_env.items() if k not in LAUNCHER_VARS}
     base.setdefault("PYTHONUNBUFFERED", "1")
     base.setdefault("OMP_NUM_THREADS", "1")
-    extra = {**launch_extra(config), RDZV_SECRET_VAR: rdzv_secret or new_rdzv_secret()}
+    secret = RankEnv(rdzv_secret=rdzv_secret or new_rdzv_secret())
+    extra = {**launch_extra(config), **secret.to_environ()}
     return [
         {**base, **rank_env(r, config.np, master_addr=config.master_addr,
                             master_port=master_port, extra=extra)}

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, cast
 
-from hora.env import LAUNCHER_VARS, RDZV_SECRET_VAR, new_rdzv_secret, rank_env
+from hora.env import LAUNCHER_VARS, RankEnv, new_rdzv_secret, rank_env
 from hora.errors import SpecError
 from hora.launch import elastic_rdzv as rdzv
 from hora.launch import procs
@@ -212,13 +212,14 @@ class ElasticDriver:
         extra = {
             rdzv.DIR_VAR: str(self.root), rdzv.WORKER_VAR: wid,
             rdzv.TIMEOUT_VAR: f"{self.ec.timeout:g}", "HOROVOD_ELASTIC": "1",
-            "HOROVOD_HOSTNAME": host, RDZV_SECRET_VAR: self._rdzv_secret,
+            "HOROVOD_HOSTNAME": host,
         }  # fmt: skip
-        if self.config.backend:
-            extra["HORA_BACKEND"] = self.config.backend
-        if self.config.start_timeout is not None:
-            extra["HORA_TIMEOUT"] = f"{self.config.start_timeout:g}"
-        return rank_env(rank, n, extra=extra)
+        own = RankEnv(
+            rdzv_secret=self._rdzv_secret,
+            backend=self.config.backend or None,
+            timeout=self.config.start_timeout,
+        )
+        return rank_env(rank, n, extra={**extra, **own.to_environ()})
 
     def _wait(self, wid: str, proc: subprocess.Popen[bytes]) -> None:
         self._events.put(("exit", wid, proc.wait()))

@@ -24,13 +24,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import psutil
-from hora.env import RDZV_SECRET_VAR, rank_env
+from hora.env import RankEnv, rank_env
 from hora.procs import signal_group
 
 from hora_service.elastic import hosts_arg
 from hora_service.runtimes import namespaces, scratch
 from hora_service.runtimes.base import AttemptPlan, Exit, RankProcess, RankStatus, Runtime
-from hora_service.runtimes.containment import TAG_VAR
 from hora_service.runtimes.limits import apply_cgroup
 from hora_service.runtimes.runfiles import UntrustedRunFile, read_int
 
@@ -78,7 +77,7 @@ def rank_environment(plan: AttemptPlan, rank: int, base: Mapping[str, str]) -> d
 
     ``base`` (the service's :func:`allowed_env`), then the job account's ``HOME``, ``USER``
     and ``LOGNAME`` in multi-user mode, then the job's ``env``, then what hora sets (which
-    wins): the rank variables of the ``hora.torch`` contract, ``CUDA_VISIBLE_DEVICES`` of
+    wins): the rank contract (:class:`hora.env.RankEnv`), ``CUDA_VISIBLE_DEVICES`` of
     **all** the job's GPUs on this host (empty on CPU slots; every rank sees every GPU of
     the job, so NCCL can use CUDA IPC / NVLink between them, and ``hora.torch.init()``
     pins each rank to ``cuda:LOCAL_RANK``), ``HORA_SLOTS`` (this rank's own; ``HORA_GPU`` too on
@@ -104,18 +103,19 @@ def rank_environment(plan: AttemptPlan, rank: int, base: Mapping[str, str]) -> d
     )
     gpus = ",".join(map(str, plan.slots)) if plan.slot_kind == "gpu" else ""
     env["CUDA_VISIBLE_DEVICES"] = gpus
-    env["HORA_SLOTS"] = ",".join(map(str, plan.rank_slots(rank)))
-    if plan.slot_kind == "gpu":
-        env["HORA_GPU"] = env["HORA_SLOTS"]  # this rank's own, as for notebook engines
-    env["HORA_JOB_ID"] = str(plan.job_id)
-    env["HORA_RESTART_COUNT"] = str(plan.attempt - 1)
+    slots = ",".join(map(str, plan.rank_slots(rank)))
+    own = RankEnv(
+        slots=slots,
+        gpu=slots if plan.slot_kind == "gpu" else None,  # this rank's own, as for engines
+        job_id=plan.job_id,
+        restart_count=plan.attempt - 1,
+        attempt=plan.container.tag if plan.container is not None else None,
+        rdzv_secret=plan.rdzv_secret or None,
+    )
+    env.update(own.to_environ())
     env["PYTHONUNBUFFERED"] = "1"
     for key, value in plan.preflight_env:  # the job may turn its own preflight off
         env[key] = env.get(key, value) if key == "HORA_PREFLIGHT" else value
-    if plan.container is not None:
-        env[TAG_VAR] = plan.container.tag
-    if plan.rdzv_secret:
-        env[RDZV_SECRET_VAR] = plan.rdzv_secret
     return env
 
 

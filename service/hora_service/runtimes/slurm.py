@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hora.env import RankEnv
 from hora.errors import HoraError, SpecError
 from hora.spec import JobSpec
 
@@ -215,11 +216,11 @@ class SlurmRuntime(Runtime):
         gid = plan.run_as.gid if plan.run_as is not None else os.getegid()
         for rank in range(plan.spec.workers):
             env = rank_environment(plan, rank, base)
-            env.update(
-                LOCAL_RANK=str(rank % layout.per_node), LOCAL_SIZE=str(layout.per_node),
-                LOCAL_WORLD_SIZE=str(layout.per_node), CROSS_SIZE=str(layout.nodes),
-                HORA_GPUS_PER_RANK=str(plan.spec.gpus_per_worker),
+            placed = RankEnv(
+                local_rank=rank % layout.per_node, local_world_size=layout.per_node,
+                cross_size=layout.nodes, gpus_per_rank=plan.spec.gpus_per_worker,
             )  # fmt: skip
+            env.update(placed.to_environ())
             who = plan.run_as
             launch: dict[str, object] = {
                 "command": list(plan.spec.command),
