@@ -16,6 +16,7 @@ from hora.spec import JobSpec, JobState
 from hora_service.manager import JobManager
 from hora_service.runtimes import AttemptPlan, Exit, RankProcess
 from hora_service.runtimes.local import AdoptedRank, LocalRuntime, read_pid
+from hora_service.runtimes.paths import JobPaths
 from hora_service.settings import Settings
 
 PY = sys.executable
@@ -51,14 +52,14 @@ def test_shim_records_exit_status(tmp_path: Path, code: str, expected: int) -> N
     (rank,) = LocalRuntime().start(p, dict(os.environ))
     assert wait_done(rank) == expected
     assert (p.run_dir / "rank0.exit").read_text().strip() == str(expected)
-    assert read_pid(p.run_dir, 0) == rank.proc.pid  # type: ignore[attr-defined]
+    assert read_pid(p.paths, 0) == rank.proc.pid  # type: ignore[attr-defined]
 
 
 def test_missing_program_is_127_with_a_message(tmp_path: Path) -> None:
     p = plan(tmp_path, ["no-such-program-hora", "x"])
     (rank,) = LocalRuntime().start(p, dict(os.environ))
     assert wait_done(rank) == 127
-    assert "cannot start 'no-such-program-hora'" in p.log_path(0).read_text()
+    assert "cannot start 'no-such-program-hora'" in p.paths.log(0).read_text()
 
 
 def test_adopted_rank_follows_a_process_it_did_not_start(tmp_path: Path) -> None:
@@ -67,7 +68,7 @@ def test_adopted_rank_follows_a_process_it_did_not_start(tmp_path: Path) -> None
     p = plan(tmp_path, [PY, "-c", code], workers=2)
     started = LocalRuntime().start(p, dict(os.environ))
     deadline = time.monotonic() + 20
-    while not all(read_pid(p.run_dir, r) for r in (0, 1)):
+    while not all(read_pid(p.paths, r) for r in (0, 1)):
         assert time.monotonic() < deadline
         time.sleep(0.02)
     adopted = LocalRuntime().adopt(p)
@@ -82,7 +83,7 @@ def test_rank_with_no_pid_file_is_waited_for_then_lost(tmp_path: Path) -> None:
     p.run_dir.mkdir()
     (rank,) = LocalRuntime().adopt(p)
     assert rank.poll() is Exit.running  # the old service may have just forked it
-    late = AdoptedRank(0, p.run_dir, wait_s=0)
+    late = AdoptedRank(0, p.paths, wait_s=0)
     assert late.poll() is Exit.lost
 
 
@@ -93,7 +94,7 @@ def test_signal_to_a_rank_not_yet_seen_is_delivered_when_it_appears(tmp_path: Pa
     adopted.signal(signal.SIGTERM)  # nothing to signal yet: owed
     (rank,) = LocalRuntime().start(p, dict(os.environ))
     deadline = time.monotonic() + 20
-    while "up" not in p.log_path(0).read_text():  # the shim started the command
+    while "up" not in p.paths.log(0).read_text():  # the shim started the command
         assert time.monotonic() < deadline, "the command did not start"
         time.sleep(0.01)
     assert adopted.poll() is Exit.running  # finds the pid file and delivers SIGTERM
@@ -104,7 +105,7 @@ def test_adopted_rank_that_vanished_is_lost(tmp_path: Path) -> None:
     p = plan(tmp_path, [PY, "-c", "import time; time.sleep(60)"])
     (rank,) = LocalRuntime().start(p, dict(os.environ))
     deadline = time.monotonic() + 20
-    while read_pid(p.run_dir, 0) is None:
+    while read_pid(p.paths, 0) is None:
         assert time.monotonic() < deadline
         time.sleep(0.02)
     (adopted,) = LocalRuntime().adopt(p)
@@ -141,7 +142,7 @@ def test_crash_while_starting_is_failed_then_retried(tmp_path: Path) -> None:
     assert "retrying" in [t.state for t in done.transitions]
     why = "the service stopped while the job was starting"
     assert any(t.reason == why for t in done.transitions)
-    old = read_pid(settings.logs_dir / str(job.id) / "1", 0)
+    old = read_pid(JobPaths.of(settings.logs_dir, job.id, 1), 0)
     assert old is not None
     assert not psutil.pid_exists(old) or psutil.Process(old).status() == "zombie"
     second.shutdown_jobs()
@@ -172,7 +173,7 @@ def test_log_past_its_limit_keeps_the_tail_after_a_marker(tmp_path: Path) -> Non
     p = dataclasses.replace(plan(tmp_path, [PY, "-c", code]), log_bytes=1 << 16)
     (rank,) = LocalRuntime().start(p, dict(os.environ))
     assert wait_done(rank) == 0
-    text = p.log_path(0).read_bytes()
+    text = p.paths.log(0).read_bytes()
     assert 0 < len(text) <= 1 << 16  # 20000 lines are 240 kB
     assert text.startswith(b"\n[hora: log truncated here") and text.endswith(b"line 019999\nEND\n")
     assert b"line 000000" not in text

@@ -22,6 +22,7 @@ from hora_service.jobs.core import ManagerCore
 from hora_service.journal import Write
 from hora_service.models import JobRecord
 from hora_service.quotas import OverLimit, spec_bytes
+from hora_service.runtimes.paths import JobPaths
 from hora_service.store import Store, StoreUnavailable
 
 
@@ -215,7 +216,7 @@ class Admission(ManagerCore):
                 raise StoreUnavailable(f"job {job_id}'s end is not recorded yet ({why})")
             store.delete_job(job_id)
             self._forget(job_id)
-        shutil.rmtree(self.settings.logs_dir / str(int(job_id)), ignore_errors=True)
+        shutil.rmtree(JobPaths.job_dir_of(self.settings.logs_dir, job_id), ignore_errors=True)
 
     def log_path(self, job_id: int, rank: int, attempt: int) -> Path:
         """The log file of one rank of one attempt (built from integers only).
@@ -227,4 +228,4 @@ class Admission(ManagerCore):
             raise SpecError("rank", "must be >= 0")
         if attempt < 0:
             raise SpecError("attempt", "must be >= 0")
-        return self.settings.logs_dir / str(int(job_id)) / str(int(attempt)) / f"rank{rank}.log"
+        return JobPaths.of(self.settings.logs_dir, job_id, attempt).log(rank)

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from hora.spec import PRIORITY_RANK, JobSpec
 
-from hora_service.elastic import HOSTS_FILE, ElasticRun, write_hosts
+from hora_service.elastic import ElasticRun, write_hosts
 from hora_service.jobs.attempt import Attempt
 from hora_service.jobs.core import ManagerCore
 from hora_service.journal import Write
@@ -137,7 +137,7 @@ class ElasticSlots(ManagerCore):
     def _elastic_run(self, job: JobRecord, plan: AttemptPlan, now: float) -> ElasticRun | None:
         if not plan.driver:
             return None
-        return ElasticRun.begin(job.spec, plan.log_path(0), len(plan.slots), now, job.elastic)
+        return ElasticRun.begin(job.spec, plan.paths.log(0), len(plan.slots), now, job.elastic)
 
     def _offer(self, plan: AttemptPlan, slots: int | None = None) -> None:
         """Write an elastic driver's slot file: one worker per whole set of ``slots`` slots."""
@@ -146,4 +146,4 @@ class ElasticSlots(ManagerCore):
         prepare_run_dir(plan)
         gid = plan.run_as.gid if plan.run_as is not None else os.getegid()
         n = len(plan.slots) if slots is None else slots
-        write_hosts(plan.run_dir / HOSTS_FILE, n // plan.spec.gpus_per_worker, gid)
+        write_hosts(plan.paths.elastic_hosts, n // plan.spec.gpus_per_worker, gid)

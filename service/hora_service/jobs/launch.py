@@ -29,6 +29,7 @@ from hora_service.journal import Write
 from hora_service.models import JobRecord
 from hora_service.runtimes import AttemptPlan
 from hora_service.runtimes.containment import detect
+from hora_service.runtimes.paths import JobPaths
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +132,6 @@ class Launch(ElasticSlots, Admission):
         if self._containment is None:
             self._containment = detect(self.settings.containment, self.settings.data_dir)
             log.info("attempts are contained by %s", self._containment.kind)
-        run_dir = self.settings.logs_dir / str(job.id) / str(attempt)
         driver: tuple[str, ...] = ()
         sized = 0
         if job.spec.elastic is not None:
@@ -144,7 +144,7 @@ class Launch(ElasticSlots, Admission):
             spec=job.spec,
             slots=tuple(slots),
             slot_kind=self._kind,
-            run_dir=run_dir,
+            run_dir=JobPaths.of(self.settings.logs_dir, job.id, attempt).run_dir,
             workdir=workdir,
             master_port=port,
             run_as=run_as,

@@ -240,7 +240,7 @@ class Monitor(Recovery):
         plan = attempt.plan
         ended = [c for r, c in enumerate(attempt.codes) if r not in attempt.lost]
         force = force or any(c is not Exit.running for c in ended)
-        found = self.preflight.poll(attempt.job_id, plan.attempt, plan.log_path(0), now, force)
+        found = self.preflight.poll(attempt.job_id, plan.attempt, plan.paths.log(0), now, force)
         if found is not None:
             self._write(Write(attempt.job_id, JobState.running, now, found.event(), event=True))
         return self.preflight.known(attempt.job_id, plan.attempt)

@@ -42,7 +42,7 @@ class Recovery(Launch):
             )  # fmt: skip
             if plan.driver and job.elastic is not None:  # its membership, read on from the log
                 g = job.spec.gpus_per_worker
-                attempt.elastic = ElasticRun(job.elastic, plan.log_path(0), g)
+                attempt.elastic = ElasticRun(job.elastic, plan.paths.log(0), g)
                 self._reoffer(plan)
             self._attempts[job.id] = attempt
             if job.id in cancelling:

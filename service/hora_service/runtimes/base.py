@@ -26,6 +26,7 @@ from hora_service.identity import RunAs
 from hora_service.reasons import ReasonBoard
 from hora_service.runtimes.containment import Container
 from hora_service.runtimes.limits import Hits, JobLimits, hits
+from hora_service.runtimes.paths import JobPaths
 from hora_service.runtimes.runfiles import UntrustedRunFile
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,8 @@ class AttemptPlan:
         spec: what the user asked for.
         slots: the slot indices the scheduler gave the job, ``gpus_per_worker`` per rank.
         slot_kind: ``gpu`` or ``cpu``.
-        run_dir: ``DATA_DIR/logs/<job>/<attempt>``: logs and the ranks' pid/exit files.
+        run_dir: ``DATA_DIR/logs/<job>/<attempt>``: logs and the ranks' pid/exit files, named
+            by :attr:`paths`.
         workdir: the ranks' working directory (already confined to the work root).
         master_port: rendezvous port for rank 0.
         run_as: the OS account the ranks run as; None: the service's own (single-user and
@@ -103,9 +105,10 @@ class AttemptPlan:
         g = self.spec.gpus_per_worker
         return self.slots[rank * g : (rank + 1) * g]
 
-    def log_path(self, rank: int) -> Path:
-        """Where rank ``rank`` writes its output."""
-        return self.run_dir / f"rank{rank}.log"
+    @property
+    def paths(self) -> JobPaths:
+        """The attempt's files: each rank's log, pid, exit and launch file, and the rest."""
+        return JobPaths(self.run_dir)
 
     @property
     def rank_log_bytes(self) -> int:
@@ -303,7 +306,7 @@ def prepare_run_dir(plan: AttemptPlan) -> None:
     the job's owner can only read; no other account gets in.
     """
     gid = plan.run_as.gid if plan.run_as is not None else os.getegid()
-    for d in (plan.run_dir.parent, plan.run_dir):
+    for d in (plan.paths.job_dir, plan.run_dir):
         d.mkdir(parents=True, exist_ok=True)
         if os.geteuid() == 0 or gid == os.getegid():
             os.chown(d, -1, gid)

@@ -28,6 +28,10 @@ import subprocess
 import sys
 
 SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim.py")
+# the names of hora_service.runtimes.paths.JobPaths, spelled again here (standard library
+# only); a unit test checks that they agree
+CONTAINER_JSON = "container.json"
+CONTAINER_HITS = "container.hits"
 
 _shims: dict[int, int] = {}  # shim pid -> rank
 _pending: list[int] = []  # signals that came before every shim was started
@@ -42,8 +46,13 @@ def _forward(signum: int, frame: object) -> None:
             pass
 
 
+def rank_log(run_dir: str, rank: int) -> str:
+    """``RUN_DIR/rank<R>.log``: the rank's log, which its shim's output goes to."""
+    return os.path.join(run_dir, f"rank{rank}.log")
+
+
 def _start(run_dir: str, rank: int) -> int:
-    log = os.path.join(run_dir, f"rank{rank}.log")
+    log = rank_log(run_dir, rank)
     fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o640)
     try:
         proc = subprocess.Popen(
@@ -85,7 +94,7 @@ def _record_hits(run_dir: str, cgroup_root: str = "/sys/fs/cgroup") -> None:
         name: max(_counter(os.path.join(cgroup_root, f), key) for f in files)
         for name, (files, key) in _COUNTERS.items()
     }
-    path = os.path.join(run_dir, "container.hits")
+    path = os.path.join(run_dir, CONTAINER_HITS)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o640)
         with os.fdopen(fd, "w") as f:
@@ -103,7 +112,7 @@ def main(argv: list[str]) -> int:
     for stop in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(stop, _forward)
     run_dir = argv[0]
-    with open(os.path.join(run_dir, "container.json")) as f:
+    with open(os.path.join(run_dir, CONTAINER_JSON)) as f:
         box = json.load(f)
     for rank in box["ranks"]:
         _shims[_start(run_dir, int(rank))] = int(rank)

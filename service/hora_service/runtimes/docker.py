@@ -378,8 +378,8 @@ class DockerRank(RankProcess):
 
     def poll(self) -> RankStatus:
         """The shim's recorded exit code; ``running`` while the container runs; else ``lost``."""
-        run_dir = self.box.plan.run_dir
-        recorded = read_exit(run_dir, self.rank)
+        paths = self.box.plan.paths
+        recorded = read_exit(paths, self.rank)
         if recorded is not None:
             if recorded < 0 and self.box.state() == "unknown":
                 self.note = self.box.why  # killed, and the engine is gone
@@ -388,7 +388,7 @@ class DockerRank(RankProcess):
         self.container_id = self.box.id
         if state == "running" or (state == "unknown" and not self.box.engine_lost()):
             return Exit.running
-        recorded = read_exit(run_dir, self.rank)  # it may have ended between the looks
+        recorded = read_exit(paths, self.rank)  # it may have ended between the looks
         if recorded is not None:
             return recorded
         self.note = self.box.why
@@ -481,7 +481,7 @@ class DockerRuntime(Runtime):
         write nothing in it. Without it the container runs as the service's own account,
         which owns the directory anyway.
         """
-        _group_file(plan.run_dir / "container.json", who.gid, json.dumps({"ranks": list(ranks)}))
+        _group_file(plan.paths.container_json, who.gid, json.dumps({"ranks": list(ranks)}))
         for rank in ranks:
             launch: dict[str, object] = {
                 "command": list(plan.spec.command),
@@ -496,7 +496,7 @@ class DockerRuntime(Runtime):
                 "cwd": str(plan.workdir),
                 "umask": plan.umask,
             }
-            _group_file(plan.run_dir / f"rank{rank}.launch", who.gid, json.dumps(launch))
+            _group_file(plan.paths.launch(rank), who.gid, json.dumps(launch))
         plan.run_dir.chmod(0o750)
 
     def _adopt(self, plan: AttemptPlan) -> list[RankProcess]:
@@ -519,7 +519,7 @@ class DockerRuntime(Runtime):
         The engine removes the container's cgroup as soon as its init exits, so what the init
         recorded on its way out (``container.hits``) counts as well.
         """
-        recorded = recorded_hits(plan.run_dir / "container.hits")
+        recorded = recorded_hits(plan.paths.container_hits)
         try:
             found = self.find(plan)
         except UNREACHABLE:

@@ -31,6 +31,7 @@ from hora_service.elastic import hosts_arg
 from hora_service.runtimes import namespaces, scratch
 from hora_service.runtimes.base import AttemptPlan, Exit, RankProcess, RankStatus, Runtime
 from hora_service.runtimes.limits import apply_cgroup
+from hora_service.runtimes.paths import JobPaths
 from hora_service.runtimes.runfiles import UntrustedRunFile, read_int
 
 logger = logging.getLogger(__name__)
@@ -149,27 +150,27 @@ def _private_file(path: Path, gid: int, mode: int, text: str = "") -> None:
         os.close(fd)
 
 
-def read_exit(run_dir: Path, rank: int) -> int | None:
+def read_exit(paths: JobPaths, rank: int) -> int | None:
     """The exit code the shim recorded for ``rank``, or None if it recorded none.
 
     Raises:
         UntrustedRunFile: the file is not one the shim wrote (a symlink, a FIFO, ...).
     """
-    return read_int(run_dir / f"rank{rank}.exit")
+    return read_int(paths.exit(rank))
 
 
-def read_pid(run_dir: Path, rank: int) -> int | None:
+def read_pid(paths: JobPaths, rank: int) -> int | None:
     """The shim's pid for ``rank``, or None if it never started.
 
     Raises:
         UntrustedRunFile: the file is not one the shim wrote (a symlink, a FIFO, ...).
     """
-    return read_int(run_dir / f"rank{rank}.pid")
+    return read_int(paths.pid(rank))
 
 
-def write_pid(run_dir: Path, rank: int, pid: int) -> None:
+def write_pid(paths: JobPaths, rank: int, pid: int) -> None:
     """Record the shim's pid (atomically, as the shim itself does)."""
-    path = run_dir / f"rank{rank}.pid"
+    path = paths.pid(rank)
     tmp = path.with_suffix(".pid.tmp-service")
     tmp.write_text(str(pid))
     os.replace(tmp, path)
@@ -178,17 +179,17 @@ def write_pid(run_dir: Path, rank: int, pid: int) -> None:
 class ChildRank(RankProcess):
     """A rank this service started (it is the shim's parent and reaps it)."""
 
-    def __init__(self, rank: int, proc: subprocess.Popen[bytes], run_dir: Path) -> None:
+    def __init__(self, rank: int, proc: subprocess.Popen[bytes], paths: JobPaths) -> None:
         self.rank = rank
         self.proc = proc
-        self.run_dir = run_dir
+        self.paths = paths
 
     def poll(self) -> RankStatus:
         """Exit code once the shim has exited (the recorded one, else the shim's own)."""
         code = self.proc.poll()
         if code is None:
             return Exit.running
-        recorded = read_exit(self.run_dir, self.rank)
+        recorded = read_exit(self.paths, self.rank)
         return recorded if recorded is not None else code
 
     def signal(self, sig: int) -> None:
@@ -204,9 +205,9 @@ class AdoptedRank(RankProcess):
     the pid is known), then as lost.
     """
 
-    def __init__(self, rank: int, run_dir: Path, wait_s: float = PID_WAIT_S) -> None:
+    def __init__(self, rank: int, paths: JobPaths, wait_s: float = PID_WAIT_S) -> None:
         self.rank = rank
-        self.run_dir = run_dir
+        self.paths = paths
         self.pid: int | None = None
         self._give_up = time.monotonic() + wait_s
         self._owed: int | None = None
@@ -214,7 +215,7 @@ class AdoptedRank(RankProcess):
     def _find(self) -> int | None:
         if self.pid is None:
             try:
-                self.pid = read_pid(self.run_dir, self.rank)
+                self.pid = read_pid(self.paths, self.rank)
             except UntrustedRunFile as e:  # poll() says so; the cgroup still ends the rank
                 self.note = str(e)
                 return None
@@ -229,19 +230,21 @@ class AdoptedRank(RankProcess):
             return False
         try:
             proc = psutil.Process(pid)
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return False
             # the pid may have been reused: the shim's command line names this run dir
-            return proc.status() != psutil.STATUS_ZOMBIE and str(self.run_dir) in proc.cmdline()
+            return str(self.paths.run_dir) in proc.cmdline()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             return False
 
     def poll(self) -> RankStatus:
         """The recorded exit code, ``running`` while the shim lives, else ``lost``."""
-        recorded = read_exit(self.run_dir, self.rank)
+        recorded = read_exit(self.paths, self.rank)
         if recorded is not None:
             return recorded
         if self._alive() or (self.pid is None and time.monotonic() < self._give_up):
             return Exit.running
-        recorded = read_exit(self.run_dir, self.rank)  # it may have ended between the looks
+        recorded = read_exit(self.paths, self.rank)  # it may have ended between the looks
         return Exit.lost if recorded is None else recorded
 
     def signal(self, sig: int) -> None:
@@ -317,10 +320,10 @@ class LocalRuntime(Runtime):
         if tmp is not None and scratch.VAR not in plan.spec.env:
             fields["env"][scratch.VAR] = str(tmp)  # type: ignore[index]
         launch = json.dumps(fields)
-        _private_file(plan.run_dir / f"rank{rank}.launch", os.getegid(), 0o600, launch)
+        _private_file(plan.paths.launch(rank), os.getegid(), 0o600, launch)
         if not again:
-            _private_file(plan.log_path(rank), gid, 0o640)
-        with plan.log_path(rank).open("ab") as log:
+            _private_file(plan.paths.log(rank), gid, 0o640)
+        with plan.paths.log(rank).open("ab") as log:
             if again:
                 log.write(f"[hora] rank {rank} started again (a replacement)\n".encode())
                 log.flush()
@@ -336,8 +339,8 @@ class LocalRuntime(Runtime):
             )
         # the shim writes this too; writing it here means a job recorded as running
         # always has its pid files, whatever instant the service dies at
-        write_pid(plan.run_dir, rank, proc.pid)
-        return ChildRank(rank, proc, plan.run_dir)
+        write_pid(plan.paths, rank, proc.pid)
+        return ChildRank(rank, proc, plan.paths)
 
     def replace_rank(
         self, plan: AttemptPlan, rank: int, base_env: dict[str, str], master_port: int
@@ -351,13 +354,12 @@ class LocalRuntime(Runtime):
         """
         if namespaces.wanted(plan):
             return super().replace_rank(plan, rank, base_env, master_port)
-        exit_file = plan.run_dir / f"rank{rank}.exit"
-        exit_file.unlink(missing_ok=True)
+        plan.paths.exit(rank).unlink(missing_ok=True)
         moved = dataclasses.replace(plan, master_port=master_port)
         return self._start_rank(moved, rank, base_env, None, scratch.existing(plan), again=True)
 
     def _adopt(self, plan: AttemptPlan) -> list[RankProcess]:
-        return [AdoptedRank(rank, plan.run_dir) for rank in range(plan.ranks)]
+        return [AdoptedRank(rank, plan.paths) for rank in range(plan.ranks)]
 
     def _clear(self, plan: AttemptPlan) -> bool:
         holder = self._holders.pop((plan.job_id, plan.attempt), None)

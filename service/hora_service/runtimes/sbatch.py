@@ -26,6 +26,8 @@ from pathlib import Path
 from hora.errors import SpecError
 from hora.spec import JobSpec, Priority
 
+from hora_service.runtimes.paths import JobPaths
+
 # The batch script: constant text. It records the first node's host name (the ranks'
 # MASTER_ADDR), passes USR2 (preemption / time-limit warning, ``--signal=B:USR2@N``) and
 # TERM on to the step, and exits with srun's status.
@@ -213,7 +215,7 @@ def render_sbatch(
         f"--ntasks-per-node={layout.per_node}",
         "--distribution=block",
         f"--chdir={workdir}",
-        f"--output={_escape(run_dir / 'slurm.out')}",
+        f"--output={_escape(JobPaths(run_dir).slurm_out)}",
         "--open-mode=append",
         "--no-requeue",
         f"--signal=B:USR2@{signal_offset(spec.timeout_s, opts)}",

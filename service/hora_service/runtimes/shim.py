@@ -52,6 +52,15 @@ DRAIN_S = 0.5  # after the command ends, how long output still in flight is copi
 MARK = b"\n[hora: log truncated here: it passed %d bytes; the newest half is kept]\n"
 
 
+def rank_file(run_dir: str, rank: int, kind: str) -> str:
+    """``RUN_DIR/rank<R>.<kind>`` (``log``, ``pid``, ``exit``, ``launch``).
+
+    The names of :class:`hora_service.runtimes.paths.JobPaths`, spelled again here because
+    the shim imports only the standard library; a unit test checks that they agree.
+    """
+    return os.path.join(run_dir, f"rank{rank}.{kind}")
+
+
 def _write(path: str, text: str, mode: int = 0o640) -> None:
     tmp = f"{path}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
@@ -75,9 +84,9 @@ def _on_signal(signum: int, frame: object) -> None:
 RESERVE = 32  # bytes set aside for the exit code
 
 
-def _reserve(base: str) -> str | None:
+def _reserve(exit_file: str) -> str | None:
     """Set aside the exit file's space now; None if the disk is already full."""
-    path = base + ".exit.reserve"
+    path = exit_file + ".reserve"
     try:
         _write(path, " " * RESERVE)
     except OSError:
@@ -85,7 +94,7 @@ def _reserve(base: str) -> str | None:
     return path
 
 
-def _record_exit(base: str, code: int, reserved: str | None) -> None:
+def _record_exit(exit_file: str, code: int, reserved: str | None) -> None:
     """Write the exit file, into the reserved space first (it needs no new blocks)."""
     if reserved is not None:
         try:
@@ -96,12 +105,12 @@ def _record_exit(base: str, code: int, reserved: str | None) -> None:
                 os.ftruncate(fd, len(text))  # shrinking needs no space
             finally:
                 os.close(fd)
-            os.replace(reserved, base + ".exit")
+            os.replace(reserved, exit_file)
             return
         except OSError:
             pass
     try:
-        _write(base + ".exit", str(code))
+        _write(exit_file, str(code))
     except OSError as e:  # the service falls back on the shim's own exit status
         with contextlib.suppress(OSError):  # unbuffered: nothing is left to fail at exit
             os.write(2, f"hora shim: cannot record exit code {code}: {e}\n".encode())
@@ -247,13 +256,13 @@ def main(argv: list[str]) -> int:
         sys.stderr.write("usage: shim.py RUN_DIR RANK\n")
         return 2
     run_dir, rank = argv[0], int(argv[1])
-    base = os.path.join(run_dir, f"rank{rank}")
-    _write(base + ".pid", str(os.getpid()))
-    reserved = _reserve(base)
-    with open(base + ".launch") as f:
+    exit_file = rank_file(run_dir, rank, "exit")
+    _write(rank_file(run_dir, rank, "pid"), str(os.getpid()))
+    reserved = _reserve(exit_file)
+    with open(rank_file(run_dir, rank, "launch")) as f:
         launch = json.load(f)
     command = [str(a) for a in launch["command"]]
-    log = Log(base + ".log", int(launch["log_limit"]))
+    log = Log(rank_file(run_dir, rank, "log"), int(launch["log_limit"]))
     keep: list[int] = []
     at = launch.get("run_dir_arg")
     if isinstance(at, int) and 0 < at < len(command):
@@ -279,14 +288,14 @@ def main(argv: list[str]) -> int:
     except (OSError, subprocess.SubprocessError) as e:
         why = getattr(e, "strerror", None) or e
         log.write(f"hora: cannot start {command[0]!r}: {why}\n".encode())
-        _record_exit(base, 127, reserved)
+        _record_exit(exit_file, 127, reserved)
         return 127
     finally:
         os.close(write_end)
         for fd in [*(launch.get("namespaces") or []), *keep]:  # the command holds them now
             os.close(fd)
     code = _pump(child, read_end, log)
-    _record_exit(base, code, reserved)
+    _record_exit(exit_file, code, reserved)
     return code if code >= 0 else 128 - code
 
 

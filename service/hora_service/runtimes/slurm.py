@@ -184,7 +184,7 @@ class SlurmRuntime(Runtime):
     def _start(self, plan: AttemptPlan, base_env: dict[str, str]) -> list[RankProcess]:
         layout = self.layout(plan.spec)
         self._write_launch_files(plan, base_env, layout)
-        script = plan.run_dir / "hora-batch.sh"
+        script = plan.paths.batch_script
         name = job_name(self.instance, plan.job_id, plan.attempt)
         sub = render_sbatch(
             plan.spec, name=name, run_dir=plan.run_dir, workdir=plan.workdir, layout=layout,
@@ -204,10 +204,10 @@ class SlurmRuntime(Runtime):
                 f"sbatch did not answer within {CMD_TIMEOUT_S:g}s: is slurmctld running?"
             ) from None
         if proc.returncode != 0:
-            (plan.run_dir / "slurm.jobid").write_text("")  # nothing was submitted
+            plan.paths.slurm_jobid.write_text("")  # nothing was submitted
             raise SlurmError(f"sbatch refused the job: {proc.stderr.strip() or proc.stdout}")
         job_id = proc.stdout.strip().split(";")[0]
-        (plan.run_dir / "slurm.jobid").write_text(job_id)
+        plan.paths.slurm_jobid.write_text(job_id)
         log.info("job %d attempt %d: Slurm job %s (%s)", plan.job_id, plan.attempt, job_id, name)
         self._cache.at = -1.0
         return [SlurmRank(r, self, plan, job_id) for r in range(plan.spec.workers)]
@@ -232,8 +232,8 @@ class SlurmRuntime(Runtime):
                 "log_limit": plan.rank_log_bytes,
             }
             text = json.dumps(launch)
-            _private_file(plan.run_dir / f"rank{rank}.launch", os.getegid(), 0o600, text)
-            _private_file(plan.log_path(rank), gid, 0o640)
+            _private_file(plan.paths.launch(rank), os.getegid(), 0o600, text)
+            _private_file(plan.paths.log(rank), gid, 0o640)
 
     def _adopt(self, plan: AttemptPlan) -> list[RankProcess]:
         job_id = self.job_id_of(plan)
@@ -242,7 +242,7 @@ class SlurmRuntime(Runtime):
     def job_id_of(self, plan: AttemptPlan) -> str | None:
         """The Slurm job of an attempt: from ``slurm.jobid``, else by its unique name."""
         try:
-            return (plan.run_dir / "slurm.jobid").read_text().strip() or None  # empty: refused
+            return plan.paths.slurm_jobid.read_text().strip() or None  # empty: refused
         except OSError:
             pass
         name = job_name(self.instance, plan.job_id, plan.attempt)
@@ -424,10 +424,10 @@ class SlurmRuntime(Runtime):
             return f"{what} lost node(s) {info.nodes}"
         if info.active or info.state == "COMPLETED":
             return None
-        said = _hora_lines(plan.run_dir / "slurm.out")
+        said = _hora_lines(plan.paths.slurm_out)
         if said:
             return said
-        if read_pid(plan.run_dir, 0) is None:
+        if read_pid(plan.paths, 0) is None:
             return (
                 f"{what} ended {info.state} before any rank started: is {plan.run_dir} on a "
                 "filesystem every node shares?"
@@ -511,18 +511,18 @@ class SlurmRank(RankProcess):
 
     def poll(self) -> RankStatus:
         """The recorded exit code, ``running`` while Slurm holds the job, else ``lost``."""
-        recorded = read_exit(self.plan.run_dir, self.rank)
+        recorded = read_exit(self.plan.paths, self.rank)
         info = self.runtime.info(self.job_id) if self.job_id else None
         self.runtime.post_wait(self.plan.job_id, info)
         if recorded is None and info is not None and info.active:
-            if info.state == "RUNNING" and read_pid(self.plan.run_dir, self.rank) is None:
-                said = _hora_lines(self.plan.run_dir / "slurm.out")
+            if info.state == "RUNNING" and read_pid(self.plan.paths, self.rank) is None:
+                said = _hora_lines(self.plan.paths.slurm_out)
                 if said:  # its launcher could not start it (a node without the run directory)
                     self.note = said
                     return Exit.lost
             return Exit.running
         if recorded is None:
-            recorded = read_exit(self.plan.run_dir, self.rank)  # it may have ended meanwhile
+            recorded = read_exit(self.plan.paths, self.rank)  # it may have ended meanwhile
         if recorded != 0:
             if self.job_id is not None and info is not None and info.active:
                 # the rank ended first; Slurm marks a cancel or preemption before it signals

@@ -64,6 +64,15 @@ def placed(env: dict, task: dict) -> dict:
     return out
 
 
+def launch_file(run_dir: str, rank: int) -> str:
+    """``RUN_DIR/rank<R>.launch``, the rank's launch file.
+
+    The name of :class:`hora_service.runtimes.paths.JobPaths`, spelled again here (standard
+    library only); a unit test checks that they agree.
+    """
+    return os.path.join(run_dir, f"rank{rank}.launch")
+
+
 def main(argv: list) -> int:
     """Run ``argv = [RUN_DIR]`` as this task's rank (does not return)."""
     rank = os.environ.get("SLURM_PROCID", "")
@@ -71,7 +80,7 @@ def main(argv: list) -> int:
         sys.stderr.write("usage: slurm_rank.py RUN_DIR (in an srun task)\n")
         return 2
     run_dir = argv[0]
-    path = os.path.join(run_dir, f"rank{rank}.launch")
+    path = launch_file(run_dir, int(rank))
     try:
         with open(path) as f:
             launch = json.load(f)
