@@ -22,7 +22,7 @@ import dataclasses
 import os
 import re
 import secrets
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from hora.errors import LauncherEnvError
@@ -166,25 +166,47 @@ class RankEnv:
                 env.update(dict.fromkeys(_RANK_VARS[f.name], text))
         return env
 
+    @staticmethod
+    def var(name: str) -> str:
+        """The environment variable of field ``name`` (the one :meth:`from_environ` reads first).
+
+        Example:
+            >>> RankEnv.var("attempt")
+            'HORA_ATTEMPT'
+        """
+        return _RANK_VARS[name][0]
+
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> RankEnv:
+    def from_environ(
+        cls, environ: Mapping[str, str] = os.environ, *, only: Collection[str] | None = None
+    ) -> RankEnv:
         """Read the contract's variables; an unset or blank one leaves its field None.
 
         Args:
             environ: the environment to read (default: this process's).
+            only: the names of the fields to read (default: all); the others stay None, so a
+                reader is not stopped by a value it does not use.
 
         Returns:
             The :class:`RankEnv` those variables describe.
 
         Raises:
             LauncherEnvError: when a number does not parse (the message names the variable).
+            ValueError: when ``only`` names a field that :class:`RankEnv` does not have.
 
         Example:
             >>> RankEnv.from_environ({"GROUP_RANK": "1", "CROSS_RANK": "2"}).cross_rank
             2
+            >>> RankEnv.from_environ({"RANK": "1", "HORA_JOB_ID": "x"}, only=["rank"]).rank
+            1
         """
+        unknown = set(only or ()) - set(_RANK_VARS)
+        if unknown:
+            raise ValueError(f"RankEnv has no field {', '.join(sorted(unknown))}")
         values: dict[str, object] = {}
         for f in dataclasses.fields(cls):
+            if only is not None and f.name not in only:
+                continue
             names = _RANK_VARS[f.name]
             name = next((n for n in names if environ.get(n, "").strip()), None)
             if name is not None:
@@ -421,23 +443,28 @@ def detect_world(environ: Mapping[str, str]) -> World:
 
 
 def _torchrun(environ: Mapping[str, str]) -> World:
-    size = _int(environ, "WORLD_SIZE")
-    local_size = _int(environ, "LOCAL_WORLD_SIZE", _int(environ, "LOCAL_SIZE", size))
+    got = RankEnv.from_environ(environ, only=_WORLD_FIELDS)
+    if got.world_size is None or got.rank is None:  # present, but blank
+        raise LauncherEnvError(f"{'WORLD_SIZE' if got.world_size is None else 'RANK'} is not set")
+    size = got.world_size
     return _finish(
         environ.get("HORA_LAUNCHER", "torchrun"),
         environ,
-        rank=_int(environ, "RANK"),
+        rank=got.rank,
         size=size,
-        local_rank=_int(environ, "LOCAL_RANK", 0),
-        local_size=local_size,
-        cross_rank=_opt(environ, "CROSS_RANK")
-        if "CROSS_RANK" in environ
-        else _opt(environ, "GROUP_RANK"),
-        cross_size=_opt(environ, "CROSS_SIZE"),
+        local_rank=0 if got.local_rank is None else got.local_rank,
+        local_size=size if got.local_world_size is None else got.local_world_size,
+        cross_rank=got.cross_rank,
+        cross_size=got.cross_size,
         master_addr="127.0.0.1",
         master_port=DEFAULT_MASTER_PORT,
         job_id=environ.get("TORCHELASTIC_RUN_ID"),
     )
+
+
+# What detect_world reads of the contract (MASTER_* it reads itself: the environment's win
+# over what any launcher implies)
+_WORLD_FIELDS = ("rank", "world_size", "local_rank", "local_world_size", "cross_rank", "cross_size")
 
 
 def _openmpi(environ: Mapping[str, str]) -> World:

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 from hora.engines import plan
-from hora.env import LAUNCHER_VARS, RankEnv, rank_env
+from hora.env import LAUNCHER_VARS, RankEnv, detect_world, rank_env
 from hora.errors import LauncherEnvError
 from hora.launch.config import LaunchConfig, build_rank_envs
 
@@ -88,3 +88,11 @@ def test_engines_strip_the_launcher_variables_and_the_kernel_s_ties() -> None:
     assert {k for k in LAUNCHER_VARS if env.get(k) == "9"} == set()
     assert not {"JPY_PARENT_PID", "IPP_CONNECTION_INFO", "HORA_GPU"} & set(env)
     assert env["HOME"] == "/h"
+
+
+def test_only_reads_the_fields_named() -> None:
+    env = {"RANK": "1", "WORLD_SIZE": "2", "HORA_JOB_ID": "not a number"}
+    assert RankEnv.from_environ(env, only=("rank",)) == RankEnv(rank=1)
+    assert detect_world(env).rank == 1  # the world's reader is not stopped by other values
+    with pytest.raises(ValueError, match="no field ranks"):
+        RankEnv.from_environ(env, only=("ranks",))

@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from hora.engines import world
+from hora.env import RankEnv
 
 _BG_DONE = threading.Event()
 _BG_ERROR: list[BaseException] = []
@@ -177,7 +178,7 @@ def _init_engine(backend: str, timeout_s: float, threads: int, start_s: float) -
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "device": str(_device()),
-        "gpu": os.environ.get("HORA_GPU", ""),
+        "gpu": RankEnv.from_environ(only=("gpu",)).gpu or "",
         "main_thread": threading.main_thread().ident,
         "stack_file": STACK_FILE[0] if STACK_FILE else None,
     }

@@ -21,10 +21,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hora.env import World, detect_world
+from hora.env import RankEnv, World, detect_world
 from hora.errors import CollectiveTimeout, HoraError, RendezvousError
 
-VAR = "HORA_ENGINE_WORLD"
+VAR = RankEnv.var("engine_world")
 _POLL_S = 0.02
 DEFAULT_WAIT_S = 60.0
 

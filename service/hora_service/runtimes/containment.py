@@ -38,11 +38,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+from hora.env import RankEnv
 
 log = logging.getLogger(__name__)
 
 CGROUP_FS = Path("/sys/fs/cgroup")
-TAG_VAR = "HORA_ATTEMPT"
+TAG_VAR = RankEnv.var("attempt")
 FREEZE_WAIT_S = 2.0
 KINDS = ("cgroup2", "cgroup1", "tag")
 V1_LIMITS = ("memory", "cpu")  # v1 hierarchies an attempt also joins when writable

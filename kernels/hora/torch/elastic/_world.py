@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hora.env import World, detect_world
+from hora.env import RankEnv, World, detect_world
 from hora.errors import CollectiveTimeout, LauncherEnvError, RendezvousError
 from hora.launch import elastic_rdzv as rdzv
 from hora.torch import _state
@@ -96,7 +96,7 @@ def elastic_world(
         rdzv.mark(root, f"reset.{wid}", str(_Joined.number))
     gen = _await_generation(root, wid, _elastic_timeout(environ))
     _Joined.number = gen.number
-    environ["HORA_START_TIMEOUT"] = f"{RDZV_START_S:g}"
+    environ.update(RankEnv(start_timeout=RDZV_START_S).to_environ())
     rank = gen.rank_of(wid)
     assert rank is not None  # _await_generation returns only generations naming wid
     me = gen.members[rank]
