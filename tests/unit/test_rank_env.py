@@ -96,3 +96,19 @@ def test_only_reads_the_fields_named() -> None:
     assert detect_world(env).rank == 1  # the world's reader is not stopped by other values
     with pytest.raises(ValueError, match="no field ranks"):
         RankEnv.from_environ(env, only=("ranks",))
+
+
+def test_the_slurm_rank_launcher_writes_only_the_contract_s_names() -> None:
+    # slurm_rank.py runs on the nodes with the standard library alone (python -I -S), so it
+    # spells the names itself: they must be the contract's, and parse back through it
+    from hora_service.runtimes import slurm_rank
+
+    launch = RankEnv(rank=0, world_size=4, local_world_size=2, gpus_per_rank=1).to_environ()
+    task = {"SLURM_LOCALID": "1", "SLURM_PROCID": "3", "SLURM_NODEID": "1", "SLURM_NNODES": "2",
+            "SLURM_JOB_ID": "42", "HORA_MASTER_HOST": "127.0.0.1",
+            "CUDA_VISIBLE_DEVICES": "0,1"}  # fmt: skip
+    placed = slurm_rank.placed(launch, task)
+    assert set(placed) - {"CUDA_VISIBLE_DEVICES"} <= set(FULL.to_environ())
+    got = RankEnv.from_environ(placed)
+    assert (got.rank, got.local_rank, got.cross_rank, got.gpu) == (3, 1, 1, "1")
+    assert (got.slurm_job_id, got.master_port) == ("42", 20042)
