@@ -113,6 +113,8 @@ class RankEnv:
         attempt: ``HORA_ATTEMPT``, the attempt's containment tag ``<instance>/<job>/<attempt>``.
         rdzv_secret: ``HORA_RDZV_SECRET``, the secret sealing the ranks' rendezvous store.
         engine_world: ``HORA_ENGINE_WORLD``, the file naming a notebook engine's world.
+        engine_connection: ``HORA_ENGINE_CONNECTION``, where a session's engine (started by
+            the service) finds the kernel's controller (JSON; it holds the session's key).
         master_host: ``HORA_MASTER_HOST``, the first node of a Slurm job (its batch script's).
         slurm_job_id: ``HORA_SLURM_JOB_ID``, the Slurm job of a rank.
         node: ``HORA_NODE``, the node a Slurm rank runs on.
@@ -144,6 +146,7 @@ class RankEnv:
     attempt: str | None = None
     rdzv_secret: str | None = field(default=None, repr=False)  # never in a log line
     engine_world: str | None = None
+    engine_connection: str | None = field(default=None, repr=False)  # holds a key
     master_host: str | None = None
     slurm_job_id: str | None = None
     node: str | None = None
@@ -236,6 +239,7 @@ _RANK_VARS: dict[str, tuple[str, ...]] = {
     "attempt": ("HORA_ATTEMPT",),
     "rdzv_secret": (RDZV_SECRET_VAR,),
     "engine_world": ("HORA_ENGINE_WORLD",),
+    "engine_connection": ("HORA_ENGINE_CONNECTION",),
     "master_host": ("HORA_MASTER_HOST",),
     "slurm_job_id": ("HORA_SLURM_JOB_ID",),
     "node": ("HORA_NODE",),

@@ -9,12 +9,13 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from hora.env import RankEnv
 from hora.spec import JobInfo, JobSpec, SlotInfo, Transition
 from pydantic import BaseModel, ConfigDict, Field, field_serializer
 
 # environment values the API never shows: a session's engine connection key would let whoever
 # reads it (an admin, a log) run code in the owner's engines
-SECRET_ENV = ("HORA_ENGINE_CONNECTION",)
+SECRET_ENV = (RankEnv.var("engine_connection"),)
 HIDDEN = "(hidden)"
 
 # the wire models the client shares live in hora.spec; importable here as before

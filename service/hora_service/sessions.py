@@ -60,7 +60,7 @@ from hora_service.users import check_idle_timeout
 
 log = logging.getLogger(__name__)
 
-CONNECTION_VAR = "HORA_ENGINE_CONNECTION"
+CONNECTION_VAR = RankEnv.var("engine_connection")
 Port = Annotated[int, Field(ge=1, le=65535)]
 INLINE_MPL = "module://matplotlib_inline.backend_inline"
 BUSY_SAMPLE_S = 2.0  # how often the engines' CPU time is read
@@ -229,13 +229,13 @@ def session_spec(req: SessionRequest, backend: str, python: str = sys.executable
         'session-engine'
     """
     own = RankEnv(
+        engine_connection=req.connection.model_dump_json(),
         backend=req.backend or backend,
         timeout=req.timeout_s,
         start_timeout=req.start_timeout_s,
         engine_world=req.world_file,
     )
     env = {
-        CONNECTION_VAR: req.connection.model_dump_json(),
         **own.to_environ(),
         "OMP_NUM_THREADS": str(req.threads),
         "MPLBACKEND": INLINE_MPL,

@@ -15,7 +15,7 @@ FULL = RankEnv(
     master_addr="node0", master_port=29500, launcher="hora", backend="nccl", timeout=60.0,
     start_timeout=2.5, gpu="6,7", slots="6,7", gpus_per_rank=2, job_id=17, restart_count=1,
     attempt="inst/17/2", rdzv_secret="s" * 64, engine_world="/run/w.json",
-    master_host="gpu01", slurm_job_id="123", node="gpu02",
+    master_host="gpu01", slurm_job_id="123", node="gpu02", engine_connection='{"key": "k"}',
 )  # fmt: skip
 
 
@@ -112,3 +112,7 @@ def test_the_slurm_rank_launcher_writes_only_the_contract_s_names() -> None:
     got = RankEnv.from_environ(placed)
     assert (got.rank, got.local_rank, got.cross_rank, got.gpu) == (3, 1, 1, "1")
     assert (got.slurm_job_id, got.master_port) == ("42", 20042)
+
+
+def test_secrets_stay_out_of_the_repr() -> None:
+    assert "s" * 64 not in repr(FULL) and '"k"' not in repr(FULL)

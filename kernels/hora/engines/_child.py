@@ -29,6 +29,7 @@ import tempfile
 import threading
 import time
 
+from hora.env import RankEnv
 from hora.procs import signal_group
 
 _STACK_FILES: list[object] = []
@@ -68,7 +69,7 @@ def _engine(args: list[str]) -> None:
     main()
 
 
-CONNECTION_VAR = "HORA_ENGINE_CONNECTION"
+CONNECTION_VAR = RankEnv.var("engine_connection")
 
 
 def _remove_on_stop(home: str) -> None:
