@@ -44,8 +44,8 @@ def test_import_hora_torch_loads_only_torch_stdlib_and_hora() -> None:
 
 @pytest.mark.parametrize(
     "stmt",
-    ["import hora", "import hora.env", "import hora.errors", "import hora.timeline_merge",
-     "import hora.scaling"],
+    ["import hora", "import hora.env", "import hora.contract", "import hora.errors",
+     "import hora.timeline_merge", "import hora.scaling"],
 )
 def test_light_modules_load_no_heavy_dependency(stmt: str) -> None:
     bad = sorted(_top(_modules_after(stmt)) & set(FORBIDDEN_FOR_HORA))

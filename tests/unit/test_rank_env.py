@@ -1,4 +1,5 @@
-"""hora.env's rank contract: RankEnv round-trips, LAUNCHER_VARS is the one strip list."""
+"""hora.contract's rank contract (re-exported by hora.env): RankEnv round-trips, LAUNCHER_VARS
+is the one strip list."""
 
 from __future__ import annotations
 
