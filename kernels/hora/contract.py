@@ -80,6 +80,18 @@ class RankEnv:
         master_host: ``HORA_MASTER_HOST``, the first node of a Slurm job (its batch script's).
         slurm_job_id: ``HORA_SLURM_JOB_ID``, the Slurm job of a rank.
         node: ``HORA_NODE``, the node a Slurm rank runs on.
+        preflight: ``HORA_PREFLIGHT``, "1" (or on, true, yes) to measure the world's paths
+            at ``hvd.init()`` (the service sets it for a job's ranks; a job may set "0").
+        preflight_warn_below: ``HORA_PREFLIGHT_WARN_BELOW``, the fraction of its reference
+            under which the preflight names a path.
+        preflight_fail_below: ``HORA_PREFLIGHT_FAIL_BELOW``, the fraction under which the
+            preflight fails ``hvd.init()``.
+        preflight_baseline: ``HORA_PREFLIGHT_BASELINE``, the folder of the nodes' baselines.
+        elastic_dir: ``HORA_ELASTIC_DIR``, an elastic ``hora run``'s rendezvous folder
+            (:mod:`hora.launch.elastic_rdzv`).
+        elastic_worker: ``HORA_ELASTIC_WORKER``, the worker id (``w3``) in an elastic run.
+        elastic_timeout: ``HORA_ELASTIC_TIMEOUT``, seconds the workers may wait below
+            ``--min-np``.
 
     Example:
         >>> RankEnv(rank=1, world_size=2, gpu="3").to_environ()
@@ -112,6 +124,13 @@ class RankEnv:
     master_host: str | None = None
     slurm_job_id: str | None = None
     node: str | None = None
+    preflight: str | None = None
+    preflight_warn_below: float | None = None
+    preflight_fail_below: float | None = None
+    preflight_baseline: str | None = None
+    elastic_dir: str | None = None
+    elastic_worker: str | None = None
+    elastic_timeout: float | None = None
 
     def to_environ(self) -> dict[str, str]:
         """The variables of the fields that are set, as strings (seconds as ``%g``).
@@ -205,6 +224,13 @@ _RANK_VARS: dict[str, tuple[str, ...]] = {
     "master_host": ("HORA_MASTER_HOST",),
     "slurm_job_id": ("HORA_SLURM_JOB_ID",),
     "node": ("HORA_NODE",),
+    "preflight": ("HORA_PREFLIGHT",),
+    "preflight_warn_below": ("HORA_PREFLIGHT_WARN_BELOW",),
+    "preflight_fail_below": ("HORA_PREFLIGHT_FAIL_BELOW",),
+    "preflight_baseline": ("HORA_PREFLIGHT_BASELINE",),
+    "elastic_dir": ("HORA_ELASTIC_DIR",),
+    "elastic_worker": ("HORA_ELASTIC_WORKER",),
+    "elastic_timeout": ("HORA_ELASTIC_TIMEOUT",),
 }
 
 

@@ -1,5 +1,5 @@
 """hora.contract's rank contract (re-exported by hora.env): RankEnv round-trips, LAUNCHER_VARS
-is the one strip list."""
+is the one strip list, and the writers and readers of its variables use its names."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ FULL = RankEnv(
     start_timeout=2.5, gpu="6,7", slots="6,7", gpus_per_rank=2, job_id=17, restart_count=1,
     attempt="inst/17/2", rdzv_secret="s" * 64, engine_world="/run/w.json",
     master_host="gpu01", slurm_job_id="123", node="gpu02", engine_connection='{"key": "k"}',
+    preflight="1", preflight_warn_below=0.5, preflight_fail_below=0.3,
+    preflight_baseline="/srv/base", elastic_dir="/tmp/el", elastic_worker="w3",
+    elastic_timeout=600.0,
 )  # fmt: skip
 
 
@@ -117,3 +120,26 @@ def test_the_slurm_rank_launcher_writes_only_the_contract_s_names() -> None:
 
 def test_secrets_stay_out_of_the_repr() -> None:
     assert "s" * 64 not in repr(FULL) and '"k"' not in repr(FULL)
+
+
+@pytest.mark.parametrize(
+    ("kind", "want"),
+    [("job", (("HORA_PREFLIGHT", "1"), ("HORA_PREFLIGHT_FAIL_BELOW", "0.3"),
+              ("HORA_PREFLIGHT_BASELINE", "/srv/base"))),
+     ("session", (("HORA_PREFLIGHT_FAIL_BELOW", "0.3"), ("HORA_PREFLIGHT_BASELINE", "/srv/base")))],
+)  # fmt: skip
+def test_the_service_asks_for_the_preflight_in_the_contract_s_names(
+    kind: str, want: tuple[tuple[str, str], ...]
+) -> None:
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from hora_service.jobs.launch import Launch
+
+    settings = SimpleNamespace(job_preflight=True, job_preflight_fail_below=0.3,
+                               job_preflight_baseline_dir=Path("/srv/base"))  # fmt: skip
+    asked = Launch._preflight_env(SimpleNamespace(settings=settings), kind)  # type: ignore[arg-type]
+    assert asked == want
+    got = RankEnv.from_environ(dict(asked))
+    assert (got.preflight_fail_below, got.preflight_baseline) == (0.3, "/srv/base")
+

@@ -209,12 +209,11 @@ class ElasticDriver:
     def _worker_env(self, wid: str, host: str) -> dict[str, str]:
         n = self.config.np
         rank = min(len(self.workers), n - 1)  # replaced at hvd.init() by the generation's
-        extra = {
-            rdzv.DIR_VAR: str(self.root), rdzv.WORKER_VAR: wid,
-            rdzv.TIMEOUT_VAR: f"{self.ec.timeout:g}", "HOROVOD_ELASTIC": "1",
-            "HOROVOD_HOSTNAME": host,
-        }  # fmt: skip
+        extra = {"HOROVOD_ELASTIC": "1", "HOROVOD_HOSTNAME": host}
         own = RankEnv(
+            elastic_dir=str(self.root),
+            elastic_worker=wid,
+            elastic_timeout=self.ec.timeout,
             rdzv_secret=self._rdzv_secret,
             backend=self.config.backend or None,
             timeout=self.config.start_timeout,

@@ -26,9 +26,6 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-DIR_VAR = "HORA_ELASTIC_DIR"
-WORKER_VAR = "HORA_ELASTIC_WORKER"
-TIMEOUT_VAR = "HORA_ELASTIC_TIMEOUT"
 DEFAULT_TIMEOUT_S = 600.0
 _WORLD = "world.json"
 

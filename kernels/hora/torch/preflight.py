@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hora.contract import RankEnv  # its names; _fraction's PreflightError says the range
 from hora.errors import HoraError
 from hora.torch import _shm, _state, timeline
 from hora.torch._process_sets import comm_of
@@ -459,10 +460,9 @@ def _sizes(sizes: tuple[int, ...] | list[int] | None, gpu: bool) -> tuple[int, .
 def _settings(
     env: Mapping[str, str], warn_below: float | None, fail_below: float | None
 ) -> tuple[float, float | None]:
-    warn = warn_below or _fraction(env.get("HORA_PREFLIGHT_WARN_BELOW"),
-                                   "HORA_PREFLIGHT_WARN_BELOW") or DEFAULT_WARN_BELOW
-    fail = fail_below if fail_below is not None else _fraction(
-        env.get("HORA_PREFLIGHT_FAIL_BELOW"), "HORA_PREFLIGHT_FAIL_BELOW")
+    warn_var, fail_var = RankEnv.var("preflight_warn_below"), RankEnv.var("preflight_fail_below")
+    warn = warn_below or _fraction(env.get(warn_var), warn_var) or DEFAULT_WARN_BELOW
+    fail = fail_below if fail_below is not None else _fraction(env.get(fail_var), fail_var)
     return warn, fail
 
 
@@ -511,7 +511,7 @@ def run(
     raws = {p.name: _measure_path(p, chosen) for p in paths}
     link_bytes = GPU_LINK_BYTES if gpu else CPU_LINK_BYTES
     links = _measure_links(state, link_bytes)
-    base = load_baseline(baseline_dir or env.get("HORA_PREFLIGHT_BASELINE"), host)
+    base = load_baseline(baseline_dir or env.get(RankEnv.var("preflight_baseline")), host)
     mine = {"host": host, "raws": raws, "links": links, "base": base,
             "s": time.perf_counter() - t0}
     every: list[Any] = [None] * state.size
@@ -553,7 +553,7 @@ def _at_init(environ: Mapping[str, str], _process_sets: Any) -> None:
     the fail threshold is crossed, rank 0 writes the line first, with ``failed`` set to the
     error's message, so that the service can say which rank or link failed the job.
     """
-    if environ.get("HORA_PREFLIGHT", "").strip().lower() not in ("1", "on", "true", "yes"):
+    if environ.get(RankEnv.var("preflight"), "").strip().lower() not in ("1", "on", "true", "yes"):
         return
     t0 = timeline.now_ns()
     try:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hora.env import new_rdzv_secret
+from hora.env import RankEnv, new_rdzv_secret
 from hora.errors import HoraError, SpecError
 from hora.net import free_port
 from hora.spec import JobState
@@ -165,10 +165,11 @@ class Launch(ElasticSlots, Admission):
         s = self.settings
         if kind == "job" and not s.job_preflight:
             return ()
-        # a session's engines are measured by %dist_start, not at init: no HORA_PREFLIGHT
-        env = [("HORA_PREFLIGHT", "1")] if kind == "job" else []
-        if s.job_preflight_fail_below is not None:
-            env.append(("HORA_PREFLIGHT_FAIL_BELOW", f"{s.job_preflight_fail_below:g}"))
-        if s.job_preflight_baseline_dir is not None:
-            env.append(("HORA_PREFLIGHT_BASELINE", str(s.job_preflight_baseline_dir)))
-        return tuple(env)
+        base = s.job_preflight_baseline_dir
+        asked = RankEnv(
+            # a session's engines are measured by %dist_start, not at init: no HORA_PREFLIGHT
+            preflight="1" if kind == "job" else None,
+            preflight_fail_below=s.job_preflight_fail_below,
+            preflight_baseline=str(base) if base is not None else None,
+        )
+        return tuple(asked.to_environ().items())

@@ -116,7 +116,7 @@ def rank_environment(plan: AttemptPlan, rank: int, base: Mapping[str, str]) -> d
     env.update(own.to_environ())
     env["PYTHONUNBUFFERED"] = "1"
     for key, value in plan.preflight_env:  # the job may turn its own preflight off
-        env[key] = env.get(key, value) if key == "HORA_PREFLIGHT" else value
+        env[key] = env.get(key, value) if key == RankEnv.var("preflight") else value
     return env
 
 

@@ -58,7 +58,7 @@ class _Joined:
 
 def elastic_root(environ: dict[str, str]) -> Path | None:
     """Return the elastic rendezvous directory, or None outside an elastic ``hora run``."""
-    raw = environ.get(rdzv.DIR_VAR, "")
+    raw = RankEnv.from_environ(environ, only=("elastic_dir",)).elastic_dir
     return Path(raw) if raw else None
 
 
@@ -86,9 +86,11 @@ def elastic_world(
     if failure is not None:
         log.warning("elastic: generation %d did not form (%s); joining the next", _Joined.number,
                     failure)  # fmt: skip
-    wid = environ.get(rdzv.WORKER_VAR, "")
+    wid = RankEnv.from_environ(environ, only=("elastic_worker",)).elastic_worker
     if not wid:
-        raise LauncherEnvError(f"{rdzv.DIR_VAR} is set but {rdzv.WORKER_VAR} is not")
+        raise LauncherEnvError(
+            f"{RankEnv.var('elastic_dir')} is set but {RankEnv.var('elastic_worker')} is not"
+        )
     _Joined.wid, _Joined.root = wid, root
     if _Joined.number == 0:
         rdzv.mark(root, f"hello.{wid}")
@@ -111,11 +113,13 @@ def elastic_world(
 
 
 def _elastic_timeout(environ: dict[str, str]) -> float:
-    raw = environ.get(rdzv.TIMEOUT_VAR, "")
+    # the contract's name, parsed here: the message says what the number is (seconds)
+    var = RankEnv.var("elastic_timeout")
+    raw = environ.get(var, "")
     try:
         return float(raw) if raw else rdzv.DEFAULT_TIMEOUT_S
     except ValueError:
-        raise LauncherEnvError(f"{rdzv.TIMEOUT_VAR}={raw!r} is not a number of seconds") from None
+        raise LauncherEnvError(f"{var}={raw!r} is not a number of seconds") from None
 
 
 def _await_generation(root: Path, wid: str, timeout_s: float) -> rdzv.Generation:
