@@ -143,3 +143,9 @@ def test_the_service_asks_for_the_preflight_in_the_contract_s_names(
     got = RankEnv.from_environ(dict(asked))
     assert (got.preflight_fail_below, got.preflight_baseline) == (0.3, "/srv/base")
 
+def test_the_batch_script_exports_the_contract_s_master_host() -> None:
+    from hora_service.runtimes.sbatch import BATCH_SCRIPT
+
+    var = RankEnv.var("master_host")
+    assert f"\n{var}=$(hostname)\nexport {var}\n" in BATCH_SCRIPT
+    assert "@MASTER_HOST@" not in BATCH_SCRIPT

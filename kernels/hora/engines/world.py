@@ -150,7 +150,8 @@ def engine_world(
 
 def _wait_s(environ: dict[str, str]) -> float:
     try:
-        return float(environ.get("HORA_TIMEOUT", "") or DEFAULT_WAIT_S)
+        # the contract's name; a bad value waits the default (hvd.init() names it, not this)
+        return float(environ.get(RankEnv.var("timeout"), "") or DEFAULT_WAIT_S)
     except ValueError:
         return DEFAULT_WAIT_S
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hora.env import RDZV_SECRET_VAR, World
+from hora.env import RDZV_SECRET_VAR, RankEnv, World
 from hora.errors import CollectiveTimeout, LauncherEnvError, RendezvousError
 from hora.torch import _dist
 
@@ -60,7 +60,8 @@ def collective_timeout(
         return timeout.total_seconds()
     if timeout is not None:
         return float(timeout)
-    value = env_seconds(environ, "HORA_TIMEOUT")
+    # the contract's names, parsed by env_seconds: its messages say seconds, and > 0
+    value = env_seconds(environ, RankEnv.var("timeout"))
     return DEFAULT_TIMEOUT_S if value is None else value
 
 
@@ -74,13 +75,14 @@ def start_timeout(
     """
     if timeout is not None:
         return collective_s
-    value = env_seconds(environ, "HORA_START_TIMEOUT")
+    value = env_seconds(environ, RankEnv.var("start_timeout"))
     return collective_s if value is None else value
 
 
 def backend_of(backend: str | None, environ: dict[str, str]) -> str:
-    source = "init(backend=...)" if backend else "HORA_BACKEND"
-    name = (backend or environ.get("HORA_BACKEND") or "").lower()
+    var = RankEnv.var("backend")  # the contract's name; the messages below say the choices
+    source = "init(backend=...)" if backend else var
+    name = (backend or environ.get(var) or "").lower()
     if not name:
         return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     if name not in ("nccl", "gloo", "mpi"):

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from hora.env import RankEnv
 from hora.errors import SpecError
 from hora.spec import JobSpec, Priority
 
@@ -30,12 +31,13 @@ from hora_service.runtimes.paths import JobPaths
 
 # The batch script: constant text. It records the first node's host name (the ranks'
 # MASTER_ADDR), passes USR2 (preemption / time-limit warning, ``--signal=B:USR2@N``) and
-# TERM on to the step, and exits with srun's status.
-BATCH_SCRIPT = """#!/bin/sh
+# TERM on to the step, and exits with srun's status. The first node's variable is named by the
+# rank contract (RankEnv.master_host), filled in once, here.
+_BATCH = """#!/bin/sh
 # hora's batch script. It is the same for every job: no user value is written into it. Its
 # arguments start the rank launcher; everything else is an sbatch option.
-HORA_MASTER_HOST=$(hostname)
-export HORA_MASTER_HOST
+@MASTER_HOST@=$(hostname)
+export @MASTER_HOST@
 step=
 trap '[ -n "$step" ] && kill -USR2 "$step" 2>/dev/null' USR2
 trap '[ -n "$step" ] && kill -TERM "$step" 2>/dev/null' TERM
@@ -48,6 +50,7 @@ while :; do
 done
 exit "$rc"
 """
+BATCH_SCRIPT = _BATCH.replace("@MASTER_HOST@", RankEnv.var("master_host"))
 
 
 @dataclass(frozen=True)
