@@ -134,8 +134,11 @@ def test_submit_wait_cancelled_exits_130(
         )
     try:
         deadline = time.monotonic() + 60
-        while "running" not in errf.read_text() and time.monotonic() < deadline:
+        # until the rank runs: it writes its pid file, then prints "ready" (--wait follows the
+        # log from `starting` on, so no "running" line comes to wait for)
+        while not (tmp_path / "p" / "0").exists() and time.monotonic() < deadline:
             time.sleep(0.1)
+        assert (tmp_path / "p" / "0").exists(), errf.read_text()
         job_id = job_id_of(errf.read_text())
         cancel = hora_cmd(server, tmp_path, "cancel", str(job_id))
         assert cancel.returncode == 0 and f"job {job_id}:" in cancel.stdout
