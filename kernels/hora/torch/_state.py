@@ -316,15 +316,7 @@ def _release(state: RankState, *, graceful: bool, abort_shm: bool | None = None)
     held = [weakref.ref(o) for o in (state.group, state.side_group, state.store) if o is not None]
     state.group = state.side_group = state.store = state.heartbeat = None
     for comm in state.comms.values():  # an optimizer or a traceback may still hold one
-        groups = (comm.group, comm.side)
-        held += [weakref.ref(g) for g in groups if isinstance(g, dist.ProcessGroup)]
-        comm.group = comm.side = None
-        if comm.shm is not None:  # the shared-memory segment (hora.torch._shm.Ring)
-            # aborted: members waiting in it fail at once
-            comm.shm.close(abort=not graceful if abort_shm is None else abort_shm)
-            comm.shm = None
-        comm.pending.clear()
-        comm.inflight.clear()
+        held += _drop_comm(comm, abort=not graceful if abort_shm is None else abort_shm)
     state.comms = {}
     # A group left in a reference cycle (with its Works, a hook's closure) keeps its gloo
     # threads, sockets and rank 0's port. A full collection costs ~0.1 s with torch loaded, so
@@ -332,6 +324,23 @@ def _release(state: RankState, *, graceful: bool, abort_shm: bool | None = None)
     gc.collect(1)
     if any(ref() is not None for ref in held):
         gc.collect()
+
+
+def _drop_comm(comm: Any, abort: bool) -> list[weakref.ref[Any]]:
+    """Let go of one communicator's groups and shared-memory ring; weak references to them.
+
+    A function of its own so that no local of the caller still holds a group when it checks
+    whether they are gone (a loop variable did, and every shutdown paid a full collection
+    that could not free it).
+    """
+    groups = [g for g in (comm.group, comm.side) if isinstance(g, dist.ProcessGroup)]
+    comm.group = comm.side = None
+    if comm.shm is not None:  # the shared-memory segment (hora.torch._shm.Ring)
+        comm.shm.close(abort=abort)  # aborted: members waiting in it fail at once
+        comm.shm = None
+    comm.pending.clear()
+    comm.inflight.clear()
+    return [weakref.ref(g) for g in groups]
 
 
 def _restore_excepthook(state: RankState) -> None:
