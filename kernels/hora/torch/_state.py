@@ -317,6 +317,8 @@ def _release(state: RankState, *, graceful: bool, abort_shm: bool | None = None)
     state.group = state.side_group = state.store = state.heartbeat = None
     for comm in state.comms.values():  # an optimizer or a traceback may still hold one
         held += _drop_comm(comm, abort=not graceful if abort_shm is None else abort_shm)
+        comm.pending.clear()
+        comm.inflight.clear()
     state.comms = {}
     # A group left in a reference cycle (with its Works, a hook's closure) keeps its gloo
     # threads, sockets and rank 0's port. A full collection costs ~0.1 s with torch loaded, so
@@ -329,17 +331,15 @@ def _release(state: RankState, *, graceful: bool, abort_shm: bool | None = None)
 def _drop_comm(comm: Any, abort: bool) -> list[weakref.ref[Any]]:
     """Let go of one communicator's groups and shared-memory ring; weak references to them.
 
-    A function of its own so that no local of the caller still holds a group when it checks
-    whether they are gone (a loop variable did, and every shutdown paid a full collection
-    that could not free it).
+    Used by shutdown() and abort(). A function of its own so that no local of the caller
+    still holds a group when it checks whether they are gone (a loop variable did, and every
+    shutdown paid a full collection that could not free it).
     """
     groups = [g for g in (comm.group, comm.side) if isinstance(g, dist.ProcessGroup)]
     comm.group = comm.side = None
     if comm.shm is not None:  # the shared-memory segment (hora.torch._shm.Ring)
         comm.shm.close(abort=abort)  # aborted: members waiting in it fail at once
         comm.shm = None
-    comm.pending.clear()
-    comm.inflight.clear()
     return [weakref.ref(g) for g in groups]
 
 
@@ -554,10 +554,7 @@ def abort() -> None:
         # references (a DDP module built on the group still holds one)
         _STATE.group = _STATE.side_group = None
         for comm in _STATE.comms.values():
-            comm.group = comm.side = None
-            if comm.shm is not None:  # members waiting in the shared-memory ring fail now
-                comm.shm.close(abort=True)
-                comm.shm = None
+            _drop_comm(comm, abort=True)  # members waiting in the shared-memory ring fail now
         _STATE.comms = {}
         gc.collect()
 
