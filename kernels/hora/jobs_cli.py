@@ -24,6 +24,7 @@ from typing import Any, TextIO
 
 from hora.client import Client, Job, JobInfo, parse_spec
 from hora.errors import HoraError, SpecError
+from hora.scaling import fmt_bytes
 from hora.spec import ElasticInfo, JobState, Priority
 
 EXIT_FOR_STATE = {JobState.succeeded: 0, JobState.failed: 1, JobState.cancelled: 130}
@@ -240,7 +241,7 @@ def jobs_table(
             j.kind,
             j.spec.name,
             j.user,
-            j.state.value,
+            state_cell(j),
             workers_cell(j),
             j.attempt,
             age(j.created_at, now),
@@ -255,6 +256,23 @@ def jobs_table(
         ],  # fmt: skip
         rows,
     )
+
+
+def state_cell(job: JobInfo) -> str:
+    """The STATE column: the state, and a parked session's snapshot size.
+
+    Example:
+        >>> from datetime import datetime
+        >>> from hora.spec import JobSpec, ParkInfo
+        >>> park = ParkInfo(phase="parked", parked_at=datetime(2026, 1, 1), reason="idle",
+        ...                 bytes=412_000_000, world=2, directory="/w")
+        >>> state_cell(JobInfo(id=1, user="ann", spec=JobSpec(command=["t"]), state="parked",
+        ...                    park=park))
+        'parked (392.9 MiB)'
+    """
+    if job.state == JobState.parked and job.park is not None:
+        return f"parked ({fmt_bytes(job.park.bytes)})"
+    return job.state.value
 
 
 def workers_cell(job: JobInfo) -> str:
@@ -297,6 +315,13 @@ def status_text(job: JobInfo, unit: str = "GPU") -> str:
     ]
     if job.elastic is not None:
         lines.append(f"elastic:  size {job.elastic.label}  (holds {job.elastic.slots} {unit}s)")
+    if job.park is not None:
+        p = job.park
+        ends = f"; deleted at {_iso(p.expires_at)} unless resumed" if p.expires_at else ""
+        lines.append(
+            f"parked:   {_iso(p.parked_at)} ({p.reason}); snapshot {fmt_bytes(p.bytes)} of "
+            f"{p.world} ranks{ends}"
+        )
     if job.queue is not None:
         place = f"position {job.queue.position}; " if job.queue.position else ""
         kind = job.queue.why.kind if job.queue.why is not None else "wait"
@@ -329,14 +354,27 @@ def slot_unit(slots: Sequence[dict[str, Any]]) -> str:
 
 
 def gpus_table(slots: Sequence[dict[str, Any]]) -> str:
-    """The ``hora gpus`` table; HOLDER says whether a job or a notebook's session holds it."""
-    rows = [
-        [
-            s.get("index"), s.get("kind"), s.get("name"), s.get("job_id") or "-",
-            s.get("user") or "-", s.get("holder_kind") or "-",
-        ]  # fmt: skip
-        for s in slots
-    ]
+    """The ``hora gpus`` table; HOLDER says whether a job or a notebook's session holds it.
+
+    Parked sessions follow the slots (they hold none): their snapshot's size and since when.
+
+    Example:
+        >>> print(gpus_table([{"index": None, "kind": "parked", "name": "nb", "job_id": 3,
+        ...     "user": "ann", "holder_kind": "session", "snapshot_bytes": 412_000_000,
+        ...     "parked_at": "2026-01-01T10:02:11Z"}]))
+        SLOT  KIND    NAME  JOB  USER  HOLDER
+        -     parked  nb    3    ann   session, 392.9 MiB since 2026-01-01T10:02:11Z
+    """
+    rows = []
+    for s in slots:
+        holder = s.get("holder_kind") or "-"
+        if s.get("kind") == "parked":
+            holder += f", {fmt_bytes(int(s.get('snapshot_bytes') or 0))} since {s.get('parked_at')}"
+        index = s.get("index")
+        rows.append([
+            "-" if index is None else index, s.get("kind"), s.get("name"),
+            s.get("job_id") or "-", s.get("user") or "-", holder,
+        ])  # fmt: skip
     return format_table(["SLOT", "KIND", "NAME", "JOB", "USER", "HOLDER"], rows)
 
 

@@ -19,7 +19,8 @@ FULL = RankEnv(
     master_host="gpu01", slurm_job_id="123", node="gpu02", engine_connection='{"key": "k"}',
     preflight="1", preflight_warn_below=0.5, preflight_fail_below=0.3,
     preflight_baseline="/srv/base", elastic_dir="/tmp/el", elastic_worker="w3",
-    elastic_timeout=600.0,
+    elastic_timeout=600.0, restore_dir="/w/.hora-parked/session-3-0123456789abcdef",
+    restore_size=2,
 )  # fmt: skip
 
 
