@@ -63,7 +63,8 @@ class HoraMagics(Magics):
         self._history_of = 0
         self._last_size: int | None = None  # ranks of the engines %dist_stop stopped
         # how engines are started: (kernel-local forced, idle timeout, runtime, controller address)
-        self._mode: tuple[bool, float | None, str, str | None] = (False, None, "local", None)
+        self._mode: tuple[bool, float | None, str, str | None, str | None] = (
+            False, None, "local", None, None)  # fmt: skip
         self._preflight = True  # %dist_start --no-preflight turns it off
 
     def pre_run_cell(self, info: Any) -> None:
@@ -107,7 +108,7 @@ class HoraMagics(Magics):
         from hora.engines import Cluster
         from hora.engines.session import ServiceCluster, service_configured
 
-        local, idle, runtime, ip = self._mode
+        local, idle, runtime, ip, image = self._mode
         queue = QueueDisplay()
         why = "--local" if local else "no hora service configured"
         self.history, self._history_of = [], 0
@@ -117,7 +118,7 @@ class HoraMagics(Magics):
         if not local and service_configured():
             self.cluster = ServiceCluster(
                 options, progress=queue.update, notify=notify, idle_timeout_s=idle,
-                runtime=runtime, ip=ip,
+                runtime=runtime, ip=ip, image=image,
             )  # fmt: skip
             try:
                 rows = self.cluster.start()
@@ -222,10 +223,12 @@ class HoraMagics(Magics):
     )
     @argument(
         "--runtime",
-        choices=["local", "slurm"],
+        choices=["local", "docker", "slurm"],
         default="local",
-        help="where the service starts the engines: its machine, or one Slurm job (default local)",
+        help="where the service starts the engines: its machine, containers of --image, or one "
+        "Slurm job (default local)",
     )
+    @argument("--image", default=None, help="with --runtime docker: the engines' image (with hora)")
     @argument(
         "--ip",
         default=None,
@@ -262,7 +265,9 @@ class HoraMagics(Magics):
             return
         if args.ip is not None and args.runtime != "slurm":
             raise UsageError("--ip is for --runtime slurm (local engines use 127.0.0.1)")
-        self._mode = (args.local, args.idle_timeout, args.runtime, args.ip)
+        if (args.image is not None) != (args.runtime == "docker"):
+            raise UsageError("--image goes with --runtime docker, which needs one (with hora)")
+        self._mode = (args.local, args.idle_timeout, args.runtime, args.ip, args.image)
         self._preflight = not args.no_preflight
         self._start(options)
 

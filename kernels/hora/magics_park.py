@@ -99,5 +99,6 @@ def adopt(session_id: int) -> Any:
         start_timeout_s=env.start_timeout or 60.0,
     )
     return ServiceCluster(
-        options, service, notify=notify, runtime=job.spec.runtime.value, resume=session_id
+        options, service, notify=notify, runtime=job.spec.runtime.value, resume=session_id,
+        image=job.spec.image,
     )

@@ -95,11 +95,18 @@ class Ask:
 
 @dataclass(frozen=True)
 class Opened:
-    """A park under way: its ticket and directory."""
+    """A park under way: its ticket, directory, and why (when the service did not ask)."""
 
     ticket: str
     workdir: Path
     directory: Path
+    cause: str = "user"
+
+
+CAUSES = {
+    "user": "parked by its user (%dist_park)",
+    "exit": "parked when its kernel exited (HORA_PARK_ON_EXIT)",
+}
 
 
 def _ticket_of(park: ParkInfo | None) -> str | None:
@@ -191,7 +198,7 @@ class ParkManager:
             if job.id in self._open:
                 raise ParkConflict(f"a park of session {job.id} is under way")
             directory = parkdirs.make(workdir, job.id, ticket, self._account(job))
-            self._open[job.id] = Opened(ticket, workdir, directory)
+            self._open[job.id] = Opened(ticket, workdir, directory, body.cause)
             if job.id in self._asks:
                 self._asks[job.id].begun = True
         return ParkTicket(
@@ -251,7 +258,7 @@ class ParkManager:
         now = time.time()
         return ParkInfo(
             phase="parking", parked_at=datetime.fromtimestamp(now, UTC),
-            reason=ask.reason if ask is not None else "parked by its user (%dist_park)",
+            reason=ask.reason if ask is not None else CAUSES[opened.cause],
             bytes=total, world=world, elastic=body.elastic, directory=str(opened.directory),
             ranks=[ParkedRank.model_validate(r.model_dump()) for r in ranks],
             expires_at=datetime.fromtimestamp(now + self.settings.session_park_retention_s, UTC),

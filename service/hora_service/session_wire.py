@@ -106,11 +106,15 @@ class ResumeRequest(BaseModel):
 
 
 class ParkBegin(BaseModel):
-    """What ``POST /v1/sessions/{id}/park`` carries: the snapshot's estimated size."""
+    """What ``POST /v1/sessions/{id}/park`` carries: the estimated size, and who parks.
+
+    ``cause``: the user asked (``%dist_park``) or the kernel exits (``HORA_PARK_ON_EXIT``).
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     bytes: Annotated[int, Field(ge=0)] = 0
+    cause: Literal["user", "exit"] = "user"
 
 
 class ParkAbort(BaseModel):

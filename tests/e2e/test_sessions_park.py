@@ -89,11 +89,11 @@ class Opener:
         self.server, self.where, self.tag = server, where, tag
         self.opened: list[Notebook] = []
 
-    def open(self, user: str) -> Notebook:
+    def open(self, user: str, **extra: str) -> Notebook:
         env = tagged_env(self.tag)
         env.update(
             HORA_URL=self.server.url, HORA_TOKEN=self.server.tokens[user],
-            HORA_CONFIG=str(self.where / "no-config"),
+            HORA_CONFIG=str(self.where / "no-config"), **extra,
         )  # fmt: skip
         nb = Notebook(env, self.where)
         nb.client.timeout = 600  # a cell that starts engines on a loaded machine
@@ -262,22 +262,30 @@ def test_a_higher_priority_job_parks_idle_sessions_but_never_interrupts_a_cell(
     assert f"its slots were wanted by job {job['id']}" in out and "42" in out, out
 
 
-def test_a_new_kernel_adopts_a_parked_session(server: ServiceServer, notebooks: Opener) -> None:
-    first = notebooks.open("ann")
+def test_a_kernel_exiting_parks_its_session_and_a_new_kernel_adopts_it(
+    server: ServiceServer, notebooks: Opener
+) -> None:
+    first = notebooks.open("ann", HORA_PARK_ON_EXIT="1")  # as a JupyterHub culler sets it
     start(first, n=2)
     first.run("%%distributed\nw = torch.full((2,), float(hvd.rank()))")
-    assert "parked session" in first.run("%dist_park")
-    first.close()  # the kernel exits: the session stays parked
+    first.client.km.shutdown_wait_time = 300  # the kernel parks as it exits
+    first.close()
     notebooks.opened.remove(first)
     with server.client("ann") as c:
         s = session_of(c, "parked")
+    assert s["park"]["reason"] == "parked when its kernel exited (HORA_PARK_ON_EXIT)"
     second = notebooks.open("ann")
     listed = second.run("%dist_resume")
     assert "your parked sessions" in listed and str(s["id"]) in listed, listed
     out = second.run(f"%dist_resume {s['id']}")
     assert f"resumed session {s['id']}" in out, out
-    assert "[[0.0, 0.0], [1.0, 1.0]]" in second.run(
-        "%%distributed --out w\nw = w.tolist()\n") + second.run("print(w)")
+    second.run("%%distributed --out w\nw = w.tolist()\n")
+    assert "[[0.0, 0.0], [1.0, 1.0]]" in second.run("print(w)")
+    second.close()  # a parked-then-resumed session of a kernel without the setting: ended
+    notebooks.opened.remove(second)
+    with server.client("ann") as c:
+        wait_for("the session to end", lambda: c.get(f"/v1/sessions/{s['id']}").json()["state"]
+                 == "cancelled", 60)
 
 
 SLOW = """\

@@ -150,12 +150,16 @@ class Parker:
         bad = {f["rank"]: [park.Unsaveable(*u) for u in f["unsaveable"]] for f in found}
         return bad, sum(int(f["bytes"]) for f in found)
 
-    def park(self, drop: Sequence[str] = (), force: bool = False) -> ParkReport:
+    def park(
+        self, drop: Sequence[str] = (), force: bool = False, cause: str = "user"
+    ) -> ParkReport:
         """Save every engine's namespace, then let the service stop them and free the slots.
 
         Args:
             drop: names left out.
             force: also leave out whatever cannot be saved (named in the report).
+            cause: ``user`` (``%dist_park``) or ``exit`` (the kernel exits); a park the
+                service asked for carries the service's own reason.
 
         Raises:
             ParkRefusedError: something cannot be saved and neither ``drop`` nor ``force``
@@ -172,7 +176,7 @@ class Parker:
             if bad and any(bad.values()) and not force:
                 raise ParkRefusedError(bad)
             left_out = sorted({*drop, *(u.name for v in bad.values() for u in v)})
-            ticket = self._ticket(c.session.id, estimate)
+            ticket = self._ticket(c.session.id, estimate, cause)
             t1 = time.perf_counter()
             written = self._write(c.session.id, ticket, left_out, estimate)
             write_s = time.perf_counter() - t1
@@ -188,9 +192,10 @@ class Parker:
                 write_s=write_s,
             )
 
-    def _ticket(self, sid: int, estimate: int) -> ParkTicket:
+    def _ticket(self, sid: int, estimate: int, cause: str) -> ParkTicket:
+        body = {"bytes": estimate, "cause": cause}
         try:
-            resp = self._service("POST", f"/v1/sessions/{sid}/park", {"bytes": estimate})
+            resp = self._service("POST", f"/v1/sessions/{sid}/park", body)
         except ServiceError as e:
             raise ParkError(f"the hora service did not park session {sid}: {e}") from None
         return ParkTicket.model_validate(resp)

@@ -85,6 +85,7 @@ class SessionLauncher(KernelProcesses):
             (one Slurm job; the controller then listens on an address the nodes reach).
         ip: that address (default: the one the service names, ``GET /v1/session-address``).
         ready: whether the cluster is ready (a cluster that is not counts as never idle).
+        image: with the ``docker`` runtime, the engines' image (it must have hora).
 
     Raises:
         SpecError: ``gpus`` given, or ``ip`` without the ``slurm`` runtime.
@@ -100,13 +101,14 @@ class SessionLauncher(KernelProcesses):
         runtime: str = "local",
         ip: str | None = None,
         ready: Callable[[], bool] = lambda: True,
+        image: str | None = None,
     ) -> None:
         super().__init__(options)
         if options.gpus is not None:
             raise SpecError("gpus", "the service chooses a session's GPUs; leave out --gpus")
         if ip is not None and runtime != "slurm":
             raise SpecError("ip", "only engines on Slurm nodes need another address than 127.0.0.1")
-        self.runtime, self.ip = runtime, ip
+        self.runtime, self.ip, self.image = runtime, ip, image
         self.address = "127.0.0.1"  # where the controller listens (set at start)
         self.service = service or Client()
         self.progress, self.notify = progress, notify
@@ -197,7 +199,7 @@ class SessionLauncher(KernelProcesses):
             body.update(
                 workers=n, backend=self.options.backend, timeout_s=self.options.timeout_s,
                 start_timeout_s=self.options.start_timeout_s, threads=self.options.threads,
-                idle_timeout_s=self.idle_timeout_s, runtime=self.runtime,
+                idle_timeout_s=self.idle_timeout_s, runtime=self.runtime, image=self.image,
             )  # fmt: skip
             path = "/v1/sessions"
         self.session = SessionInfo.model_validate(
@@ -417,6 +419,7 @@ class ServiceCluster(Cluster):
         ip: that address (default: the one the service names, ``GET /v1/session-address``).
         resume: the id of a parked session to resume (see :meth:`resume`) instead of
             starting a new one.
+        image: the engines' image, for the ``docker`` runtime (it must have hora).
 
     Example:
         >>> c = ServiceCluster(plan.ClusterOptions(n=2))  # doctest: +SKIP
@@ -441,11 +444,12 @@ class ServiceCluster(Cluster):
         runtime: str = "local",
         ip: str | None = None,
         resume: int | None = None,
+        image: str | None = None,
     ) -> None:
         options = options or plan.ClusterOptions()
         launcher = SessionLauncher(
             options, service, progress, notify, idle_timeout_s, runtime, ip,
-            ready=lambda: self.state is ClusterState.READY,
+            ready=lambda: self.state is ClusterState.READY, image=image,
         )  # fmt: skip
         super().__init__(options, cuda_check, launcher)
         self.parker = Parker(self, notify)
@@ -488,7 +492,7 @@ class ServiceCluster(Cluster):
         """
         if self.state is ClusterState.READY and os.environ.get(PARK_ON_EXIT) == "1":
             try:
-                self.park(force=True)
+                self.parker.park(force=True, cause="exit")
             except HoraError as e:
                 log.warning("could not park session at exit: %s", e)
         if self.state is ClusterState.PARKED:
