@@ -60,7 +60,7 @@ svc = _load("service")
 
 BUILD = """\
 torch.manual_seed(hvd.rank())
-side = 4096
+side = 5000  # 100 MB of float32 a layer
 layers = max(1, round({size} / (side * side * 4)))
 model = torch.nn.Sequential(*[torch.nn.Linear(side, side, bias=False) for _ in range(layers)])
 opt = torch.optim.Adam(model.parameters(), lr=1e-3)

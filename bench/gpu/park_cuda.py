@@ -45,7 +45,7 @@ cpu = _load("park", HERE.parent)
 
 STATE = """\
 torch.manual_seed(5)
-side = 4096
+side = 5000  # 100 MB of float32 a layer
 layers = max(1, round({mb} * 1e6 / (side * side * 4)))
 linears = [torch.nn.Linear(side, side, bias=False) for _ in range(layers)]
 model = torch.nn.Sequential(*linears).cuda()

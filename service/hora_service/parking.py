@@ -144,6 +144,7 @@ class ParkManager:
         self._cooldown: dict[int, float] = {}
         self._known: set[int] | None = None  # sessions with a snapshot
         self._swept = 0.0
+        self._started = False  # the first pass removes what an earlier run left unfinished
         manager.hooks.append(self.check)
 
     # --- where, whose -----------------------------------------------------------------------
@@ -420,7 +421,8 @@ class ParkManager:
     # --- every monitor pass -------------------------------------------------------------------
     def check(self, now: float) -> None:
         """Drop stale asks, ask for preempting parks, apply retention, remove ended snapshots."""
-        if self._known is None:
+        if not self._started:
+            self._started = True
             self._forget_torn()
         self._settle_asks(now)
         self._preempt(now)

@@ -121,15 +121,15 @@ def test_a_park_past_the_quota_is_refused_with_the_figures_and_nothing_stops(
     mgr: JobManager, sessions: SessionManager
 ) -> None:
     first = running(mgr, sessions, workers=1)
-    park(mgr, sessions, first, [700_000])
+    park(mgr, sessions, first, [700 << 10])
     second = running(mgr, sessions, workers=1)
     job = mgr.get(second)
     assert job is not None
-    with pytest.raises(OverLimit, match="your parked sessions keep 700 kB of your 1 MB quota"):
-        sessions.parks.begin(job, ParkBegin(bytes=500_000))
+    with pytest.raises(OverLimit, match="parked sessions keep 700.0 KiB of your 1.0 MiB quota"):
+        sessions.parks.begin(job, ParkBegin(bytes=500 << 10))
     ticket = sessions.parks.begin(job, ParkBegin(bytes=1000))  # the estimate was low
-    with pytest.raises(OverLimit, match="the snapshot is 500 kB"):
-        sessions.parks.commit(job, write_parts(ticket.directory, [500_000]))
+    with pytest.raises(OverLimit, match="the snapshot is 500.0 KiB"):
+        sessions.parks.commit(job, write_parts(ticket.directory, [500 << 10]))
     assert not Path(ticket.directory).exists()
     mgr.tick()
     assert mgr.get(second).state == JobState.running  # type: ignore[union-attr]

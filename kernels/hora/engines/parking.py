@@ -18,6 +18,7 @@ recorded and loads it, and only when all have loaded does each put it in its nam
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -34,6 +35,8 @@ from hora.spec import JobState, ParkCommit, ParkedRank, ParkInfo, ParkTicket, Se
 
 if TYPE_CHECKING:
     from hora.engines.session import ServiceCluster
+
+log = logging.getLogger("hora.engines")
 
 PARKED_WAIT_S = 60.0  # how long a park waits for the service to have stopped the engines
 WRITE_RATE = 20 << 20  # the slowest disk a park's timeout allows for, bytes per second
@@ -168,7 +171,7 @@ class Parker:
                 rank could not write its part; the engines run on.
         """
         c = self.cluster
-        with c.lock:
+        with c.lock, c.launcher.cell():
             if c.state is not ClusterState.READY or c.session is None:
                 raise ParkError("no running session to park")
             t0 = time.perf_counter()
@@ -182,7 +185,10 @@ class Parker:
             write_s = time.perf_counter() - t1
             self._commit(c.session.id, ticket, written)
             c.release()
-            self._wait_parked(c.launcher.resuming or 0)
+            try:
+                self._wait_parked(c.launcher.resuming or 0)
+            except HoraError as e:  # parked all the same: the service stops the engines
+                log.warning("could not see the engines of the parked session stop: %s", e)
             return ParkReport(
                 session=c.launcher.resuming or 0,
                 seconds=time.perf_counter() - t0,
@@ -196,7 +202,7 @@ class Parker:
         body = {"bytes": estimate, "cause": cause}
         try:
             resp = self._service("POST", f"/v1/sessions/{sid}/park", body)
-        except ServiceError as e:
+        except HoraError as e:  # refused (over quota), or the service does not answer
             raise ParkError(f"the hora service did not park session {sid}: {e}") from None
         return ParkTicket.model_validate(resp)
 
@@ -238,7 +244,11 @@ class Parker:
             pass  # the service forgets an unfinished park's parts by itself
 
     def _wait_parked(self, sid: int) -> SessionInfo:
-        """Wait until the service stopped the engines (their slots are then free)."""
+        """Wait until the service stopped the engines (their slots are then free).
+
+        Raises:
+            HoraError: the service does not answer.
+        """
         deadline = time.monotonic() + PARKED_WAIT_S
         while True:
             info = SessionInfo.model_validate(self._service("GET", f"/v1/sessions/{sid}"))
@@ -270,8 +280,9 @@ class Parker:
                 return
             report = self.park(force=True)
             self._say(f"hora: session {sid} parked ({reason}): {report.line()}")
-        except HoraError as e:
-            self._abort(sid, None, str(e))
+        except Exception as e:  # on a thread of its own: say it, and let the service know
+            log.warning("session %s: the park asked for failed", sid, exc_info=True)
+            self._abort(sid, None, f"{type(e).__name__}: {e}")
             self._say(f"hora: session {sid} could not be parked ({reason}): {e}")
         finally:
             c.lock.release()
@@ -312,7 +323,14 @@ class Parker:
         if c.state is not ClusterState.PARKED or sid is None:
             raise ResumeError("no parked session to resume")
         t0 = time.perf_counter()
-        parked = self.parked_info(sid)
+        try:
+            parked = self.parked_info(sid)
+        except ServiceError as e:
+            raise ResumeError(f"session {sid} cannot be resumed: {e}") from None
+        except HoraError as e:  # not an EngineError: the service does not answer
+            if isinstance(e, EngineError):
+                raise
+            raise ResumeError(f"session {sid} stays parked: {e}") from None
         size = n or parked.world
         if size != parked.world and not parked.elastic:
             raise ResumeError(
@@ -320,18 +338,23 @@ class Parker:
                 "needs elastic state (hvd.elastic.TorchState in the namespace): resume with "
                 f"-n {parked.world}"
             )
-        c.options = replace(c.options, n=size)
-        c.state = ClusterState.STOPPED
-        try:
-            c.start()
-        except BaseException:
-            c.launcher.resuming, c.state = sid, ClusterState.PARKED
-            raise
-        engines_s = max(0.0, c.start_s - c.launcher.queued_s)
-        t1 = time.perf_counter()
-        installed = self._restore(parked, size)
-        self._service("DELETE", f"/v1/sessions/{sid}/snapshot")
-        c.launcher.resuming = None
+        # held throughout: a park the service asks for meanwhile waits (the engines are busy)
+        with c.lock:
+            c.options = replace(c.options, n=size)
+            c.state = ClusterState.STOPPED
+            try:
+                c.start()
+            except BaseException as e:
+                c.launcher.resuming, c.state = sid, ClusterState.PARKED
+                if isinstance(e, HoraError) and not isinstance(e, EngineError):
+                    raise ResumeError(f"session {sid} stays parked: {e}") from None
+                raise
+            engines_s = max(0.0, c.start_s - c.launcher.queued_s)
+            t1 = time.perf_counter()
+            with c.launcher.cell():
+                installed = self._restore(parked, size)
+            self._service("DELETE", f"/v1/sessions/{sid}/snapshot")
+            c.launcher.resuming = None
         return ResumeReport(
             session=sid, seconds=time.perf_counter() - t0, queued_s=c.launcher.queued_s,
             engines_s=engines_s, restore_s=time.perf_counter() - t1,
@@ -354,10 +377,13 @@ class Parker:
         except ParkError as e:
             self._on_all(park.restore_discard, [], c.options.timeout_s)
             sid, c.launcher.resuming = c.launcher.resuming, None  # it runs on, as a fresh one
+            try:  # it cannot be restored: keeping it would only park it again, as it is
+                self._service("DELETE", f"/v1/sessions/{sid}/snapshot")
+            except HoraError as gone:
+                log.warning("could not delete the snapshot of session %s: %s", sid, gone)
             raise ResumeError(
-                f"the snapshot of session {sid} was not restored: {e}; the "
-                "engines run without its variables (%dist_stop ends the session and deletes "
-                "the snapshot)"
+                f"the snapshot of session {sid} was not restored, on any rank: {e}; it is "
+                "deleted, and the engines run on without its variables"
             ) from None
         return self._on_all(park.restore_install, [], c.options.timeout_s)
 
