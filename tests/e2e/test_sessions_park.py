@@ -9,6 +9,8 @@ resume take seconds. One server serves the module (restarted with kill -9 by one
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import threading
 import time
@@ -174,8 +176,12 @@ def start(nb: Notebook, n: int = 1, extra: str = "") -> None:
     assert f"{n} engines ready" in out, out
 
 
+def in_state(c: httpx.Client, state: str) -> list[dict]:
+    return [s for s in c.get("/v1/sessions").json()["items"] if s["state"] == state]
+
+
 def session_of(c: httpx.Client, state: str = "running") -> dict:
-    found = [s for s in c.get("/v1/sessions").json()["items"] if s["state"] == state]
+    found = in_state(c, state)
     assert len(found) == 1, found
     return found[0]
 
@@ -209,6 +215,17 @@ def test_what_cannot_be_saved_is_named_and_nothing_stops_until_dropped(
     back = ann.run("%%distributed\nprint(w.tolist(), 'log' in dir(), 'big' in dir())")
     assert "[0.0, 1.0, 2.0, 3.0] False False" in back, back
     assert "not restored (left out at the park): batches (generator), big (" in back, back
+    ann.run("%dist_park")
+    refused = ann.run("%dist_resume -n 2")  # another size: only elastic state may
+    assert "was parked with 1 engines" in refused and "hvd.elastic.TorchState" in refused
+    ann.run("%dist_resume")
+    ann.run("%%distributed\nstate = hvd.elastic.TorchState(epoch=3, w=w)")
+    ann.run("%dist_park")
+    grown = ann.run("%dist_resume -n 2")
+    assert "resumed session" in grown, grown
+    both = ann.run("%%distributed --all\nprint('rank', hvd.rank(), state.epoch, w.tolist())")
+    for rank in (0, 1):
+        assert f"rank {rank} 3 [0.0, 1.0, 2.0, 3.0]" in both, both
     ann.run("%dist_park")
     assert ann.run("%dist_stop") == ""
     with server.client("ann") as c:
@@ -259,6 +276,14 @@ def test_a_higher_priority_job_parks_idle_sessions_but_never_interrupts_a_cell(
         wait_state(root, job["id"], ("running",), timeout=180)
         assert session_of(a, "parked")["park"]["reason"].startswith(
             f"its slots were wanted by job {job['id']} (root, priority high)")
+        waiting: dict[str, str] = {}  # the job holds the slots: a resume waits in the queue
+        resume = threading.Thread(target=lambda: waiting.update(out=ann.run("%dist_resume")))
+        resume.start()
+        wait_for("ann's resume to queue", lambda: in_state(a, "queued"))
+        os.kill(ann.pid, signal.SIGINT)  # Ctrl-C: it leaves the queue and stays parked
+        resume.join(timeout=60)
+        assert "left the queue and stays parked" in waiting["out"], waiting["out"]
+        assert session_of(a, "parked")["park"]["phase"] == "parked"
         gate.write_text("go")
         wait_state(root, job["id"], ("succeeded",), timeout=60)
     out = ann.run("%%distributed\nprint(x + 1)")

@@ -250,7 +250,8 @@ class Cluster:
             ),
             log_file=self.launcher.log_file(rank),
             main_thread=info["main_thread"],
-            local=info["host"] == socket.gethostname(),
+            # a container's engine has the host's name but a pid of its own namespace
+            local=info["host"] == socket.gethostname() and getattr(proc, "signallable", True),
         )
 
     def stop(self) -> None:

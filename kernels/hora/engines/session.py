@@ -255,9 +255,10 @@ class SessionLauncher(KernelProcesses):
 
     def placed(self, info: Mapping[str, Any]) -> tuple[int, EngineProcess]:
         """The rank the engine reports, and its process watched by its pid."""
-        if info.get("host") == socket.gethostname():
+        if info.get("host") == socket.gethostname() and self.runtime == "local":
             return int(info.get("rank", -1)), RemoteProcess(int(info["pid"]))
-        # on a Slurm node: its pid means nothing here; the service says when it is gone
+        # on a Slurm node or in a container (its own pid namespace, the host's name): its pid
+        # means nothing here, and is never signalled; the service says when it is gone
         return int(info.get("rank", -1)), RemoteProcess(int(info["pid"]), self._ended)
 
     def _ended(self) -> bool:
