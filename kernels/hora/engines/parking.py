@@ -403,15 +403,16 @@ class Parker:
         Raises:
             ParkError: naming the first rank that failed, or did not answer in ``timeout``.
         """
-        from ipyparallel.error import RemoteError
+        from ipyparallel.error import KernelError
 
         out = []
         deadline = time.monotonic() + timeout
         for rank, call in enumerate(calls):
             try:
                 out.append(call.get(timeout=max(0.1, deadline - time.monotonic())))
-            except RemoteError as e:
-                raise ParkError(f"rank {rank}: {e.ename}: {e.evalue}") from None
+            except KernelError as e:  # what the rank raised, or its engine died
+                name = getattr(e, "ename", type(e).__name__)
+                raise ParkError(f"rank {rank}: {name}: {getattr(e, 'evalue', e)}") from None
             except TimeoutError:
                 raise ParkError(f"rank {rank} did not answer within {timeout:.0f}s") from None
         return out
