@@ -36,6 +36,7 @@ import json
 import os
 import pwd
 import stat
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,6 +119,7 @@ class LeaseHolder:
         locker: the pid that took the lock; alive: whether ``pid`` still runs.
         file_uid: the lease file's owner.
         problem: the lease file itself is unusable (not a regular file, ...).
+        since: when the holder took or last described it (UNIX time; its claim).
     """
 
     pid: int | None = None
@@ -132,6 +134,7 @@ class LeaseHolder:
     alive: bool = True
     file_uid: int | None = None
     problem: str | None = None
+    since: float | None = None
 
     def words(self) -> str:
         """Who, for people: ``hora service pid 42 at http://... (job 7, user ann)``.
@@ -361,7 +364,7 @@ def _file_mode(directory: Path) -> int:
 
 def _write_claims(fd: int, claims: Mapping[str, object]) -> None:
     me = os.getpid()
-    body = {"pid": me, "locker": me, **claims}
+    body = {"pid": me, "locker": me, "since": time.time(), **claims}
     data = json.dumps(body, sort_keys=True).encode()[:MAX_CLAIM]
     with contextlib.suppress(OSError):  # a full disk: the lease holds, unnamed
         os.ftruncate(fd, 0)
@@ -422,7 +425,7 @@ def _holder(fd: int, table: LockTable | None) -> LeaseHolder:
         url=_text(claims.get("url")), job=_int(claims.get("job")),
         attempt=_int(claims.get("attempt")), what=_text(claims.get("what")),
         instance=_text(claims.get("instance")), locker=_int(claims.get("locker")),
-        alive=alive, file_uid=st.st_uid,
+        alive=alive, file_uid=st.st_uid, since=_float(claims.get("since")),
     )  # fmt: skip
 
 
@@ -436,11 +439,17 @@ def _claims(fd: int) -> dict[str, object]:
         return {}
     out: dict[str, object] = {k: raw[k] for k in _INTS if _int(raw.get(k)) is not None}
     out.update({k: raw[k] for k in _TEXTS if _text(raw.get(k)) is not None})
+    if isinstance(raw.get("since"), float | int) and not isinstance(raw["since"], bool):
+        out["since"] = float(raw["since"])
     return out
 
 
 def _int(v: object) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _float(v: object) -> float | None:
+    return float(v) if isinstance(v, float | int) and not isinstance(v, bool) else None
 
 
 def _text(v: object) -> str | None:

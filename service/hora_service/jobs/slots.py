@@ -48,8 +48,8 @@ class SlotViews(ManagerCore):
         for slot, h in sorted(found.items()):
             by.setdefault(h.pid, (h, []))[1].append(slot)
         return tuple(
-            Holder(h.pid or 0, h.kind or "lease", h.user or "", tuple(slots), 0.0, None,
-                   what=h.words())
+            Holder(h.pid or 0, h.kind or "lease", h.user or "", tuple(slots),
+                   h.since or time.time(), None, what=h.words())
             for h, slots in by.values()
         )  # fmt: skip
 
