@@ -356,18 +356,23 @@ def slot_unit(slots: Sequence[dict[str, Any]]) -> str:
 def gpus_table(slots: Sequence[dict[str, Any]]) -> str:
     """The ``hora gpus`` table; HOLDER says whether a job or a notebook's session holds it.
 
-    Parked sessions follow the slots (they hold none): their snapshot's size and since when.
+    A slot held outside this service (another hora service, a notebook's kernel-local
+    engines) says by whom. Parked sessions follow the slots (they hold none): their
+    snapshot's size and since when.
 
     Example:
-        >>> print(gpus_table([{"index": None, "kind": "parked", "name": "nb", "job_id": 3,
-        ...     "user": "ann", "holder_kind": "session", "snapshot_bytes": 412_000_000,
-        ...     "parked_at": "2026-01-01T10:02:11Z"}]))
+        >>> print(gpus_table([{"index": 0, "kind": "cpu", "name": "cpu0", "user": "ann",
+        ...                    "holder_kind": "kernel", "holder": "notebook kernel pid 7"},
+        ...     {"index": None, "kind": "parked", "name": "nb", "job_id": 3, "user": "ann",
+        ...      "holder_kind": "session", "snapshot_bytes": 412_000_000,
+        ...      "parked_at": "2026-01-01T10:02:11Z"}]))
         SLOT  KIND    NAME  JOB  USER  HOLDER
+        0     cpu     cpu0  -    ann   notebook kernel pid 7
         -     parked  nb    3    ann   session, 392.9 MiB since 2026-01-01T10:02:11Z
     """
     rows = []
     for s in slots:
-        holder = s.get("holder_kind") or "-"
+        holder = s.get("holder") or s.get("holder_kind") or "-"
         if s.get("kind") == "parked":
             holder += f", {fmt_bytes(int(s.get('snapshot_bytes') or 0))} since {s.get('parked_at')}"
         index = s.get("index")
