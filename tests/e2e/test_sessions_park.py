@@ -152,6 +152,14 @@ def test_park_frees_the_slots_and_resume_trains_on_bit_for_bit(
         (row,) = parked_rows(c)
         assert (row["job_id"], row["user"]) == (s["id"], "ann")
         assert row["snapshot_bytes"] == s["park"]["bytes"]
+        listed = c.get("/v1/jobs", params={"state": "parked"}).json()["items"]
+        assert [j["id"] for j in listed] == [s["id"]] and listed[0]["park"]["world"] == 2
+        dashboard = httpx.Client(base_url=server.url, headers={"Origin": server.url})
+        with dashboard:
+            assert dashboard.post("/ui/login", json={"token": server.tokens["bob"]}).is_success
+            (shown,) = dashboard.get("/ui/api/pool").json()["parked"]  # bob sees who, since, size
+            assert (shown["id"], shown["user"]) == (s["id"], "ann") and shown["since"]
+            assert shown["bytes"] == row["snapshot_bytes"]
         script = tmp_path / "hello.py"
         script.write_text("print('bob ran on the freed slots')\n")
         job = b.post("/v1/jobs", json={"command": [sys.executable, str(script)], "workers": 2})

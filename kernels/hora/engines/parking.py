@@ -340,7 +340,7 @@ class Parker:
             )
         # held throughout: a park the service asks for meanwhile waits (the engines are busy)
         with c.lock:
-            c.options = replace(c.options, n=size)
+            c.options = c.launcher.options = replace(c.options, n=size)  # both ask for it
             c.state = ClusterState.STOPPED
             try:
                 c.start()
