@@ -42,8 +42,8 @@ from helpers.service_server import free_port
 PROXY = shutil.which("configurable-http-proxy")
 CONFIG = """\
 from hora_service.hub import configure
-c.JupyterHub.bind_url = "http://127.0.0.1:{proxy_port}"
-c.JupyterHub.hub_ip = "127.0.0.1"
+c.JupyterHub.bind_url = "http://{ip}:{proxy_port}"
+c.JupyterHub.hub_ip = "{ip}"
 c.JupyterHub.hub_port = {hub_port}
 c.ConfigurableHTTPProxy.api_url = "http://127.0.0.1:{proxy_api_port}"
 c.ConfigurableHTTPProxy.pid_file = "{base}/proxy.pid"
@@ -52,7 +52,7 @@ c.JupyterHub.cookie_secret_file = "{base}/jupyterhub_cookie_secret"
 c.JupyterHub.log_level = "INFO"
 c.Authenticator.allowed_users = {users!r}
 c.Authenticator.admin_users = {admins!r}
-c.Spawner.cmd = ["{python}", "-m", "jupyterhub.singleuser"]
+c.Spawner.cmd = ["{bin}/jupyterhub-singleuser"]
 c.Spawner.default_url = "/lab"
 c.Spawner.start_timeout = 120
 c.Spawner.http_timeout = 120
@@ -68,10 +68,17 @@ c.JupyterHub.load_roles = [
     {{"name": "culler", "services": ["culler"],
       "scopes": ["list:users", "read:users:activity", "read:servers", "delete:servers"]}},
 ]
-# the notebooks reach hora through the hub's proxy, as a browser does
-configure(c, "{hora_url}", api_token="{hora_token}", kernel_python="{python}",
-          notebook_url="http://127.0.0.1:{proxy_port}/services/hora")
 """
+# the notebooks reach hora through the hub's proxy, as a browser does
+HORA = """\
+configure(c, "{hora_url}", api_token="{hora_token}", kernel_python="{python}",
+          notebook_url="http://{ip}:{proxy_port}/services/hora")
+"""
+SCRIPT = "#!{python}\nimport sys\nfrom {module} import main\nsys.exit(main())\n"
+SCRIPTS = {
+    "jupyterhub-singleuser": "jupyterhub.singleuser",
+    "batchspawner-singleuser": "batchspawner.singleuser",
+}
 
 
 @dataclass(frozen=True)
@@ -134,6 +141,10 @@ def user_python(where: Path) -> Path:
     for entry in (Path(sys.prefix) / "share" / "jupyter").iterdir():
         if entry.name != "kernels":
             (data / entry.name).symlink_to(entry)
+    python = venv / "bin" / "python"
+    for name, module in SCRIPTS.items():  # the test environment's own start the pyenv Python
+        (venv / "bin" / name).write_text(SCRIPT.format(python=python, module=module))
+        (venv / "bin" / name).chmod(0o755)
     for path in [where, *where.rglob("*")]:
         if not path.is_symlink():
             path.chmod(path.stat().st_mode | 0o444 | (0o111 if path.is_dir() else 0))
@@ -151,11 +162,12 @@ class Hub:
         hora_token: str,
         python: Path,
         tag: str,
+        ip: str = "127.0.0.1",
     ) -> None:
         self.base = base
         self.port, self.hub_port, self.api_port = free_port(), free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.api_url = f"http://127.0.0.1:{self.hub_port}/hub/api"  # the hub's own, for hora
+        self.url = f"http://{ip}:{self.port}"
+        self.api_url = f"http://{ip}:{self.hub_port}/hub/api"  # the hub's own, for hora
         self.admin_token = secrets.token_hex(32)
         self.culler_token = secrets.token_hex(32)
         self.tag = tag
@@ -164,12 +176,14 @@ class Hub:
             "base": base, "users": {a.name for a in users.values()},
             "admins": {users[n].name for n in admins}, "python": python, "bin": python.parent,
             "tag": tag, "admin_token": self.admin_token, "culler_token": self.culler_token,
-            "hora_token": hora_token,
+            "hora_token": hora_token, "ip": ip,
         }  # fmt: skip
         self.config = base / "jupyterhub_config.py"
         self.log = base / "jupyterhub.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.hora_url = ""
+        self.hora = HORA  # how configure() is called; a test may put more configuration here
+        self.env: dict[str, str] = {}  # more of the hub's environment
 
     def api(self, method: str, path: str, **kw: object) -> httpx.Response:
         """A call to the hub's REST API with the test's admin service token."""
@@ -183,8 +197,9 @@ class Hub:
     def start(self) -> Hub:
         assert PROXY, "configurable-http-proxy is not installed (scripts/install.sh test)"
         assert self.hora_url, "start hora first: a hub waits 30 s for a service that is down"
-        self.config.write_text(CONFIG.format(**self.fields, hora_url=self.hora_url))
-        env = {**os.environ, "HORA_TEST_TAG": self.tag}
+        text = (CONFIG + self.hora).format(**self.fields, hora_url=self.hora_url)
+        self.config.write_text(text)
+        env = {**os.environ, "HORA_TEST_TAG": self.tag, **self.env}
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "jupyterhub", "-f", str(self.config)],
