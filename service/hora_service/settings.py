@@ -29,6 +29,19 @@ def _hub(name: str) -> Any:
     )  # fmt: skip
 
 
+def service_url(host: str, port: int) -> str:
+    """The URL clients use for a service bound to ``host:port``.
+
+    Example:
+        >>> service_url("0.0.0.0", 8000)
+        'http://127.0.0.1:8000'
+    """
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    if ":" in shown and not shown.startswith("["):
+        shown = f"[{shown}]"
+    return f"http://{shown}:{port}"
+
+
 class Settings(BaseSettings):
     """Everything the service can be told; each field is ``HORA_<FIELD>`` in the environment.
 
@@ -184,6 +197,10 @@ class Settings(BaseSettings):
         hub_cache_s: how long the service trusts the hub's answer about a token before it
             asks again (a token the hub revoked, at logout or when the user's server
             stopped, stops working within this time).
+        lease_dir: the machine's lease directory, shared by every hora on this machine (one
+            lock file per GPU and CPU slot, see :mod:`hora.leases`); None: the machine's
+            default (``/run/lock/hora-leases``, else ``/tmp/hora-leases``). Kernel-local
+            engines read the same ``HORA_LEASE_DIR``.
     """
 
     model_config = SettingsConfigDict(env_prefix="HORA_", extra="ignore", populate_by_name=True)
@@ -264,6 +281,7 @@ class Settings(BaseSettings):
     hub_oauth_callback_url: Annotated[str | None, _hub("oauth_callback_url")] = None
     hub_admins: bool = False
     hub_cache_s: Annotated[float, Field(ge=0, le=3600)] = 30.0
+    lease_dir: Path | None = None
 
     @field_validator("data_dir", "work_root")
     @classmethod
@@ -350,6 +368,11 @@ class Settings(BaseSettings):
     def hub_callback(self) -> str:
         """The OAuth redirect URI registered for the service."""
         return self.hub_oauth_callback_url or f"{self.hub_prefix}oauth_callback"
+
+    @property
+    def url(self) -> str:
+        """Where clients on this machine reach the service (named in its leases)."""
+        return service_url(self.host, self.port)
 
     @property
     def db_path(self) -> Path:
