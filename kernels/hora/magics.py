@@ -188,7 +188,8 @@ class HoraMagics(Magics):
         "--timeout",
         type=float,
         default=None,
-        help="collective timeout and default stall timeout of cells, seconds (default 60)",
+        help="collective timeout in the engines, seconds (default 60); half of it is the "
+        "default stall timeout of cells",
     )
     @argument("--start-timeout", type=float, default=60.0, help="seconds engines may take to start")
     @argument(
@@ -327,7 +328,8 @@ class HoraMagics(Magics):
         "--timeout",
         type=float,
         default=None,
-        help="stall timeout: seconds ranks may run after the first finished",
+        help="stall timeout: seconds ranks may run after the first finished (default: half "
+        "of %%dist_start's --timeout)",
     )
     @argument(
         "--out",
