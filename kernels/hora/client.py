@@ -55,7 +55,7 @@ class ServiceError(HoraError):
     """
 
     def __init__(self, status: int, detail: Any, url: str) -> None:
-        super().__init__(f"{_status_hint(status)} ({status}) from {url}: {_render_detail(detail)}")
+        super().__init__(f"{_status_hint(status)} ({status}) from {url}: {render_detail(detail)}")
         self.status = status
         self.detail = detail
         self.url = url
@@ -93,7 +93,7 @@ def _status_hint(status: int) -> str:
     return hints.get(status, "service error")
 
 
-def _render_detail(detail: Any) -> str:
+def render_detail(detail: Any) -> str:
     """One readable line from FastAPI's ``detail`` (a string or a list of field errors)."""
     if isinstance(detail, list):
         parts = []
