@@ -17,10 +17,10 @@ from hora.client import (
     Client,
     ServiceError,
     ServiceUnavailable,
-    render_detail,
     load_config,
     parse_spec,
     parse_sse,
+    render_detail,
     save_config,
 )
 from hora.errors import SpecError
