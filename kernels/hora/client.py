@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from hora.client_config import ClientConfig, config_path, load_config, save_config
 from hora.errors import HoraError, SpecError
-from hora.spec import JobInfo, JobSpec, JobState, QueueEntry
+from hora.spec import JobInfo, JobSpec, JobState, QueueEntry, error_message
 
 _LOG_EVENT = "message"
 
@@ -505,7 +505,7 @@ def parse_spec(data: Mapping[str, Any]) -> JobSpec:
     except ValidationError as e:
         err = e.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or "spec"
-        raise SpecError(field, err["msg"]) from None
+        raise SpecError(field, error_message(err)) from None
 
 
 @dataclass
