@@ -28,6 +28,7 @@ from hora.errors import HoraError, SpecError
 from hora.spec import ElasticInfo, JobState, Priority
 
 CANCEL_WAIT_S = 30.0  # how long hora cancel waits for a job's ranks to stop
+STOPPING = "cancelling (its ranks are stopping)"  # what hora cancel says of one still stopping
 EXIT_FOR_STATE = {JobState.succeeded: 0, JobState.failed: 1, JobState.cancelled: 130}
 EXIT_INTERRUPTED = 130
 
@@ -514,7 +515,7 @@ def cmd_cancel(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             if not info.state.terminal:
                 with contextlib.suppress(JobWaitTimeout):
                     info = job.wait(timeout=max(0.0, args.wait), poll=0.2)
-            said = info.state.value if info.state.terminal else "cancelling (its ranks are stopping)"
+            said = info.state.value if info.state.terminal else STOPPING
             _out(out, f"job {info.id}: {said}\n")
     return 0
 
