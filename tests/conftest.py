@@ -34,7 +34,6 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -92,12 +91,18 @@ _private_environment(_REAL_HOME, _PRIVATE_ROOT / "home")
 atexit.register(shutil.rmtree, _PRIVATE_ROOT, ignore_errors=True)
 
 
+# each test's lease directory lies in here, removed at exit: a module's kernel may outlive the
+# test that started it and still use (or make again) that test's directory. In /tmp, not under
+# the private root (0700): kernels of other accounts must reach it.
+_LEASES_ROOT = Path(tempfile.mkdtemp(prefix="hora-test-leases-"))
+_LEASES_ROOT.chmod(0o755)
+atexit.register(shutil.rmtree, _LEASES_ROOT, ignore_errors=True)
+
+
 @pytest.fixture(autouse=True)
-def _own_lease_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+def _own_lease_dir(monkeypatch: pytest.MonkeyPatch) -> Path:
     """A lease directory of this test's own (see the module docstring)."""
-    # in /tmp, not under the private root (0700): kernels of other accounts must reach it
-    path = Path(tempfile.mkdtemp(prefix="hora-test-leases-"))
+    path = Path(tempfile.mkdtemp(prefix="test-", dir=_LEASES_ROOT))
     path.chmod(0o1777)
     monkeypatch.setenv("HORA_LEASE_DIR", str(path))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    return path

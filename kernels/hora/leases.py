@@ -20,9 +20,10 @@ the account is that of the process (or of the file's owner), never the claim's w
 
 The directory is created sticky and world-writable, as ``/tmp`` is (every account's hora
 takes part), and its lease files readable by all; in a directory only its owner may write,
-they are private to that account. A directory that is a link, belongs to an account other
-than root or this one, is writable by others without the sticky bit, or cannot be written by
-this account is refused (:class:`LeaseDirError`, naming the setting). Lease files are opened
+they are private to that account. A directory that is a link, is writable by others without
+the sticky bit, cannot be written by this account, or belongs to an account other than root or
+this one (accepted, when sticky, by accounts other than root) is refused
+(:class:`LeaseDirError`, naming the setting). Lease files are opened
 with ``O_NOFOLLOW | O_NONBLOCK`` and must be regular files with a single link; another kind of
 file there is a slot nobody can take, shown so.
 """
@@ -32,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import json
 import os
 import pwd
@@ -87,6 +89,9 @@ def default_dir(shared: Path = SHARED_LOCKS) -> Path:
 def check_dir(st: os.stat_result, euid: int) -> str | None:
     """Why a directory with this ``lstat`` is unsafe for leases (None: it is safe).
 
+    It must be a real directory; writable by others only if sticky; root's or this
+    account's, or (for an account other than root) a sticky one another account made.
+
     Example:
         >>> st = os.stat_result((0o41777, 0, 0, 2, 0, 0, 0, 0, 0, 0))
         >>> check_dir(st, 1000) is None
@@ -97,10 +102,13 @@ def check_dir(st: os.stat_result, euid: int) -> str | None:
         return "is a symbolic link"
     if not stat.S_ISDIR(mode):
         return "is not a directory"
-    if st.st_uid not in (0, euid):
-        return f"belongs to {_account(st.st_uid)}, not root or this account"
-    if mode & (stat.S_IWGRP | stat.S_IWOTH) and not mode & stat.S_ISVTX:
+    sticky = bool(mode & stat.S_ISVTX)
+    if mode & (stat.S_IWGRP | stat.S_IWOTH) and not sticky:
         return "is writable by others but not sticky"
+    # another account made the machine's directory first: an account's own hora shares it
+    # (that account could break leases there, as it could use the GPUs directly), root does not
+    if st.st_uid not in (0, euid) and (euid == 0 or not sticky):
+        return f"belongs to {_account(st.st_uid)}, not root or this account; remove it"
     return None
 
 
@@ -471,6 +479,7 @@ def _uid_of(pid: int) -> int | None:
         return None
 
 
+@functools.lru_cache(maxsize=256)
 def _account(uid: int | None) -> str | None:
     if uid is None:
         return None

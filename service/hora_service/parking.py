@@ -65,9 +65,9 @@ from hora_service.session_wire import (
     ParkAbort,
     ParkBegin,
     ResumeRequest,
+    check_controller,
     check_interface,
     host_of,
-    is_local_address,
 )
 from hora_service.settings import Settings
 
@@ -325,9 +325,8 @@ class ParkManager:
             check_interface(runtime, req.connection.interface)
         except ValueError as e:
             raise SpecError("connection.interface", str(e).split(": ", 1)[-1]) from None
-        host = host_of(req.connection.interface)
-        if runtime == RuntimeName.slurm and not is_local_address(host):
-            raise SpecError("connection.interface", f"{host} is not an address of this machine")
+        if runtime == RuntimeName.slurm:
+            check_controller(self.settings, host_of(req.connection.interface))
         if req.world_file is not None and runtime != RuntimeName.local:
             raise SpecError("world_file", f"a {runtime.value} session's engines cannot use it")
         env = dict(job.spec.env)

@@ -9,13 +9,16 @@ engines that connect to the kernel's controller. :mod:`hora_service.sessions` re
 from __future__ import annotations
 
 import ipaddress
-import socket
 import sys
 from typing import Annotated, Literal
 
 from hora.env import RankEnv
+from hora.errors import HoraError, SpecError
+from hora.net import is_local_address
 from hora.spec import IMAGE_PATTERN, JobSpec, Priority, RuntimeName, SessionInfo
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from hora_service.settings import Settings
 
 CONNECTION_VAR = RankEnv.var("engine_connection")
 Port = Annotated[int, Field(ge=1, le=65535)]
@@ -172,19 +175,28 @@ def check_interface(runtime: RuntimeName, interface: str) -> None:
         )
 
 
-def is_local_address(host: str) -> bool:
-    """Whether ``host`` is an address of this machine (binding it succeeds).
+def check_controller(settings: Settings, host: str) -> None:
+    """A Slurm session's controller runs on this machine or on a node of the cluster.
 
-    Example:
-        >>> is_local_address("127.0.0.1"), is_local_address("198.51.100.7")
-        (True, False)
+    On a node: the kernel of a user's server that runs as a Slurm job (batchspawner).
+
+    Raises:
+        SpecError: ``host`` is neither (field ``connection.interface``).
     """
+    if is_local_address(host):
+        return
+    from hora_service.runtimes.slurm import SlurmRuntime  # only where Slurm is used
+
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.bind((host, 0))
-    except OSError:
-        return False
-    return True
+        nodes = SlurmRuntime.from_settings(settings).node_addresses()
+    except (HoraError, OSError):
+        nodes = set()
+    if host not in nodes:
+        raise SpecError(
+            "connection.interface",
+            f"{host} is not an address of the service's machine or of a Slurm node, "
+            "where the kernel's controller must run",
+        )
 
 
 class Heartbeat(BaseModel):

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from hora.errors import HoraError, SpecError
+from hora.net import is_local_address
 from hora.spec import JobState, RuntimeName, SessionInfo
 from sqlalchemy import Connection
 
@@ -51,9 +52,9 @@ from hora_service.session_wire import (
     SessionAddress,
     SessionRecord,
     SessionRequest,
+    check_controller,
     check_interface,
     host_of,
-    is_local_address,
     session_spec,
 )
 from hora_service.settings import Settings
@@ -195,13 +196,8 @@ class SessionManager:
                 passes the service's ``session_idle_timeout_max_s``.
         """
         s = self.settings
-        host = host_of(req.connection.interface)
-        if req.runtime == RuntimeName.slurm and not is_local_address(host):
-            raise SpecError(
-                "connection.interface",
-                f"{host} is not an address of the service's machine, where the kernel's "
-                "controller must run",
-            )
+        if req.runtime == RuntimeName.slurm:
+            check_controller(self.settings, host_of(req.connection.interface))
         owner = self.manager.open_store().user_by_name(user)
         idle = effective_idle_timeout(
             req.idle_timeout_s,

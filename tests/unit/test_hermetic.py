@@ -50,7 +50,7 @@ def test_a_child_process_sees_no_configured_service_and_no_user_settings() -> No
     assert all(k in SUITE_OWN or k.startswith("HORA_TEST_") for k in seen["hora"]), seen["hora"]
     assert os.environ["HORA_USER_MODE"] == "shared"
     # the machine's leases are not the tests': each test has a lease directory of its own
-    assert Path(os.environ["HORA_LEASE_DIR"]).name.startswith("hora-test-leases-")
+    assert Path(os.environ["HORA_LEASE_DIR"]).parent.name.startswith("hora-test-leases-")
     assert seen["jupyter"] == []
     # test infrastructure (HORA_TEST_*) passes through (set by the test below)
     probe = os.environ.get("HERMETIC_EXPECT_PROBE")

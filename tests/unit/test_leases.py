@@ -163,14 +163,23 @@ def test_a_symlinked_directory_is_refused(tmp_path: Path) -> None:
         LeaseDir(tmp_path / "link").ready()
 
 
-def test_a_directory_of_another_account_is_refused(tmp_path: Path) -> None:
-    st = os.stat_result((stat.S_IFDIR | 0o1777, 0, 0, 2, 4242, 4242, 0, 0, 0, 0))
-    assert check_dir(st, euid=1000) is not None and "not root or this account" in str(
-        check_dir(st, euid=1000)
-    )
-    assert check_dir(st, euid=4242) is None
-    root_owned = os.stat_result((stat.S_IFDIR | 0o1777, 0, 0, 2, 0, 0, 0, 0, 0, 0))
-    assert check_dir(root_owned, euid=1000) is None
+def _dir(mode: int, uid: int) -> os.stat_result:
+    return os.stat_result((stat.S_IFDIR | mode, 0, 0, 2, uid, uid, 0, 0, 0, 0))
+
+
+@pytest.mark.parametrize(
+    ("mode", "owner", "euid", "safe"),
+    [
+        (0o1777, 0, 1000, True),  # root's, as the machine's lock directory is
+        (0o1777, 4242, 4242, True),  # this account's
+        (0o1777, 4242, 1000, True),  # another account made it first: shared, sticky
+        (0o1777, 4242, 0, False),  # ... but root does not depend on it
+        (0o755, 4242, 1000, False),  # not writable here, and theirs alone
+        (0o777, 1000, 1000, False),  # anyone may replace the files
+    ],
+)
+def test_whose_directory_may_hold_the_leases(mode: int, owner: int, euid: int, safe: bool) -> None:
+    assert (check_dir(_dir(mode, owner), euid) is None) == safe
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a directory to another account")
