@@ -130,12 +130,8 @@ class Monitor(Recovery):
                 return
             if Exit.lost not in attempt.codes:  # it runs, or ran between two passes
                 self._running(attempt)
-        run = attempt.elastic
-        if run is not None and run.read():
-            self._write(Write(attempt.job_id, None, now, None, {"elastic": run.info}))
-        shrinking = run is not None and run.target is not None and attempt.stop_state is None
-        if shrinking and run is not None and run.released():
-            self._release(attempt, now)
+        if attempt.elastic is not None:
+            self._watch_elastic(attempt, now)
         if attempt.stop_state is None:
             codes = self._keep_engines(attempt, now)
             failed = first_failure(codes)
@@ -341,4 +337,4 @@ class Monitor(Recovery):
         elif len(placements) < len(ready):
             waiting = sorted((p for p in ready if p.id not in {x.job_id for x in placements}),
                              key=queue_order)  # fmt: skip
-            self._shrink_for(waiting[0], len(free) - len(placed), now)
+            self._shrink_for(waiting, len(free) - len(placed), now)
