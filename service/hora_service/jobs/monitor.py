@@ -239,7 +239,15 @@ class Monitor(Recovery):
         found = self.preflight.poll(attempt.job_id, plan.attempt, plan.paths.log(0), now, force)
         if found is not None:
             self._write(Write(attempt.job_id, JobState.running, now, found.event(), event=True))
+            self.preflight.measured(found, self._nodes(attempt))
         return self.preflight.known(attempt.job_id, plan.attempt)
+
+    def _nodes(self, attempt: Attempt) -> frozenset[str]:
+        """The nodes the service placed an attempt's ranks on, as it knows them itself."""
+        try:
+            return self._runtime(attempt.plan.spec.runtime.value).nodes(attempt.plan)
+        except HoraError:
+            return frozenset()
 
     def _cleared(self, attempt: Attempt, now: float) -> bool:
         """Every rank has ended: kill what is left of the attempt; True once nothing is.
