@@ -226,17 +226,17 @@ class Monitor(Recovery):
     def _watch_preflight(
         self, attempt: Attempt, now: float, force: bool = False
     ) -> PreflightFigures | None:
-        """Name the attempt's preflight in its events once rank 0 logged it; its figures.
+        """Name each new preflight of the attempt in its events; its figures.
 
-        A job's ranks log it at ``hvd.init()`` when asked (``preflight_env``); a session's
-        rank 0 engine when ``%dist_start`` measures (unless ``--no-preflight``).
+        A job's rank 0 hands them over at ``hvd.init()`` when asked (``preflight_env``); a
+        session's rank 0 engine when ``%dist_start`` measures (unless ``--no-preflight``).
         """
         if not attempt.plan.preflight_env and attempt.kind != "session":
             return None
         plan = attempt.plan
         ended = [c for r, c in enumerate(attempt.codes) if r not in attempt.lost]
         force = force or any(c is not Exit.running for c in ended)
-        found = self.preflight.poll(attempt.job_id, plan.attempt, plan.paths.log(0), now, force)
+        found = self.preflight.poll(attempt.job_id, plan.attempt, plan.paths.preflight, now, force)
         if found is not None:
             self._write(Write(attempt.job_id, JobState.running, now, found.event(), event=True))
             self.preflight.measured(found, self._nodes(attempt))
