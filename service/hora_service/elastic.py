@@ -205,7 +205,7 @@ class ElasticRun:
 
         Its newest workers leave at the next commit (they exit 0); the others go on.
         """
-        self.target = slots
+        self.target, self.next_look = slots, 0.0  # look at its workers at the next pass
         self._change(MembershipChange(at=_at(now), size=self.info.size, reason=reason,
                                       slots=self.info.slots))  # fmt: skip
 

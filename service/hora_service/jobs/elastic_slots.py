@@ -29,7 +29,8 @@ from hora_service.runtimes.local import read_pid
 from hora_service.runtimes.runfiles import UntrustedRunFile
 from hora_service.scheduler import Pending
 
-WATCH_S = 1.0  # how often an elastic attempt's workers are looked at
+WATCH_S = 1.0  # how often a shrinking (or over-full) elastic attempt's workers are looked at
+IDLE_WATCH_S = 5.0  # how often those of one that holds what it runs are
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,8 @@ class ElasticSlots(ManagerCore):
             self._write(Write(attempt.job_id, None, now, None, {"elastic": run.info}))
         if attempt.stop_state is not None or now < run.next_look:
             return
-        run.next_look = now + WATCH_S
+        busy = run.target is not None or run.over_since is not None
+        run.next_look = now + (WATCH_S if busy else IDLE_WATCH_S)
         seen = self._workers(attempt)
         if seen is None:
             return
