@@ -14,6 +14,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Sequence
 
 from hora.errors import HoraError, SpecError
 from hora.spec import JobState
@@ -36,13 +37,22 @@ class Monitor(Recovery):
     """Starting and stopping the loop, and its passes."""
 
     def start(self) -> None:
-        """Open the store, recover jobs from an earlier run, start the monitor loop.
+        """Hold the data directory, open the store, recover jobs, start the monitor loop.
 
         Raises:
-            HoraError: single-user mode over a store with several users (their jobs would
-                all run as this service's account without anyone having opted in).
+            HoraError: another service runs on the data directory (naming its pid and URL);
+                the lease directory cannot be used safely; single-user mode over a store
+                with several users (their jobs would all run as this service's account
+                without anyone having opted in).
         """
-        self.users.check_start(self.settings.db_path)
+        self._make_dirs()
+        self._data_lock.take()  # before anything reads the store or writes the config
+        try:
+            self.leases.dir.ready()
+            self.users.check_start(self.settings.db_path)
+        except BaseException:
+            self._data_lock.release()
+            raise
         root = self.settings.work_root
         if self.user_mode == "multi" and root.is_dir() and not root.stat().st_mode & 0o001:
             log.warning(
@@ -79,6 +89,8 @@ class Monitor(Recovery):
                     len(self.journal), self.journal.error,
                 )  # fmt: skip
         self.close_store()
+        self.leases.close()  # the ranks still running keep theirs (their shims hold them)
+        self._data_lock.release()
 
     def shutdown_jobs(self, timeout: float | None = None) -> None:
         """Cancel every active job and wait (bounded) until their processes are gone."""
@@ -101,7 +113,7 @@ class Monitor(Recovery):
 
     def _next_wait(self) -> float:
         wait = self.settings.monitor_interval_s
-        if not self._attempts and not len(self.journal):
+        if not self._attempts and not len(self.journal) and not self._dirty:
             due = [t for _, t in self._pending.values() if t is not None]
             wait = max(wait, min(due) - time.time()) if due else 5.0
         return max(0.0, min(wait, 5.0))
@@ -121,6 +133,10 @@ class Monitor(Recovery):
                 self._schedule(now)
             for hook in self.hooks:
                 hook(now)
+            # the machine-wide leases follow the slots the attempts hold now
+            owners = {s: (a.job_id, a.plan.attempt) for a in self._attempts.values()
+                      for s in a.plan.slots}  # fmt: skip
+            self.leases.sync(owners)
 
     def _poll(self, attempt: Attempt, now: float) -> None:
         grace = self.settings.kill_grace_s
@@ -249,6 +265,17 @@ class Monitor(Recovery):
         except HoraError:
             return frozenset()
 
+    def _lease(self, slots: Sequence[int]) -> set[int]:
+        """Take the leases of ``slots``; those someone else took since the pass looked.
+
+        Those are noted as theirs, and the pass runs again.
+        """
+        lost = self.leases.take(slots)
+        if lost:
+            self._foreign.update(lost)
+            self._dirty = True
+        return set(lost)
+
     def _cleared(self, attempt: Attempt, now: float) -> bool:
         """Every rank has ended: kill what is left of the attempt; True once nothing is.
 
@@ -321,10 +348,13 @@ class Monitor(Recovery):
         ready = [p for p in ready if p.need > 0]
         held = {s for a in self._attempts.values() for s in a.plan.slots}
         free = [s.index for s in self.inventory if s.index not in held]
+        # slots someone else on this machine holds (another service, a notebook's engines)
+        self._foreign = self.leases.others(free)
+        free = [s for s in free if s not in self._foreign]
         holding = [
             Holding(a.job_id, a.user, a.plan.slots, a.deadline if a.deadline else INF)
             for a in self._attempts.values()
-        ]
+        ] + [Holding(-1, h.user or "", (s,)) for s, h in self._foreign.items()]
         used: dict[str, int] = {}
         for a in self._attempts.values():
             used[a.user] = used.get(a.user, 0) + len(a.plan.slots)
@@ -337,7 +367,10 @@ class Monitor(Recovery):
         # slots nobody waits for: elastic jobs grow into them (up to their max_workers)
         spare = [s for s in free if s not in placed] if len(placements) == len(ready) else []
         for placement in placements:
-            self._launch(placement.job_id, placement.slots, spare)
+            if not self._lease(placement.slots):  # leased before anything runs there
+                self._launch(placement.job_id, placement.slots, spare)
+        if self._foreign and len(placements) < len(ready):
+            self._dirty = True  # a holder elsewhere lets go without telling: look again
         for p in outside:
             self._launch(p.id, ())
         if spare:
