@@ -17,7 +17,14 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from hora.magics_display import DisplaySink, QueueDisplay, Table, notify, show_profile
+from hora.magics_display import (
+    DisplaySink,
+    QueueDisplay,
+    Table,
+    notify,
+    short_errors,
+    show_profile,
+)
 from hora.magics_submit import JobEndedError, submit_history, write_job_files
 
 __all__ = [
@@ -188,7 +195,8 @@ class HoraMagics(Magics):
         "--timeout",
         type=float,
         default=None,
-        help="collective timeout and default stall timeout of cells, seconds (default 60)",
+        help="collective timeout in the engines, seconds (default 60); half of it is the "
+        "default stall timeout of cells",
     )
     @argument("--start-timeout", type=float, default=60.0, help="seconds engines may take to start")
     @argument(
@@ -220,6 +228,7 @@ class HoraMagics(Magics):
         "service's choice)",
     )
     @line_magic
+    @short_errors
     def dist_start(self, line: str) -> None:
         """Start engines, bind one GPU each, and initialise hora.torch in them.
 
@@ -248,6 +257,7 @@ class HoraMagics(Magics):
         self._start(options)
 
     @line_magic
+    @short_errors
     def dist_stop(self, line: str) -> None:
         """Stop the engines and the controller. Example: ``%dist_stop``.
 
@@ -264,6 +274,7 @@ class HoraMagics(Magics):
         self.cluster = None
 
     @line_magic
+    @short_errors
     def dist_restart(self, line: str) -> None:
         """Stop and start the engines with the last start's options. Example: ``%dist_restart``."""
         cluster = self._running()
@@ -271,6 +282,7 @@ class HoraMagics(Magics):
         self._start(cluster.options)
 
     @line_magic
+    @short_errors
     def dist_status(self, line: str) -> Any:
         """Show each rank's liveness, pid, device and memory. Example: ``%dist_status``."""
         from IPython.display import display
@@ -283,6 +295,7 @@ class HoraMagics(Magics):
     @argument("names", nargs="+", help="notebook variables to copy to every engine")
     @argument("--rank", type=int, default=None, help="copy to this rank only")
     @line_magic
+    @short_errors
     def dist_push(self, line: str) -> None:
         """Copy notebook variables to every engine, or one (tensors to each engine's device).
 
@@ -306,6 +319,7 @@ class HoraMagics(Magics):
     @argument("names", nargs="+", help="engine variables to fetch")
     @argument("--rank", type=int, default=None, help="fetch only this rank's value (not a list)")
     @line_magic
+    @short_errors
     def dist_pull(self, line: str) -> None:
         """Fetch engine variables into the notebook: a list by rank, or one value with --rank.
 
@@ -327,7 +341,8 @@ class HoraMagics(Magics):
         "--timeout",
         type=float,
         default=None,
-        help="stall timeout: seconds ranks may run after the first finished",
+        help="stall timeout: seconds ranks may run after the first finished (default: half "
+        "of %%dist_start's --timeout)",
     )
     @argument(
         "--out",
@@ -340,6 +355,7 @@ class HoraMagics(Magics):
         help="report per rank: compute, collectives, waiting, bandwidth; slowest rank",
     )
     @line_cell_magic
+    @short_errors
     def distributed(self, line: str, cell: str | None = None) -> None:
         """Run the cell on every rank; ``%distributed stmt`` runs one statement.
 
@@ -428,6 +444,7 @@ class HoraMagics(Magics):
         help="stop this notebook's session and give its slots straight to the job",
     )
     @line_magic
+    @short_errors
     def dist_submit(self, line: str) -> Any:
         """Submit the %%distributed cells that ran, in order, as a job of the hora service.
 

@@ -149,3 +149,15 @@ def test_hora_submit_elastic_min_max(given: str, field: str) -> None:
     with pytest.raises(SpecError) as e:
         spec_from_args(build_parser().parse_args(["submit", "--elastic", given, "--", "t"]))
     assert e.value.field == field
+
+
+def test_workers_beside_an_elastic_range_says_the_one_thing_wrong() -> None:
+    # hora submit --workers 2 --elastic 1:3: the range is the job's size; workers is not
+    args = build_parser().parse_args(["submit", "--workers", "2", "--elastic", "1:3", "--", "t"])
+    with pytest.raises(SpecError) as e:
+        spec_from_args(args)
+    assert e.value.field == "workers"
+    assert e.value.message == (
+        "an elastic job's size is its elastic range (1..3); leave workers out, or set it to "
+        "elastic.min_workers (got 2)"
+    )

@@ -28,11 +28,12 @@ from starlette.routing import Match
 
 from hora_service import ui
 from hora_service.api import jobs, logs, queue, sessions, system
-from hora_service.api.deps import CurrentUser, TokenCache, known_query
+from hora_service.api.deps import CurrentUser, Identify, TokenCache, known_query
 from hora_service.api.errors import spec_error_detail, validation_detail
 from hora_service.api.limits import BodySizeLimit
 from hora_service.api.safety import check_safe
 from hora_service.health import StoreProbe
+from hora_service.hub import signin
 from hora_service.manager import JobManager
 from hora_service.quotas import OverLimit, StreamCounter
 from hora_service.sessions import SessionManager
@@ -75,6 +76,8 @@ def create_app(settings: Settings | None = None, manager: JobManager | None = No
             probe.stop()
             if owned:
                 mgr.stop()
+            if settings.hub:
+                app.state.hub_api.close()
 
     app = FastAPI(
         title="hora job service",
@@ -101,6 +104,8 @@ def create_app(settings: Settings | None = None, manager: JobManager | None = No
     app.include_router(system.router)
     app.include_router(queue.router)
     ui.install(app)
+    hub_users = signin.install(app, settings, mgr.users) if settings.hub else None
+    app.state.identify = Identify(mgr.users, hub_users)
     _add_docs(app)
     _add_handlers(app)
     _document_common_answers(app)

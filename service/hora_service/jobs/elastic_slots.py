@@ -13,6 +13,7 @@ import os
 from dataclasses import replace
 
 from hora.spec import PRIORITY_RANK, JobSpec
+from hora.words import count
 
 from hora_service.elastic import ElasticRun, write_hosts
 from hora_service.jobs.attempt import Attempt
@@ -111,7 +112,7 @@ class ElasticSlots(ManagerCore):
             g = plan.spec.gpus_per_worker
             names = ", ".join(map(str, extra))
             run.granted(len(plan.slots), f"slot(s) {names} freed: room for "
-                        f"{len(plan.slots) // g} workers", now)  # fmt: skip
+                        f"{count(len(plan.slots) // g, 'worker')}", now)  # fmt: skip
             self._write(Write(attempt.job_id, None, now, None,
                               {"slots": list(plan.slots), "elastic": run.info}))  # fmt: skip
 
