@@ -22,6 +22,7 @@ Screenshots go to ``HORA_SCREENSHOT_DIR`` when set. Needs root (CI runs it as ro
 from __future__ import annotations
 
 import os
+import pwd
 import re
 import secrets
 import shutil
@@ -95,8 +96,6 @@ def team(base: Path) -> Iterator[dict[str, Account]]:
 
 
 def pwd_home(who: Account) -> str:
-    import pwd
-
     return pwd.getpwnam(who.name).pw_dir
 
 
@@ -125,10 +124,17 @@ def stack(base: Path, team: dict[str, Account]) -> Iterator[tuple[ServiceServer,
         srv.assert_nothing_left()
 
 
+SHOTS: list[Path] = []  # where screenshots go: HORA_SCREENSHOT_DIR, else the test's tmp
+
+
+@pytest.fixture(autouse=True)
+def screenshots(tmp_path: Path) -> None:
+    SHOTS[:] = [Path(os.environ.get(SCREENSHOT_DIR_VAR) or tmp_path)]
+
+
 def shot(page: Page, name: str) -> None:
-    folder = Path(os.environ.get(SCREENSHOT_DIR_VAR) or tempfile.gettempdir())
-    folder.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(folder / f"hub-{name}.png"), full_page=True)
+    SHOTS[0].mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS[0] / f"hub-{name}.png"), full_page=True)
 
 
 def sign_in(ctx: BrowserContext, hub: Hub, who: Account, next_url: str | None = None) -> Page:
@@ -286,7 +292,28 @@ def test_a_team_on_the_hub(stack: tuple[ServiceServer, Hub], team: dict[str, Acc
         finally:
             browser.close()
 
+    api_checks(srv, hub, bob, sid)
     cull_and_check(srv, hub, alice, sid, token, engines)
+
+
+def api_checks(srv: ServiceServer, hub: Hub, bob: Account, sid: int) -> None:
+    """The API through the hub: a hub token of bob's sees none of alice's; one without
+    hora's scope is refused; a sign-in this browser did not start is refused."""
+
+    def token_of(who: Account, scopes: list[str]) -> str:
+        made = hub.api("POST", f"/users/{who.name}/tokens", json={"scopes": scopes})
+        assert made.status_code == 201, made.text
+        return str(made.json()["token"])
+
+    api = f"{hub.url}/services/hora"  # through the hub's proxy
+    his = {"Authorization": f"Bearer {token_of(bob, ['access:services!service=hora'])}"}
+    assert httpx.get(f"{api}/v1/jobs/{sid}", headers=his).status_code == 404
+    assert httpx.get(f"{api}/v1/jobs", headers=his).json()["items"] == []
+    other = token_of(bob, [f"read:users:name!user={bob.name}"])
+    refused = httpx.get(f"{api}/v1/jobs", headers={"Authorization": f"Bearer {other}"})
+    assert refused.status_code == 401, refused.text
+    forged = httpx.get(f"{api}/oauth_callback", params={"code": "c", "state": "s"})
+    assert forged.status_code == 403 and "not started by this browser" in forged.text
 
 
 def kernel_environ(kernel: psutil.Process) -> dict[str, str]:
