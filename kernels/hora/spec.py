@@ -20,7 +20,7 @@ NAME_MAX = 255  # bytes in one path component (Linux)
 
 
 def error_message(err: Any) -> str:
-    """What one of pydantic's validation errors says, without its ``Value error, `` prefix.
+    """What one of pydantic's validation errors says, without the prefix ``Value error,`` (and the space after it).
 
     A validator's own sentence is the whole message (the field is named beside it).
 
