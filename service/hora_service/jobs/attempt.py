@@ -85,6 +85,7 @@ class Holder:
     ends_at: float | None
     stopping: bool = False  # its processes are being stopped: the slots are draining
     what: str | None = None  # a holder outside this service, in words (its lease's)
+    name: str | None = None  # a job's or session's name (shown only to its owner and admins)
 
 
 @dataclass(frozen=True)
