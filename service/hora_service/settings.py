@@ -170,6 +170,8 @@ class Settings(BaseSettings):
             service's ``PATH``).
         slurm_slots_per_node: GPUs (``slurm_gpus``) or ranks one node of the partition
             gives a slurm job; a job spans ``ceil(workers * gpus_per_worker / this)`` nodes.
+            None (the default): what Slurm reports of the partition's smallest node, its
+            GPUs (``Gres``), or its CPUs without ``slurm_gpus``.
         slurm_gpus: ask Slurm for GPUs (``--gres=gpu:G``); False on CPU-only partitions.
         slurm_partition: ``--partition`` of every slurm job (None: the cluster's default).
         slurm_account: ``--account`` of every slurm job.
@@ -275,7 +277,7 @@ class Settings(BaseSettings):
     user_disk_limit: str = "none"
     slurm_conf: Path | None = None
     slurm_bin_dir: Path | None = None
-    slurm_slots_per_node: Annotated[int, Field(ge=1, le=1024)] = 1
+    slurm_slots_per_node: Annotated[int | None, Field(ge=1, le=1024)] = None
     slurm_gpus: bool = True
     slurm_partition: Annotated[str | None, Field(pattern=r"^[A-Za-z0-9_.,-]+$")] = None
     slurm_account: Annotated[str | None, Field(pattern=r"^[A-Za-z0-9_.-]+$")] = None

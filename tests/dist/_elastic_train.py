@@ -11,6 +11,8 @@ group (with a child it started); ``raise``: an exception; ``capacity``: writes O
 discovery script then offers one slot fewer for a while), waits 1.5 s, then SIGKILL.
 ``WHEN`` may be ``reset``: in the first reset callback (a failure while the world re-forms).
 
+``--say``: each worker prints ``<wid> rank <R> step <N>`` at each commit.
+
 Each worker writes OUT/<wid>.json at the end: pid, steps run in this process, resets, the
 world sizes it saw, the weights. Rank 0 writes the last committed step and the world size to
 OUT/progress.
@@ -71,6 +73,7 @@ def main() -> None:
     p.add_argument("--sleep", type=float, default=0.05)
     p.add_argument("--wait-size", type=int, default=0,
                    help="commits wait (<= 60 s) once for the world to grow to this size")
+    p.add_argument("--say", action="store_true", help="print each commit")
     args = p.parse_args()
     torch.set_num_threads(1)
     wid = os.environ.get("HORA_ELASTIC_WORKER", "solo")
@@ -123,6 +126,8 @@ def main() -> None:
             commit(state)
 
     def commit(state: hvd.elastic.TorchState) -> None:
+        if args.say:
+            print(f"{wid} rank {hvd.rank()} step {state.step}", flush=True)
         if hvd.rank() == 0:
             (args.out / "progress.tmp").write_text(f"{state.step} {hvd.size()}")
             os.replace(args.out / "progress.tmp", args.out / "progress")

@@ -157,7 +157,9 @@ def test_job_goes_queued_running_succeeded_with_live_logs(
     page = sign_in(browser, srv, "ann")
     page.goto(srv.url + "/ui#/pool")
     expect(page.locator("#pool tbody tr.held")).to_have_count(2)
-    expect(page.locator("#pool")).to_contain_text(f"job {blocker}")
+    # the holder by its name too (ann's own job), linked to its page
+    expect(page.locator("#pool a.holder").first).to_have_text(f"job {blocker} (blocker)")
+    expect(page.locator("#pool a.holder").first).to_have_attribute("href", f"#/job/{blocker}")
     page.screenshot(path=str(shots / "dashboard-pool.png"), full_page=True)
     page.goto(srv.url + "/ui#/queue")
     expect(page.locator("#queue")).to_contain_text("waiting for 2 slot(s): 0 of 2 free")
@@ -215,6 +217,9 @@ def test_job_goes_queued_running_succeeded_with_live_logs(
     page.select_option("#filter-state", "")
     expect(page.locator("#jobs tbody tr")).to_have_count(3)
     page.screenshot(path=str(shots / "dashboard-jobs.png"), full_page=True)
+    page.locator("#jobs a.job-name", has_text="blocker").click()  # a job's name opens its page
+    page.wait_for_url(lambda url: url.endswith(f"#/job/{blocker}"))
+    expect(page.locator("#job-state")).to_have_text("cancelled")
     page.context.close()
 
 

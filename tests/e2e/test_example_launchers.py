@@ -8,7 +8,9 @@ The mpirun case is skipped only where mpirun is not installed (CI installs openm
 
 from __future__ import annotations
 
+import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -17,7 +19,8 @@ from pathlib import Path
 import pytest
 from helpers.world import base_env, free_port
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_digits.py"
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "train_digits.py"
 EPOCHS = "5"  # reaches ~0.95 on 2 ranks; each run is a few seconds of CPU after the imports
 TIMEOUT = 300  # imports of torch and sklearn take long on a loaded 2-core machine
 
@@ -87,6 +90,23 @@ def test_example_resumes_from_checkpoint_on_restart(tmp_path: Path) -> None:
     assert f"resumed from {ckpt / 'checkpoint.pt'} after epoch 5" in again
     assert not re.search(r"epoch \d+/5:", again)
     assert final_accuracy(again) == final_accuracy(first)
+
+
+def test_the_readme_s_mpirun_line_runs_as_written(tmp_path: Path) -> None:
+    # step 2 of the README's quickstart, in a shell whose venv is active (its bin first on
+    # PATH), from the repository root, with none of Open MPI's OMPI_* variables: as root
+    # (CI's case) Open MPI refuses to start unless the line itself says it may
+    readme = (REPO / "README.md").read_text()
+    (line,) = re.findall(r"`(mpirun [^`]+)`", " ".join(readme.split()))
+    env = {k: v for k, v in base_env().items() if not k.startswith("OMPI_")}
+    env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+               TMPDIR=str(tmp_path))  # its checkpoint goes to $TMPDIR  # fmt: skip
+    if shutil.which("mpirun") is None:
+        pytest.skip("mpirun is not installed (apt install openmpi-bin)")
+    res = subprocess.run(shlex.split(line), env=env, capture_output=True, text=True,
+                         timeout=TIMEOUT, cwd=REPO)  # fmt: skip
+    assert res.returncode == 0, f"{line}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    assert final_accuracy(res.stdout) >= 0.90, res.stdout
 
 
 def test_example_is_plain_horovod_style() -> None:

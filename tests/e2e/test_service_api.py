@@ -21,7 +21,8 @@ pytestmark = pytest.mark.timeout(180)
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceServer]:
     with ServiceServer(
-        tmp_path_factory.mktemp("svc-api"), {"ann": False, "root": True}, cpu_slots=4
+        tmp_path_factory.mktemp("svc-api"), {"ann": False, "root": True}, cpu_slots=4,
+        env={"SLURM_CONF": ""},  # no Slurm configured (HORA_SLURM_CONF is not set either)
     ) as srv:
         yield srv
 
@@ -167,6 +168,22 @@ def test_bad_spec_is_422_naming_field(
         assert "6" in detail[0]["msg"] and "4" in detail[0]["msg"]
     else:
         assert field in fields
+
+
+def test_the_slurm_runtime_without_a_configured_slurm_is_a_422_naming_the_setting(
+    ann: httpx.Client,
+) -> None:
+    # sbatch is installed here; the service must not accept the job and fail it later with
+    # sbatch's own "Could not establish a configuration source"
+    r = ann.post("/v1/jobs", json={"command": ["python", "x.py"], "runtime": "slurm"})
+    assert r.status_code == 422, r.text
+    (detail,) = r.json()["detail"]
+    assert detail["loc"] == ["body", "runtime"], detail
+    assert detail["msg"].startswith("no Slurm cluster answers: "), detail
+    assert "set HORA_SLURM_CONF to the cluster's slurm.conf" in detail["msg"], detail
+    assert ann.get("/v1/jobs").json()["total"] == 0 or all(
+        j["spec"]["runtime"] != "slurm" for j in ann.get("/v1/jobs").json()["items"]
+    )
 
 
 def test_malformed_json_is_422(ann: httpx.Client) -> None:

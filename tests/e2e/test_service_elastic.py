@@ -143,11 +143,12 @@ def test_it_starts_with_what_is_free_and_grows_when_a_slot_frees(
                                                      "import time; time.sleep(120)"]})  # fmt: skip
     assert blocker.status_code == 201, blocker.text
     wait_state(ann, blocker.json()["id"], ("running",))
-    job = _submit(ann, tmp_path, "--sleep", "0.2", "--wait-size", "3")
+    job = _submit(ann, tmp_path, "--sleep", "0.2", "--wait-size", "3", "--say")
     job = _until(ann, job["id"], lambda j: (j.get("elastic") or {}).get("size") == 2, "2 workers")
     assert len(job["slots"]) == 2 and job["elastic"]["slots"] == 2
     table = _hora_jobs(server)
     assert "size 2/2..3" in table, table
+    _every_live_rank_s_log_is_shown(server, ann, job)
     ann.post(f"/v1/jobs/{blocker.json()['id']}/cancel")
 
     done = wait_state(ann, job["id"], ("succeeded", "failed", "cancelled"), timeout=120)
@@ -227,13 +228,48 @@ def test_a_restarted_service_adopts_the_elastic_job_and_reads_on(
         assert any(n == 2 and "w1" in why for n, why in sizes), sizes
 
 
-def _hora_jobs(server: ServiceServer) -> str:
+def _hora(server: ServiceServer, *argv: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HORA_")}
     env.update(HORA_URL=server.url, HORA_TOKEN=server.tokens["ann"], HOME=str(server.data_dir))
-    res = subprocess.run([sys.executable, "-m", "hora.cli", "jobs"], env=env, capture_output=True,
-                         text=True, timeout=60, check=False)  # fmt: skip
+    return subprocess.run([sys.executable, "-m", "hora.cli", *argv], env=env,
+                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+
+
+def _hora_jobs(server: ServiceServer) -> str:
+    res = _hora(server, "jobs")
     assert res.returncode == 0, res.stderr
     return res.stdout
+
+
+def _every_live_rank_s_log_is_shown(
+    server: ServiceServer, ann: httpx.Client, job: dict[str, Any]
+) -> None:
+    """At size 2 (min 2, max 3): ranks 0 and 1 are its current world's, each its worker's
+    lines (read from the driver's log, prefixes gone; rank 0 has the driver's own lines
+    too), in the API, ``hora logs --rank`` and the dashboard's rows; rank 2 does not exist
+    yet. The preflight's figures are the service's, in no log."""
+    jid = job["id"]
+    at = {m["rank"]: m["worker"] for m in job["elastic"]["members"]}
+    _until(ann, jid, lambda j: f"{at[1]} rank 1 step" in ann.get(
+        f"/v1/jobs/{jid}/logs", params={"rank": 1}).text, "rank 1's commits in its log")
+    for rank in (0, 1):
+        text = ann.get(f"/v1/jobs/{jid}/logs", params={"rank": rank}).text
+        said = [line for line in text.splitlines() if " step " in line]
+        assert said and all(line.startswith(f"{at[rank]} rank ") for line in said), text
+        assert "<stdout>:" not in text and "HORA_PREFLIGHT" not in text, text
+        cli = _hora(server, "logs", "--rank", str(rank), str(jid))
+        assert cli.returncode == 0 and f"{at[rank]} rank {rank} step" in cli.stdout, cli
+    assert "hora run: generation" in ann.get(f"/v1/jobs/{jid}/logs", params={"rank": 0}).text
+    beyond = ann.get(f"/v1/jobs/{jid}/logs", params={"rank": 2})
+    assert beyond.status_code == 422, beyond.text
+    assert "has ranks 0..1 now; rank 2 does not exist" in beyond.text, beyond.text
+    cli = _hora(server, "logs", "--rank", "2", str(jid))
+    assert cli.returncode == 1 and "has ranks 0..1 now" in cli.stderr, cli
+    with httpx.Client(base_url=server.url, timeout=30) as page:  # what the dashboard reads
+        assert page.post("/ui/login", json={"token": server.tokens["ann"]}).status_code == 200
+        (row,) = [r for r in page.get("/ui/api/jobs").json()["items"] if r["id"] == jid]
+    assert (row["workers"], row["size"]) == (2, "2/2..3"), row
+    assert _until(ann, jid, lambda j: j["preflight"] is not None, "preflight figures")
 
 
 @pytest.mark.parametrize(

@@ -123,11 +123,14 @@ class Cluster:
 
 
 def slurm_env(slurm: Cluster, **extra: str) -> dict[str, str]:
-    """Service settings for a service whose slurm jobs go to ``slurm``."""
+    """Service settings for a service whose slurm jobs go to ``slurm``.
+
+    The slots of a node are left to the slurm runtime's default: what Slurm reports (each
+    node's ``Gres=gpu:2``).
+    """
     return {
         "SLURM_CONF": str(slurm.conf),
         "HORA_SLURM_CONF": str(slurm.conf),
-        "HORA_SLURM_SLOTS_PER_NODE": "2",
         "HORA_JOB_ENV_PASSTHROUGH": "PYTHONPATH,OMP_NUM_THREADS,PYTHONUNBUFFERED",
         **extra,
     }

@@ -120,12 +120,13 @@ def hora_jobs(server: ServiceServer, user: str, tmp_path: Path) -> str:
     ).stdout  # fmt: skip
 
 
-def test_a_job_slurm_holds_back_waits_starting_with_slurms_reason_across_a_restart(
+def test_a_job_slurm_holds_back_is_queued_with_slurms_reason_across_a_restart(
     slurm: Cluster, tmp_path: Path
 ) -> None:
-    """Slurm's queue holds the job: it is ``starting`` (handed over, not running) with Slurm's
-    reason in its record, ``/v1/queue`` and ``hora jobs``; a kill -9 of the service then
-    re-adopts it, never submitting it twice, and it runs once Slurm lets it."""
+    """Slurm's queue holds the job: it is ``queued`` (handed over, in Slurm's queue, not
+    running) with Slurm's reason as its reason, in ``/v1/queue`` and ``hora jobs``; a kill -9
+    of the service then re-adopts it, never submitting it twice, and it runs once Slurm lets
+    it."""
     users = {"ann": False, "bob": False, "root": True}
     with ServiceServer(tmp_path, users=users, env=slurm_env(slurm)) as server:
         _held_by_slurm(server, slurm, tmp_path)
@@ -148,7 +149,11 @@ def _held_by_slurm(server: ServiceServer, slurm: Cluster, tmp_path: Path) -> Non
                 assert time.monotonic() < deadline, job
                 time.sleep(0.1)
             assert why["kind"] == "runtime" and why["text"] == "slurm: Resources", why
-            assert job["state"] == "starting" and job["started_at"] is None, job
+            while (job["state"], job["reason"]) != ("queued", "slurm: Resources"):
+                assert time.monotonic() < deadline, job  # recorded in the same monitor pass
+                time.sleep(0.1)
+                job = c.get(f"/v1/jobs/{job_id}").json()
+            assert job["started_at"] is None and job["attempt"] == 1, job
             first = slurm_id(c, job_id)
             name = slurm.run("squeue", "-h", "-j", first, "-o", "%j").strip()
             entries = [e for e in c.get("/v1/queue").json() if e.get("id") == job_id]
@@ -158,13 +163,13 @@ def _held_by_slurm(server: ServiceServer, slurm: Cluster, tmp_path: Path) -> Non
             assert all(e.get("id") != job_id for e in c.get("/v1/queue").json())
         row = next(ln for ln in hora_jobs(server, "ann", tmp_path).splitlines()
                    if ln.split()[:1] == [str(job_id)])  # fmt: skip
-        assert "starting" in row and "slurm: Resources" in row, row
+        assert "queued" in row and "slurm: Resources" in row, row
         server.crash()
         server.restart()
         with server.client("ann") as c:
             time.sleep(1.0)  # a few monitor passes of the new service
             job = c.get(f"/v1/jobs/{job_id}").json()
-            assert job["state"] == "starting" and job["container_id"] == f"slurm:{first}", job
+            assert job["state"] == "queued" and job["container_id"] == f"slurm:{first}", job
     finally:
         slurm.run("scancel", blocker)
     with server.client("ann") as c:
@@ -172,7 +177,7 @@ def _held_by_slurm(server: ServiceServer, slurm: Cluster, tmp_path: Path) -> Non
         assert job["state"] == "succeeded" and job.get("queue") is None, job
         assert job["attempt"] == 1 and job["started_at"] is not None, job
         moves = [t["state"] for t in job["transitions"]]
-        assert moves[-3:] == ["starting", "running", "succeeded"], moves
+        assert moves[-4:] == ["starting", "queued", "running", "succeeded"], moves
     assert names(slurm).count(name) == 1, (name, names(slurm))
 
 

@@ -114,7 +114,7 @@ def test_engines_on_both_nodes_wait_in_slurms_queue_run_cells_and_stop(
                 "Slurm to hold the session back",
                 lambda: [s for s in sessions(c) if (s.get("queue") or {}).get("reason")],
             )
-            assert held[0]["state"] == "starting", held
+            assert held[0]["state"] == "queued", held
             assert held[0]["queue"]["why"]["source"] == "slurm", held
             time.sleep(1.0)  # the cell shows Slurm's reason
         finally:

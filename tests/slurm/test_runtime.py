@@ -1,5 +1,9 @@
 """``runtime: slurm`` end to end on the real two-node cluster: a real service submits real
-sbatch jobs; ranks run under srun on both nodes; state, logs, cancel, timeout and errors."""
+sbatch jobs; ranks run under srun on both nodes; state, logs, cancel, timeout and errors.
+
+The service runs with the slurm runtime's defaults (tests/helpers/slurm_cluster.slurm_env
+sets no ``HORA_SLURM_SLOTS_PER_NODE``): what a node holds is what Slurm reports of it (its
+``Gres=gpu:2``), so 4 workers are 2 nodes of 2 ranks."""
 
 from __future__ import annotations
 
@@ -181,3 +185,15 @@ def test_uneven_workers_are_refused_naming_the_field(ann: httpx.Client) -> None:
     r = ann.post("/v1/jobs", json={"command": ["true"], "runtime": "slurm", "workers": 3})
     assert r.status_code == 422, r.text
     assert "workers" in r.text and "2 nodes" in r.text, r.text
+
+
+def test_a_job_the_partition_can_never_hold_is_refused_naming_workers(ann: httpx.Client) -> None:
+    # 6 workers are 3 nodes of 2 GPUs (what Slurm reports of a node); the partition has 2
+    r = ann.post("/v1/jobs", json={"command": ["true"], "runtime": "slurm", "workers": 6})
+    assert r.status_code == 422, r.text
+    (detail,) = r.json()["detail"]
+    assert detail["loc"] == ["body", "workers"], detail
+    assert detail["msg"] == (
+        "asks for 6 workers x 1 GPU: 3 nodes of 2 GPUs; partition debug gives a job at most "
+        "2 nodes"
+    ), detail

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -121,3 +122,40 @@ def test_time_limit_adds_grace_and_rounds_up() -> None:
         and time_limit(51, opts) == 2
         and time_limit(None, opts) is None
     )
+
+
+PARTS = (
+    "PartitionName=debug Default=YES MaxNodes=UNLIMITED Nodes=n[1-3] TotalNodes=3\n"
+    "PartitionName=small Default=NO MaxNodes=1 Nodes=n[1-2] TotalNodes=2\n"
+)
+NODES = (
+    "NodeName=n1 CPUTot=8 CPUEfctv=6 Gres=gpu:4 Partitions=debug,small\n"
+    "NodeName=n2 CPUTot=8 Gres=gpu:a100:2(S:0) Partitions=debug,small\n"
+    "NodeName=n3 CPUTot=4 Gres=(null) Partitions=debug\n"
+    "NodeName=other CPUTot=64 Gres=gpu:8 Partitions=big\n"
+)
+
+
+def test_a_partition_offers_what_its_smallest_node_reports() -> None:
+    from hora_service.runtimes.slurm_facts import Partition, parse_partition
+
+    # the default partition: n3 has no GPU, so no GPU job fits every node; its CPUs do
+    assert parse_partition(PARTS, NODES, None) == Partition("debug", 3, 0, 4)
+    # MaxNodes caps the nodes one job may span; CPUEfctv wins over CPUTot
+    assert parse_partition(PARTS, NODES, "small,debug") == Partition("small", 1, 2, 6)
+
+
+@pytest.mark.parametrize(
+    ("parts", "wanted", "said"),
+    [
+        (PARTS, "gpu", "Slurm has no partition 'gpu' (its partitions: debug, small)"),
+        ("PartitionName=x Default=NO Nodes=n1", None, "Slurm has no default partition"),
+        ("PartitionName=x Default=YES Nodes=z[1-2]", None, "partition 'x' has no node"),
+    ],
+)
+def test_a_partition_slurm_does_not_have_says_so(parts: str, wanted: str | None,
+                                                   said: str) -> None:
+    from hora_service.runtimes.slurm_facts import parse_partition
+
+    with pytest.raises(ValueError, match="^" + re.escape(said)):
+        parse_partition(parts, NODES, wanted)

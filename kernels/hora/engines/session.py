@@ -243,7 +243,7 @@ class SessionLauncher(KernelProcesses):
     def _wait_for_slots(self) -> None:
         """Wait while the session is queued, here or in Slurm's queue.
 
-        A Slurm session is ``starting`` until Slurm runs its job (``queue`` then carries
+        A Slurm session is ``queued`` until Slurm runs its job (``queue`` then carries
         Slurm's pending reason, shown); the engines' start timeout counts from then.
         """
         t0 = time.perf_counter()

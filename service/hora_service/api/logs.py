@@ -8,6 +8,10 @@ Events: each event's ``data`` is a JSON string of log text and its ``id`` the by
 it; resuming from ``offset`` or the ``Last-Event-ID`` header continues exactly there; the stream
 ends with ``event: end`` when the attempt is over and the file is drained. Paths come from
 the manager (built from ids, never from the request).
+
+An elastic job's ranks are those of its current world: rank ``R``'s log is the lines of the
+worker at ``R``, read from the driver's log (:mod:`hora_service.api.workerlog`; offsets are
+the driver's log's).
 """
 
 from __future__ import annotations
@@ -25,11 +29,11 @@ from hora_service.api.deps import CurrentUser, ManagerDep, OwnedJob, SettingsDep
 from hora_service.api.errors import JOB_RESPONSES, unprocessable
 from hora_service.api.logstream import (
     FollowState,
-    complete_prefix,
     file_size,
     follow_log,
     read_chunk,
 )
+from hora_service.api.workerlog import Take, rank_log
 from hora_service.manager import JobManager
 from hora_service.models import JobRecord, User
 from hora_service.quotas import OverLimit, StreamCounter
@@ -74,24 +78,18 @@ def job_logs(
     last_event_id: Annotated[int | None, Header(ge=0, le=MAX_OFFSET)] = None,
 ) -> Response:
     """Read (plain text) or follow (SSE) the log of ``rank`` of one attempt of a job."""
-    if rank >= job.spec.workers:
-        raise unprocessable(SpecError("rank", _rank_msg(rank, job)), "query")
     if attempt is not None and attempt > job.attempt:
         msg = f"job {job.id} is at attempt {job.attempt}; attempt {attempt} has not happened"
         raise unprocessable(SpecError("attempt", msg), "query")
     chosen = job.attempt if attempt is None else attempt
     try:
-        path = manager.log_path(job.id, rank, chosen)
+        path, take = rank_log(manager, job, rank, chosen)
     except SpecError as e:
         raise unprocessable(e, "query") from None
     start = offset if last_event_id is None else last_event_id
     if follow:
-        return _stream(request, manager, job, chosen, path, start, user)
-    return _plain(manager, job, chosen, path, start, min(limit, _max_read(settings)))
-
-
-def _rank_msg(rank: int, job: JobRecord) -> str:
-    return f"job {job.id} has ranks 0..{job.spec.workers - 1}; rank {rank} does not exist"
+        return _stream(request, manager, job, chosen, path, start, user, take)
+    return _plain(manager, job, chosen, path, start, min(limit, _max_read(settings)), take)
 
 
 def _max_read(settings: object) -> int:
@@ -122,12 +120,13 @@ def _attempt_over(manager: JobManager, job_id: int, attempt: int) -> FollowState
 
 
 def _plain(
-    manager: JobManager, job: JobRecord, attempt: int, path: Path, offset: int, limit: int
+    manager: JobManager, job: JobRecord, attempt: int, path: Path, offset: int, limit: int,
+    take: Take,
 ) -> Response:
     over = _attempt_over(manager, job.id, attempt).done
     data = read_chunk(path, offset, limit)
     size = file_size(path)
-    text, used = complete_prefix(data, final=over and offset + len(data) >= size)
+    text, used = take(data, over and offset + len(data) >= size)
     headers = {
         "X-Hora-Next-Offset": str(offset + used),
         "X-Hora-Log-Size": str(size),
@@ -145,6 +144,7 @@ def _stream(
     path: Path,
     offset: int,
     user: User,
+    take: Take,
 ) -> StreamingResponse:
     streams: StreamCounter = request.app.state.log_streams
     if not streams.open(user.id):
@@ -155,7 +155,8 @@ def _stream(
         )
     events = _counted(
         follow_log(
-            path, offset, lambda: _attempt_over(manager, job.id, attempt), request.is_disconnected
+            path, offset, lambda: _attempt_over(manager, job.id, attempt),
+            request.is_disconnected, take=take,
         ),
         lambda: streams.close(user.id),
     )

@@ -98,6 +98,7 @@ async def follow_log(
     disconnected: Callable[[], Awaitable[bool]],
     poll_s: float = 0.2,
     heartbeat_s: float = 15.0,
+    take: Callable[[bytes, bool], tuple[str, int]] = complete_prefix,
 ) -> AsyncIterator[bytes]:
     """Stream ``path`` from ``offset`` as SSE until the attempt is done and the file drained.
 
@@ -109,6 +110,8 @@ async def follow_log(
         disconnected: async check that the client went away.
         poll_s: seconds between polls when there is nothing new.
         heartbeat_s: seconds between keep-alive comments while idle.
+        take: the text to send of the bytes read and how many it consumed (default: all of
+            it, cut at a whole UTF-8 sequence; an elastic job's rank: its worker's lines).
 
     Yields:
         Encoded SSE events: log chunks (``id`` = offset after the chunk), then ``event: end``.
@@ -122,11 +125,12 @@ async def follow_log(
         except UntrustedRunFile as e:  # the job planted it: say so and end the stream
             yield sse_event({**state.info, "offset": offset, "error": str(e)}, "end", offset)
             return
-        text, used = complete_prefix(data, final=state.done and len(data) < SSE_CHUNK_BYTES)
+        text, used = take(data, state.done and len(data) < SSE_CHUNK_BYTES)
         if used:
             offset += used
-            last_sent = time.monotonic()
-            yield sse_event(text, event_id=offset)
+            if text:
+                last_sent = time.monotonic()
+                yield sse_event(text, event_id=offset)
             continue
         if not data and offset > start and await run_in_threadpool(_size, path) < offset:
             offset = start = 0  # the log passed its limit and was cut: go on from its marker

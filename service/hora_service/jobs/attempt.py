@@ -38,7 +38,8 @@ class Attempt:
     clearing_since: float | None = None
     stuck_reported: bool = False
     kind: str = "job"
-    held: bool = False  # its runtime's own queue still holds it (Slurm): recorded ``starting``
+    held: bool = False  # its runtime's own queue still holds it (Slurm): recorded ``queued``
+    held_why: str | None = None  # the runtime's reason recorded last (Slurm's pending reason)
     created: float = 0.0  # when the job was submitted (its queue wait ends when it runs)
     elastic: ElasticRun | None = None  # an elastic job's membership, read from its driver
     counted: float | None = None  # its slot-seconds are in the usage up to then (None: none)
@@ -64,6 +65,24 @@ class Attempt:
             rank.signal(signal.SIGTERM)
 
 
+def held_reason(ranks: list[RankProcess], runtime: str) -> str | None:
+    """Why a queueing runtime (Slurm) holds the attempt back, in words; None: it does not.
+
+    Example:
+        >>> from types import SimpleNamespace as R
+        >>> held_reason([R(pending_reason="Resources")], "slurm")
+        'slurm: Resources'
+        >>> held_reason([R(pending_reason="None")], "slurm")  # not yet given a reason
+        'slurm: pending'
+        >>> held_reason([R(pending_reason=None)], "slurm") is None
+        True
+    """
+    why = next((r.pending_reason for r in ranks if r.pending_reason is not None), None)
+    if why is None:
+        return None
+    return f"{runtime}: {why if why not in ('', 'None') else 'pending'}"
+
+
 def _box_of(ranks: list[RankProcess]) -> dict[str, object]:
     """The ``container_id`` field of a job record: its ranks' container (or Slurm job)."""
     boxes = {r.container_id for r in ranks if r.container_id is not None}
@@ -87,6 +106,7 @@ class Holder:
     ends_at: float | None
     stopping: bool = False  # its processes are being stopped: the slots are draining
     what: str | None = None  # a holder outside this service, in words (its lease's)
+    name: str | None = None  # a job's or session's name (shown only to its owner and admins)
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,11 @@ from sqlalchemy.exc import SQLAlchemyError
 from hora_service import identity
 from hora_service.elastic import driver_argv
 from hora_service.jobs.admission import Admission
-from hora_service.jobs.attempt import Attempt, _box_of
+from hora_service.jobs.attempt import Attempt, _box_of, held_reason
 from hora_service.jobs.elastic_slots import ElasticSlots
 from hora_service.journal import Write
 from hora_service.models import JobRecord
-from hora_service.runtimes import AttemptPlan
+from hora_service.runtimes import AttemptPlan, RankProcess
 from hora_service.runtimes.containment import detect
 from hora_service.runtimes.paths import JobPaths
 
@@ -90,15 +90,22 @@ class Launch(ElasticSlots, Admission):
             attempt.stop(JobState.failed, reason, now, 0.0, retry=retry)
             self._poll(attempt, now)
             return
+        self._started(job, plan, ranks, runtime.name if runtime.queues else None)
+
+    def _started(
+        self, job: JobRecord, plan: AttemptPlan, ranks: list[RankProcess], queue: str | None
+    ) -> None:
+        """The attempt's ranks were started: it runs, or waits in its runtime's ``queue``."""
         started = time.time()
         attempt = Attempt(
-            job_id, job.user, plan, ranks, started, None, kind=job.kind,
+            job.id, job.user, plan, ranks, started, None, kind=job.kind,
             created=job.created_at.timestamp(), elastic=self._elastic_run(job, plan, started),
         )  # fmt: skip
-        self._attempts[job_id] = attempt
-        if runtime.queues and any(r.pending_reason is not None for r in ranks):
-            attempt.held = True  # `starting` until the runtime's queue lets it run
-            self._write(Write(job_id, None, attempt.started, None, _box_of(ranks)))
+        self._attempts[job.id] = attempt
+        why = held_reason(ranks, queue) if queue is not None else None
+        if why is not None:  # `queued`, with the runtime's reason, until its queue runs it
+            attempt.held, attempt.held_why = True, why
+            self._write(Write(job.id, JobState.queued, started, why, _box_of(ranks)))
         else:
             self._running(attempt)
 

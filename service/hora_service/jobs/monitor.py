@@ -20,7 +20,7 @@ from hora.errors import HoraError, SpecError
 from hora.spec import JobState
 
 from hora_service.jobpreflight import PreflightFigures
-from hora_service.jobs.attempt import Attempt, describe
+from hora_service.jobs.attempt import Attempt, describe, held_reason
 from hora_service.jobs.core import RETRY_WRITE_S, STOP_JOIN_S
 from hora_service.jobs.recovery import Recovery
 from hora_service.journal import Write
@@ -142,7 +142,11 @@ class Monitor(Recovery):
         grace = self.settings.kill_grace_s
         attempt.codes = [rank_status(r) for r in attempt.ranks]
         if attempt.held and attempt.stop_state is None:
-            if any(r.pending_reason is not None for r in attempt.ranks):
+            why = held_reason(attempt.ranks, attempt.plan.spec.runtime.value)
+            if why is not None:  # still in the runtime's queue (its reason may change)
+                if why != attempt.held_why:
+                    attempt.held_why = why
+                    self._write(Write(attempt.job_id, None, now, None, {"reason": why}))
                 return
             if Exit.lost not in attempt.codes:  # it runs, or ran between two passes
                 self._running(attempt)

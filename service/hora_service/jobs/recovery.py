@@ -1,8 +1,9 @@
 """Recovery after a restart: re-adopting the attempts an earlier run of the service left.
 
 Ranks still alive are adopted again, attempts a queueing runtime (Slurm) still holds stay
-``starting``, and attempts caught while starting are failed (then retried per policy);
-the queue is read back from the store.
+``queued`` there (a queued job with a container id was handed to that runtime: it is adopted,
+never submitted again), and attempts caught while starting are failed (then retried per
+policy); the queue is read back from the store.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ class Recovery(Launch):
         now = time.time()
         cancelling = store.cancel_requested()
         grace = self.settings.kill_grace_s
-        for job in store.jobs_in((JobState.starting, JobState.running)):
+        # a queued job with a container (a Slurm job) was handed over: its runtime queues it
+        handed = [j for j in store.jobs_in((JobState.queued,)) if j.container_id]
+        for job in [*store.jobs_in((JobState.starting, JobState.running)), *handed]:
             plan = self._plan(job, job.attempt, job.slots, self.settings.work_root, 0)
             ranks = self._runtime(job.spec.runtime.value).adopt(plan)
             started = job.started_at.timestamp() if job.started_at else now
@@ -49,12 +52,15 @@ class Recovery(Launch):
                 attempt.stop(JobState.cancelled, "cancelled by the user", now, grace, False)
             elif job.park is not None and job.park.phase == "parking":  # committed: stop them
                 attempt.stop(JobState.parked, job.park.reason, now, grace, retry=False)
-            elif job.state == JobState.starting and self._held(job.spec.runtime.value, ranks):
+            elif job.state != JobState.running and self._held(job.spec.runtime.value, ranks):
                 attempt.held = True  # still in the runtime's queue, or started meanwhile
-            elif job.state == JobState.starting:
+                attempt.held_why = job.reason if job.state == JobState.queued else None
+            elif job.state != JobState.running:
                 reason = "the service stopped while the job was starting"
                 attempt.stop(JobState.failed, reason, now, grace, retry=True)
         for job_id, user, need, priority, spec_json, retry_at in store.pending_rows():
+            if job_id in self._attempts:  # handed to its runtime's queue: adopted above
+                continue
             spec = JobSpec.model_validate_json(spec_json)
             self._pending[job_id] = (
                 Pending(job_id, user, 0 if _outside(spec) else need, priority, spec.timeout_s),

@@ -157,7 +157,7 @@ class SlotViews(ManagerCore):
         holders = tuple(
             Holder(
                 a.job_id, a.kind, a.user, a.plan.slots, a.started, a.deadline,
-                a.stop_state is not None,
+                a.stop_state is not None, name=a.plan.spec.name,
             )  # fmt: skip
             for a in attempts
         )

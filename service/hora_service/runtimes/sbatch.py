@@ -60,6 +60,7 @@ class SlurmOptions:
     Attributes:
         slots_per_node: ranks' GPUs (or CPU ranks) one node holds; jobs span
             ``ceil(workers * gpus_per_worker / slots_per_node)`` nodes unless they say.
+            None: what the partition's nodes report (their GPUs, or CPUs), asked of Slurm.
         gpus: ask Slurm for GPUs (``--gres=gpu:G``); False on a CPU-only partition.
         partition, account, qos: passed as ``--partition``, ``--account``, ``--qos``.
         high_qos: QoS for ``priority: high`` jobs (None: ``qos``).
@@ -70,7 +71,7 @@ class SlurmOptions:
         grace_s: added to ``timeout_s`` in ``--time``: hora stops the job itself first.
     """
 
-    slots_per_node: int = 1
+    slots_per_node: int | None = None
     gpus: bool = True
     partition: str | None = None
     account: str | None = None

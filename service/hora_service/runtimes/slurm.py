@@ -24,7 +24,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import shutil
 import signal
 import socket
@@ -39,6 +38,7 @@ from hora.env import RankEnv
 from hora.errors import HoraError, SpecError
 from hora.net import route_source
 from hora.spec import JobSpec
+from hora.words import count
 
 from hora_service.models import SlotInfo
 from hora_service.reasons import runtime_reason
@@ -52,6 +52,7 @@ from hora_service.runtimes.sbatch import (
     layout_for,
     render_sbatch,
 )
+from hora_service.runtimes.slurm_facts import Partition, fields, gpu_holders, parse_partition
 
 if TYPE_CHECKING:
     from hora_service.settings import Settings
@@ -68,6 +69,12 @@ DOWN_RETRY_S = 5.0  # after a failed squeue, the monitor asks again only this mu
 CACHE_S = 0.3
 CMD_TIMEOUT_S = 20.0
 SIGNAL_EVERY_S = 1.0
+DEFAULT_CONF = Path("/etc/slurm/slurm.conf")  # where Slurm's commands look without SLURM_CONF
+FACTS_S = 30.0  # how long what the partition offers is kept (a failed look: DOWN_RETRY_S)
+CONFIGURE = (
+    "set HORA_SLURM_CONF to the cluster's slurm.conf (and HORA_SLURM_BIN_DIR to where "
+    "sbatch is) for the slurm runtime"
+)
 
 
 class SlurmError(HoraError):
@@ -106,10 +113,11 @@ class SlurmRuntime(Runtime):
     def __init__(self, opts: SlurmOptions, instance: str, conf: str | None, bin_dir: str | None):
         self.opts = opts
         self.instance = instance
-        self.conf = conf
+        self.conf = conf or None  # an empty SLURM_CONF names no file
         self.path = bin_dir or os.environ.get("PATH", "/usr/bin:/bin")
         self._cache = _Cache()
         self._signalled: dict[tuple[str, int], float] = {}
+        self._facts: tuple[float, Partition | SlurmError] | None = None  # (until, answer)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> SlurmRuntime:
@@ -166,9 +174,77 @@ class SlurmRuntime(Runtime):
 
     # checks and start ---------------------------------------------------------------------
 
+    def partition(self) -> Partition:
+        """What the partition offers a job, as Slurm reports it (kept :data:`FACTS_S`).
+
+        Raises:
+            SlurmError: Slurm's commands cannot say (missing, no configuration, the
+                controller down, no such partition); the message says which.
+        """
+        now = time.monotonic()
+        if self._facts is None or now >= self._facts[0]:
+            try:
+                self._configured()
+                found: Partition | SlurmError = parse_partition(
+                    self._ask("scontrol", "show", "partition", "-o"),
+                    self._ask("scontrol", "show", "node", "-o"), self.opts.partition,
+                )  # fmt: skip
+            except (SlurmError, ValueError) as e:
+                found = e if isinstance(e, SlurmError) else SlurmError(str(e))
+            keep = DOWN_RETRY_S if isinstance(found, SlurmError) else FACTS_S
+            self._facts = (now + keep, found)
+        if isinstance(self._facts[1], SlurmError):
+            raise self._facts[1]
+        return self._facts[1]
+
+    def _configured(self) -> None:
+        """Refuse at once where no ``slurm.conf`` is named or found (nothing to ask).
+
+        Raises:
+            SlurmError: no ``HORA_SLURM_CONF`` / ``SLURM_CONF`` and no default file, or the
+                named file does not exist.
+        """
+        if self.conf is None and not DEFAULT_CONF.exists():
+            raise SlurmError(
+                f"no slurm.conf: neither HORA_SLURM_CONF nor SLURM_CONF is set and "
+                f"{DEFAULT_CONF} does not exist"
+            )
+        if self.conf is not None and not Path(self.conf).exists():
+            raise SlurmError(f"the slurm.conf {self.conf} does not exist")
+
+    def _ask(self, *argv: str) -> str:
+        """What a Slurm command printed; its error as a :class:`SlurmError`."""
+        proc = self.run(*argv)
+        if proc.returncode != 0:
+            said = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
+            raise SlurmError(f"{argv[0]}: {said[-1] if said else f'exit {proc.returncode}'}")
+        return proc.stdout
+
+    def slots_per_node(self) -> int:
+        """Slots a node gives a job: the admin's ``slurm_slots_per_node``, else Slurm's word.
+
+        Raises:
+            SlurmError: see :meth:`partition`.
+        """
+        if self.opts.slots_per_node is not None:
+            return self.opts.slots_per_node
+        part = self.partition()
+        per = part.slots_per_node(self.opts.gpus)
+        if per < 1:
+            raise SlurmError(
+                f"a node of partition {part.name!r} reports no GPU (Gres): set "
+                "HORA_SLURM_GPUS=false for CPU ranks, or HORA_SLURM_SLOTS_PER_NODE"
+            )
+        return per
+
     def layout(self, spec: JobSpec) -> Layout:
-        """Nodes and ranks per node of ``spec`` on this cluster."""
-        return layout_for(spec.workers, spec.gpus_per_worker, self.opts.slots_per_node, None)
+        """Nodes and ranks per node of ``spec`` on this cluster.
+
+        Raises:
+            SlurmError: what a node holds cannot be learnt from Slurm.
+            SpecError: the ranks do not fit the nodes (see :func:`layout_for`).
+        """
+        return layout_for(spec.workers, spec.gpus_per_worker, self.slots_per_node(), None)
 
     def _check(self, spec: JobSpec) -> None:
         if spec.image is not None:
@@ -177,11 +253,19 @@ class SlurmRuntime(Runtime):
                 "the slurm runtime runs the nodes' own Python environment: no container "
                 "launcher is enabled on the nodes, so a slurm job cannot name an image",
             )
-        self.layout(spec)
         try:
             self.tool("sbatch")
+            layout, part = self.layout(spec), self.partition()
         except SlurmError as e:
-            raise SpecError("runtime", str(e)) from None
+            raise SpecError("runtime", f"no Slurm cluster answers: {e}; {CONFIGURE}") from None
+        if layout.nodes > part.nodes:
+            unit, g = ("GPU" if self.opts.gpus else "slot"), spec.gpus_per_worker
+            raise SpecError(
+                "workers",
+                f"asks for {count(spec.workers, 'worker')} x {count(g, unit)}: "
+                f"{count(layout.nodes, 'node')} of {count(layout.per_node * g, unit)}; "
+                f"partition {part.name} gives a job at most {count(part.nodes, 'node')}",
+            )
 
     def _start(self, plan: AttemptPlan, base_env: dict[str, str]) -> list[RankProcess]:
         layout = self.layout(plan.spec)
@@ -329,31 +413,7 @@ class SlurmRuntime(Runtime):
         except SlurmError as e:
             log.warning("cannot list the cluster's GPUs: %s", e)
             return []
-        held: dict[tuple[str, int], tuple[str, str]] = {}
-        for line in jobs:
-            f = _fields(line)
-            if f.get("JobState") != "RUNNING":
-                continue
-            user = f.get("UserId", "").split("(")[0]
-            for hosts, gres in _GRES_DETAIL.findall(line):
-                for host in expand_hosts(hosts):
-                    for i in _indices(gres):
-                        held[(host, i)] = (f.get("JobId", ""), user)
-        out = []
-        for line in nodes:
-            f = _fields(line)
-            name = f.get("NodeName", "")
-            for i in range(_gpu_count(f.get("Gres", ""))):
-                job, user = held.get((name, i), ("", ""))
-                mine = hora.get(job)
-                out.append(SlotInfo(
-                    index=i, kind="gpu", name=f"{name}:gpu{i}", node=name,
-                    slurm_job=job or None,
-                    job_id=mine[0] if mine else None,
-                    user=mine[1] if mine else (user or None),
-                    holder_kind=mine[2] if mine else ("slurm" if job else None),
-                ))  # fmt: skip
-        return out
+        return gpu_holders(nodes, jobs, hora)
 
     def address_towards_nodes(self) -> tuple[str, str]:
         """The first node and the address of this machine that reaches it (no packet is sent).
@@ -363,7 +423,7 @@ class SlurmRuntime(Runtime):
             OSError: the node's address cannot be resolved or routed to.
         """
         proc = self.run("scontrol", "show", "node", "-o")
-        nodes = [_fields(line) for line in proc.stdout.splitlines()]
+        nodes = [fields(line) for line in proc.stdout.splitlines()]
         named = [f for f in nodes if f.get("NodeName")]
         if proc.returncode != 0 or not named:
             raise SlurmError(f"scontrol lists no node: {proc.stderr.strip() or proc.stdout}")
@@ -380,8 +440,8 @@ class SlurmRuntime(Runtime):
         if proc.returncode != 0:
             raise SlurmError(f"scontrol lists no node: {proc.stderr.strip() or proc.stdout}")
         found = set()
-        for fields in map(_fields, proc.stdout.splitlines()):
-            name = fields.get("NodeAddr") or fields.get("NodeName")
+        for node in map(fields, proc.stdout.splitlines()):
+            name = node.get("NodeAddr") or node.get("NodeName")
             if not name:
                 continue
             with contextlib.suppress(OSError):
@@ -458,54 +518,6 @@ class SlurmRuntime(Runtime):
                 "filesystem every node shares?"
             )
         return None  # the ranks' own exit codes say it
-
-
-_GRES_DETAIL = re.compile(r"Nodes=(\S+) CPU_IDs=\S+ Mem=\S+ GRES=(\S+)")
-
-
-def _fields(line: str) -> dict[str, str]:
-    return dict(p.split("=", 1) for p in line.split() if "=" in p)
-
-
-def _gpu_count(gres: str) -> int:
-    """GPUs in a node's ``Gres=`` (``gpu:2``, ``gpu:a100:4(S:0)``); 0 without any."""
-    total = 0
-    for item in gres.split(","):
-        parts = item.split("(")[0].split(":")
-        if parts[0] == "gpu" and parts[-1].isdigit():
-            total += int(parts[-1])
-    return total
-
-
-def _indices(gres: str) -> list[int]:
-    """GPU indices of a job's ``GRES=gpu:2(IDX:0-1)`` detail."""
-    m = re.search(r"IDX:([0-9,-]+)", gres)
-    if m is None or not gres.startswith("gpu"):
-        return []
-    out: list[int] = []
-    for part in m.group(1).split(","):
-        lo, _, hi = part.partition("-")
-        out += list(range(int(lo), int(hi or lo) + 1))
-    return out
-
-
-def expand_hosts(nodelist: str) -> list[str]:
-    """Slurm's host list syntax, expanded.
-
-    Example:
-        >>> expand_hosts("n[1-2],gpu[03-04,07],login")
-        ['n1', 'n2', 'gpu03', 'gpu04', 'gpu07', 'login']
-    """
-    out: list[str] = []
-    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", nodelist):
-        if plain:
-            out.append(plain)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            width = len(lo)
-            out += [f"{prefix}{i:0{width}d}" for i in range(int(lo), int(hi or lo) + 1)]
-    return out
 
 
 def _hora_lines(out: Path) -> str | None:

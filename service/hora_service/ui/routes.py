@@ -25,7 +25,8 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from hora_service.api.deps import owned_job
-from hora_service.api.logstream import complete_prefix, file_size, read_chunk
+from hora_service.api.logstream import file_size, read_chunk
+from hora_service.api.workerlog import rank_log
 from hora_service.jobpreflight import job_preflight
 from hora_service.jobtrace import job_scaling
 from hora_service.manager import JobManager
@@ -145,6 +146,9 @@ def pool(request: Request, who: ViewerDep) -> dict[str, Any]:
             "holder": None if h is None else {
                 "kind": h.kind, "id": h.id, "user": h.user, "since": h.since,
                 "ends_at": h.ends_at, "what": h.what,
+                # a job's name is its owner's to see (another user's is not shown, as in
+                # the queue)
+                "name": h.name if who.user.is_admin or h.user == who.user.name else None,
             },
             "gpu": gpu.model_dump() if gpu is not None else None,
         })  # fmt: skip
@@ -167,9 +171,10 @@ def queue(request: Request, who: ViewerDep) -> list[dict[str, Any]]:
 
 
 def _row(job: JobRecord) -> dict[str, Any]:
+    size = job.elastic.label if job.elastic is not None else None  # now/min..max
     return {
         "id": job.id, "kind": job.kind, "name": job.spec.name, "user": job.user,
-        "state": job.state.value, "workers": job.spec.workers,
+        "state": job.state.value, "workers": job.spec.workers, "size": size,
         "gpus_per_worker": job.spec.gpus_per_worker, "priority": job.spec.priority.value,
         "attempt": job.attempt, "reason": job.reason, "created_at": job.created_at.isoformat(),
         "started_at": job.started_at.isoformat() if job.started_at else None,
@@ -225,15 +230,13 @@ async def logs(
 ) -> dict[str, Any]:
     """One rank's log of the current attempt from ``offset`` (the page polls for more)."""
     record = await _visible(request, job_id, who.user)
-    if rank >= record.spec.workers:
-        raise HTTPException(422, f"job {job_id} has ranks 0..{record.spec.workers - 1}")
     try:
-        path = _mgr(request).log_path(record.id, rank, record.attempt)
+        path, take = rank_log(_mgr(request), record, rank, record.attempt)
     except SpecError as e:
         raise HTTPException(422, str(e)) from None
     data, size = await run_in_threadpool(_read, path, offset)
     over = record.state.terminal
-    text, used = complete_prefix(data, final=over and offset + len(data) >= size)
+    text, used = take(data, over and offset + len(data) >= size)
     complete = over and offset + used >= size
     return {"text": text, "next": offset + used, "attempt": record.attempt, "complete": complete}
 

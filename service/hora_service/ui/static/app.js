@@ -152,7 +152,9 @@ async function viewPool() {
       const h = s.holder;
       const mine = h && (me.is_admin || h.user === me.user); // another user's job is not shown
       // h.what: a holder outside this service (another hora service, a notebook's engines)
-      const holder = !h ? "" : h.what ? h.what : mine ? el("a", { href: `#/job/${h.id}` }, `${h.kind} ${h.id}`) : `${h.kind} ${h.id}`;
+      // a job or session of the viewer's: its name too, linked to its page
+      const named = h && h.name ? `${h.kind} ${h.id} (${h.name})` : h ? `${h.kind} ${h.id}` : "";
+      const holder = !h ? "" : h.what ? h.what : mine ? el("a", { href: `#/job/${h.id}`, class: "holder" }, named) : named;
       const g = s.gpu;
       const mem = g && g.memory_total_mib ? `${Math.round(g.memory_used_mib)} / ${Math.round(g.memory_total_mib)} MiB` : "";
       const util = g && g.utilization_pct !== null ? [el("span", { class: "barbox" }, bar(g.utilization_pct)), `${g.utilization_pct}%`] : "";
@@ -191,7 +193,7 @@ async function viewQueue() {
   const rows = entries.map((e) => [
     e.position,
     e.id ? el("a", { href: `#/job/${e.id}` }, `${e.kind} ${e.id}`) : el("span", { class: "muted" }, "another user's"),
-    e.name || "", e.user || "", e.need, e.priority, e.queued_at ? since(e.queued_at) : "",
+    e.id && e.name ? el("a", { href: `#/job/${e.id}`, class: "job-name" }, e.name) : e.name || "", e.user || "", e.need, e.priority, e.queued_at ? since(e.queued_at) : "",
     reasonCell(e.reason),
   ]);
   page("Queue", entries.length ? table(["#", "job", "name", "user", "slots", "priority", "queued", "why it waits"], rows)
@@ -205,8 +207,10 @@ async function viewJobs() {
   const data = await call(`/ui/api/jobs?${q}`);
   const filters = document.getElementById("filters") || jobFilterBar();
   const rows = data.items.map((j) => [
-    el("a", { href: `#/job/${j.id}` }, String(j.id)), j.kind, j.name, j.user, stateTag(j.state),
-    `${j.workers}x${j.gpus_per_worker}`, j.priority, j.attempt, since(j.created_at), j.reason || "",
+    el("a", { href: `#/job/${j.id}` }, String(j.id)), j.kind,
+    el("a", { href: `#/job/${j.id}`, class: "job-name" }, j.name), j.user, stateTag(j.state),
+    j.size ? `size ${j.size}${j.gpus_per_worker > 1 ? ` x${j.gpus_per_worker}` : ""}` : `${j.workers}x${j.gpus_per_worker}`,
+    j.priority, j.attempt, since(j.created_at), j.reason || "",
   ]);
   page("Jobs", filters, table(["id", "kind", "name", "user", "state", "workers", "priority", "attempt", "submitted", "reason"], rows),
     el("p", { class: "muted" }, `${data.items.length} shown of ${data.total}`));
@@ -226,10 +230,17 @@ function jobFilterBar() {
   return bar;
 }
 
+// The ranks a job's page shows: an elastic job's current world (each rank is a worker, which
+// a re-formed world may change: the panes are built again), else its workers.
+function rankCount(job) {
+  return job.elastic && job.elastic.size ? job.elastic.size : job.spec.workers;
+}
+
 async function viewJob(id) {
   const job = await call(`/ui/api/jobs/${encodeURIComponent(id)}`);
-  if (!logs || logs.job !== job.id || logs.attempt !== job.attempt) {
-    logs = { job: job.id, attempt: job.attempt, next: {}, done: {}, built: false, timeline: false };
+  const world = job.elastic ? job.elastic.generation : 0;
+  if (!logs || logs.job !== job.id || logs.attempt !== job.attempt || logs.world !== world) {
+    logs = { job: job.id, attempt: job.attempt, world, next: {}, done: {}, built: false, timeline: false };
   }
   if (!logs.built) buildJobPage(job);
   fillJob(job);
@@ -238,7 +249,7 @@ async function viewJob(id) {
 }
 
 function buildJobPage(job) {
-  const ranks = Math.min(job.spec.workers, 16);
+  const ranks = Math.min(rankCount(job), 16);
   const panes = [];
   for (let r = 0; r < ranks; r++) {
     panes.push(el("div", { class: "rank" }, el("h3", { id: `log-head-${r}` }, `rank ${r}`), el("pre", { id: `log-${r}` })));
@@ -255,7 +266,7 @@ function buildJobPage(job) {
     el("div", { class: "grid2" },
       el("div", {}, el("h2", {}, "Transitions"), el("div", { id: "transitions" }), el("h2", {}, "Exit codes"), el("div", { id: "exit-codes" })),
       el("div", {}, el("h2", {}, "Spec"), el("pre", { class: "spec", id: "spec" }, JSON.stringify(job.spec, null, 2)))),
-    el("h2", {}, "Logs", job.spec.workers > ranks ? ` (first ${ranks} of ${job.spec.workers} ranks)` : ""),
+    el("h2", {}, "Logs", rankCount(job) > ranks ? ` (first ${ranks} of ${rankCount(job)} ranks)` : ""),
     el("div", { class: "ranks" }, panes),
     el("div", { id: "timeline-box" }),
     el("div", { id: "scaling-box" }));
@@ -292,8 +303,8 @@ function fillJob(job) {
     : el("p", { class: "muted" }, ["starting", "running"].includes(job.state) ? "every rank is running" : "no rank has run yet"));
 }
 
-// The communication preflight rank 0 logged at hora.torch.init(): its line, what is far below
-// its reference, and each rank's figures on each path.
+// The communication preflight rank 0 measured at hora.torch.init(): its line, what is far
+// below its node's recorded baseline, and each rank's figures on each path.
 function fillPreflight(p, kind) {
   const box = document.getElementById("job-preflight");
   box.hidden = !p;
@@ -307,12 +318,13 @@ function fillPreflight(p, kind) {
   }
   const failed = p.failed ? [el("p", { class: "error", id: "preflight-failed" }, `${kind === "session" ? "failed %dist_start" : "failed the job"}: ${p.failed}`)] : [];
   box.replaceChildren(el("h2", {}, "Preflight"), el("p", { id: "preflight-line" }, p.line), ...failed,
-    slow.length ? el("ul", { id: "preflight-slow" }, slow) : el("p", { class: "muted" }, "no rank or link far below its reference"),
+    slow.length ? el("ul", { id: "preflight-slow" }, slow)
+      : el("p", { class: "muted" }, p.baseline ? "no rank or link far below its baseline" : "no baseline recorded: nothing judged"),
     table(["path", "rank", "host", "latency us", "copy GB/s", "busbw GB/s", "waited s"], rows));
 }
 
 async function pollLogs(job) {
-  const ranks = Math.min(job.spec.workers, 16);
+  const ranks = Math.min(rankCount(job), 16);
   if (job.state === "queued") return;
   await Promise.all([...Array(ranks).keys()].map(async (r) => {
     if (logs.done[r]) return;
@@ -325,9 +337,10 @@ async function pollLogs(job) {
         pre.append(chunk.text);
         if (bottom) pre.scrollTop = pre.scrollHeight;
       }
+      const moved = chunk.next !== (logs.next[r] || 0); // an elastic rank may skip others' lines
       logs.next[r] = chunk.next;
       if (chunk.complete) logs.done[r] = true;
-      if (!chunk.text || chunk.complete) break;
+      if (!moved || chunk.complete) break;
     }
   }));
 }
@@ -417,7 +430,8 @@ function span(us) {
 async function viewSessions() {
   const items = await call("/ui/api/sessions");
   const rows = items.map((s) => [
-    el("a", { href: `#/job/${s.id}` }, String(s.id)), s.name, s.user, stateTag(s.state), s.workers,
+    el("a", { href: `#/job/${s.id}` }, String(s.id)), el("a", { href: `#/job/${s.id}`, class: "job-name" }, s.name),
+    s.user, stateTag(s.state), s.workers,
     (s.slots || []).join(","), s.state === "running" ? ago(s.idle_s) : "",
     s.stop_in_s !== null && s.stop_in_s !== undefined ? ago(s.stop_in_s) : (s.state === "running" ? "no timeout" : ""),
     s.park ? mib(s.park.bytes) : "",
