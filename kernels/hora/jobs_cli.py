@@ -24,6 +24,7 @@ from typing import Any, TextIO
 
 from hora.client import Client, Job, JobInfo, parse_spec
 from hora.errors import HoraError, SpecError
+from hora.export import DEFAULT_EXPORT, with_export
 from hora.spec import ElasticInfo, JobState, Priority
 
 EXIT_FOR_STATE = {JobState.succeeded: 0, JobState.failed: 1, JobState.cancelled: 130}
@@ -74,7 +75,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--priority", choices=[p.value for p in Priority], default="normal")
     s.add_argument("--max-retries", type=int, default=0, help="retries after a failed attempt")
     s.add_argument("--timeout", type=float, default=None, help="seconds before the job is killed")
-    s.add_argument("--workdir", default=None, help="working directory of the ranks")
+    s.add_argument(
+        "--workdir",
+        default=None,
+        help="working directory of the ranks (default: this directory when it lies under the "
+        "service's work root, else the service's default)",
+    )
+    s.add_argument(
+        "--export",
+        default=",".join(DEFAULT_EXPORT),
+        metavar="NAMES|NONE",
+        help="what the job takes from here, as sbatch --export: these variables (default "
+        f"{','.join(DEFAULT_EXPORT)}) and this directory; NONE: nothing (the service's "
+        "environment and default working directory)",
+    )
     s.add_argument(
         "--submission-id", default=None, help="idempotency key: resubmitting returns the same job"
     )
@@ -186,7 +200,8 @@ def spec_from_args(args: argparse.Namespace) -> Any:
         "runtime": args.runtime or ("docker" if args.image else "local"),
         "elastic": parse_elastic(args.elastic) if args.elastic is not None else None,
     }
-    return parse_spec({k: v for k, v in data.items() if v is not None})
+    given = {k: v for k, v in data.items() if v is not None}
+    return parse_spec(with_export(given, args.export))
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -373,13 +388,45 @@ def state_line(info: JobInfo) -> str:
     return f"job {info.id}: {info.state.value}{attempt}{reason}\n"
 
 
+def new_state_lines(info: JobInfo, shown: int) -> list[str]:
+    """Lines for the state changes after the first ``shown`` of ``info.transitions``.
+
+    Every change is shown, also those that came and went between two looks at the job (a
+    quick retry); the newest one with its attempt.
+
+    Example:
+        >>> from hora.spec import Transition
+        >>> at = datetime(2024, 1, 1, tzinfo=UTC)
+        >>> moves = [Transition(state=s, at=at) for s in ("running", "retrying", "starting")]
+        >>> info = JobInfo(id=7, user="a", spec={"command": ["x"]}, state="starting",
+        ...                attempt=2, transitions=moves)
+        >>> print("".join(new_state_lines(info, 1)), end="")
+        job 7: retrying
+        job 7: starting (attempt 2)
+    """
+    moves = info.transitions[shown:]
+    if not moves:
+        return [state_line(info)] if not info.transitions else []
+    lines = [f"job {info.id}: {t.state.value}" + (f": {t.reason}" if t.reason else "") + "\n"
+             for t in moves[:-1]]  # fmt: skip
+    return [*lines, state_line(info)]
+
+
 def follow_job(job: Job, rank: int, out: TextIO, err: TextIO) -> JobInfo:
     """Print state changes (to ``err``) and ``rank``'s log (to ``out``) until the job ends.
 
     Returns:
         The final record.
     """
-    for text in job.follow(rank, on_state=lambda info: _out(err, state_line(info))):
+    shown = 0
+
+    def on_state(info: JobInfo) -> None:
+        nonlocal shown
+        for line in new_state_lines(info, shown):
+            _out(err, line)
+        shown = max(shown, len(info.transitions))
+
+    for text in job.follow(rank, on_state=on_state):
         _out(out, text)
     return job.info or job.status()
 
@@ -414,6 +461,8 @@ def cmd_submit(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         job = client.submit_spec(spec)
         state = job.info.state.value if job.info else "queued"
         _out(err if args.wait else out, f"submitted job {job.id} ({spec.name}): {state}\n")
+        if job.info is not None and job.info.reason and not args.wait:  # --wait shows it too
+            _out(err, f"hora submit: note: {job.info.reason}\n")
         if not args.wait:
             return 0
         try:

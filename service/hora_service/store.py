@@ -361,16 +361,26 @@ class Store:
     # jobs -------------------------------------------------------------------------------
 
     def insert_job(
-        self, conn: Connection, user: str, spec: JobSpec, at: float, kind: str = "job"
+        self,
+        conn: Connection,
+        user: str,
+        spec: JobSpec,
+        at: float,
+        kind: str = "job",
+        reason: str | None = None,
     ) -> int:
-        """Insert a queued job (or session) with its first transition; return its id."""
+        """Insert a queued job (or session) with its first transition; return its id.
+
+        ``reason``: a note on the submission (where it runs), the queued state's reason.
+        """
         row = conn.execute(
             text(
-                "INSERT INTO jobs "
-                "(user, user_id, submission_id, spec, state, priority, need, created_at, kind) "
-                f"VALUES (:u, {USER_ID}, :sid, :spec, :st, :p, :need, :t, :kind) RETURNING id"
+                "INSERT INTO jobs (user, user_id, submission_id, spec, state, priority, need, "
+                "created_at, kind, reason) "
+                f"VALUES (:u, {USER_ID}, :sid, :spec, :st, :p, :need, :t, :kind, :r) RETURNING id"
             ),
             {
+                "r": reason,
                 "kind": kind,
                 "u": user,
                 "sid": spec.submission_id,
@@ -382,7 +392,7 @@ class Store:
             },
         ).one()
         job_id = int(row[0])
-        self.add_transition(conn, job_id, JobState.queued, at, None)
+        self.add_transition(conn, job_id, JobState.queued, at, reason)
         return job_id
 
     def job_by_submission(self, conn: Connection, user: str, submission_id: str) -> int | None:

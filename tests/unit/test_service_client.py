@@ -208,7 +208,8 @@ def test_submit_args_become_spec() -> None:
     spec = spec_from_args(args)
     assert spec.command == ["python", "train.py", "--epochs", "3"]
     assert (spec.workers, spec.gpus_per_worker, spec.name) == (2, 1, "digits")
-    assert spec.env == {"A": "1", "B": "x=y"}
+    assert {k: spec.env[k] for k in ("A", "B")} == {"A": "1", "B": "x=y"}
+    assert spec.env["PATH"] == os.environ["PATH"]  # exported from here (tests/unit/test_export.py)
     assert (spec.priority.value, spec.max_retries, spec.timeout_s, spec.submission_id) == (
         "high",
         2,

@@ -71,12 +71,13 @@ class Launch(ElasticSlots, Admission):
         try:
             who = self.users.run_as(job.user_id) if self.user_mode == "multi" else None
             workdir = self.workdir(job.spec, job.user)
-            plan = self._plan(job, n, slots, workdir, free_port(), who)
             try:
-                self.bounds.preflight(job.spec, workdir, who, self._driver_python(job.spec))
+                driver = self._driver_python(job.spec)
+                kept = self.bounds.preflight(job.spec, workdir, who, driver, job.kind)
             except SpecError:
                 retry = False  # the job's account cannot start it: a retry would not either
                 raise
+            plan = self._plan(job, n, slots, workdir, free_port(), who, kept)
             runtime = self._runtime(job.spec.runtime.value)
             self._offer(plan)
             ranks = runtime.start(plan, self._base_env)
@@ -128,6 +129,7 @@ class Launch(ElasticSlots, Admission):
         workdir: Path,
         port: int,
         run_as: identity.RunAs | None = None,
+        kept: Sequence[Path] = (),
     ) -> AttemptPlan:
         if self._containment is None:
             self._containment = detect(self.settings.containment, self.settings.data_dir)
@@ -157,7 +159,7 @@ class Launch(ElasticSlots, Admission):
             rdzv_secret=new_rdzv_secret(),
             private_network=self.settings.job_private_network and job.kind != "session",
             work_root=self.settings.work_root,
-            tmp_paths=tuple(self.settings.job_tmp_paths),
+            tmp_paths=(*self.settings.job_tmp_paths, *kept),
             driver=driver,
         )
 
