@@ -150,11 +150,13 @@ class Bounds:
         # as namespaces.wanted() decides it: a job (not a session) run as its account
         private = local and who is not None and self.settings.job_private_network
         private = private and kind == "job"
-        visible = (workdir, self.settings.work_root, *self.settings.job_tmp_paths)
+        # job_tmp_paths too only where the account reaches them: a bind mount never widens
+        # what it can reach (a checkout in a mktemp -d directory stays out of its jobs)
+        given = (*map(str, self.settings.job_tmp_paths), *namespaces.given_paths(env, program))
         sight = preflight.Sight(
             private_tmp=private,
-            visible=tuple(str(p) for p in visible),
-            given=namespaces.given_paths(env, program) if private else (),
+            visible=(str(workdir), str(self.settings.work_root)),
+            given=given if private else (),
         )
         kept = preflight.check(
             who, workdir, program, path,

@@ -135,6 +135,7 @@ def serve(args: argparse.Namespace) -> int:
     sys.stdout.write(f"hora service on {where}\n")
     sys.stdout.flush()
     app = create_app(settings)
+    app.state.manager.check_start()  # a refusal as one line, not a lifespan traceback
     server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port))
     # uvicorn shuts down cleanly on SIGINT/SIGTERM, then re-raises the signal: make that a
     # KeyboardInterrupt so that a requested stop exits 0

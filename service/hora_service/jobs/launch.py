@@ -159,7 +159,7 @@ class Launch(ElasticSlots, Admission):
             rdzv_secret=new_rdzv_secret(),
             private_network=self.settings.job_private_network and job.kind != "session",
             work_root=self.settings.work_root,
-            tmp_paths=(*self.settings.job_tmp_paths, *kept),
+            tmp_paths=tuple(kept),
             driver=driver,
         )
 

@@ -43,8 +43,7 @@ class Monitor(Recovery):
                 all run as this service's account without anyone having opted in); in
                 multi-user mode, a work root the job accounts cannot enter.
         """
-        self.users.check_start(self.settings.db_path)
-        self.users.check_work_root()
+        self.check_start()
         self.users.make_homes_private()
         with self._lock:
             self._recover()
@@ -52,6 +51,14 @@ class Monitor(Recovery):
         self._thread = threading.Thread(target=self._loop, name="hora-monitor", daemon=True)
         self._thread.start()
         log.info("job manager started: %d %s slot(s)", len(self.inventory), self._kind)
+
+    def check_start(self) -> None:
+        """Refuse to start on a store or a work root this service cannot serve (see start).
+
+        ``hora serve`` calls it before uvicorn too, so that a refusal is one line.
+        """
+        self.users.check_start(self.settings.db_path)
+        self.users.check_work_root()
 
     def stop(self) -> None:
         """Stop the monitor loop and close the store; running jobs keep running.

@@ -96,11 +96,11 @@ def _below_private(path: str) -> bool:
 def holder_config(plan: AttemptPlan, release: str | None = None) -> dict[str, object]:
     """What the holder reads on its stdin: cgroups to join, paths to keep, ``hidepid``.
 
-    The work root, the working directory, the ``job_tmp_paths`` directories and those the
-    job was given that its account reaches (``plan.tmp_paths``) stay visible at their paths
-    when they lie under ``/tmp`` or ``/dev/shm`` (their own modes keep users' directories
-    apart); nothing else of the host's ``/tmp`` does. The holder binds each through real
-    directories only, never through a symlink.
+    The work root, the working directory and ``plan.tmp_paths`` (what of ``job_tmp_paths``
+    and of the directories the job was given its account reaches) stay visible at their
+    paths when they lie under ``/tmp`` or ``/dev/shm`` (their own modes keep users'
+    directories apart); nothing else of the host's ``/tmp`` does. The holder binds each
+    through real directories only, never through a symlink.
 
     Example:
         >>> holder_config(plan)["keep"]  # doctest: +SKIP

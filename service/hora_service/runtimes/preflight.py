@@ -47,10 +47,9 @@ class Sight:
 
     Attributes:
         private_tmp: the job gets its own (:mod:`hora_service.runtimes.namespaces`).
-        visible: directories there that stay visible (working directory, work root,
-            ``job_tmp_paths``).
-        given: directories there the job was given (:func:`~hora_service.runtimes.
-            namespaces.given_paths`): those its account reaches stay visible too.
+        visible: directories there that stay visible (working directory, work root).
+        given: directories there the job was given (``job_tmp_paths``, :func:`~hora_service.
+            runtimes.namespaces.given_paths`): those its account reaches stay visible too.
     """
 
     private_tmp: bool = False

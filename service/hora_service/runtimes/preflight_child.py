@@ -73,9 +73,7 @@ def reachable(path: str) -> bool:
 
 
 def _usable(path: str, who: str, view: View) -> "str | None":
-    """None: no such file (for the job); "": it can be executed; else why it cannot."""
-    if view.hides(path):
-        return None
+    """None: no such file; "": it can be executed; else why it cannot (as the job sees it)."""
     try:
         st = os.stat(path)
     except OSError as e:
@@ -84,6 +82,8 @@ def _usable(path: str, who: str, view: View) -> "str | None":
         target = os.path.realpath(path)  # a venv's python is a link into a private directory
         leads = f" (it leads to {target})" if target != path else ""
         return f"{path}{leads}: {e.strerror}"
+    if view.hides(path):
+        return view.hidden(path)
     target = os.path.realpath(path)
     if view.hides(target):
         return f"{path} leads to {target}; {view.hidden(target)}"
@@ -124,8 +124,7 @@ def _program(prog: str, wd: str, path_env: str, who: str, view: View) -> "dict[s
         full = os.path.join(wd, prog)
         why = _usable(full, who, view)
         if why is None:
-            gone = f"{full} does not exist (as seen by {who})"
-            why = view.hidden(full) if view.hides(full) else gone
+            return {"field": "command", "message": f"{full} does not exist (as seen by {who})"}
         return {"field": "command", "message": why} if why else {}
     problems = []
     for d in path_env.split(os.pathsep):
@@ -135,8 +134,6 @@ def _program(prog: str, wd: str, path_env: str, who: str, view: View) -> "dict[s
             return {}
         if why is not None:
             problems.append(why)
-        elif view.hides(where) and os.path.lexists(where):
-            problems.append(view.hidden(where))
     more = ("; " + "; ".join(problems[:3])) if problems else ""
     message = f"{prog!r} is not found on the job's PATH ({path_env}) by {who}{more}"
     return {"field": "command", "message": message}
@@ -148,11 +145,10 @@ def _env_dirs(env: "dict[str, str]", who: str, view: View) -> "dict[str, str]":
         path = env.get(name)
         if not path:
             continue
-        if view.hides(path):
+        why = _enter(path)  # as the account on the host first: Permission denied says most
+        why = f"{who} cannot use {path}: {why}" if why else ""
+        if not why and view.hides(path):
             why = view.hidden(path)
-        else:
-            why = _enter(path)
-            why = f"{who} cannot use {path}: {why}" if why else ""
         if why:
             message = (
                 f"{why} ({name} in the job's env, which hora submit and the client take from "
