@@ -98,7 +98,7 @@ env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK
        "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
        "HORA_START_TIMEOUT": "2", "HORA_TIMEOUT": "2"}
 r = subprocess.run([sys.executable, "-c", join], env=env, capture_output=True, text=True,
-                   timeout=60)
+                   timeout=240)
 print("LEAK join: joined" if "JOINED" in r.stdout else f"join: failed ({r.returncode})",
       flush=True)
 print(r.stderr.strip().splitlines()[-1:] if r.returncode else "", flush=True)
