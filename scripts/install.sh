@@ -57,14 +57,26 @@ if [ ${#apt_pkgs[@]} -gt 0 ]; then
   fi
 fi
 
-pip_c=()
+pip_c=() constraint_files=()
 torch_c="${HORA_TORCH_CONSTRAINTS-constraints/cpu.txt}"
 lock="${HORA_LOCK-constraints/test.txt}"
-[ -n "$torch_c" ] && pip_c+=(-c "$torch_c")
-[ -n "$lock" ] && pip_c+=(-c "$lock")
+[ -n "$torch_c" ] && pip_c+=(-c "$torch_c") constraint_files+=("$torch_c")
+[ -n "$lock" ] && pip_c+=(-c "$lock") constraint_files+=("$lock")
 extra=".[examples]"
 [ "$want" = test ] && extra=".[test]"
 
+# the same request as last time (pyproject.toml, the constraints, the extra, the venv's Python),
+# with hora imported from this checkout, needs no pip run: hora is installed in editable mode,
+# so code changes need none either
+stamp="$venv/.hora-install-stamp"
+key=$( { echo "$extra ${pip_c[*]}"; "$py" -VV; cat pyproject.toml "${constraint_files[@]}"; } \
+  | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ] && "$py" -c 'import hora, sys; sys.exit(not hora.__file__.startswith(sys.argv[1]))' \
+    "$PWD/kernels/" 2>/dev/null; then
+  say "pip: hora$([ "$want" = test ] && echo ' and its test tools') already installed as asked in $venv"
+  exit 0
+fi
+rm -f "$stamp"
 say "pip: installing hora$([ "$want" = test ] && echo ' and its test tools') into $venv"
 # pip's own output goes to a log; a progress line every 25 packages shows it is moving
 log="$venv/pip-install.log"
@@ -90,6 +102,7 @@ if [ "$status" != 0 ]; then
   grep -v '^WARNING: Location' "$log" | tail -20 >&2
   exit "$status"
 fi
+echo "$key" >"$stamp"
 say "done: $("$py" -c 'import hora, torch; print("hora", hora.__version__, "torch", torch.__version__)')"
 if [ -z "${VIRTUAL_ENV:-}" ]; then
   say "commands are in $venv/bin (source $venv/bin/activate to put them on PATH)"

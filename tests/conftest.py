@@ -18,6 +18,10 @@ module changes ``os.environ`` for the whole session, so every subprocess the tes
 * Jupyter's and IPython's location variables (``JUPYTER_*``, ``IPYTHONDIR``) and the XDG
   config/data/state homes are removed, so Jupyter finds only the virtual environment's own
   kernels and settings.
+* Every test gets a lease directory of its own (``HORA_LEASE_DIR``, a fresh sticky,
+  world-writable directory, as the machine's default is): the services and kernel-local
+  engines one test starts share it, and no two tests (nor other checkouts' tests on the same
+  machine) ever see each other's leases of ``cpu0``, ``gpu0``, ...
 * Kept as they are: ``PATH``, ``VIRTUAL_ENV``, ``DOCKER_HOST`` and every other variable. Caches
   that only save time point back at the real HOME's, since the private HOME starts empty:
   ``HORA_IMAGE_CACHE`` (the debootstrap base and wheels of ``hora image build``, which the
@@ -31,6 +35,8 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+import pytest
 
 # tests/helpers is importable as `helpers` from every test module.
 sys.path.insert(0, str(Path(__file__).parent))
@@ -83,3 +89,20 @@ _private_environment(_REAL_HOME, _PRIVATE_ROOT / "home")
 # removed at exit, after the in-process IPython shells' own atexit (registered later, run
 # earlier) has closed their history database under ~/.ipython
 atexit.register(shutil.rmtree, _PRIVATE_ROOT, ignore_errors=True)
+
+
+# each test's lease directory lies in here, removed at exit: a module's kernel may outlive the
+# test that started it and still use (or make again) that test's directory. In /tmp, not under
+# the private root (0700): kernels of other accounts must reach it.
+_LEASES_ROOT = Path(tempfile.mkdtemp(prefix="hora-test-leases-"))
+_LEASES_ROOT.chmod(0o755)
+atexit.register(shutil.rmtree, _LEASES_ROOT, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _own_lease_dir(monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A lease directory of this test's own (see the module docstring)."""
+    path = Path(tempfile.mkdtemp(prefix="test-", dir=_LEASES_ROOT))
+    path.chmod(0o1777)
+    monkeypatch.setenv("HORA_LEASE_DIR", str(path))
+    return path

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
+import stat
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
@@ -43,6 +44,28 @@ def new_rdzv_secret() -> str:
         64
     """
     return secrets.token_hex(32)
+
+
+def preflight_pipe(environ: Mapping[str, str] = os.environ) -> int | None:
+    """The preflight's pipe that ``HORA_PREFLIGHT_FD`` names, if this process holds it.
+
+    The rank shim gives rank 0 a pipe for the preflight's figures and names it
+    ``FD:DEV:INO``; a process that did not inherit it (a launcher closed it) may hold another
+    file under that number, which the device and inode tell apart. A launcher passes it on
+    to the processes it starts (``pass_fds``).
+
+    Example:
+        >>> preflight_pipe({"HORA_PREFLIGHT_FD": "0:1:2"}) is None
+        True
+    """
+    raw = environ.get(_RANK_VARS["preflight_fd"][0], "")
+    try:
+        fd, dev, ino = (int(x) for x in raw.split(":"))
+        st = os.fstat(fd)
+    except (ValueError, OSError):
+        return None
+    ok = stat.S_ISFIFO(st.st_mode) and (st.st_dev, st.st_ino) == (dev, ino)
+    return fd if ok else None
 
 
 @dataclass(frozen=True)
@@ -87,6 +110,9 @@ class RankEnv:
         preflight_fail_below: ``HORA_PREFLIGHT_FAIL_BELOW``, the fraction under which the
             preflight fails ``hvd.init()``.
         preflight_baseline: ``HORA_PREFLIGHT_BASELINE``, the folder of the nodes' baselines.
+        preflight_fd: ``HORA_PREFLIGHT_FD``, ``FD:DEV:INO``: the descriptor (and its file's
+            device and inode) where rank 0 writes the preflight's figures for the hora
+            service; the rank shim opens it in the attempt's run directory.
         elastic_dir: ``HORA_ELASTIC_DIR``, an elastic ``hora run``'s rendezvous folder
             (:mod:`hora.launch.elastic_rdzv`).
         elastic_worker: ``HORA_ELASTIC_WORKER``, the worker id (``w3``) in an elastic run.
@@ -128,6 +154,7 @@ class RankEnv:
     preflight_warn_below: float | None = None
     preflight_fail_below: float | None = None
     preflight_baseline: str | None = None
+    preflight_fd: str | None = None
     elastic_dir: str | None = None
     elastic_worker: str | None = None
     elastic_timeout: float | None = None
@@ -228,6 +255,7 @@ _RANK_VARS: dict[str, tuple[str, ...]] = {
     "preflight_warn_below": ("HORA_PREFLIGHT_WARN_BELOW",),
     "preflight_fail_below": ("HORA_PREFLIGHT_FAIL_BELOW",),
     "preflight_baseline": ("HORA_PREFLIGHT_BASELINE",),
+    "preflight_fd": ("HORA_PREFLIGHT_FD",),
     "elastic_dir": ("HORA_ELASTIC_DIR",),
     "elastic_worker": ("HORA_ELASTIC_WORKER",),
     "elastic_timeout": ("HORA_ELASTIC_TIMEOUT",),

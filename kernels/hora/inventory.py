@@ -45,10 +45,25 @@ class GpuInfo:
     Attributes:
         id: the id to put in an engine's ``CUDA_VISIBLE_DEVICES`` (index or UUID).
         busy_pids: processes that hold a CUDA context on it.
+        index: its index on this machine (``nvidia-smi``'s), which names its lease; None:
+            ``id`` is the index.
+        holder: who holds its machine-wide lease (:mod:`hora.leases`), in words; None: free.
     """
 
     id: str
     busy_pids: tuple[int, ...] = ()
+    index: int | None = None
+    holder: str | None = None
+
+    @property
+    def lease(self) -> str:
+        """The name of its lease (``gpu<index>``).
+
+        Example:
+            >>> GpuInfo("GPU-aaaa", index=3).lease, GpuInfo("1").lease
+            ('gpu3', 'gpu1')
+        """
+        return f"gpu{self.index if self.index is not None else self.id}"
 
 
 def parse_gpu_apps(gpus_csv: str, apps_csv: str, cuda_visible: str | None) -> list[GpuInfo]:
@@ -64,7 +79,7 @@ def parse_gpu_apps(gpus_csv: str, apps_csv: str, cuda_visible: str | None) -> li
 
     Example:
         >>> parse_gpu_apps("0, GPU-a", "GPU-a, 42", "0")
-        [GpuInfo(id='0', busy_pids=(42,))]
+        [GpuInfo(id='0', busy_pids=(42,), index=0, holder=None)]
     """
     rows = [[c.strip() for c in line.split(",")] for line in gpus_csv.splitlines() if line.strip()]
     busy: dict[str, list[int]] = {}
@@ -77,7 +92,11 @@ def parse_gpu_apps(gpus_csv: str, apps_csv: str, cuda_visible: str | None) -> li
         chosen = [idx for idx, _ in rows]
     else:
         chosen = [v.strip() for v in cuda_visible.split(",") if v.strip() and v.strip() in by_key]
-    return [GpuInfo(v, tuple(busy.get(by_key[v][1], ()))) for v in chosen]
+    return [
+        GpuInfo(v, tuple(busy.get(by_key[v][1], ())), int(by_key[v][0]) if by_key[v][0].isdigit()
+                else None)
+        for v in chosen
+    ]  # fmt: skip
 
 
 def parse_nvidia_smi(text: str) -> list[Slot]:

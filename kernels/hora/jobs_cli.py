@@ -344,11 +344,21 @@ def slot_unit(slots: Sequence[dict[str, Any]]) -> str:
 
 
 def gpus_table(slots: Sequence[dict[str, Any]]) -> str:
-    """The ``hora gpus`` table; HOLDER says whether a job or a notebook's session holds it."""
+    """The ``hora gpus`` table; HOLDER says whether a job or a notebook's session holds it.
+
+    A slot held outside this service (another hora service, a notebook's kernel-local
+    engines) says by whom.
+
+    Example:
+        >>> print(gpus_table([{"index": 0, "kind": "cpu", "name": "cpu0", "user": "ann",
+        ...                    "holder_kind": "kernel", "holder": "notebook kernel pid 7"}]))
+        SLOT  KIND  NAME  JOB  USER  HOLDER
+        0     cpu   cpu0  -    ann   notebook kernel pid 7
+    """
     rows = [
         [
             s.get("index"), s.get("kind"), s.get("name"), s.get("job_id") or "-",
-            s.get("user") or "-", s.get("holder_kind") or "-",
+            s.get("user") or "-", s.get("holder") or s.get("holder_kind") or "-",
         ]  # fmt: skip
         for s in slots
     ]

@@ -285,7 +285,15 @@ class SlotInfo(BaseModel):
     name: str
     job_id: int | None = None
     user: str | None = None
-    holder_kind: str | None = Field(default=None, description="job or session")
+    holder_kind: str | None = Field(
+        default=None,
+        description="job or session; service or kernel: held outside this service (holder)",
+    )
+    holder: str | None = Field(
+        default=None,
+        description="who holds it outside this service (another hora service, a notebook's "
+        "kernel-local engines), as the machine's lease says",
+    )
     node: str | None = Field(default=None, description="the Slurm node of a cluster GPU")
     slurm_job: str | None = Field(default=None, description="the Slurm job holding it")
 
@@ -302,6 +310,11 @@ class HolderInfo(BaseModel):
     since: datetime
     idle_s: float | None = None
     ends_at: datetime | None = None
+    what: str | None = Field(
+        default=None,
+        description="a holder outside this service (kind service or kernel, id its pid), "
+        "in words",
+    )
 
 
 class QueueInfo(BaseModel):

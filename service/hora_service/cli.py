@@ -129,21 +129,26 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from hora_service.api.app import create_app
+    from hora_service.manager import JobManager
 
     settings = settings_from_args(args)
-    where = f"http://{settings.host}:{settings.port} (state in {settings.data_dir})"
-    sys.stdout.write(f"hora service on {where}\n")
-    sys.stdout.flush()
-    app = create_app(settings)
-    app.state.manager.check_start()  # a refusal as one line, not a lifespan traceback
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port))
-    # uvicorn shuts down cleanly on SIGINT/SIGTERM, then re-raises the signal: make that a
-    # KeyboardInterrupt so that a requested stop exits 0
-    signal.signal(signal.SIGTERM, interrupt)
+    manager = JobManager(settings)
+    manager.start()  # a second service on the data directory is refused here, in one line
     try:
-        server.run()
-    except KeyboardInterrupt:
-        pass
+        where = f"http://{settings.host}:{settings.port} (state in {settings.data_dir})"
+        sys.stdout.write(f"hora service on {where}\n")
+        sys.stdout.flush()
+        app = create_app(settings, manager)
+        server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port))
+        # uvicorn shuts down cleanly on SIGINT/SIGTERM, then re-raises the signal: make that
+        # a KeyboardInterrupt so that a requested stop exits 0
+        signal.signal(signal.SIGTERM, interrupt)
+        try:
+            server.run()
+        except KeyboardInterrupt:
+            pass
+    finally:
+        manager.stop()
     return 0 if server.started else 1
 
 

@@ -1,28 +1,33 @@
-"""A job's communication preflight, read from its rank 0 log (control plane, read-only).
+"""A job's communication preflight, read from its attempt's run directory (control plane).
 
 The service asks for a preflight by setting ``HORA_PREFLIGHT=1`` in every rank's
 environment (``preflight`` setting; a job's own ``env`` may set it to 0).
 ``hora.torch.init()`` then measures the collective paths (:mod:`hora.torch.preflight`) and
-rank 0 writes one line ``HORA_PREFLIGHT {json}`` to its log. This module finds that line in
-the first :data:`SCAN_BYTES` of rank 0's log (opened the way every run file is, see
-:func:`hora_service.runtimes.runfiles.read_chunk`), validates it into
-:class:`PreflightFigures` (bounded lists, finite numbers), and keeps the figures of each
-job's attempt and the last bandwidth seen per node and path for ``/metrics``.
+rank 0 hands the figures to its rank shim on a pipe (``HORA_PREFLIGHT_FD``), which keeps the
+newest report as ``preflight.json`` in the attempt's run directory
+(:attr:`~hora_service.runtimes.paths.JobPaths.preflight`, at most
+:data:`FILE_MAX` bytes); nothing reaches the job's log. This module reads that file the way
+every run file is read (:func:`hora_service.runtimes.runfiles.read_chunk`: no link followed,
+nothing that can block, bounded), validates it into :class:`PreflightFigures` (bounded
+lists, finite numbers), and keeps the figures of each job's attempt and the last bandwidth
+seen per node and path for ``/metrics``.
 
 A notebook session's engines are measured by ``%dist_start`` instead
-(:func:`hora.engines.profile.engine_preflight`); its rank 0 engine writes the same line to
-its own log, read here the same way.
+(:func:`hora.engines.profile.engine_preflight`); its rank 0 engine hands them over the same
+way.
 
-While an attempt runs, the monitor looks for the line (:meth:`PreflightBook.poll`, at most
-every :data:`POLL_S` seconds) and records it once as an event of the job: a transition with
-the job's state (``running``) and the figures' line as its reason, naming any rank or link
-far below its reference. When the admin's threshold (``job_preflight_fail_below``) was
-crossed, rank 0 logs the line with ``failed`` set before every rank's ``hvd.init()`` raises,
-and the failed attempt's reason starts with that message, naming the rank.
+While an attempt runs, the monitor looks at the file (:meth:`PreflightBook.poll`, at most
+every :data:`POLL_S` seconds) and records each new report as an event of the job: a
+transition with the job's state (``running``) and the figures' line as its reason, naming any
+rank or link far below its node's recorded baseline (an elastic job's world measures again
+each time it re-forms). When the admin's threshold (``job_preflight_fail_below``) was
+crossed, rank 0 hands the figures over with ``failed`` set before every rank's
+``hvd.init()`` raises, and the failed attempt's reason starts with that message, naming the
+rank.
 
-The line is the job's own output: a job can write a false one. It only changes its own page,
-events and failure reason, and the node's ``hora_preflight_bandwidth_gbps`` gauge until the
-next job's.
+The figures are the job's own word: a job can write false ones. They only change its own
+page, events and failure reason, and the node's ``hora_preflight_bandwidth_gbps`` gauge until
+the next job's; nothing is scheduled on them.
 """
 
 from __future__ import annotations
@@ -37,12 +42,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 log = logging.getLogger(__name__)
 
-TAG = b"HORA_PREFLIGHT "
-SCAN_BYTES = 1 << 20
-LINE_MAX = 256 << 10
+FILE_MAX = 256 << 10  # the shim keeps no larger report (shim.FIGURES_MAX)
 _KEEP = 4096  # attempts whose figures are kept in memory
 INF = float("inf")
-POLL_S = 1.0  # how often a running attempt's rank 0 log is looked at until it has figures
+POLL_S = 1.0  # how often a running attempt's figures file is looked at
 EVENT_MAX = 2000
 
 Num = Annotated[float, Field(ge=0, le=1e9)]
@@ -95,7 +98,7 @@ class FindingRow(_Strict):
 
 
 class PreflightFigures(_Strict):
-    """What rank 0 logged: the world's size, the paths' figures, and what is far below."""
+    """What rank 0 measured: the world's size, the paths' figures, and what is far below."""
 
     size: Annotated[int, Field(ge=1, le=1 << 20)]
     backend: Name
@@ -103,6 +106,7 @@ class PreflightFigures(_Strict):
     paths: Annotated[list[PathRow], Field(max_length=4)]
     findings: Annotated[list[FindingRow], Field(max_length=64)] = []
     failed: Annotated[str | None, Field(max_length=4000)] = None  # the threshold's error
+    baseline: bool = False  # judged against a node's recorded baseline
 
     def line(self) -> str:
         """One line of figures, as ``%dist_start`` prints it."""
@@ -111,7 +115,10 @@ class PreflightFigures(_Strict):
             for p in self.paths if p.busbw_gbps
         ]
         slow = "; ".join(f.text for f in self.findings)
-        tail = f"; SLOW: {slow}" if slow else "; no rank or link far below its reference"
+        tail = f"; SLOW: {slow}" if slow else (
+            "; no rank or link far below its baseline" if self.baseline
+            else "; no baseline recorded: nothing judged"
+        )
         tail += "; FAILED: threshold crossed" if self.failed else ""
         return f"preflight ({self.size} ranks, {self.seconds:.2f}s): " + "; ".join(parts) + tail
 
@@ -125,9 +132,9 @@ class PreflightFigures(_Strict):
 
         Example:
             >>> PreflightFigures(size=2, backend="gloo", seconds=0.1, paths=[],
-            ...                  failed="preflight: below 0.3 of the reference: rank 1 (...)"
+            ...                  failed="preflight: below 0.3 of the baseline: rank 1 (...)"
             ...                  ).explain("rank 0 exited with code 1")
-            'preflight: below 0.3 of the reference: rank 1 (...); rank 0 exited with code 1'
+            'preflight: below 0.3 of the baseline: rank 1 (...); rank 0 exited with code 1'
         """
         if not self.failed or why.startswith(self.failed):
             return why
@@ -135,44 +142,46 @@ class PreflightFigures(_Strict):
 
 
 def parse(data: bytes) -> PreflightFigures | None:
-    """The first valid ``HORA_PREFLIGHT`` line in ``data`` (a log's beginning), or None."""
-    start = 0
-    while True:
-        at = data.find(TAG, start)
-        if at < 0:
-            return None
-        end = data.find(b"\n", at)
-        if end < 0:
-            return None  # not complete yet
-        start = end + 1
-        if at > 0 and data[at - 1 : at] != b"\n":
-            continue  # only at the start of a line
-        raw = data[at + len(TAG) : end]
-        if len(raw) > LINE_MAX:
-            continue
-        try:
-            return PreflightFigures.model_validate(json.loads(raw))
-        except (ValueError, ValidationError):
-            continue
+    """The figures in ``data`` (one JSON document, at most :data:`FILE_MAX` bytes), or None.
+
+    Example:
+        >>> parse(b'{"size": 2, "backend": "gloo", "seconds": 0.1, "paths": []}').size
+        2
+        >>> parse(b"HORA_PREFLIGHT {}") is None
+        True
+    """
+    if len(data) > FILE_MAX:
+        return None
+    try:
+        return PreflightFigures.model_validate(json.loads(data))
+    except (ValueError, ValidationError):
+        return None
 
 
-def read_log(path: Path) -> PreflightFigures | None:
-    """The figures in the first :data:`SCAN_BYTES` of a rank 0 log (None: none, unreadable)."""
+def read_file(path: Path) -> PreflightFigures | None:
+    """The figures in an attempt's ``preflight.json`` (None: none yet, invalid, unreadable)."""
     from hora_service.runtimes.runfiles import UntrustedRunFile, read_chunk
 
     try:
-        return parse(read_chunk(path, 0, SCAN_BYTES))
+        return parse(read_chunk(path, 0, FILE_MAX + 1))
     except (OSError, UntrustedRunFile) as e:
         log.debug("preflight: cannot read %s: %s", path, e)
         return None
 
 
-def _size(path: Path) -> int:
-    """The log's size without following a link (0 when it cannot be read)."""
+def _stamp(path: Path) -> tuple[int, int] | None:
+    """The file's change time and size without following a link (None: no file yet)."""
     try:
-        return path.lstat().st_size
+        st = path.lstat()
     except OSError:
-        return 0
+        return None
+    return st.st_mtime_ns, st.st_size
+
+
+def _bound(table: dict[tuple[int, int], Any]) -> None:
+    """Keep at most :data:`_KEEP` entries (the oldest go first)."""
+    while len(table) > _KEEP:
+        table.pop(next(iter(table)))
 
 
 class PreflightBook:
@@ -183,62 +192,71 @@ class PreflightBook:
         self._figures: dict[tuple[int, int], PreflightFigures] = {}
         self._by_node: dict[str, dict[str, float]] = {}
         self._next: dict[tuple[int, int], float] = {}  # running attempts: when to look again
+        self._seen: dict[tuple[int, int], tuple[int, int]] = {}  # the file's stamp last read
+        self._told: dict[tuple[int, int], PreflightFigures] = {}  # the monitor's last event
 
     def poll(
-        self, job_id: int, attempt: int, log_path: Path, now: float, force: bool = False
+        self, job_id: int, attempt: int, path: Path, now: float, force: bool = False
     ) -> PreflightFigures | None:
-        """A running attempt's figures the first time the monitor sees them, else None.
+        """A running attempt's figures each time they are new, else None.
 
-        The monitor calls it on every pass; the log is read at most every :data:`POLL_S`
-        seconds (``force``: now, as when a rank has ended) until the figures are there, or
-        until the log has passed :data:`SCAN_BYTES` without them (a job that never calls
-        ``hvd.init()``).
+        The monitor calls it on every pass; the file (``preflight.json``) is looked at at
+        most every :data:`POLL_S` seconds (``force``: now, as when a rank has ended) and read
+        again only when it changed.
         """
         key = (job_id, attempt)
         with self._lock:
-            if self._next.get(key) == INF or (not force and now < self._next.get(key, 0.0)):
+            if not force and now < self._next.get(key, 0.0):
                 return None
             self._next[key] = now + POLL_S
-            if len(self._next) > _KEEP:
-                self._next.pop(next(iter(self._next)))
-        figures = self.note(job_id, attempt, log_path)
+            _bound(self._next)
+            stamp = _stamp(path)
+            if stamp is None or stamp == self._seen.get(key):
+                return None
+            self._seen[key] = stamp
+            _bound(self._seen)
+        figures = read_file(path)
+        if figures is None:
+            return None
+        self._keep(key, figures)
         with self._lock:
-            if figures is None:
-                if _size(log_path) >= SCAN_BYTES:  # the line can no longer appear
-                    self._next[key] = INF
+            if self._told.get(key) == figures:
                 return None
-            if self._next.get(key) == INF:
-                return None
-            self._next[key] = INF  # seen: never again for this attempt
+            self._told[key] = figures
+            _bound(self._told)
         return figures
 
     def done(self, job_id: int, attempt: int) -> None:
-        """The attempt has ended: forget when to look at its log."""
+        """The attempt has ended: forget when to look at its file."""
         with self._lock:
-            self._next.pop((job_id, attempt), None)
+            for table in (self._next, self._seen, self._told):
+                table.pop((job_id, attempt), None)
 
     def known(self, job_id: int, attempt: int) -> PreflightFigures | None:
         """The figures already read for an attempt, or None."""
         with self._lock:
             return self._figures.get((job_id, attempt))
 
-    def note(self, job_id: int, attempt: int, log_path: Path) -> PreflightFigures | None:
-        """Read an attempt's rank 0 log (once it has figures, they are kept)."""
+    def note(self, job_id: int, attempt: int, path: Path) -> PreflightFigures | None:
+        """The attempt's figures: those already read, else its file's (then kept)."""
         known = self.known(job_id, attempt)
         if known is not None:
             return known
-        figures = read_log(log_path)
-        if figures is None:
-            return None
+        figures = read_file(path)
+        if figures is not None:
+            self._keep((job_id, attempt), figures)
+        return figures
+
+    def _keep(self, key: tuple[int, int], figures: PreflightFigures) -> None:
         with self._lock:
+            self._figures.pop(key, None)
             if len(self._figures) >= _KEEP:
                 self._figures.pop(next(iter(self._figures)))
-            self._figures[(job_id, attempt)] = figures
+            self._figures[key] = figures
             for p in figures.paths:
                 for host in {r.host for r in p.ranks}:
                     if p.busbw_gbps:
                         self._by_node.setdefault(host, {})[p.path] = p.busbw_gbps[-1]
-        return figures
 
     def by_node(self) -> dict[str, dict[str, float]]:
         """Each node's path -> GB/s of the last preflight seen there (for ``/metrics``)."""
@@ -251,7 +269,7 @@ def job_preflight(manager: Any, job: Any) -> dict[str, Any] | None:
     if job.attempt < 1:
         return None
     try:
-        path = manager.log_path(job.id, 0, job.attempt)
+        path = manager.preflight_path(job.id, job.attempt)
     except Exception:  # noqa: BLE001  (no such attempt directory: nothing to show)
         return None
     figures = manager.preflight.note(job.id, job.attempt, path)

@@ -34,7 +34,7 @@ def holder_info(h: Holder, idle_of: IdleOf | None = None) -> HolderInfo:
     return HolderInfo(
         kind=h.kind, id=h.id, user=h.user, slots=list(h.slots), since=_at(h.since),
         idle_s=idle_of(h.id) if idle_of is not None and h.kind == "session" else None,
-        ends_at=_at(h.ends_at) if h.ends_at is not None else None,
+        ends_at=_at(h.ends_at) if h.ends_at is not None else None, what=h.what,
     )  # fmt: skip
 
 

@@ -86,7 +86,7 @@ def slots_reason(
 
 def _held_by(q: QueueState, most: int = 4) -> str:
     """Who holds slots, for the text: the first ``most`` holders, then how many more."""
-    names = [f"{h.user} ({h.kind} {h.id})" for h in q.holders] or [
+    names = [h.what or f"{h.user} ({h.kind} {h.id})" for h in q.holders] or [
         f"{h.user} (job {h.id})" for h in q.holding
     ]
     more = f" and {len(names) - most} more" if len(names) > most else ""

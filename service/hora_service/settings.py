@@ -21,6 +21,19 @@ from hora_service.imageref import check_pattern
 from hora_service.runtimes import limits
 
 
+def service_url(host: str, port: int) -> str:
+    """The URL clients use for a service bound to ``host:port``.
+
+    Example:
+        >>> service_url("0.0.0.0", 8000)
+        'http://127.0.0.1:8000'
+    """
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    if ":" in shown and not shown.startswith("["):
+        shown = f"[{shown}]"
+    return f"http://{shown}:{port}"
+
+
 class Settings(BaseSettings):
     """Everything the service can be told; each field is ``HORA_<FIELD>`` in the environment.
 
@@ -155,6 +168,10 @@ class Settings(BaseSettings):
         job_preflight_fail_below: fail a job whose rank, link or path measures under this
             fraction of its reference, and a session's ``%dist_start`` (None: only name it).
         job_preflight_baseline_dir: the nodes' recorded preflight baselines (``<host>.json``).
+        lease_dir: the machine's lease directory, shared by every hora on this machine (one
+            lock file per GPU and CPU slot, see :mod:`hora.leases`); None: the machine's
+            default (``/run/lock/hora-leases``, else ``/tmp/hora-leases``). Kernel-local
+            engines read the same ``HORA_LEASE_DIR``.
     """
 
     model_config = SettingsConfigDict(env_prefix="HORA_", extra="ignore")
@@ -225,6 +242,7 @@ class Settings(BaseSettings):
     job_preflight: bool = True
     job_preflight_fail_below: Annotated[float | None, Field(gt=0, le=1)] = None
     job_preflight_baseline_dir: Path | None = None
+    lease_dir: Path | None = None
 
     @field_validator("data_dir", "work_root")
     @classmethod
@@ -295,6 +313,11 @@ class Settings(BaseSettings):
         if not all(p.isdigit() for p in parts) or len(set(parts)) != len(parts):
             raise ValueError(f"gpus must be auto, a count or a list like 0,1,3; got {v!r}")
         return ",".join(parts)
+
+    @property
+    def url(self) -> str:
+        """Where clients on this machine reach the service (named in its leases)."""
+        return service_url(self.host, self.port)
 
     @property
     def db_path(self) -> Path:

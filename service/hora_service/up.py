@@ -43,6 +43,8 @@ from typing import Any, BinaryIO
 from hora.client import load_config, save_config
 from hora.procs import signal_group
 
+from hora_service.settings import service_url
+
 log = logging.getLogger(__name__)
 
 LAB_STOP_GRACE_S = 10.0
@@ -115,19 +117,6 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         # (multi-user mode is `hora serve` as root, with `hora user add` per user)
         overrides["user_mode"] = "single"
     return Settings(**overrides)
-
-
-def service_url(host: str, port: int) -> str:
-    """The URL clients use for a service bound to ``host:port``.
-
-    Example:
-        >>> service_url("0.0.0.0", 8000)
-        'http://127.0.0.1:8000'
-    """
-    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    if ":" in shown and not shown.startswith("["):
-        shown = f"[{shown}]"
-    return f"http://{shown}:{port}"
 
 
 def ensure_admin(manager: Any, url: str) -> tuple[str | None, bool]:

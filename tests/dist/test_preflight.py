@@ -2,13 +2,16 @@
 
 One world, in order:
 
-* ``hvd.init()`` with ``HORA_PREFLIGHT=1``: rank 0 writes one ``HORA_PREFLIGHT {json}`` line
-  to stderr with the figures of both paths (gloo, and the shared-memory ring); the other
-  ranks write none;
+* ``hvd.init()`` with ``HORA_PREFLIGHT=1`` and a pipe named by ``HORA_PREFLIGHT_FD`` (as the
+  rank shim gives rank 0): rank 0 writes one JSON document to the pipe with the figures of
+  both paths (gloo, and the shared-memory ring); no rank writes anything to its output;
 * a plain :func:`run`: the same report on every rank, per-rank and per-link figures, the
   nccl-tests busbw factor; rank 0 records it as each node's baseline (:func:`save_baseline`);
-* rank 1 slowed on purpose (a test hook sleeps 50 ms inside each timed local copy): rank 1 is
-  named against the recorded baseline, and its ranks waited less than the others;
+* rank 1 slowed on purpose (a test hook sleeps 50 ms inside each timed local copy) without a
+  baseline: nothing is named (the other ranks are no reference: on a loaded machine they are
+  slow together);
+* rank 1 slowed: it is named against the recorded baseline, and its ranks waited less than
+  the others;
 * rank 2's links slowed (50 ms per ping-pong): rank 2 is named, not a link (every link of it is
   slow, the third link is not);
 * with ``fail_below`` and rank 1 slowed: PreflightError on every rank, naming rank 1.
@@ -50,24 +53,41 @@ def _slowed(preflight: Any, rank: int, who: int, phase: str, **kw: Any) -> Any:
         preflight.SLOW_HOOKS.clear()
 
 
+def _init_handing_figures_over() -> tuple[str, str]:
+    """``hvd.init()`` with the preflight asked for and a pipe as its shim gives rank 0.
+
+    Returns what the process wrote to its output meanwhile, and what came down the pipe.
+    """
+    import hora.torch as hvd
+
+    read_end, write_end = os.pipe()
+    st = os.fstat(write_end)
+    os.environ["HORA_PREFLIGHT"] = "1"
+    os.environ["HORA_PREFLIGHT_FD"] = f"{write_end}:{st.st_dev}:{st.st_ino}"
+    out = io.StringIO()
+    with contextlib.redirect_stderr(out), contextlib.redirect_stdout(out):
+        hvd.init()
+    del os.environ["HORA_PREFLIGHT"], os.environ["HORA_PREFLIGHT_FD"]
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        return out.getvalue(), pipe.read().decode()
+
+
 def _body(rank: int, size: int, base_dir: str) -> dict[str, Any]:
     import hora.torch as hvd
     from hora.torch import preflight
 
-    os.environ["HORA_PREFLIGHT"] = "1"
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        hvd.init()
-    del os.environ["HORA_PREFLIGHT"]
-    out: dict[str, Any] = {"init_stderr": err.getvalue()}
+    said, handed = _init_handing_figures_over()
+    out: dict[str, Any] = {"init_output": said, "handed": handed}
     healthy = preflight.run()
     out["healthy"], out["line"] = healthy.to_dict(), healthy.line()
     if rank == 0:
         preflight.save_baseline(healthy, base_dir)
     hvd.barrier()
+    out["unjudged"] = _slowed(preflight, rank, 1, "copy")
     out["slow_copy"] = _slowed(preflight, rank, 1, "copy", baseline_dir=base_dir)
-    out["slow_link"] = _slowed(preflight, rank, 2, "link")
-    out["fail"] = _slowed(preflight, rank, 1, "copy", fail_below=0.5)
+    out["slow_link"] = _slowed(preflight, rank, 2, "link", baseline_dir=base_dir)
+    out["fail"] = _slowed(preflight, rank, 1, "copy", fail_below=0.5, baseline_dir=base_dir)
     hvd.shutdown()
     return out
 
@@ -83,19 +103,23 @@ def results(run_world: Callable[..., list[Any]], tmp_path_factory: pytest.TempPa
 BASE: list[Path] = []
 
 
-def _line(stderr: str) -> dict[str, Any] | None:
-    for line in stderr.splitlines():
-        if line.startswith("HORA_PREFLIGHT "):
-            return json.loads(line.split(" ", 1)[1])  # type: ignore[no-any-return]
-    return None
-
-
-def test_init_with_hora_preflight_logs_one_json_line_on_rank_0(results: list[Any]) -> None:
-    first = _line(results[0]["init_stderr"])
-    assert first is not None, results[0]["init_stderr"]
+def test_init_hands_rank_0_s_figures_over_on_the_pipe_and_prints_nothing(
+    results: list[Any],
+) -> None:
+    assert [r["init_output"] for r in results] == ["", "", ""]
+    (doc,) = results[0]["handed"].splitlines()  # one JSON document, one line
+    first = json.loads(doc)
     assert first["size"] == 3 and first["backend"] == "gloo"
     assert {p["path"] for p in first["paths"]} == {"gloo", "shm"}
-    assert all(_line(r["init_stderr"]) is None for r in results[1:])
+    assert [r["handed"] for r in results[1:]] == ["", ""]  # rank 0 alone
+
+
+def test_without_a_baseline_a_slow_rank_is_not_judged_against_the_others(
+    results: list[Any],
+) -> None:
+    report = results[0]["unjudged"]
+    assert report["findings"] == [] and report["baseline"] is False, report["findings"]
+    assert results[0]["line"].endswith("; no baseline recorded: nothing judged")
 
 
 def test_every_rank_gets_the_same_figures_per_rank_and_per_link(results: list[Any]) -> None:

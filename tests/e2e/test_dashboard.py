@@ -31,6 +31,7 @@ from pathlib import Path
 import httpx
 import pytest
 from helpers.known_share import SCRIPT as KNOWN_SHARE
+from helpers.known_share import baseline_env
 from helpers.service_server import ServiceServer, wait_state
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
@@ -83,7 +84,8 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def srv(work: Path) -> Iterator[ServiceServer]:
-    with ServiceServer(work, users={"ann": False, "bob": False, "root": True}, cpu_slots=2) as s:
+    with ServiceServer(work, users={"ann": False, "bob": False, "root": True}, cpu_slots=2,
+                       env=baseline_env(work)) as s:
         yield s
 
 
@@ -336,7 +338,7 @@ def test_a_job_page_shows_its_preflight_and_scaling(
 def test_a_job_failed_by_the_preflight_threshold_names_the_rank(
     browser: Browser, work: Path, shots: Path, tmp_path: Path
 ) -> None:
-    env = {"HORA_JOB_PREFLIGHT_FAIL_BELOW": "0.3"}
+    env = {"HORA_JOB_PREFLIGHT_FAIL_BELOW": "0.3", **baseline_env(tmp_path)}
     with ServiceServer(tmp_path, cpu_slots=2, env=env) as strict:
         body = {"command": [sys.executable, str(work / "known_share.py")], "workers": 2,
                 "name": "refused"}
@@ -350,11 +352,11 @@ def test_a_job_failed_by_the_preflight_threshold_names_the_rank(
         page.goto(strict.url + f"/ui#/job/{job}")
         expect(page.locator("#job-state")).to_have_text("failed")
         expect(page.locator("#job-reason")).to_contain_text(
-            "preflight: below 0.3 of the reference: rank 1 ("
+            "preflight: below 0.3 of the baseline: rank 1 ("
         )
         failed = page.locator("#preflight-failed")
         expect(failed).to_be_visible()
-        expect(failed).to_contain_text("failed the job: preflight: below 0.3 of the reference")
+        expect(failed).to_contain_text("failed the job: preflight: below 0.3 of the baseline")
         expect(failed).to_contain_text("rank 1 (")
         expect(page.locator("#preflight-line")).to_contain_text("FAILED: threshold crossed")
         expect(page.locator("#preflight-slow li").first).to_contain_text("rank 1 (")

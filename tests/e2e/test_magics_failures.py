@@ -303,7 +303,7 @@ def test_init_failure_names_the_rank_and_leaves_no_process():
 def test_start_timeout_is_reported_and_leaves_no_process():
     before = set(children_of(os.getpid()))
     c = Cluster(ClusterOptions(n=2, start_timeout_s=0.2))
-    with pytest.raises(EngineStartError, match=r"timed out after 0.2s"):
+    with pytest.raises(EngineStartError, match=r"timed out after 0.2s .*raise --start-timeout"):
         c.start()
     assert wait_gone(set(children_of(os.getpid())) - before, timeout=5) == []
 

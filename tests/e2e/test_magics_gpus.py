@@ -57,7 +57,7 @@ def ip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
             "asked for 3 GPUs, 3 visible (0, 1, 2), 2 free (0, 1): "
             "pass -n 2 (GPU 2 used by pid 4242)",
         ),
-        ("--gpus 2,0", "GPU 2 in use; pick from the free ones"),
+        ("--gpus 2,0", "GPU 2 used by pid 4242; pick from the free ones"),
         ("--gpus 0,7", "GPU 7 not visible"),
     ],
 )

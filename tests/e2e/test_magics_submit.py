@@ -69,14 +69,8 @@ def ip(server: ServiceServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
 
 def _output(job, rank: int) -> str:
-    """A rank's log without the preflight's lines (``hvd.init()`` with ``HORA_PREFLIGHT=1``).
-
-    Rank 0 logs the figures (``HORA_PREFLIGHT {json}``); on a loaded machine any rank may
-    also warn that a rank or link measured far below the others (``preflight: ...``).
-    """
-    lines = job.logs(rank=rank).splitlines()
-    drop = ("HORA_PREFLIGHT ", "preflight: ")
-    return "\n".join(x for x in lines if not x.startswith(drop)).strip()
+    """A rank's log: only what the job printed (the preflight's figures go to the service)."""
+    return job.logs(rank=rank).strip()
 
 
 def run(ip: InteractiveShell, cell: str):

@@ -55,6 +55,7 @@ def test_hora_up_starts_and_stops_both(tmp_path: Path, stop_signal: signal.Signa
     home = tmp_path / "home"
     home.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "JUPYTER"))}
+    env["HORA_LEASE_DIR"] = os.environ["HORA_LEASE_DIR"]  # the test's own (tests/conftest.py)
     env.update({"HOME": str(home), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
     out = tmp_path / "up.log"
     argv = [
@@ -162,6 +163,7 @@ def test_hora_up_token_is_printed_once(tmp_path: Path) -> None:
     for round_, home in enumerate(["home", "home", "other-home"]):
         env = {k: v for k, v in os.environ.items() if not k.startswith("HORA_")}
         env.update({"HOME": str(tmp_path / home), "PYTHONUNBUFFERED": "1"})
+        env["HORA_LEASE_DIR"] = os.environ["HORA_LEASE_DIR"]  # the test's own
         out = tmp_path / f"up{round_}.log"
         with out.open("wb") as log:
             proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)

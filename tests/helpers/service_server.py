@@ -136,7 +136,7 @@ def server_env(
 ) -> dict[str, str]:
     env = dict(os.environ)
     for k in list(env):
-        if k.startswith("HORA_"):
+        if k.startswith("HORA_") and k != "HORA_LEASE_DIR":  # the test's own (tests/conftest.py)
             env.pop(k)
     env.update(
         {

@@ -53,7 +53,7 @@ def test_plan_devices(n, gpus, visible, expected):
             "asked for 4 GPUs, 4 visible (0, 1, 2, 3), 3 free (0, 1, 3): "
             "pass -n 3 (GPU 2 used by pid 4242)",
         ),
-        (None, ("2",), "GPU 2 in use"),
+        (None, ("2",), "GPU 2 used by pid 4242"),
         (None, ("7",), "GPU 7 not visible"),
         (None, ("0", "0"), "listed twice"),
     ],
@@ -119,11 +119,14 @@ def test_parse_gpu_apps_respects_cuda_visible_devices():
     gpus = "0, GPU-aaa\n1, GPU-bbb\n2, GPU-ccc\n"
     apps = "GPU-bbb, 77\nGPU-bbb, 78\n"
     assert parse_gpu_apps(gpus, apps, None) == [
-        GpuInfo("0"),
-        GpuInfo("1", (77, 78)),
-        GpuInfo("2"),
+        GpuInfo("0", index=0),
+        GpuInfo("1", (77, 78), index=1),
+        GpuInfo("2", index=2),
     ]
-    assert parse_gpu_apps(gpus, apps, "2,GPU-bbb") == [GpuInfo("2"), GpuInfo("GPU-bbb", (77, 78))]
+    # the lease of a GPU named by its UUID is still its index's
+    chosen = parse_gpu_apps(gpus, apps, "2,GPU-bbb")
+    assert chosen == [GpuInfo("2", index=2), GpuInfo("GPU-bbb", (77, 78), index=1)]
+    assert [g.lease for g in chosen] == ["gpu2", "gpu1"]
     assert parse_gpu_apps(gpus, "", "") == []
 
 

@@ -24,7 +24,10 @@ print(json.dumps({"home": os.environ["HOME"], "config": str(config_path()),
                   "hora": sorted(k for k in os.environ if k.startswith("HORA_")),
                   "jupyter": sorted(k for k in os.environ if k.startswith(("JUPYTER", "IPY")))}))
 """
-SUITE_OWN = {"HORA_USER_MODE", "HORA_HOROVOD_SUITE", "HORA_SCREENSHOT_DIR", "HORA_IMAGE_CACHE"}
+SUITE_OWN = {
+    "HORA_USER_MODE", "HORA_LEASE_DIR", "HORA_HOROVOD_SUITE", "HORA_SCREENSHOT_DIR",
+    "HORA_IMAGE_CACHE",
+}  # fmt: skip
 
 
 def test_home_is_private_and_holds_no_hora_config() -> None:
@@ -46,6 +49,8 @@ def test_a_child_process_sees_no_configured_service_and_no_user_settings() -> No
     assert seen["configured"] is False
     assert all(k in SUITE_OWN or k.startswith("HORA_TEST_") for k in seen["hora"]), seen["hora"]
     assert os.environ["HORA_USER_MODE"] == "shared"
+    # the machine's leases are not the tests': each test has a lease directory of its own
+    assert Path(os.environ["HORA_LEASE_DIR"]).parent.name.startswith("hora-test-leases-")
     assert seen["jupyter"] == []
     # test infrastructure (HORA_TEST_*) passes through (set by the test below)
     probe = os.environ.get("HERMETIC_EXPECT_PROBE")
@@ -64,7 +69,8 @@ def test_a_users_configured_service_and_settings_do_not_reach_the_tests(tmp_path
     env.update(
         HOME=str(home), HORA_URL="http://127.0.0.1:9", HORA_TOKEN="user-token",
         HORA_CONFIG=str(config), HORA_USER_MODE="multi", JUPYTER_CONFIG_DIR=str(home / "jc"),
-        IPYTHONDIR=str(home / "ipy"), HORA_TEST_PROBE="kept", HERMETIC_EXPECT_PROBE="kept",
+        IPYTHONDIR=str(home / "ipy"), HORA_LEASE_DIR=str(home), HORA_TEST_PROBE="kept",
+        HERMETIC_EXPECT_PROBE="kept",
     )  # fmt: skip
     here = Path(__file__)
     done = subprocess.run(

@@ -43,6 +43,15 @@ def test_the_shims_stdlib_names_agree(run_dir: str, rank: int) -> None:
     p = JobPaths(Path(run_dir))
     for kind, path in (("log", p.log), ("pid", p.pid), ("exit", p.exit), ("launch", p.launch)):
         assert shim.rank_file(run_dir, rank, kind) == str(path(rank))
+    assert os.path.join(run_dir, shim.FIGURES_FILE) == str(p.preflight)
+
+
+def test_the_shims_preflight_names_agree_with_the_contract_and_the_writer() -> None:
+    from hora.contract import RankEnv
+    from hora.torch import preflight
+
+    assert shim.FIGURES_VAR == RankEnv.var("preflight_fd")
+    assert shim.FIGURES_MAX == preflight.FIGURES_MAX
 
 
 @pytest.mark.parametrize("run_dir", RUN_DIRS)

@@ -18,8 +18,8 @@ FULL = RankEnv(
     attempt="inst/17/2", rdzv_secret="s" * 64, engine_world="/run/w.json",
     master_host="gpu01", slurm_job_id="123", node="gpu02", engine_connection='{"key": "k"}',
     preflight="1", preflight_warn_below=0.5, preflight_fail_below=0.3,
-    preflight_baseline="/srv/base", elastic_dir="/tmp/el", elastic_worker="w3",
-    elastic_timeout=600.0,
+    preflight_baseline="/srv/base", preflight_fd="5:14:2201", elastic_dir="/tmp/el",
+    elastic_worker="w3", elastic_timeout=600.0,
 )  # fmt: skip
 
 

@@ -18,7 +18,7 @@ import hora.torch
 
 LAYERS: dict[str, tuple[str, ...]] = {
     "state": ("_dist", "_sealed", "_rendezvous", "_heartbeat", "_state", "basics", "compression"),
-    "diagnosis": ("_stall", "timeline"),
+    "diagnosis": ("_stall", "timeline", "_preflight_figures"),
     "launch": (
         "_handles", "_shm", "_hier", "_comm", "_wire", "_negotiation", "_engine", "_process_sets",
     ),

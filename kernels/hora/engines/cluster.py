@@ -172,7 +172,7 @@ class Cluster:
             if time.perf_counter() > deadline:
                 raise EngineStartError(
                     f"timed out after {self.options.start_timeout_s:g}s {what}; "
-                    "raise --timeout of %dist_start or check the engine logs"
+                    "raise --start-timeout of %dist_start or check the engine logs"
                 )
             time.sleep(0.02)
 

@@ -17,6 +17,7 @@ a :class:`RemoteProcess` (an engine the service started, watched by its pid) or 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -28,11 +29,14 @@ from pathlib import Path
 from typing import IO, Any, NamedTuple, Protocol
 
 from hora.engines import plan, world
-from hora.engines.errors import UNSEEN_EXIT, EngineError, EngineStartError
+from hora.engines.errors import UNSEEN_EXIT, EngineError, EngineStartError, NotEnoughGpusError
 from hora.engines.report import log_tail
 from hora.env import new_rdzv_secret
+from hora.leases import Lease, LeaseDir
 from hora.net import free_port
 from hora.procs import signal_group
+
+MAX_CPU_SLOTS = 4096  # CPU slot names a kernel looks through beyond the engines it wants
 
 
 class EngineProcess(Protocol):
@@ -158,7 +162,9 @@ class KernelProcesses:
         self._dir = Path(tempfile.mkdtemp(prefix="hora-engines-"))
         return self._dir
 
-    def _spawn(self, argv: list[str], env: dict[str, str], name: str) -> subprocess.Popen[bytes]:
+    def _spawn(
+        self, argv: list[str], env: dict[str, str], name: str, fds: Sequence[int] = ()
+    ) -> subprocess.Popen[bytes]:
         if self._dir is None:
             raise EngineStartError(f"cannot start the {name}: the cluster is stopped")
         out = open(self._dir / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
@@ -172,6 +178,7 @@ class KernelProcesses:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            pass_fds=fds,
         )
         self._procs.append(proc)
         return proc
@@ -243,13 +250,50 @@ class LocalLauncher(KernelProcesses):
         super().__init__(options)
         self.gpus = gpus
         self._devices: list[str | None] = []
+        self._leases: list[Lease] = []  # each rank's slot, held here and by its engine
         self._logs_of: dict[int, Path] = {}
         self._rounds = 0
         self._rdzv_secret = ""
 
     def prepare(self) -> None:
-        """Choose each rank's GPU; raise :class:`NotEnoughGpusError` before anything starts."""
-        self._devices = plan.plan_devices(self.options.n, self.options.gpus, self.gpus())
+        """Choose each rank's GPU and lease its slot, before anything starts.
+
+        A GPU whose machine-wide lease another holds (a hora service, another notebook's
+        engines) is not free; CPU engines lease the lowest free CPU slots (:mod:`hora.leases`).
+
+        Raises:
+            NotEnoughGpusError: more GPUs asked for than visible and free.
+            LeaseDirError: the lease directory cannot be used (naming the setting).
+        """
+        self._let_go()
+        leases = LeaseDir.from_environ()
+        leases.ready()
+        visible = self.gpus()
+        held = leases.held(g.lease for g in visible)
+        visible = [
+            dataclasses.replace(g, holder=held[g.lease].words()) if g.lease in held else g
+            for g in visible
+        ]
+        self._devices = plan.plan_devices(self.options.n, self.options.gpus, visible)
+        names = {g.id: g.lease for g in visible}
+        try:
+            if self._devices and self._devices[0] is not None:
+                self._leases = [_take(leases, names[d], visible) for d in self._devices if d]
+            else:
+                self._leases = _take_cpus(leases, len(self._devices))
+        except BaseException:
+            self._let_go()
+            raise
+
+    def _let_go(self) -> None:
+        for lease in self._leases:
+            lease.close()
+        self._leases = []
+
+    def stop(self) -> None:
+        """Kill what was started here, then let its slots' leases go."""
+        super().stop()
+        self._let_go()
 
     def launch(self, deadline: float) -> Launched:
         """Start the controller and one engine per planned device."""
@@ -291,7 +335,8 @@ class LocalLauncher(KernelProcesses):
         # a replacement engine gets its own log: the dead one's explains the death
         name = f"engine{rank}" + (f"-{self._rounds - 1}" if rank in self._logs_of else "")
         self._logs_of[rank] = directory / f"{name}.log"
-        return self._spawn(plan.engine_argv(directory, stack), env, name)
+        fds = [self._leases[rank].fileno()] if rank < len(self._leases) else []
+        return self._spawn(plan.engine_argv(directory, stack), env, name, fds)  # holds it too
 
     def placed(self, info: Mapping[str, Any]) -> tuple[int, EngineProcess]:
         """The rank and process of an engine that answered, found by its pid."""
@@ -301,6 +346,36 @@ class LocalLauncher(KernelProcesses):
     def log_file(self, rank: int) -> Path:
         """The log of the engine of ``rank``; a replacement's is its own."""
         return self._logs_of.get(rank) or super().log_file(rank)
+
+
+def _claims() -> dict[str, object]:
+    """What a kernel's lease says about it: a notebook kernel, and its notebook's name."""
+    notebook = os.environ.get("JPY_SESSION_NAME", "")  # set by Jupyter for a notebook's kernel
+    return {"kind": "kernel", **({"what": Path(notebook).name} if notebook else {})}
+
+
+def _take(leases: LeaseDir, name: str, visible: Sequence[plan.GpuInfo]) -> Lease:
+    """The lease of one planned GPU (someone may have taken it since it was seen free)."""
+    got = leases.take(name, _claims())
+    if isinstance(got, Lease):
+        return got
+    ids = [g.id for g in visible]
+    gpu = next((g.id for g in visible if g.lease == name), name)
+    raise NotEnoughGpusError(len(ids), ids, [], f"GPU {gpu} held by {got.words()}")
+
+
+def _take_cpus(leases: LeaseDir, n: int) -> list[Lease]:
+    """Leases of the ``n`` lowest free CPU slots (``cpu<i>``): a CPU slot is a name, not a core."""
+    taken: list[Lease] = []
+    for i in range(n + MAX_CPU_SLOTS):
+        if len(taken) == n:
+            return taken
+        got = leases.take(f"cpu{i}", _claims())
+        if isinstance(got, Lease):
+            taken.append(got)
+    for lease in taken:
+        lease.close()
+    raise EngineStartError(f"no {n} free CPU slots among {n + MAX_CPU_SLOTS} in {leases.path}")
 
 
 class RemoteProcess:

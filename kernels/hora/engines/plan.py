@@ -117,7 +117,7 @@ def plan_devices(
         [None, None]
     """
     ids = [g.id for g in visible]
-    free = [g.id for g in visible if not g.busy_pids]
+    free = [g.id for g in visible if not g.busy_pids and g.holder is None]
     if gpus is not None:
         unknown = [g for g in gpus if g not in ids]
         taken = [g for g in gpus if g in ids and g not in free]
@@ -125,7 +125,7 @@ def plan_devices(
             why = (
                 f"GPU {', '.join(unknown)} not visible"
                 if unknown
-                else f"GPU {', '.join(taken)} in use"
+                else _busy(visible, taken)
                 if taken
                 else "a GPU is listed twice"
             )
@@ -135,14 +135,26 @@ def plan_devices(
         return [None] * (n if n is not None else DEFAULT_CPU_ENGINES)
     want = len(free) if n is None else n
     if want == 0 or want > len(free):
-        busy = "; ".join(
-            f"GPU {g.id} used by pid {', '.join(map(str, g.busy_pids))}"
-            for g in visible
-            if g.busy_pids
-        )
+        busy = _busy(visible, ids)
         hint = f"pass -n {len(free)}" if free else "free a GPU"
         raise NotEnoughGpusError(want or 1, ids, free, hint + (f" ({busy})" if busy else ""))
     return list(free[:want])
+
+
+def _busy(visible: Sequence[GpuInfo], which: Sequence[str]) -> str:
+    """Who uses the GPUs of ``which``: the pids with a CUDA context, the lease's holder.
+
+    Example:
+        >>> _busy([GpuInfo("0", (7,)), GpuInfo("1", holder="pid 9")], ["0", "1"])
+        'GPU 0 used by pid 7; GPU 1 held by pid 9'
+    """
+    out = []
+    for g in visible:
+        if g.id in which and g.busy_pids:
+            out.append(f"GPU {g.id} used by pid {', '.join(map(str, g.busy_pids))}")
+        if g.id in which and g.holder is not None:
+            out.append(f"GPU {g.id} held by {g.holder}")
+    return "; ".join(out)
 
 
 def engine_env(

@@ -43,8 +43,9 @@ log = logging.getLogger(__name__)
 def engine_preflight() -> dict[str, Any]:
     """Run the preflight on this engine (every engine at once); its report or the error.
 
-    Rank 0 also writes the figures' line to its own log, as a job's rank 0 does at
-    ``hvd.init()``: the hora service reads a session's figures there.
+    Rank 0 also hands the figures to the hora service, as a job's rank 0 does at
+    ``hvd.init()`` (:func:`hora.torch.preflight.publish`; only an engine the service started
+    has the descriptor to do it): a session's figures are read there.
 
     Returns:
         ``{"report": dict, "line": str}`` or ``{"error": str}``.
@@ -56,28 +57,10 @@ def engine_preflight() -> dict[str, Any]:
         report = preflight.run()
     except HoraError as e:
         if isinstance(e, preflight.PreflightError) and e.report is not None:
-            _log_figures(e.report.to_dict() | {"failed": str(e)})
+            preflight.publish(e.report.to_dict() | {"failed": str(e)})
         return {"error": f"{type(e).__name__}: {e}"}
-    _log_figures(report.to_dict())
+    preflight.publish(report.to_dict())
     return {"report": report.to_dict(), "line": report.line()}
-
-
-def _log_figures(figures: dict[str, Any]) -> None:
-    """Rank 0 writes the preflight line to the engine's log, not to the notebook.
-
-    An IPython engine sends what is written to its file descriptor 2 to the notebook too
-    (ipykernel's ``OutStream`` watches it); the stream keeps the log's own descriptor in
-    ``_original_stdstream_copy``, where ipyparallel sends its logging as well.
-    """
-    import sys
-
-    from hora.torch import preflight
-
-    fd = getattr(sys.stderr, "_original_stdstream_copy", None)
-    try:
-        preflight.log_line(figures, fd if isinstance(fd, int) else 2)
-    except OSError as e:  # the figures still reach the notebook
-        log.debug("preflight: cannot write the engine's log: %s", e)
 
 
 def begin() -> None:

@@ -91,9 +91,8 @@ def render_queue(info: SessionInfo, now: datetime, waited_s: float = 0.0) -> str
         idle = f", idle {_ago(h.idle_s)}" if h.idle_s is not None else ""
         ends = f", ends by {h.ends_at.astimezone():%H:%M:%S}" if h.ends_at else ""
         slots = ",".join(map(str, h.slots))
-        lines.append(
-            f"  {h.kind} {h.id} ({h.user}) holds slots {slots} since {since} ({held}{idle}{ends})"
-        )
+        who = h.what or f"{h.kind} {h.id} ({h.user})"  # what: a holder outside the service
+        lines.append(f"  {who} holds slots {slots} since {since} ({held}{idle}{ends})")
     if q.estimate_at is not None:
         left = max(0.0, (q.estimate_at - now).total_seconds())
         lines.append(

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, cast
 
+from hora.contract import preflight_pipe
 from hora.env import LAUNCHER_VARS, RankEnv, new_rdzv_secret, rank_env
 from hora.errors import SpecError
 from hora.launch import elastic_rdzv as rdzv
@@ -191,9 +192,11 @@ class ElasticDriver:
         env = {**self.base, **self._worker_env(wid, host)}
         env.setdefault("PYTHONUNBUFFERED", "1")
         env.setdefault("OMP_NUM_THREADS", "1")
+        pipe = preflight_pipe(env)  # the service's pipe for rank 0's preflight figures
         proc = subprocess.Popen(list(self.config.command), env=env, cwd=self.cwd,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
+                                stderr=subprocess.PIPE, start_new_session=True,
+                                pass_fds=() if pipe is None else (pipe,))  # fmt: skip
         w = Worker(wid, number, host, proc)
         w.pumps = [
             start_pump(cast(IO[bytes], proc.stdout), prefix(number, "stdout"), self._out,

@@ -20,10 +20,15 @@ the ring is usable. The figures are gathered on every rank, so every rank return
 
 A rank, link or path *far below* its reference is named in ``report.findings``: the
 reference is the node's recorded baseline (``<baseline_dir>/<host>.json``, written by
-:func:`save_baseline`) where there is one, else the median of the other ranks (links: of
-the other links). "Far below" is under ``warn_below`` of the reference (default 0.5; env
-``HORA_PREFLIGHT_WARN_BELOW``). With ``fail_below`` (env ``HORA_PREFLIGHT_FAIL_BELOW``) a
-finding under that fraction raises :class:`PreflightError` on every rank.
+:func:`save_baseline`), never the other ranks, which share a loaded machine's slowness. "Far
+below" is under ``warn_below`` of the baseline (default 0.5; env
+``HORA_PREFLIGHT_WARN_BELOW``); without a baseline nothing is judged. With ``fail_below``
+(env ``HORA_PREFLIGHT_FAIL_BELOW``) a finding under that fraction raises
+:class:`PreflightError` on every rank.
+
+At ``hvd.init()`` rank 0 hands the figures to the hora service through the descriptor the
+rank shim opened for it (``HORA_PREFLIGHT_FD``, :func:`publish`), never through the rank's
+output: a job's log holds only what the job printed.
 
 This module imports only torch, the standard library and hora.
 """
@@ -36,33 +41,46 @@ import math
 import os
 import socket
 import statistics
-import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from hora.contract import RankEnv  # its names; _fraction's PreflightError says the range
+from hora.contract import RankEnv, preflight_pipe  # _fraction's PreflightError says the range
 from hora.errors import HoraError
 from hora.torch import _shm, _state, timeline
+from hora.torch._preflight_figures import (
+    DEFAULT_WARN_BELOW,
+    KIB,
+    MIB,
+    Finding,
+    LinkFigures,
+    PathFigures,
+    PreflightReport,
+    RankFigures,
+    judge,
+    load_baseline,
+    save_baseline,
+)
 from hora.torch._process_sets import comm_of
 from hora.torch._stall import run_guarded
 
+__all__ = [
+    "CPU_SIZES", "GPU_SIZES", "Finding", "LinkFigures", "PathFigures", "PreflightError",
+    "PreflightReport", "RankFigures", "load_baseline", "publish", "run", "save_baseline",
+]  # fmt: skip
+
 log = logging.getLogger("hora.torch.preflight")
 
-KIB, MIB = 1024, 1024 * 1024
 CPU_SIZES = (4 * KIB, 256 * KIB, 4 * MIB)
 GPU_SIZES = (1 * MIB, 8 * MIB, 64 * MIB)
 CPU_LINK_BYTES, GPU_LINK_BYTES = 1 * MIB, 64 * MIB
 LATENCY_ITERS = 5
 REPS = 2  # timed allreduces per size (the latency rounds warm the path up)
 EXTRA_COPIES = 3  # more timed local copies of the largest size
-DEFAULT_WARN_BELOW = 0.5
-LINE_TAG = "HORA_PREFLIGHT"  # rank 0's log line at init: "HORA_PREFLIGHT {json}"
+FIGURES_MAX = 256 << 10  # most bytes of one report the shim keeps (shim.FIGURES_MAX)
 
 # Fault injection for tests: each is called with the phase ("copy" or "link") on this rank
 # inside the timed region. Empty in normal use.
@@ -78,110 +96,6 @@ class PreflightError(HoraError):
     def __init__(self, message: str, report: PreflightReport | None = None) -> None:
         super().__init__(message)
         self.report = report
-
-
-@dataclass
-class RankFigures:
-    """One rank's own measurements on one path."""
-
-    rank: int
-    host: str
-    latency_us: float
-    copy_gbps: float  # best local copy of the largest size (bytes / s / 1e9)
-    busbw_gbps: float  # largest size, from this rank's own median time
-    coll_s: float  # time this rank spent in the timed allreduces
-    wait_s: float = 0.0  # of which waiting for later ranks (vs the fastest rank, per op)
-
-
-@dataclass
-class LinkFigures:
-    """A ring neighbour pair's ping-pong."""
-
-    a: int
-    b: int
-    latency_us: float
-    gbps: float
-
-
-@dataclass
-class PathFigures:
-    """The world's figures on one path."""
-
-    path: str
-    sizes: list[int]
-    busbw_gbps: list[float]  # one per size, nccl-tests' definition (slowest rank's time)
-    algbw_gbps: list[float]
-    latency_us: float  # median over ranks
-    ranks: list[RankFigures]
-    links: list[LinkFigures] = field(default_factory=list)
-
-
-@dataclass
-class Finding:
-    """A rank, link or path far below its reference."""
-
-    kind: str  # "rank", "link" or "path"
-    who: str  # "rank 1", "link 0<->1", "path gloo"
-    path: str
-    figure: str  # what was compared ("copy_gbps", "gbps", "busbw_gbps")
-    value: float
-    reference: float
-    against: str  # "baseline" or "other ranks" / "other links"
-
-    @property
-    def fraction(self) -> float:
-        """``value / reference`` (0 when the reference is 0)."""
-        return self.value / self.reference if self.reference > 0 else 0.0
-
-    def text(self) -> str:
-        """One phrase naming it, e.g. ``rank 1 (gloo copy_gbps 0.05, 3% of other ranks)``."""
-        return (
-            f"{self.who} ({self.path} {self.figure} {self.value:.3g}, "
-            f"{100 * self.fraction:.0f}% of {self.against} {self.reference:.3g})"
-        )
-
-
-@dataclass
-class PreflightReport:
-    """What :func:`run` measured; the same on every rank."""
-
-    size: int
-    backend: str
-    seconds: float
-    paths: list[PathFigures]
-    findings: list[Finding] = field(default_factory=list)
-    warn_below: float = DEFAULT_WARN_BELOW
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (``findings`` carry their ``text``)."""
-        out = asdict(self)
-        out["findings"] = [asdict(f) | {"text": f.text()} for f in self.findings]
-        return out
-
-    def slowest(self) -> str:
-        """The findings as one phrase ("" when nothing is far below)."""
-        return "; ".join(f.text() for f in self.findings)
-
-    def line(self) -> str:
-        """One line of figures, e.g. for ``%dist_start``'s output."""
-        if not self.paths:
-            return "preflight: one rank, no collective path to measure"
-        parts = []
-        for p in self.paths:
-            top = _human(p.sizes[-1])
-            part = f"{p.path} {top} busbw {p.busbw_gbps[-1]:.2f} GB/s, {p.latency_us:.0f} us"
-            if p.links:
-                lo = min(k.gbps for k in p.links)
-                hi = max(k.gbps for k in p.links)
-                part += f", links {lo:.2f}-{hi:.2f} GB/s"
-            parts.append(part)
-        slow = self.slowest()
-        tail = f"; SLOW: {slow}" if slow else "; no rank or link far below its reference"
-        return f"preflight ({self.size} ranks, {self.seconds:.2f}s): " + "; ".join(parts) + tail
-
-
-def _human(n: int) -> str:
-    return f"{n // MIB} MiB" if n >= MIB else f"{n // KIB} KiB"
 
 
 def _fraction(value: str | None, name: str) -> float | None:
@@ -350,102 +264,6 @@ def _links(raw_links: list[dict[str, list[float]]], nbytes: int) -> list[LinkFig
     return sorted(out, key=lambda k: (k.a, k.b))
 
 
-def load_baseline(directory: str | os.PathLike[str] | None, host: str) -> dict[str, Any]:
-    """The node's recorded baseline (``{path: {figure: value}}``), or {} when there is none.
-
-    Args:
-        directory: where the per-node files are (``<host>.json``); None: no baseline.
-        host: the node's host name.
-    """
-    if not directory:
-        return {}
-    file = Path(directory) / f"{Path(host).name}.json"
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, ValueError):
-        return {}
-    paths = data.get("paths") if isinstance(data, dict) else None
-    return paths if isinstance(paths, dict) else {}
-
-
-def save_baseline(report: PreflightReport, directory: str | os.PathLike[str]) -> list[Path]:
-    """Record ``report`` as the baseline of every node in it (one ``<host>.json`` each).
-
-    Each node's figures are the median of its ranks (links: of the links its ranks start).
-    Call it on one rank, on a healthy world.
-
-    Returns:
-        The files written.
-    """
-    root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
-    written = []
-    for host in sorted({r.host for p in report.paths for r in p.ranks}):
-        paths: dict[str, dict[str, float]] = {}
-        for p in report.paths:
-            mine = [r for r in p.ranks if r.host == host]
-            ranks_here = {r.rank for r in mine}
-            links = [k.gbps for k in p.links if k.a in ranks_here]
-            paths[p.path] = {
-                "busbw_gbps": p.busbw_gbps[-1],
-                "copy_gbps": statistics.median(r.copy_gbps for r in mine),
-                "latency_us": statistics.median(r.latency_us for r in mine),
-            } | ({"link_gbps": statistics.median(links)} if links else {})
-        file = root / f"{host}.json"
-        file.write_text(json.dumps({"host": host, "size": report.size, "paths": paths}, indent=1))
-        written.append(file)
-    return written
-
-
-def _reference(base: Mapping[str, Any], figure: str, others: list[float]) -> tuple[float, str]:
-    value = base.get(figure)
-    if isinstance(value, int | float) and value > 0:
-        return float(value), "baseline"
-    return (statistics.median(others), "") if others else (0.0, "")
-
-
-def _judge(p: PathFigures, bases: dict[str, dict[str, Any]], below: float) -> list[Finding]:
-    found = []
-    for r in p.ranks:
-        base = bases.get(r.host, {}).get(p.path, {})
-        others = [x.copy_gbps for x in p.ranks if x.rank != r.rank]
-        ref, against = _reference(base, "copy_gbps", others)
-        if ref > 0 and r.copy_gbps < below * ref:
-            found.append(Finding("rank", f"rank {r.rank}", p.path, "copy_gbps", r.copy_gbps,
-                                 ref, against or "other ranks"))
-    host_of = {r.rank: r.host for r in p.ranks}
-    for k in p.links:
-        base = bases.get(host_of.get(k.a, ""), {}).get(p.path, {})
-        others = [x.gbps for x in p.links if (x.a, x.b) != (k.a, k.b)]
-        ref, against = _reference(base, "link_gbps", others)
-        if ref > 0 and k.gbps < below * ref:
-            found.append(Finding("link", f"link {k.a}<->{k.b}", p.path, "gbps", k.gbps, ref,
-                                 against or "other links"))
-    refs = [b[p.path]["busbw_gbps"] for b in bases.values()
-            if isinstance(b.get(p.path, {}).get("busbw_gbps"), int | float)]
-    if refs and p.busbw_gbps[-1] < below * min(refs):
-        found.append(Finding("path", f"path {p.path}", p.path, "busbw_gbps", p.busbw_gbps[-1],
-                             min(refs), "baseline"))
-    return _merge_links(found, p)
-
-
-def _merge_links(found: list[Finding], p: PathFigures) -> list[Finding]:
-    """Name a rank instead of its links when every link it is in is slow (3+ ranks)."""
-    if len(p.ranks) < 3:
-        return found
-    slow = {f.who for f in found if f.kind == "link" and f.path == p.path}
-    for r in p.ranks:
-        mine = {f"link {k.a}<->{k.b}" for k in p.links if r.rank in (k.a, k.b)}
-        if not mine or not mine <= slow:
-            continue
-        worst = min((f for f in found if f.who in mine), key=lambda f: f.fraction)
-        found = [f for f in found if f.who not in mine]
-        found.append(Finding("rank", f"rank {r.rank}", p.path, "link_gbps", worst.value,
-                             worst.reference, worst.against))
-        slow -= mine
-    return found
-
-
 # --- running -----------------------------------------------------------------------------------
 def _sizes(sizes: tuple[int, ...] | list[int] | None, gpu: bool) -> tuple[int, ...]:
     if not sizes:
@@ -480,7 +298,7 @@ def run(
         sizes: allreduce sizes in bytes (multiples of 4, at most 64 MiB); default
             ``CPU_SIZES`` or ``GPU_SIZES``.
         baseline_dir: where each node's ``<host>.json`` baseline is (default env
-            ``HORA_PREFLIGHT_BASELINE``; none: ranks are compared with each other).
+            ``HORA_PREFLIGHT_BASELINE``; none: nothing is judged, only measured).
         warn_below: name what is under this fraction of its reference (default 0.5).
         fail_below: raise when something is under this fraction (default env
             ``HORA_PREFLIGHT_FAIL_BELOW``; unset: warn only).
@@ -523,7 +341,7 @@ def run(
         bad = [f for f in report.findings if f.fraction < fail]
         if bad:
             raise PreflightError(
-                f"preflight: below {fail:g} of the reference: "
+                f"preflight: below {fail:g} of the baseline: "
                 + "; ".join(f.text() for f in bad),
                 report,
             )
@@ -540,18 +358,21 @@ def _report(state: _state.RankState, sizes: tuple[int, ...], every: list[dict[st
         if name != "shm":  # links are measured on the group's transport
             p.links = _links([e["links"] for e in every], link_bytes)
         figures.append(p)
-    findings = [f for p in figures for f in _judge(p, bases, below)]
+    findings = [f for p in figures for f in judge(p, bases, below)]
     seconds = max(e["s"] for e in every)
-    return PreflightReport(state.size, state.backend, seconds, figures, findings)
+    report = PreflightReport(state.size, state.backend, seconds, figures, findings)
+    report.baseline = any(bases.values())
+    return report
 
 
 def _at_init(environ: Mapping[str, str], _process_sets: Any) -> None:
-    """``hvd.init()`` hook: run the preflight when ``HORA_PREFLIGHT`` asks; rank 0 logs it.
+    """``hvd.init()`` hook: run the preflight when ``HORA_PREFLIGHT`` asks; rank 0 publishes it.
 
-    Rank 0 writes one line ``HORA_PREFLIGHT {json}`` to stderr (the job's log), which the
-    service reads; every rank logs a warning naming what is far below its reference. When
-    the fail threshold is crossed, rank 0 writes the line first, with ``failed`` set to the
-    error's message, so that the service can say which rank or link failed the job.
+    Rank 0 hands the figures to the hora service (:func:`publish`); nothing is written to the
+    rank's output. When the fail threshold is crossed, rank 0 publishes them first, with
+    ``failed`` set to the error's message, so that the service can say which rank or link
+    failed the job. Without a service to hand them to (``HORA_PREFLIGHT=1`` set by hand), a
+    finding is logged as a warning, the figures at INFO.
     """
     if environ.get(RankEnv.var("preflight"), "").strip().lower() not in ("1", "on", "true", "yes"):
         return
@@ -560,41 +381,52 @@ def _at_init(environ: Mapping[str, str], _process_sets: Any) -> None:
         report = run(environ=environ)
     except PreflightError as e:  # the threshold was crossed (or a setting is wrong)
         if e.report is not None:
-            log_line(e.report.to_dict() | {"failed": str(e)})
+            publish(e.report.to_dict() | {"failed": str(e)}, environ)
         raise  # init() fails, naming it
     except Exception as e:  # noqa: BLE001  (a check must not stop training that would work)
         log.warning("preflight: no figures (%s: %s)", type(e).__name__, e)
         return
     if timeline.enabled():  # the job's scaling report starts after it (hora.scaling)
         timeline.record("preflight", "PREFLIGHT", t0, timeline.now_ns(), 0)
-    if report.findings:
-        log.warning("preflight: far below the reference: %s", report.slowest())
-    log_line(report.to_dict())
+    if not publish(report.to_dict(), environ) and _state.require_init("preflight").rank == 0:
+        if report.findings:
+            log.warning("preflight: far below the baseline: %s", report.slowest())
+        log.info("%s", report.line())
 
 
-def log_line(figures: dict[str, Any], fd: int | None = None) -> None:
-    """Rank 0 writes ``HORA_PREFLIGHT {json}`` to its log, where the hora service reads it.
+def publish(figures: dict[str, Any], environ: Mapping[str, str] | None = None) -> bool:
+    """Rank 0 hands the figures to the hora service, on the pipe ``HORA_PREFLIGHT_FD`` names.
+
+    The rank shim gives rank 0 that pipe and keeps each JSON document written to it (one a
+    line, at most :data:`FIGURES_MAX` bytes) as ``preflight.json`` in the attempt's run
+    directory, where the service reads it; the newest replaces the older (an elastic job's
+    world measures again when it re-forms). Nothing goes to the rank's output.
 
     Args:
         figures: :meth:`PreflightReport.to_dict`, with ``failed`` (the error's message) when
             the threshold was crossed.
-        fd: the rank's log (default ``sys.stderr``: a job's rank 0 log). An engine passes
-            its process's own stderr, which its notebook does not see.
+        environ: where ``HORA_PREFLIGHT_FD`` is read (default ``os.environ``).
+
+    Returns:
+        True when they were written; False on ranks other than 0, without the pipe (no hora
+        service started this rank) or when the figures pass :data:`FIGURES_MAX` bytes.
 
     Raises:
         NotInitializedError: before ``hvd.init()``.
-        OSError: ``fd`` cannot be written.
     """
     if _state.require_init("preflight").rank != 0:
-        return
-    line = f"{LINE_TAG} {json.dumps(figures, separators=(',', ':'))}\n"
-    if fd is None:
-        sys.stderr.write(line)
-        sys.stderr.flush()
-        return
-    data = line.encode()
-    while data:
-        data = data[os.write(fd, data) :]
+        return False
+    fd = preflight_pipe(os.environ if environ is None else environ)
+    data = json.dumps(figures, separators=(",", ":")).encode() + b"\n"
+    if fd is None or len(data) > FIGURES_MAX:
+        return False
+    try:
+        while data:
+            data = data[os.write(fd, data) :]
+    except OSError as e:  # the shim is gone: the job is ending anyway
+        log.debug("preflight: cannot hand the figures over: %s", e)
+        return False
+    return True
 
 
 _state.register_init_hook(_at_init)

@@ -231,3 +231,7 @@ class Admission(ManagerCore):
         if attempt < 0:
             raise SpecError("attempt", "must be >= 0")
         return JobPaths.of(self.settings.logs_dir, job_id, attempt).log(rank)
+
+    def preflight_path(self, job_id: int, attempt: int) -> Path:
+        """The preflight's figures of one attempt (``preflight.json``, built from integers)."""
+        return JobPaths.of(self.settings.logs_dir, job_id, attempt).preflight

@@ -70,7 +70,12 @@ def _box_of(ranks: list[RankProcess]) -> dict[str, object]:
 
 @dataclass(frozen=True)
 class Holder:
-    """Who holds slots now, as a queued request is shown it."""
+    """Who holds slots now, as a queued request is shown it.
+
+    A holder outside this service (another hora service, a notebook's kernel-local engines,
+    known by its lease) has ``kind`` ``service`` or ``kernel``, its pid as ``id``, and
+    ``what`` says who it is.
+    """
 
     id: int
     kind: str
@@ -79,6 +84,7 @@ class Holder:
     since: float
     ends_at: float | None
     stopping: bool = False  # its processes are being stopped: the slots are draining
+    what: str | None = None  # a holder outside this service, in words (its lease's)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from hora.leases import LeaseDir, LeaseHolder, default_dir
 from hora.spec import PRIORITY_RANK, JobSpec, JobState
 
 from hora_service import identity, runtimes
@@ -21,11 +22,12 @@ from hora_service.bounds import Bounds
 from hora_service.inventory import Slot, inventory
 from hora_service.jobpreflight import PreflightBook
 from hora_service.jobs.attempt import Attempt, _outside
+from hora_service.jobs.leases import DataDirLock, SlotLeases
 from hora_service.journal import Journal, Write
 from hora_service.models import JobRecord
 from hora_service.reasons import ReasonBoard
 from hora_service.runtimes import Runtime
-from hora_service.runtimes.containment import Containment
+from hora_service.runtimes.containment import Containment, instance_id
 from hora_service.runtimes.local import allowed_env
 from hora_service.scheduler import Pending
 from hora_service.settings import Settings
@@ -89,15 +91,24 @@ class ManagerCore:
         self.usage = Usage()  # queue waits and slot-hours by user, for /metrics
         self.preflight = PreflightBook()  # the jobs' preflight figures, for pages and /metrics
         self._handoffs: dict[int, int] = {}  # session id -> the job that takes its slots
+        # the machine's leases of this service's slots, and who else holds free ones
+        me = {"kind": "service", "url": settings.url, "instance": instance_id(settings.data_dir)}
+        lease_dir = LeaseDir(settings.lease_dir or default_dir())
+        self.leases = SlotLeases(lease_dir, self.inventory, me)
+        self._foreign: dict[int, LeaseHolder] = {}  # slot -> its holder (last pass)
+        self._data_lock = DataDirLock(settings.data_dir, settings.url)
 
     def open_store(self) -> Store:
         """Open (and migrate) the SQLite store if it is not open yet."""
         if self.store is None:
-            for d in (self.settings.data_dir, self.settings.logs_dir):
-                d.mkdir(parents=True, exist_ok=True)
-                d.chmod(0o700)  # the service's alone: jobs never read the store or others' logs
+            self._make_dirs()
             self.store = Store(self.settings.db_path)
         return self.store
+
+    def _make_dirs(self) -> None:
+        for d in (self.settings.data_dir, self.settings.logs_dir):
+            d.mkdir(parents=True, exist_ok=True)
+            d.chmod(0o700)  # the service's alone: jobs never read the store or others' logs
 
     def close_store(self) -> None:
         """Close the store's connections."""

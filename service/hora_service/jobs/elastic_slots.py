@@ -99,7 +99,9 @@ class ElasticSlots(ManagerCore):
             take = self._room(attempt.user, plan.spec, len(plan.slots), spare)
             if take == 0:
                 continue
-            extra, spare[:] = spare[:take], spare[take:]
+            extra, spare[:] = self._leased(spare[:take], plan.spec), spare[take:]
+            if not extra:
+                continue
             attempt.count(self.usage, now)
             attempt.plan = plan = replace(plan, slots=plan.slots + tuple(extra))
             try:
@@ -120,8 +122,15 @@ class ElasticSlots(ManagerCore):
         if job.spec.elastic is None or not spare:
             return slots
         take = self._room(job.user, job.spec, len(slots), spare)
-        slots, spare[:] = slots + tuple(spare[:take]), spare[take:]
+        slots, spare[:] = slots + tuple(self._leased(spare[:take], job.spec)), spare[take:]
         return slots
+
+    def _leased(self, extra: list[int], spec: JobSpec) -> list[int]:
+        """The slots of ``extra`` whose leases this service takes now, in whole workers."""
+        lost = self.leases.take(extra)
+        self._foreign.update(lost)
+        kept = [s for s in extra if s not in lost]
+        return kept[: len(kept) // spec.gpus_per_worker * spec.gpus_per_worker]
 
     def _reoffer(self, plan: AttemptPlan) -> None:
         """Offer a re-adopted driver the slots the store says it holds.

@@ -161,6 +161,9 @@ class Launch(ElasticSlots, Admission):
             work_root=self.settings.work_root,
             tmp_paths=tuple(kept),
             driver=driver,
+            # the rank shims hold the leases too: a restart of the service keeps them held
+            # while the ranks run (an elastic job's slots change: the service alone holds them)
+            leases=() if driver else self.leases.fds(slots),
         )
 
     def _preflight_env(self, kind: str) -> tuple[tuple[str, str], ...]:

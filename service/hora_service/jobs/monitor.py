@@ -14,6 +14,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Sequence
 
 from hora.errors import HoraError, SpecError
 from hora.spec import JobState
@@ -36,14 +37,24 @@ class Monitor(Recovery):
     """Starting and stopping the loop, and its passes."""
 
     def start(self) -> None:
-        """Open the store, recover jobs from an earlier run, start the monitor loop.
+        """Hold the data directory, open the store, recover jobs, start the monitor loop.
 
         Raises:
-            HoraError: single-user mode over a store with several users (their jobs would
-                all run as this service's account without anyone having opted in); in
-                multi-user mode, a work root the job accounts cannot enter.
+            HoraError: another service runs on the data directory (naming its pid and URL);
+                the lease directory cannot be used safely; single-user mode over a store
+                with several users (their jobs would all run as this service's account
+                without anyone having opted in); in multi-user mode, a work root the job
+                accounts cannot enter.
         """
-        self.check_start()
+        self._make_dirs()
+        self._data_lock.take()  # before anything reads the store or writes the config
+        try:
+            self.leases.dir.ready()
+            self.users.check_start(self.settings.db_path)
+            self.users.check_work_root()
+        except BaseException:
+            self._data_lock.release()
+            raise
         self.users.make_homes_private()
         with self._lock:
             self._recover()
@@ -51,14 +62,6 @@ class Monitor(Recovery):
         self._thread = threading.Thread(target=self._loop, name="hora-monitor", daemon=True)
         self._thread.start()
         log.info("job manager started: %d %s slot(s)", len(self.inventory), self._kind)
-
-    def check_start(self) -> None:
-        """Refuse to start on a store or a work root this service cannot serve (see start).
-
-        ``hora serve`` calls it before uvicorn too, so that a refusal is one line.
-        """
-        self.users.check_start(self.settings.db_path)
-        self.users.check_work_root()
 
     def stop(self) -> None:
         """Stop the monitor loop and close the store; running jobs keep running.
@@ -80,6 +83,8 @@ class Monitor(Recovery):
                     len(self.journal), self.journal.error,
                 )  # fmt: skip
         self.close_store()
+        self.leases.close()  # the ranks still running keep theirs (their shims hold them)
+        self._data_lock.release()
 
     def shutdown_jobs(self, timeout: float | None = None) -> None:
         """Cancel every active job and wait (bounded) until their processes are gone."""
@@ -102,7 +107,7 @@ class Monitor(Recovery):
 
     def _next_wait(self) -> float:
         wait = self.settings.monitor_interval_s
-        if not self._attempts and not len(self.journal):
+        if not self._attempts and not len(self.journal) and not self._dirty:
             due = [t for _, t in self._pending.values() if t is not None]
             wait = max(wait, min(due) - time.time()) if due else 5.0
         return max(0.0, min(wait, 5.0))
@@ -122,6 +127,10 @@ class Monitor(Recovery):
                 self._schedule(now)
             for hook in self.hooks:
                 hook(now)
+            # the machine-wide leases follow the slots the attempts hold now
+            owners = {s: (a.job_id, a.plan.attempt) for a in self._attempts.values()
+                      for s in a.plan.slots}  # fmt: skip
+            self.leases.sync(owners)
 
     def _poll(self, attempt: Attempt, now: float) -> None:
         grace = self.settings.kill_grace_s
@@ -231,20 +240,31 @@ class Monitor(Recovery):
     def _watch_preflight(
         self, attempt: Attempt, now: float, force: bool = False
     ) -> PreflightFigures | None:
-        """Name the attempt's preflight in its events once rank 0 logged it; its figures.
+        """Name each new preflight of the attempt in its events; its figures.
 
-        A job's ranks log it at ``hvd.init()`` when asked (``preflight_env``); a session's
-        rank 0 engine when ``%dist_start`` measures (unless ``--no-preflight``).
+        A job's rank 0 hands them over at ``hvd.init()`` when asked (``preflight_env``); a
+        session's rank 0 engine when ``%dist_start`` measures (unless ``--no-preflight``).
         """
         if not attempt.plan.preflight_env and attempt.kind != "session":
             return None
         plan = attempt.plan
         ended = [c for r, c in enumerate(attempt.codes) if r not in attempt.lost]
         force = force or any(c is not Exit.running for c in ended)
-        found = self.preflight.poll(attempt.job_id, plan.attempt, plan.paths.log(0), now, force)
+        found = self.preflight.poll(attempt.job_id, plan.attempt, plan.paths.preflight, now, force)
         if found is not None:
             self._write(Write(attempt.job_id, JobState.running, now, found.event(), event=True))
         return self.preflight.known(attempt.job_id, plan.attempt)
+
+    def _lease(self, slots: Sequence[int]) -> set[int]:
+        """Take the leases of ``slots``; those someone else took since the pass looked.
+
+        Those are noted as theirs, and the pass runs again.
+        """
+        lost = self.leases.take(slots)
+        if lost:
+            self._foreign.update(lost)
+            self._dirty = True
+        return set(lost)
 
     def _cleared(self, attempt: Attempt, now: float) -> bool:
         """Every rank has ended: kill what is left of the attempt; True once nothing is.
@@ -318,10 +338,13 @@ class Monitor(Recovery):
         ready = [p for p in ready if p.need > 0]
         held = {s for a in self._attempts.values() for s in a.plan.slots}
         free = [s.index for s in self.inventory if s.index not in held]
+        # slots someone else on this machine holds (another service, a notebook's engines)
+        self._foreign = self.leases.others(free)
+        free = [s for s in free if s not in self._foreign]
         holding = [
             Holding(a.job_id, a.user, a.plan.slots, a.deadline if a.deadline else INF)
             for a in self._attempts.values()
-        ]
+        ] + [Holding(-1, h.user or "", (s,)) for s, h in self._foreign.items()]
         used: dict[str, int] = {}
         for a in self._attempts.values():
             used[a.user] = used.get(a.user, 0) + len(a.plan.slots)
@@ -334,7 +357,10 @@ class Monitor(Recovery):
         # slots nobody waits for: elastic jobs grow into them (up to their max_workers)
         spare = [s for s in free if s not in placed] if len(placements) == len(ready) else []
         for placement in placements:
-            self._launch(placement.job_id, placement.slots, spare)
+            if not self._lease(placement.slots):  # leased before anything runs there
+                self._launch(placement.job_id, placement.slots, spare)
+        if self._foreign and len(placements) < len(ready):
+            self._dirty = True  # a holder elsewhere lets go without telling: look again
         for p in outside:
             self._launch(p.id, ())
         if spare:

@@ -10,31 +10,48 @@ import statistics
 import time
 
 from hora.errors import HoraError
+from hora.leases import LeaseHolder
 
-from hora_service.jobs.attempt import Holder, QueueView
+from hora_service.inventory import Slot
+from hora_service.jobs.attempt import Attempt, Holder, QueueView
 from hora_service.jobs.core import ManagerCore
 from hora_service.models import MetricsSnapshot, SlotInfo
 from hora_service.scheduler import INF, Holding, Pending, queue_order, reserve
+
+
+def _slot_info(slot: Slot, attempt: Attempt | None, elsewhere: LeaseHolder | None) -> SlotInfo:
+    """One slot as ``/v1/gpus`` shows it."""
+    info = SlotInfo(index=slot.index, kind=slot.kind, name=slot.name)
+    if attempt is not None:
+        info.job_id, info.user, info.holder_kind = attempt.job_id, attempt.user, attempt.kind
+    elif elsewhere is not None:
+        info.user, info.holder = elsewhere.user, elsewhere.words()
+        info.holder_kind = elsewhere.kind or None
+    return info
 
 
 class SlotViews(ManagerCore):
     """The slots, their holders, the queue and the metrics."""
 
     def slots(self) -> list[SlotInfo]:
-        """Every slot and the job (and user) holding it."""
+        """Every slot and who holds it: a job or session here, or a holder elsewhere."""
         with self._lock:
             held = {s: a for a in self._attempts.values() for s in a.plan.slots}
-        return [
-            SlotInfo(
-                index=s.index,
-                kind=s.kind,
-                name=s.name,
-                job_id=held[s.index].job_id if s.index in held else None,
-                user=held[s.index].user if s.index in held else None,
-                holder_kind=held[s.index].kind if s.index in held else None,
-            )
-            for s in self.inventory
-        ]
+        elsewhere = self.leases.others(s.index for s in self.inventory if s.index not in held)
+        return [_slot_info(s, held.get(s.index), elsewhere.get(s.index)) for s in self.inventory]
+
+    def _outside(self) -> tuple[Holder, ...]:
+        """Who else on this machine holds slots of this service's (one per holder), now."""
+        held = {s for a in self._attempts.values() for s in a.plan.slots}
+        found = self.leases.others(s.index for s in self.inventory if s.index not in held)
+        by: dict[int | None, tuple[LeaseHolder, list[int]]] = {}
+        for slot, h in sorted(found.items()):
+            by.setdefault(h.pid, (h, []))[1].append(slot)
+        return tuple(
+            Holder(h.pid or 0, h.kind or "lease", h.user or "", tuple(slots),
+                   h.since or time.time(), None, what=h.words())
+            for h, slots in by.values()
+        )  # fmt: skip
 
     def cpu_seconds(self, job_id: int) -> float | None:
         """CPU seconds the running attempt of ``job_id`` has used (None: none, or unknown)."""
@@ -74,10 +91,11 @@ class SlotViews(ManagerCore):
             held = sum(len(a.plan.slots) for a in attempts)
             owner = order[mine[0]].user if mine else None
             used = sum(len(a.plan.slots) for a in attempts if a.user == owner)
-        free = len(self.inventory) - held
+            outside = self._outside()
+        free = len(self.inventory) - held - sum(len(h.slots) for h in outside)
         holders = tuple(
             Holder(a.job_id, a.kind, a.user, a.plan.slots, a.started, a.deadline) for a in attempts
-        )
+        ) + outside
         if not mine:
             return QueueView(0, 0, free, holders, None, False)
         job = order[mine[0]]
@@ -94,6 +112,7 @@ class SlotViews(ManagerCore):
         with self._lock:
             pending = list(self._pending.values())
             attempts = sorted(self._attempts.values(), key=lambda a: a.started)
+            outside = self._outside()
         holders = tuple(
             Holder(
                 a.job_id, a.kind, a.user, a.plan.slots, a.started, a.deadline,
@@ -101,7 +120,7 @@ class SlotViews(ManagerCore):
             )  # fmt: skip
             for a in attempts
         )
-        return pending, holders
+        return pending, holders + outside
 
     def metrics(self) -> MetricsSnapshot:
         """Jobs by state, queue length, slots, and submit-to-running latency."""

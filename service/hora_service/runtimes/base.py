@@ -70,6 +70,10 @@ class AttemptPlan:
         driver: an elastic job's one process (``hora run``'s elastic driver, which starts
             the workers itself, :mod:`hora_service.elastic`), run as rank 0 instead of
             ``spec.workers`` copies of ``spec.command``; empty for every other job.
+        leases: the service's open lease file of each slot (:mod:`hora.leases`), in the
+            order of ``slots``, for the rank shims of the local runtime to inherit (never
+            the ranks' commands): a lease then lasts while its rank runs, across a restart
+            of the service. Empty: the service alone holds them.
     """
 
     job_id: int
@@ -91,6 +95,7 @@ class AttemptPlan:
     work_root: Path | None = None
     tmp_paths: tuple[Path, ...] = ()
     driver: tuple[str, ...] = ()
+    leases: tuple[int, ...] = ()
 
     @property
     def ranks(self) -> int:
@@ -106,6 +111,13 @@ class AttemptPlan:
         """The slots of one rank: ``gpus_per_worker`` consecutive ones of the job's."""
         g = self.spec.gpus_per_worker
         return self.slots[rank * g : (rank + 1) * g]
+
+    def rank_leases(self, rank: int) -> tuple[int, ...]:
+        """The lease files of one rank's slots (empty when the service alone holds them)."""
+        if len(self.leases) != len(self.slots):
+            return ()
+        g = self.spec.gpus_per_worker
+        return self.leases[rank * g : (rank + 1) * g]
 
     @property
     def paths(self) -> JobPaths:

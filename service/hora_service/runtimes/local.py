@@ -335,7 +335,8 @@ class LocalRuntime(Runtime):
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                pass_fds=holder.fds if holder is not None else (),
+                # the shim (never its command) holds its slots' leases while the rank runs
+                pass_fds=(*(holder.fds if holder is not None else ()), *plan.rank_leases(rank)),
             )
         # the shim writes this too; writing it here means a job recorded as running
         # always has its pid files, whatever instant the service dies at

@@ -11,7 +11,9 @@ and the tests take their paths from it instead of spelling them:
 * docker: ``container.json`` (the container's ranks) and ``container.hits`` (what its cgroup
   counted, written by its init on its way out);
 * slurm: ``hora-batch.sh``, ``slurm.out`` and ``slurm.jobid``;
-* an elastic job's slot file, ``elastic.hosts``.
+* an elastic job's slot file, ``elastic.hosts``;
+* ``preflight.json``: the communication preflight's figures, which rank 0 hands its shim on a
+  pipe (never through its log).
 
 The standalone scripts that run without ``hora_service`` (the shim, the container's init, the
 Slurm rank launcher: standard library only) keep their own one-line spelling of the per-rank
@@ -111,6 +113,11 @@ class JobPaths:
     def slurm_jobid(self) -> Path:
         """The id of a slurm attempt's Slurm job (empty: sbatch refused it)."""
         return self.run_dir / "slurm.jobid"
+
+    @property
+    def preflight(self) -> Path:
+        """The preflight's figures rank 0 measured (JSON, written by its shim)."""
+        return self.run_dir / "preflight.json"
 
     @property
     def elastic_hosts(self) -> Path:

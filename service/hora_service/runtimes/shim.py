@@ -20,6 +20,13 @@ its slot file, relative to the run directory; the shim opens ``RUN_DIR`` read-on
 argument becomes ``/proc/self/fd/N/NAME`` through that descriptor, which the command
 inherits, since the job's account cannot reach ``RUN_DIR`` by its path).
 
+Rank 0's command also gets a pipe for the communication preflight's figures: its write end's
+descriptor is named in the command's environment as ``HORA_PREFLIGHT_FD=FD:DEV:INO``
+(:func:`hora.torch.preflight.publish`), and each line written to it (a JSON document, at
+most :data:`FIGURES_MAX` bytes; a longer one is dropped) replaces ``RUN_DIR/preflight.json``,
+where the service reads it. The figures never pass through the rank's log, and the job cannot
+make that file larger than the bound.
+
 It writes ``rank<R>.pid``, starts the command (which joins the cgroups, clears its
 supplementary groups, sets its gid then its uid, then enters ``cwd`` and sets ``umask``
 before ``exec``), copies the command's
@@ -48,6 +55,9 @@ import sys
 import time
 
 CHUNK = 1 << 16
+FIGURES_FILE = "preflight.json"  # JobPaths.preflight
+FIGURES_VAR = "HORA_PREFLIGHT_FD"  # hora.contract.RankEnv.preflight_fd
+FIGURES_MAX = 256 << 10  # hora.torch.preflight.FIGURES_MAX
 DRAIN_S = 0.5  # after the command ends, how long output still in flight is copied
 MARK = b"\n[hora: log truncated here: it passed %d bytes; the newest half is kept]\n"
 
@@ -61,12 +71,45 @@ def rank_file(run_dir: str, rank: int, kind: str) -> str:
     return os.path.join(run_dir, f"rank{rank}.{kind}")
 
 
-def _write(path: str, text: str, mode: int = 0o640) -> None:
+def _write(path: str, text: "str | bytes", mode: int = 0o640) -> None:
     tmp = f"{path}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
+    with os.fdopen(fd, "wb") as f:
+        f.write(text.encode() if isinstance(text, str) else text)
     os.replace(tmp, path)
+
+
+class Figures:
+    """The preflight's pipe: each line read from it replaces ``RUN_DIR/preflight.json``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.buf = b""
+        self.skip = False  # the line being read is past FIGURES_MAX: dropped to its end
+
+    def feed(self, data: bytes) -> None:
+        """Take what the rank wrote; keep each complete line that fits the bound."""
+        self.buf += data
+        while b"\n" in self.buf:
+            line, self.buf = self.buf.split(b"\n", 1)
+            if not self.skip and len(line) <= FIGURES_MAX:
+                try:
+                    _write(self.path, line)
+                except OSError:  # a full disk: the figures are only shown
+                    pass
+            self.skip = False
+        if len(self.buf) > FIGURES_MAX:
+            self.buf, self.skip = b"", True
+
+
+def _figures_pipe(run_dir: str, rank: int, env: dict) -> "tuple[int, int] | None":
+    """Rank 0's preflight pipe (read end, write end), named in ``env``; None for other ranks."""
+    if rank != 0:
+        return None
+    read_end, write_end = os.pipe()
+    st = os.fstat(write_end)
+    env[FIGURES_VAR] = f"{write_end}:{st.st_dev}:{st.st_ino}"
+    return read_end, write_end
 
 
 _early: list[int] = []  # signals that came before the command existed
@@ -223,12 +266,25 @@ def _become(
             os._exit(126)
 
 
-def _pump(child: "subprocess.Popen[bytes]", out: int, log: Log) -> int:
-    """Copy the command's output into the log until it has exited (and a moment more)."""
+def _pump(
+    child: "subprocess.Popen[bytes]", out: int, log: Log, figures: "tuple[int, Figures] | None"
+) -> int:
+    """Copy the command's output into the log until it has exited (and a moment more).
+
+    ``figures``: the preflight pipe's read end and where its lines go, read meanwhile.
+    """
     code = None
     drain_until = 0.0
+    watched = [out] + ([figures[0]] if figures is not None else [])
     while True:
-        ready, _, _ = select.select([out], [], [], 0.2)
+        ready, _, _ = select.select(watched, [], [], 0.2)
+        if figures is not None and figures[0] in ready:
+            data = os.read(figures[0], CHUNK)
+            if data:
+                figures[1].feed(data)
+            else:
+                watched.remove(figures[0])  # every writer has closed it
+            continue
         if ready:
             data = os.read(out, CHUNK)
             if data:
@@ -268,15 +324,17 @@ def main(argv: list[str]) -> int:
     if isinstance(at, int) and 0 < at < len(command):
         keep.append(os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
         command[at] = f"/proc/self/fd/{keep[0]}/{command[at]}"
+    env = dict(launch["env"])
+    sink = _figures_pipe(run_dir, rank, env)
     read_end, write_end = os.pipe()
     try:
         child = subprocess.Popen(
             command,
-            env=launch["env"],
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=write_end,
             stderr=write_end,
-            pass_fds=keep,
+            pass_fds=keep + ([sink[1]] if sink is not None else []),
             preexec_fn=lambda: _become(
                 launch["uid"], launch["gid"], launch["cgroups"], launch.get("cwd"),
                 int(launch.get("umask", 0o077)), launch.get("namespaces") or [],
@@ -292,9 +350,11 @@ def main(argv: list[str]) -> int:
         return 127
     finally:
         os.close(write_end)
-        for fd in [*(launch.get("namespaces") or []), *keep]:  # the command holds them now
+        held = [sink[1]] if sink is not None else []
+        for fd in [*(launch.get("namespaces") or []), *keep, *held]:  # the command holds them
             os.close(fd)
-    code = _pump(child, read_end, log)
+    figures = None if sink is None else (sink[0], Figures(os.path.join(run_dir, FIGURES_FILE)))
+    code = _pump(child, read_end, log, figures)
     _record_exit(exit_file, code, reserved)
     return code if code >= 0 else 128 - code
 

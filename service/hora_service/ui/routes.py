@@ -128,7 +128,7 @@ def pool(request: Request, who: ViewerDep) -> dict[str, Any]:
             "state": "free" if h is None else "draining" if h.stopping else "held",
             "holder": None if h is None else {
                 "kind": h.kind, "id": h.id, "user": h.user, "since": h.since,
-                "ends_at": h.ends_at,
+                "ends_at": h.ends_at, "what": h.what,
             },
             "gpu": gpu.model_dump() if gpu is not None else None,
         })  # fmt: skip

@@ -145,11 +145,12 @@ async function viewPool() {
     const rows = node.slots.map((s) => {
       const h = s.holder;
       const mine = h && (me.is_admin || h.user === me.user); // another user's job is not shown
-      const holder = h ? (mine ? el("a", { href: `#/job/${h.id}` }, `${h.kind} ${h.id}`) : `${h.kind} ${h.id}`) : "";
+      // h.what: a holder outside this service (another hora service, a notebook's engines)
+      const holder = !h ? "" : h.what ? h.what : mine ? el("a", { href: `#/job/${h.id}` }, `${h.kind} ${h.id}`) : `${h.kind} ${h.id}`;
       const g = s.gpu;
       const mem = g && g.memory_total_mib ? `${Math.round(g.memory_used_mib)} / ${Math.round(g.memory_total_mib)} MiB` : "";
       const util = g && g.utilization_pct !== null ? [el("span", { class: "barbox" }, bar(g.utilization_pct)), `${g.utilization_pct}%`] : "";
-      return [`${s.kind} ${s.index}`, s.name, stateTag(s.state), holder, h ? h.user : "", h ? since(h.since) : "", mem, util];
+      return [`${s.kind} ${s.index}`, s.name, stateTag(s.state), holder, h ? h.user : "", h && !h.what ? since(h.since) : "", mem, util];
     });
     const held = node.slots.filter((s) => s.state !== "free").length;
     return [el("h2", {}, `${node.name} — ${node.slots.length - held} of ${node.slots.length} free`),
