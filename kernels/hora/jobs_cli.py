@@ -18,14 +18,22 @@ import argparse
 import io
 import json
 import sys
-from collections.abc import Callable, Mapping, Sequence
-from datetime import UTC, datetime
+from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from hora.client import Client, Job, JobInfo, parse_spec
 from hora.errors import HoraError, SpecError
 from hora.export import DEFAULT_EXPORT, with_export
-from hora.spec import ElasticInfo, JobState, Priority
+from hora.jobs_views import (
+    empty_log_note,
+    gpus_table,
+    jobs_table,
+    new_state_lines,
+    scaling_text,
+    slot_unit,
+    status_text,
+)
+from hora.spec import JobState, Priority
 
 EXIT_FOR_STATE = {JobState.succeeded: 0, JobState.failed: 1, JobState.cancelled: 130}
 EXIT_INTERRUPTED = 130
@@ -204,222 +212,9 @@ def spec_from_args(args: argparse.Namespace) -> Any:
     return parse_spec(with_export(given, args.export))
 
 
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """Left-aligned columns separated by two spaces.
-
-    Example:
-        >>> print(format_table(["ID", "NAME"], [[1, "a"]]))
-        ID  NAME
-        1   a
-    """
-    cells = [[str(h) for h in headers]] + [["" if v is None else str(v) for v in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
-    return "\n".join(lines)
-
-
-def age(when: datetime | None, now: datetime | None = None) -> str:
-    """Short age like ``42s``, ``5m``, ``3h``, ``2d`` (``-`` when unknown).
-
-    Example:
-        >>> age(datetime(2024, 1, 1, tzinfo=UTC), datetime(2024, 1, 1, 0, 5, tzinfo=UTC))
-        '5m'
-    """
-    if when is None:
-        return "-"
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    secs = max(0, int(((now or datetime.now(UTC)) - when).total_seconds()))
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if secs >= size:
-            return f"{secs // size}{unit}"
-    return f"{secs}s"
-
-
-def jobs_table(
-    jobs: Sequence[JobInfo],
-    now: datetime | None = None,
-    unit: str = "GPU",
-    waits: Mapping[int, str] | None = None,
-) -> str:
-    """The ``hora jobs`` table (``unit``: "GPU", or "slot" on a service without GPUs).
-
-    KIND is ``job``, or ``session`` for a notebook's engines (they share the slots).
-    REASON is why a waiting job waits (``waits``: job id -> reason, from ``/v1/queue``),
-    else why it failed or was cancelled.
-    """
-    waits = waits or {}
-    rows = [
-        [
-            j.id,
-            j.kind,
-            j.spec.name,
-            j.user,
-            j.state.value,
-            workers_cell(j),
-            j.attempt,
-            age(j.created_at, now),
-            _short(waits.get(j.id) or j.reason or ""),
-        ]
-        for j in jobs
-    ]
-    return format_table(
-        [
-            "ID", "KIND", "NAME", "USER", "STATE", f"WORKERSx{unit.upper()}S", "ATTEMPT", "AGE",
-            "REASON",
-        ],  # fmt: skip
-        rows,
-    )
-
-
-def workers_cell(job: JobInfo) -> str:
-    """The WORKERS column: ``2x1``, or ``size 3/2..4`` (now/min..max) for an elastic job.
-
-    Example:
-        >>> from hora.spec import ElasticInfo, ElasticSpec, JobSpec
-        >>> spec = JobSpec(command=["t"], elastic=ElasticSpec(min_workers=2, max_workers=4))
-        >>> job = JobInfo(id=1, user="ann", spec=spec, state="running",
-        ...               elastic=ElasticInfo(min_workers=2, max_workers=4, size=3))
-        >>> workers_cell(job)
-        'size 3/2..4'
-    """
-    s = job.spec
-    if s.elastic is None:
-        return f"{s.workers}x{s.gpus_per_worker}"
-    info = job.elastic or ElasticInfo(
-        min_workers=s.elastic.min_workers, max_workers=s.elastic.max_workers
-    )
-    per = f" x{s.gpus_per_worker}" if s.gpus_per_worker > 1 else ""
-    return f"size {info.label}{per}"
-
-
-def status_text(job: JobInfo, unit: str = "GPU") -> str:
-    """The ``hora status`` view: spec, state, per-rank exit codes and transition times.
-
-    Args:
-        job: the job.
-        unit: what a worker holds: "GPU", or "slot" on a service without GPUs.
-    """
-    s = job.spec
-    lines = [
-        f"job {job.id}  {s.name}  ({job.user})",
-        f"state:    {job.state.value}" + (f"  reason: {job.reason}" if job.reason else ""),
-        f"attempt:  {job.attempt} (max retries {s.max_retries})",
-        f"command:  {' '.join(s.command)}",
-        f"workers:  {s.workers} x {s.gpus_per_worker} {unit}  priority {s.priority.value}"
-        + (f"  timeout {s.timeout_s:g}s" if s.timeout_s else ""),
-        f"slots:    {', '.join(map(str, job.slots)) or '-'}",
-    ]
-    if job.elastic is not None:
-        lines.append(f"elastic:  size {job.elastic.label}  (holds {job.elastic.slots} {unit}s)")
-    if job.queue is not None:
-        place = f"position {job.queue.position}; " if job.queue.position else ""
-        kind = job.queue.why.kind if job.queue.why is not None else "wait"
-        lines.append(f"waiting:  {place}{job.queue.reason} [{kind}]")
-    if job.exit_codes:
-        codes = [[r, "-" if c is None else c] for r, c in sorted(job.exit_codes.items())]
-        lines += ["", format_table(["RANK", "EXIT"], codes)]
-    if job.elastic is not None and job.elastic.history:
-        rows = [[c.size, _iso(c.at), c.reason] for c in job.elastic.history]
-        lines += ["", format_table(["SIZE", "AT", "MEMBERSHIP CHANGE"], rows)]
-    if job.transitions:
-        rows = [[t.state.value, _iso(t.at), t.reason or ""] for t in job.transitions]
-        lines += ["", format_table(["STATE", "AT", "REASON"], rows)]
-    return "\n".join(lines)
-
-
-def _iso(at: datetime) -> str:
-    """A UTC time as the service's JSON writes it (``...Z``)."""
-    return at.isoformat().replace("+00:00", "Z")
-
-
-def slot_unit(slots: Sequence[dict[str, Any]]) -> str:
-    """Name what the service schedules: "GPU", or "slot" where it has only CPU slots.
-
-    Example:
-        >>> slot_unit([{"index": 0, "kind": "cpu"}])
-        'slot'
-    """
-    return "GPU" if any(s.get("kind") == "gpu" for s in slots) else "slot"
-
-
-def gpus_table(slots: Sequence[dict[str, Any]]) -> str:
-    """The ``hora gpus`` table; HOLDER says whether a job or a notebook's session holds it.
-
-    A slot held outside this service (another hora service, a notebook's kernel-local
-    engines) says by whom.
-
-    Example:
-        >>> print(gpus_table([{"index": 0, "kind": "cpu", "name": "cpu0", "user": "ann",
-        ...                    "holder_kind": "kernel", "holder": "notebook kernel pid 7"}]))
-        SLOT  KIND  NAME  JOB  USER  HOLDER
-        0     cpu   cpu0  -    ann   notebook kernel pid 7
-    """
-    rows = [
-        [
-            s.get("index"), s.get("kind"), s.get("name"), s.get("job_id") or "-",
-            s.get("user") or "-", s.get("holder") or s.get("holder_kind") or "-",
-        ]  # fmt: skip
-        for s in slots
-    ]
-    return format_table(["SLOT", "KIND", "NAME", "JOB", "USER", "HOLDER"], rows)
-
-
-def scaling_text(report: dict[str, Any]) -> str:
-    """The ``hora scaling`` view: one row per rank, then the verdict line.
-
-    Example:
-        >>> print(scaling_text({"rows": [{"rank": 0, "wall s": "1.000"}],
-        ...                     "verdict": "slowest rank 0 (balanced)"}))
-        RANK  WALL S
-        0     1.000
-        slowest rank 0 (balanced)
-    """
-    rows = report.get("rows") or []
-    headers = list(rows[0]) if rows else []
-    table = format_table([h.upper() for h in headers], [[r[h] for h in headers] for r in rows])
-    return f"{table}\n{report.get('verdict', '')}"
-
-
-def _short(text: str, width: int = 60) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= width else text[: width - 1] + "…"
-
-
 def _out(stream: TextIO, text: str) -> None:
     stream.write(text)
     stream.flush()
-
-
-def state_line(info: JobInfo) -> str:
-    """One progress line: ``job 7: running (attempt 2): reason``."""
-    attempt = f" (attempt {info.attempt})" if info.attempt > 1 else ""
-    reason = f": {info.reason}" if info.reason else ""
-    return f"job {info.id}: {info.state.value}{attempt}{reason}\n"
-
-
-def new_state_lines(info: JobInfo, shown: int) -> list[str]:
-    """Lines for the state changes after the first ``shown`` of ``info.transitions``.
-
-    Every change is shown, also those that came and went between two looks at the job (a
-    quick retry); the newest one with its attempt.
-
-    Example:
-        >>> from hora.spec import Transition
-        >>> at = datetime(2024, 1, 1, tzinfo=UTC)
-        >>> moves = [Transition(state=s, at=at) for s in ("running", "retrying", "starting")]
-        >>> info = JobInfo(id=7, user="a", spec={"command": ["x"]}, state="starting",
-        ...                attempt=2, transitions=moves)
-        >>> print("".join(new_state_lines(info, 1)), end="")
-        job 7: retrying
-        job 7: starting (attempt 2)
-    """
-    moves = info.transitions[shown:]
-    if not moves:
-        return [state_line(info)] if not info.transitions else []
-    lines = [f"job {info.id}: {t.state.value}" + (f": {t.reason}" if t.reason else "") + "\n"
-             for t in moves[:-1]]  # fmt: skip
-    return [*lines, state_line(info)]
 
 
 def follow_job(job: Job, rank: int, out: TextIO, err: TextIO) -> JobInfo:
@@ -471,8 +266,10 @@ def cmd_submit(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         job = client.submit_spec(spec)
         state = job.info.state.value if job.info else "queued"
         _out(err if args.wait else out, f"submitted job {job.id} ({spec.name}): {state}\n")
-        if job.info is not None and job.info.reason and not args.wait:  # --wait shows it too
-            _out(err, f"hora submit: note: {job.info.reason}\n")
+        moves = job.info.transitions if job.info is not None else []
+        note = moves[0].reason if moves and moves[0].state == JobState.queued else None
+        if note and not args.wait:  # where it runs, if not here (--wait shows it as a state)
+            _out(err, f"hora submit: note: {note}\n")
         if not args.wait:
             return 0
         try:
@@ -532,25 +329,6 @@ def cmd_logs(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         if not text:
             _out(err, empty_log_note(job.status(), args.rank, args.attempt) + "\n")
     return 0
-
-
-def empty_log_note(info: JobInfo, rank: int, attempt: int | None) -> str:
-    """What ``hora logs`` says on stderr when a rank's log is empty (it still exits 0).
-
-    Example:
-        >>> from hora.client import JobInfo
-        >>> spec = {"command": ["x"]}
-        >>> info = JobInfo.model_validate(
-        ...     {"id": 7, "user": "a", "state": "succeeded", "attempt": 1, "spec": spec}
-        ... )
-        >>> empty_log_note(info, 1, None)
-        'hora logs: rank 1 of job 7 wrote nothing (attempt 1; job succeeded)'
-    """
-    which = attempt if attempt is not None else info.attempt
-    return (
-        f"hora logs: rank {rank} of job {info.id} wrote nothing "
-        f"(attempt {which}; job {info.state.value})"
-    )
 
 
 def cmd_cancel(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:

@@ -361,26 +361,17 @@ class Store:
     # jobs -------------------------------------------------------------------------------
 
     def insert_job(
-        self,
-        conn: Connection,
-        user: str,
-        spec: JobSpec,
-        at: float,
-        kind: str = "job",
-        reason: str | None = None,
-    ) -> int:
-        """Insert a queued job (or session) with its first transition; return its id.
-
-        ``reason``: a note on the submission (where it runs), the queued state's reason.
-        """
+        self, conn: Connection, user: str, spec: JobSpec, at: float, kind: str = "job",
+        note: str | None = None,
+    ) -> int:  # fmt: skip
+        """Insert a queued job (or session) with its first transition (``note``: its reason)."""
         row = conn.execute(
             text(
-                "INSERT INTO jobs (user, user_id, submission_id, spec, state, priority, need, "
-                "created_at, kind, reason) "
-                f"VALUES (:u, {USER_ID}, :sid, :spec, :st, :p, :need, :t, :kind, :r) RETURNING id"
+                "INSERT INTO jobs "
+                "(user, user_id, submission_id, spec, state, priority, need, created_at, kind) "
+                f"VALUES (:u, {USER_ID}, :sid, :spec, :st, :p, :need, :t, :kind) RETURNING id"
             ),
             {
-                "r": reason,
                 "kind": kind,
                 "u": user,
                 "sid": spec.submission_id,
@@ -392,7 +383,7 @@ class Store:
             },
         ).one()
         job_id = int(row[0])
-        self.add_transition(conn, job_id, JobState.queued, at, reason)
+        self.add_transition(conn, job_id, JobState.queued, at, note)
         return job_id
 
     def job_by_submission(self, conn: Connection, user: str, submission_id: str) -> int | None:

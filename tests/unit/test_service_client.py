@@ -24,15 +24,8 @@ from hora.client import (
     save_config,
 )
 from hora.errors import SpecError
-from hora.jobs_cli import (
-    age,
-    build_parser,
-    format_table,
-    main,
-    parse_env,
-    spec_from_args,
-    status_text,
-)
+from hora.jobs_cli import build_parser, main, parse_env, spec_from_args
+from hora.jobs_views import age, format_table, status_text
 from hora.spec import JobState
 
 

@@ -72,8 +72,7 @@ class Launch(ElasticSlots, Admission):
             who = self.users.run_as(job.user_id) if self.user_mode == "multi" else None
             workdir = self.workdir(job.spec, job.user)
             try:
-                driver = self._driver_python(job.spec)
-                kept = self.bounds.preflight(job.spec, workdir, who, driver, job.kind)
+                kept = self._checked(job, workdir, who)
             except SpecError:
                 retry = False  # the job's account cannot start it: a retry would not either
                 raise
@@ -102,6 +101,17 @@ class Launch(ElasticSlots, Admission):
             self._write(Write(job_id, None, attempt.started, None, _box_of(ranks)))
         else:
             self._running(attempt)
+
+    def _checked(
+        self, job: JobRecord, workdir: Path, who: identity.RunAs | None
+    ) -> tuple[Path, ...]:
+        """The launch's check as the job's account; what of ``/tmp`` its attempt keeps.
+
+        Raises:
+            SpecError: see :meth:`hora_service.bounds.Bounds.preflight`.
+        """
+        driver = self._driver_python(job.spec)
+        return self.bounds.preflight(job.spec, workdir, who, driver, job.kind)
 
     def _running(self, attempt: Attempt) -> None:
         """Record ``attempt`` running from now: its time limit starts, its queue wait ends."""
