@@ -2,6 +2,8 @@
 # Install hora and what its tests need on a fresh machine (Debian/Ubuntu, Python >= 3.11).
 #   scripts/install.sh          runtime only (service, JupyterLab, examples)
 #   scripts/install.sh test     + test tools, Open MPI, Chromium, Docker engine, debootstrap
+#   scripts/install.sh hub      + JupyterHub, its idle culler, batchspawner and the hub's proxy
+#                               (npm), to run hora as a JupyterHub service (docs/team.md)
 # Everything goes into a virtual environment: the active one ($VIRTUAL_ENV), else .venv in the
 # repository root (created here). Versions come from constraints/test.txt (the lock CI tests
 # with) and, on a machine without a GPU, constraints/cpu.txt (the CPU build of torch).
@@ -45,6 +47,12 @@ if [ "$want" = test ]; then
   command -v munged >/dev/null || apt_pkgs+=(munge)
   command -v nsenter >/dev/null || apt_pkgs+=(util-linux)
   command -v ip >/dev/null || apt_pkgs+=(iproute2)
+  # batchspawner's `sudo -u USER sbatch` (tests/slurm/test_hub_slurm.py)
+  command -v sudo >/dev/null || apt_pkgs+=(sudo)
+fi
+if [ "$want" = test ] || [ "$want" = hub ]; then
+  # JupyterHub's proxy comes from npm (below)
+  command -v npm >/dev/null || apt_pkgs+=(nodejs npm)
 fi
 if [ ${#apt_pkgs[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
@@ -57,12 +65,25 @@ if [ ${#apt_pkgs[@]} -gt 0 ]; then
   fi
 fi
 
+# JupyterHub's real proxy for the hub tests, from the npm registry (pinned)
+chp=configurable-http-proxy@5.3.0
+if { [ "$want" = test ] || [ "$want" = hub ]; } && ! command -v configurable-http-proxy >/dev/null
+then
+  if [ "$(id -u)" = 0 ] && command -v npm >/dev/null; then
+    say "npm: installing $chp"
+    npm install -g --no-fund --no-audit --loglevel=error "$chp" >/dev/null
+  else
+    echo "install.sh: please install JupyterHub's proxy: npm install -g $chp" >&2
+  fi
+fi
+
 pip_c=() constraint_files=()
 torch_c="${HORA_TORCH_CONSTRAINTS-constraints/cpu.txt}"
 lock="${HORA_LOCK-constraints/test.txt}"
 [ -n "$torch_c" ] && pip_c+=(-c "$torch_c") constraint_files+=("$torch_c")
 [ -n "$lock" ] && pip_c+=(-c "$lock") constraint_files+=("$lock")
 extra=".[examples]"
+[ "$want" = hub ] && extra=".[examples,hub]"
 [ "$want" = test ] && extra=".[test]"
 
 # the same request as last time (pyproject.toml, the constraints, the extra, the venv's Python),

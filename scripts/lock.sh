@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Re-resolve hora[test] (which includes the examples and docs extras) and write
+# Re-resolve hora[test] (which includes the examples, docs and hub extras) and write
 # constraints/test.txt, the lock that scripts/install.sh and CI install from. Run it after
 # changing dependencies in pyproject.toml, and commit the result.
 #
@@ -121,7 +121,7 @@ for item in report["install"]:
 if bad:
     sys.exit("lock.sh: pins that Python %s cannot install:\n  %s" % (floor, "\n  ".join(bad)))
 header = f"""\
-# Lock for installs and CI: every dependency of hora[test] (with the examples and docs extras)
+# Lock for installs and CI: every dependency of hora[test] (with its examples, docs, hub extras)
 # at the version CI tests with. Written by scripts/lock.sh, which resolves for Python {floor}, the
 # floor of requires-python, from wheels only, and checks that every pin's Requires-Python admits
 # it: the lock installs on any Python that pyproject.toml admits (Debian 12's 3.11.2 included).

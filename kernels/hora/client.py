@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from hora.client_config import ClientConfig, config_path, load_config, save_config
 from hora.errors import HoraError, SpecError
 from hora.export import DEFAULT_EXPORT, Export, client_python, with_export
-from hora.spec import JobInfo, JobSpec, JobState, QueueEntry
+from hora.spec import JobInfo, JobSpec, JobState, QueueEntry, error_message
 
 _LOG_EVENT = "message"
 
@@ -56,7 +56,7 @@ class ServiceError(HoraError):
     """
 
     def __init__(self, status: int, detail: Any, url: str) -> None:
-        super().__init__(f"{_status_hint(status)} ({status}) from {url}: {_render_detail(detail)}")
+        super().__init__(f"{_status_hint(status)} ({status}) from {url}: {render_detail(detail)}")
         self.status = status
         self.detail = detail
         self.url = url
@@ -94,7 +94,7 @@ def _status_hint(status: int) -> str:
     return hints.get(status, "service error")
 
 
-def _render_detail(detail: Any) -> str:
+def render_detail(detail: Any) -> str:
     """One readable line from FastAPI's ``detail`` (a string or a list of field errors)."""
     if isinstance(detail, list):
         parts = []
@@ -514,7 +514,7 @@ def parse_spec(data: Mapping[str, Any]) -> JobSpec:
     except ValidationError as e:
         err = e.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or "spec"
-        raise SpecError(field, err["msg"]) from None
+        raise SpecError(field, error_message(err)) from None
 
 
 @dataclass

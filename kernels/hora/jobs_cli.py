@@ -15,13 +15,14 @@ line on stderr; usage errors exit 2. On a service without GPUs, workers hold "sl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
-from hora.client import Client, Job, JobInfo, parse_spec
+from hora.client import Client, Job, JobInfo, JobWaitTimeout, parse_spec
 from hora.errors import HoraError, SpecError
 from hora.export import DEFAULT_EXPORT, with_export
 from hora.jobs_views import (
@@ -35,6 +36,8 @@ from hora.jobs_views import (
 )
 from hora.spec import JobState, Priority
 
+CANCEL_WAIT_S = 30.0  # how long hora cancel waits for a job's ranks to stop
+STOPPING = "cancelling (its ranks are stopping)"  # what hora cancel says of one still stopping
 EXIT_FOR_STATE = {JobState.succeeded: 0, JobState.failed: 1, JobState.cancelled: 130}
 EXIT_INTERRUPTED = 130
 
@@ -124,8 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
     lg.add_argument("--rank", "-r", type=int, default=0, help="which rank (default 0)")
     lg.add_argument("--attempt", type=int, default=None, help="which attempt (default: current)")
-    c = sub.add_parser("cancel", help="cancel jobs")
+    c = sub.add_parser(
+        "cancel", help="cancel jobs; print the state each ends in (waiting up to --wait s)"
+    )
     c.add_argument("job_id", type=int, nargs="+")
+    c.add_argument("--wait", type=float, default=CANCEL_WAIT_S, metavar="S",
+                   help=f"seconds to wait for the ranks to stop (default {CANCEL_WAIT_S:g})")
     sub.add_parser("gpus", help="show GPUs/slots and which job holds each")
     sc = sub.add_parser(
         "scaling",
@@ -332,11 +339,21 @@ def cmd_logs(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    """``hora cancel ID...``: cancel jobs."""
+    """``hora cancel ID...``: cancel jobs; print the state each ended in.
+
+    A running job ends once its ranks have stopped (SIGTERM, then SIGKILL after the service's
+    grace period): each is waited for up to ``--wait`` seconds. One still stopping then is
+    said to be so, not shown as the ``running`` the cancel found.
+    """
     with _client(args) as client:
         for job_id in args.job_id:
-            info = Job(client, job_id).cancel()
-            _out(out, f"job {info.id}: {info.state.value}\n")
+            job = Job(client, job_id)
+            info = job.cancel()
+            if not info.state.terminal:
+                with contextlib.suppress(JobWaitTimeout):
+                    info = job.wait(timeout=max(0.0, args.wait), poll=0.2)
+            said = info.state.value if info.state.terminal else STOPPING
+            _out(out, f"job {info.id}: {said}\n")
     return 0
 
 

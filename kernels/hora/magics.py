@@ -18,7 +18,14 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from hora.export import DEFAULT_EXPORT
-from hora.magics_display import DisplaySink, QueueDisplay, Table, notify, show_profile
+from hora.magics_display import (
+    DisplaySink,
+    QueueDisplay,
+    Table,
+    notify,
+    short_errors,
+    show_profile,
+)
 from hora.magics_submit import JobEndedError, submit_history, write_job_files
 
 __all__ = [
@@ -189,7 +196,8 @@ class HoraMagics(Magics):
         "--timeout",
         type=float,
         default=None,
-        help="collective timeout and default stall timeout of cells, seconds (default 60)",
+        help="collective timeout in the engines, seconds (default 60); half of it is the "
+        "default stall timeout of cells",
     )
     @argument("--start-timeout", type=float, default=60.0, help="seconds engines may take to start")
     @argument(
@@ -221,6 +229,7 @@ class HoraMagics(Magics):
         "service's choice)",
     )
     @line_magic
+    @short_errors
     def dist_start(self, line: str) -> None:
         """Start engines, bind one GPU each, and initialise hora.torch in them.
 
@@ -249,6 +258,7 @@ class HoraMagics(Magics):
         self._start(options)
 
     @line_magic
+    @short_errors
     def dist_stop(self, line: str) -> None:
         """Stop the engines and the controller. Example: ``%dist_stop``.
 
@@ -265,6 +275,7 @@ class HoraMagics(Magics):
         self.cluster = None
 
     @line_magic
+    @short_errors
     def dist_restart(self, line: str) -> None:
         """Stop and start the engines with the last start's options. Example: ``%dist_restart``."""
         cluster = self._running()
@@ -272,6 +283,7 @@ class HoraMagics(Magics):
         self._start(cluster.options)
 
     @line_magic
+    @short_errors
     def dist_status(self, line: str) -> Any:
         """Show each rank's liveness, pid, device and memory. Example: ``%dist_status``."""
         from IPython.display import display
@@ -284,6 +296,7 @@ class HoraMagics(Magics):
     @argument("names", nargs="+", help="notebook variables to copy to every engine")
     @argument("--rank", type=int, default=None, help="copy to this rank only")
     @line_magic
+    @short_errors
     def dist_push(self, line: str) -> None:
         """Copy notebook variables to every engine, or one (tensors to each engine's device).
 
@@ -307,6 +320,7 @@ class HoraMagics(Magics):
     @argument("names", nargs="+", help="engine variables to fetch")
     @argument("--rank", type=int, default=None, help="fetch only this rank's value (not a list)")
     @line_magic
+    @short_errors
     def dist_pull(self, line: str) -> None:
         """Fetch engine variables into the notebook: a list by rank, or one value with --rank.
 
@@ -328,7 +342,8 @@ class HoraMagics(Magics):
         "--timeout",
         type=float,
         default=None,
-        help="stall timeout: seconds ranks may run after the first finished",
+        help="stall timeout: seconds ranks may run after the first finished (default: half "
+        "of %%dist_start's --timeout)",
     )
     @argument(
         "--out",
@@ -341,6 +356,7 @@ class HoraMagics(Magics):
         help="report per rank: compute, collectives, waiting, bandwidth; slowest rank",
     )
     @line_cell_magic
+    @short_errors
     def distributed(self, line: str, cell: str | None = None) -> None:
         """Run the cell on every rank; ``%distributed stmt`` runs one statement.
 
@@ -436,6 +452,7 @@ class HoraMagics(Magics):
         help="stop this notebook's session and give its slots straight to the job",
     )
     @line_magic
+    @short_errors
     def dist_submit(self, line: str) -> Any:
         """Submit the %%distributed cells that ran, in order, as a job of the hora service.
 

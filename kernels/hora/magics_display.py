@@ -6,12 +6,62 @@ display functions and hora's engine modules load inside the functions that use t
 
 from __future__ import annotations
 
+import functools
 import html
 import re
 import sys
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def short_errors(magic: F) -> F:
+    """A magic whose hora errors show as one line: the error's name and what is wrong.
+
+    A :class:`hora.errors.HoraError` raised by the magic (a bad request the service refused,
+    a service that cannot be reached, a bad argument) is a usage error: the notebook shows
+    it without a traceback through hora's own frames. Errors that render themselves
+    (``_render_traceback_``: a failed cell's report, the engines' errors) are left as they
+    are; so is anything that is not hora's (a bug shows its whole traceback).
+
+    Example:
+        >>> from hora.errors import SpecError
+        >>> @short_errors
+        ... def magic(line):
+        ...     raise SpecError("n", "must be >= 1")
+        >>> try:
+        ...     magic("")
+        ... except SpecError as e:
+        ...     e._render_traceback_()
+        ['SpecError: n: must be >= 1']
+    """
+
+    @functools.wraps(magic)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        from hora.errors import HoraError
+
+        try:
+            return magic(*args, **kwargs)
+        except HoraError as e:
+            if not hasattr(e, "_render_traceback_"):
+                line = f"{type(e).__name__}: {_what_is_wrong(e)}"
+                e._render_traceback_ = lambda: [line]  # type: ignore[attr-defined]
+            raise
+
+    return run  # type: ignore[return-value]
+
+
+def _what_is_wrong(e: Exception) -> str:
+    """The message of ``e``; of a request the service refused as invalid, only its reason."""
+    from hora.client import ServiceError
+
+    if isinstance(e, ServiceError) and e.status == 422:
+        from hora.client import render_detail
+
+        return render_detail(e.detail)
+    return str(e)
 
 
 class Table:

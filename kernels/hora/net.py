@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-__all__ = ["free_port"]
+__all__ = ["free_port", "is_local_address", "route_source"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -24,3 +24,33 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def is_local_address(host: str) -> bool:
+    """Whether ``host`` is an address of this machine (binding it succeeds).
+
+    Example:
+        >>> is_local_address("127.0.0.1"), is_local_address("198.51.100.7")
+        (True, False)
+    """
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind((host, 0))
+    except OSError:
+        return False
+    return True
+
+
+def route_source(host: str) -> str:
+    """The address of this machine that reaches ``host`` (a route is chosen; nothing is sent).
+
+    Raises:
+        OSError: ``host`` cannot be resolved or routed to.
+
+    Example:
+        >>> route_source("127.0.0.1")
+        '127.0.0.1'
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(host), 9))  # UDP: picks the route, sends nothing
+        return str(s.getsockname()[0])

@@ -19,6 +19,22 @@ MAX_ARG_LEN = 16384
 NAME_MAX = 255  # bytes in one path component (Linux)
 
 
+def error_message(err: Any) -> str:
+    """What one of pydantic's validation errors says, without its ``Value error, `` prefix.
+
+    A validator's own sentence is the whole message (the field is named beside it).
+
+    Example:
+        >>> error_message({"type": "value_error", "msg": "Value error, got 2",
+        ...                "ctx": {"error": ValueError("got 2")}})
+        'got 2'
+        >>> error_message({"type": "missing", "msg": "Field required"})
+        'Field required'
+    """
+    cause = (err.get("ctx") or {}).get("error") if err.get("type") == "value_error" else None
+    return str(cause) if isinstance(cause, ValueError) else str(err.get("msg", ""))
+
+
 def _utf8(value: str, what: str) -> str:
     r"""``value`` if it is text a process can receive: encodable UTF-8 without NUL bytes.
 
@@ -151,8 +167,9 @@ class JobSpec(BaseModel):
         elastic = info.data.get("elastic")
         if elastic is not None and v != elastic.min_workers:
             raise ValueError(
-                f"an elastic job starts with elastic.min_workers ({elastic.min_workers}) or "
-                f"more; leave workers out (got {v})"
+                f"an elastic job's size is its elastic range ({elastic.min_workers}.."
+                f"{elastic.max_workers}); leave workers out, or set it to elastic.min_workers "
+                f"(got {v})"
             )
         return v
 

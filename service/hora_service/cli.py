@@ -1,8 +1,9 @@
 """``hora serve`` and ``hora user``: run the job service, manage its users (control plane).
 
 ``hora serve [--host H] [--port P] [--data-dir DIR] [--gpus auto|N|LIST] [--cpu-slots N]
-[--work-root DIR] [--quota N] [--dev]`` runs uvicorn with the FastAPI app; every option
-falls back to its ``HORA_*`` variable, then to the default. Stopping it (Ctrl-C, SIGTERM)
+[--work-root DIR] [--quota N] [--dev] [--hub]`` runs uvicorn with the FastAPI app; every
+option falls back to its ``HORA_*`` variable, then to the default. ``--hub`` runs it as a
+JupyterHub service (see :mod:`hora_service.hub`). Stopping it (Ctrl-C, SIGTERM)
 leaves running jobs alive; the next start re-adopts them.
 
 ``hora user add NAME [--admin] [--quota N] [--uid N] [--idle-timeout S] [--work-root DIR]
@@ -70,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--work-root", type=Path, help="jobs' working dirs live under it")
     serve.add_argument("--quota", type=int, help="default per-user GPU quota")
     serve.add_argument("--dev", action="store_true", help="relax the startup safety checks")
+    serve.add_argument(
+        "--hub", action="store_true",
+        help="run as a JupyterHub service: sign in through the hub (see HORA_HUB_*)",
+    )  # fmt: skip
     user = sub.add_parser("user", help="manage users and tokens")
     verbs = user.add_subparsers(dest="verb", required=True)
     add = verbs.add_parser("add", help="create a user and print their token")
@@ -121,6 +126,8 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         overrides["user_gpu_quota"] = args.quota
     if getattr(args, "dev", False):
         overrides["dev_mode"] = True
+    if getattr(args, "hub", False):
+        overrides["hub"] = True
     return Settings(**overrides)
 
 

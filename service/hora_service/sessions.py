@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import socket
 import sys
 import threading
 import time
@@ -40,6 +39,7 @@ from typing import Annotated, Literal
 
 from hora.env import RankEnv
 from hora.errors import HoraError, SpecError
+from hora.net import is_local_address
 from hora.spec import (
     IMAGE_PATTERN,
     JobSpec,
@@ -179,21 +179,6 @@ def check_interface(runtime: RuntimeName, interface: str) -> None:
             f"connection.interface: the engines of a {runtime.value} session run on this "
             "machine and connect to the kernel's controller on 127.0.0.1 only"
         )
-
-
-def is_local_address(host: str) -> bool:
-    """Whether ``host`` is an address of this machine (binding it succeeds).
-
-    Example:
-        >>> is_local_address("127.0.0.1"), is_local_address("198.51.100.7")
-        (True, False)
-    """
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.bind((host, 0))
-    except OSError:
-        return False
-    return True
 
 
 class Heartbeat(BaseModel):
@@ -366,13 +351,8 @@ class SessionManager:
                 passes the service's ``session_idle_timeout_max_s``.
         """
         s = self.settings
-        host = _host(req.connection.interface)
-        if req.runtime == RuntimeName.slurm and not is_local_address(host):
-            raise SpecError(
-                "connection.interface",
-                f"{host} is not an address of the service's machine, where the kernel's "
-                "controller must run",
-            )
+        if req.runtime == RuntimeName.slurm:
+            self._check_controller(_host(req.connection.interface))
         owner = self.manager.open_store().user_by_name(user)
         idle = effective_idle_timeout(
             req.idle_timeout_s,
@@ -394,6 +374,29 @@ class SessionManager:
             self._leases[record.id] = Lease(lease, idle, now, now)
         log.info("session %d of %s: %d engine(s) queued", record.id, user, req.workers)
         return self.view(record)
+
+    def _check_controller(self, host: str) -> None:
+        """A Slurm session's controller runs on this machine or on a node of the cluster.
+
+        On a node: the kernel of a user's server that runs as a Slurm job (batchspawner).
+
+        Raises:
+            SpecError: ``host`` is neither (field ``connection.interface``).
+        """
+        if is_local_address(host):
+            return
+        from hora_service.runtimes.slurm import SlurmRuntime  # only where Slurm is used
+
+        try:
+            nodes = SlurmRuntime.from_settings(self.settings).node_addresses()
+        except (HoraError, OSError):
+            nodes = set()
+        if host not in nodes:
+            raise SpecError(
+                "connection.interface",
+                f"{host} is not an address of the service's machine or of a Slurm node, "
+                "where the kernel's controller must run",
+            )
 
     def address(self, runtime: RuntimeName) -> SessionAddress:
         """Where a kernel's controller must listen for the engines of a ``runtime`` session.

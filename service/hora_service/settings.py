@@ -12,13 +12,21 @@ Example:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import AliasChoices, Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from hora_service.imageref import check_pattern
 from hora_service.runtimes import limits
+
+
+def _hub(name: str) -> Any:
+    """A hub setting: ``HORA_HUB_<NAME>``, else the ``JUPYTERHUB_<NAME>`` the hub sets."""
+    return Field(
+        validation_alias=AliasChoices(f"hub_{name}", f"HORA_HUB_{name.upper()}",
+                                      f"JUPYTERHUB_{name.upper()}")
+    )  # fmt: skip
 
 
 def service_url(host: str, port: int) -> str:
@@ -78,6 +86,9 @@ class Settings(BaseSettings):
             ranks; past it a rank's log keeps its newest half after a truncation marker.
         clear_timeout_s: how long the monitor tries to empty an ended attempt's processes
             before it reports the attempt stuck (its slots stay held either way).
+        elastic_shrink_timeout_s: how long an elastic job may run more workers than the slots
+            it may hold (one asked to shrink for a job of higher priority, or one that started
+            more than it was offered) before the service stops its newest extra workers.
         docker_host: the Docker engine's address (``DOCKER_HOST`` convention:
             ``unix:///run/docker.sock``, ``tcp://HOST:PORT``); None: the ``DOCKER_HOST`` of
             the service's environment, else the engine's default socket.
@@ -168,13 +179,36 @@ class Settings(BaseSettings):
         job_preflight_fail_below: fail a job whose rank, link or path measures under this
             fraction of its reference, and a session's ``%dist_start`` (None: only name it).
         job_preflight_baseline_dir: the nodes' recorded preflight baselines (``<host>.json``).
+        hub: run as a JupyterHub service (``hora serve --hub``): the API and the dashboard
+            also accept the hub's users, signed in through the hub's OAuth, each mapped to
+            the hora user of the same name, created on first contact and bound to the OS
+            account of that name (multi-user mode). See :mod:`hora_service.hub`.
+        hub_api_url: the hub's REST API as the service reaches it (else
+            ``JUPYTERHUB_API_URL``, which the hub sets for a service it starts).
+        hub_api_token: the service's ``api_token`` in the hub's configuration (else
+            ``JUPYTERHUB_API_TOKEN``); it is also the OAuth client's secret.
+        hub_service_name: the service's name in the hub's configuration (else
+            ``JUPYTERHUB_SERVICE_NAME``); users need ``access:services!service=NAME``.
+        hub_client_id: the service's OAuth client id (else ``JUPYTERHUB_CLIENT_ID``;
+            default ``service-NAME``).
+        hub_service_prefix: the path the hub's proxy serves the service at (else
+            ``JUPYTERHUB_SERVICE_PREFIX``; default ``/services/NAME/``).
+        hub_base_url: the hub's base URL path (else ``JUPYTERHUB_BASE_URL``): the browser
+            is sent to ``BASE/hub/api/oauth2/authorize`` to sign in.
+        hub_oauth_callback_url: the OAuth redirect URI the hub has for the service (else
+            ``JUPYTERHUB_OAUTH_CALLBACK_URL``; default ``PREFIX/oauth_callback``).
+        hub_admins: the hub's admins are hora admins too (by default they are not: a hora
+            admin is made with ``hora user add NAME --admin``).
+        hub_cache_s: how long the service trusts the hub's answer about a token before it
+            asks again (a token the hub revoked, at logout or when the user's server
+            stopped, stops working within this time).
         lease_dir: the machine's lease directory, shared by every hora on this machine (one
             lock file per GPU and CPU slot, see :mod:`hora.leases`); None: the machine's
             default (``/run/lock/hora-leases``, else ``/tmp/hora-leases``). Kernel-local
             engines read the same ``HORA_LEASE_DIR``.
     """
 
-    model_config = SettingsConfigDict(env_prefix="HORA_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="HORA_", extra="ignore", populate_by_name=True)
 
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
@@ -196,6 +230,7 @@ class Settings(BaseSettings):
     job_env_passthrough: Annotated[list[str], NoDecode] = Field(default_factory=list)
     log_bytes_per_attempt: Annotated[int, Field(ge=1 << 16)] = 256 << 20
     clear_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    elastic_shrink_timeout_s: Annotated[float, Field(gt=0, le=24 * 3600)] = 120.0
     docker_host: str | None = None
     docker_allowed_images: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: ["hora:*", "hora-*:*"]
@@ -242,6 +277,16 @@ class Settings(BaseSettings):
     job_preflight: bool = True
     job_preflight_fail_below: Annotated[float | None, Field(gt=0, le=1)] = None
     job_preflight_baseline_dir: Path | None = None
+    hub: bool = False
+    hub_api_url: Annotated[str, _hub("api_url")] = "http://127.0.0.1:8081/hub/api"
+    hub_api_token: Annotated[SecretStr | None, _hub("api_token")] = None
+    hub_service_name: Annotated[str, _hub("service_name"), Field(pattern=r"^[\w.-]+$")] = "hora"
+    hub_client_id: Annotated[str | None, _hub("client_id")] = None
+    hub_service_prefix: Annotated[str | None, _hub("service_prefix")] = None
+    hub_base_url: Annotated[str, _hub("base_url")] = "/"
+    hub_oauth_callback_url: Annotated[str | None, _hub("oauth_callback_url")] = None
+    hub_admins: bool = False
+    hub_cache_s: Annotated[float, Field(ge=0, le=3600)] = 30.0
     lease_dir: Path | None = None
 
     @field_validator("data_dir", "work_root")
@@ -313,6 +358,22 @@ class Settings(BaseSettings):
         if not all(p.isdigit() for p in parts) or len(set(parts)) != len(parts):
             raise ValueError(f"gpus must be auto, a count or a list like 0,1,3; got {v!r}")
         return ",".join(parts)
+
+    @property
+    def hub_prefix(self) -> str:
+        """The path the hub's proxy serves the service at, ``/services/NAME/`` by default."""
+        prefix = self.hub_service_prefix or f"/services/{self.hub_service_name}/"
+        return "/" + prefix.strip("/") + "/"
+
+    @property
+    def hub_client(self) -> str:
+        """The service's OAuth client id at the hub."""
+        return self.hub_client_id or f"service-{self.hub_service_name}"
+
+    @property
+    def hub_callback(self) -> str:
+        """The OAuth redirect URI registered for the service."""
+        return self.hub_oauth_callback_url or f"{self.hub_prefix}oauth_callback"
 
     @property
     def url(self) -> str:

@@ -235,6 +235,10 @@ class Users:
         """The user a bearer token belongs to, or None."""
         return self._store().user_by_digest(token_hash(token))
 
+    def by_name(self, name: str) -> User | None:
+        """The user called ``name``, or None."""
+        return self._store().user_by_name(name)
+
     def all(self) -> list[User]:
         """Every user, by name."""
         return self._store().users()

@@ -146,6 +146,39 @@ def test_hosts_added_then_removed_by_the_discovery_script(
     assert "exited with code" not in res.stderr
 
 
+@pytest.mark.parametrize(("max_np", "first"), [(None, 3), ("2", 2)])
+def test_the_first_world_takes_every_slot_offered_up_to_max_np(
+    tmp_path: Path, max_np: str | None, first: int
+) -> None:
+    """Horovod's rule: a discovery script printing localhost:3 with -np 2 starts 3 workers at
+    once (no --max-np: no limit), in one first world; --max-np 2 starts 2."""
+    script = _discovery(tmp_path, "print('localhost:3')\n")
+    flags = ["-np", "2", "--host-discovery-script", str(script),
+             *(["--max-np", max_np] if max_np else [])]  # fmt: skip
+    res, results, started = _run(tmp_path, flags, "--sleep", "0.05")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert sorted(started) == [f"w{i}" for i in range(first)], res.stderr[-3000:]
+    assert {wid: r["sizes"] for wid, r in results.items()} == {w: [first] for w in started}
+    assert re.findall(r"started worker w\d \(pid \d+\) on \S+: (\w+)", res.stderr) == [
+        "start"] * first
+
+
+def test_the_job_starts_once_np_slots_are_offered(tmp_path: Path) -> None:
+    """Horovod's rule: -np 3 waits for 3 slots (the script offers 2 for its first 2 s), then
+    starts all 3 in one first world, although --min-np 1 would allow a smaller one."""
+    script = _discovery(tmp_path, (
+        "t = os.path.join(out, 'first-asked')\n"
+        "if not os.path.exists(t):\n    open(t, 'w').close()\n"
+        "print('localhost:3' if time.time() - os.path.getmtime(t) > 2 else 'localhost:2')\n"))
+    flags = ["-np", "3", "--min-np", "1", "--max-np", "3", "--host-discovery-script", str(script)]
+    res, results, started = _run(tmp_path, flags, "--sleep", "0.05")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert sorted(started) == ["w0", "w1", "w2"], res.stderr[-3000:]
+    assert re.findall(r"started worker w\d \(pid \d+\) on \S+: (\w+)", res.stderr) == [
+        "start"] * 3  # none started before the third slot was offered
+    assert {wid: r["sizes"] for wid, r in results.items()} == {w: [3] for w in started}
+
+
 def test_below_min_np_survivors_wait_for_capacity(
     tmp_path: Path, reference: list[torch.Tensor]
 ) -> None:
@@ -168,5 +201,5 @@ def test_the_reset_limit_stops_the_job(tmp_path: Path) -> None:
     flags = ["-np", "2", "--min-np", "1", "--reset-limit", "0"]
     res, results, _ = _run(tmp_path, flags, "--die", "w1@3:kill", "--sleep", "0.05")
     assert res.returncode == 1, res.stderr[-3000:]
-    assert "reset limit 0 reached (1 re-formed worlds); stopping the job" in res.stderr
+    assert "reset limit 0 reached (1 re-formed world); stopping the job" in res.stderr
     assert results == {}

@@ -100,6 +100,29 @@ def test_exit_code_is_the_first_nonzero_rank_code(
     assert f"[{first}]<stdout>:hello from rank {first}" in res.stdout.splitlines()
 
 
+def test_a_failure_names_only_the_ranks_still_running_as_stopped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # rank 0's exit is handled while rank 1 has ended too, its exit not handled yet (both
+    # ranks failed at once): "stopping" names rank 2 alone, the one still running
+    from hora.launch.config import LaunchConfig
+    from hora.launch.launcher import Supervisor, _Rank
+
+    procs = [subprocess.Popen(argv, start_new_session=True)  # noqa: S603
+             for argv in (["true"], ["true"], ["sleep", "30"])]
+    for p in procs[:2]:
+        while psutil.Process(p.pid).status() != psutil.STATUS_ZOMBIE:  # ended, not reaped
+            time.sleep(0.01)
+    sup = Supervisor(LaunchConfig(np=3, command=("true",)), [{}, {}, {}])
+    sup._ranks = [_Rank(r, p) for r, p in enumerate(procs)]
+    with caplog.at_level("ERROR", logger="hora.launch"):
+        sup._record(0, 1)
+    assert caplog.messages == ["rank 0 exited with code 1; stopping rank 2"]
+    assert procs[2].wait(timeout=10) == -signal.SIGTERM
+    for p in procs[:2]:
+        p.wait()
+
+
 def test_output_is_rank_prefixed_and_arguments_pass_through() -> None:
     args = ["--flag", "two words", "$(touch x)", "ünïcode"]
     res, _ = _run(_argv(2, "echo", *args))

@@ -35,7 +35,9 @@ def launcher_argv(launcher: str) -> list[str]:
     return [mpirun, "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable]
 
 
-def train(launcher: str, ckpt: Path, *extra: str, env: dict[str, str] | None = None) -> str:
+def train(
+    launcher: str, ckpt: Path, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     argv = [
         *launcher_argv(launcher),
         str(EXAMPLE),
@@ -53,7 +55,7 @@ def train(launcher: str, ckpt: Path, *extra: str, env: dict[str, str] | None = N
         argv, env=e, capture_output=True, text=True, timeout=TIMEOUT, cwd=ckpt.parent
     )
     assert res.returncode == 0, f"{launcher} failed:\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}"
-    return res.stdout
+    return res
 
 
 def final_accuracy(out: str) -> float:
@@ -64,7 +66,10 @@ def final_accuracy(out: str) -> float:
 
 @pytest.mark.parametrize("launcher", ["hora", "torchrun", "mpirun"])
 def test_example_trains_under_launcher(launcher: str, tmp_path: Path) -> None:
-    out = train(launcher, tmp_path / "ckpt")
+    res = train(launcher, tmp_path / "ckpt")
+    out = res.stdout
+    # hvd.init() under torchrun meets the agent's store as a client: no bind error of its own
+    assert "failed to bind" not in res.stderr and "TCPStore.cpp" not in res.stderr, res.stderr
     assert final_accuracy(out) >= 0.90, out
     assert "trained on 2 process(es)" in out
     assert len(re.findall(r"epoch \d+/5:", out)) == 5  # rank 0 prints each epoch once
@@ -75,9 +80,9 @@ def test_example_trains_under_launcher(launcher: str, tmp_path: Path) -> None:
 
 def test_example_resumes_from_checkpoint_on_restart(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    first = train("hora", ckpt)
+    first = train("hora", ckpt).stdout
     assert "resumed" not in first
-    again = train("hora", ckpt, env={"HORA_RESTART_COUNT": "1"})
+    again = train("hora", ckpt, env={"HORA_RESTART_COUNT": "1"}).stdout
     # all 5 epochs were done: the restarted job resumes after the last one and trains no more
     assert f"resumed from {ckpt / 'checkpoint.pt'} after epoch 5" in again
     assert not re.search(r"epoch \d+/5:", again)

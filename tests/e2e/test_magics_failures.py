@@ -156,6 +156,21 @@ def test_stall_names_missing_rank_and_shows_its_stack(ip):
     assert cluster().state is ClusterState.READY
 
 
+@pytest.mark.parametrize(
+    "collective", ["hvd.allreduce(torch.ones(1))", "torch.distributed.all_reduce(torch.ones(1))"]
+)
+def test_a_stall_is_reported_before_the_collective_s_own_timeout(ip, collective):
+    # no cell --timeout: the engines' collectives time out after %dist_start's --timeout (15 s
+    # here), and the stall, which names the rank and shows its stack, must come first
+    result, cap = run(ip, f"%%distributed\nif hvd.rank() == 0:\n    {collective}")
+    err = result.error_in_exec
+    assert isinstance(err, StallError), cap.stdout
+    assert err.missing_ranks == [0] and err.finished == [1]
+    assert "--- rank 0 is here" in cap.stdout and "all" in err.stacks[0]
+    assert "Timed out" not in cap.stdout and "CollectiveTimeout" not in cap.stdout
+    assert cluster().state is ClusterState.READY
+
+
 def test_rank_computing_alone_past_the_timeout_is_not_a_stall(ip):
     # rank 0 works alone (no collective) longer than --timeout: that is not a stall
     cell = (

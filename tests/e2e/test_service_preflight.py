@@ -38,7 +38,7 @@ from helpers.known_share import REDUCED, SCRIPT, baseline_env
 from helpers.service_server import ServiceServer, wait_state
 from hora import jobs_cli
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = pytest.mark.timeout(300)
 
 
 
@@ -60,7 +60,7 @@ def trained(srv: ServiceServer) -> dict[str, Any]:
     with srv.client("ann") as c:
         job = c.post("/v1/jobs", json=body)
         assert job.status_code == 201, job.text
-        done = wait_state(c, job.json()["id"], ("succeeded", "failed", "cancelled"), timeout=120)
+        done = wait_state(c, job.json()["id"], ("succeeded", "failed", "cancelled"), timeout=240)
         logs = [c.get(f"/v1/jobs/{done['id']}/logs", params={"rank": r}).text for r in (0, 1)]
     assert done["state"] == "succeeded", (done, logs)
     for rank, text in enumerate(logs):  # only what the job printed
@@ -132,7 +132,7 @@ def test_an_admin_threshold_fails_the_job_naming_the_rank(tmp_path: Path) -> Non
                                        "workers": 2})
         assert job.status_code == 201, job.text
         jid = job.json()["id"]
-        done = wait_state(c, jid, ("succeeded", "failed", "cancelled"), timeout=120)
+        done = wait_state(c, jid, ("succeeded", "failed", "cancelled"), timeout=240)
         log0 = c.get(f"/v1/jobs/{jid}/logs", params={"rank": 0}).text
         no_timeline = c.get(f"/v1/jobs/{jid}/scaling")
     assert no_timeline.status_code == 404 and "HOROVOD_TIMELINE" in no_timeline.text

@@ -17,10 +17,10 @@ from hora.client import (
     Client,
     ServiceError,
     ServiceUnavailable,
-    _render_detail,
     load_config,
     parse_spec,
     parse_sse,
+    render_detail,
     save_config,
 )
 from hora.errors import SpecError
@@ -164,7 +164,7 @@ def test_parse_sse_events() -> None:
 
 def test_render_detail_of_validation_errors() -> None:
     detail = [{"loc": ["body", "workers"], "msg": "asks for 8 GPUs; this cluster has 4"}]
-    assert _render_detail(detail) == "workers: asks for 8 GPUs; this cluster has 4"
+    assert render_detail(detail) == "workers: asks for 8 GPUs; this cluster has 4"
     err = ServiceError(422, detail, "http://x/v1/jobs")
     assert "workers: asks for 8 GPUs" in str(err) and err.status == 422
 

@@ -306,7 +306,8 @@ class Cluster:
             code: cell source.
             sink: receives live output of ``shown`` ranks.
             shown: ranks whose output is shown.
-            timeout: stall timeout (default: the cluster's ``timeout_s``).
+            timeout: stall timeout (default: half the collective timeout,
+                ``options.stall_timeout_s``).
             cell_number: the notebook's cell number, for the engines' tracebacks.
 
         Returns:
@@ -326,7 +327,7 @@ class Cluster:
             self._require_ready()
             self.repair()  # engines that died since the last cell (the magic says so first)
             self.recovery.replacing = None
-            stall = self.options.timeout_s if timeout is None else timeout
+            stall = self.options.stall_timeout_s if timeout is None else timeout
             return self._run(code, sink, shown, stall, cell_number)
 
     def _run(

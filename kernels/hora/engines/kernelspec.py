@@ -98,6 +98,7 @@ def install_kernel_spec(
     prefix: str | None = None,
     name: str = DEFAULT_NAME,
     display_name: str = DEFAULT_DISPLAY_NAME,
+    python: str | None = None,
 ) -> str:
     """Install the hora kernel spec and return the directory it was written to.
 
@@ -107,6 +108,7 @@ def install_kernel_spec(
             ``sys.prefix`` for the current virtual environment. Exclusive with ``user``.
         name: kernel name (directory name, and what ``--kernel`` / nbclient select).
         display_name: name shown in JupyterLab.
+        python: interpreter that runs the kernel (default: the current one).
 
     Returns:
         The absolute path of the installed kernel spec directory.
@@ -127,7 +129,7 @@ def install_kernel_spec(
     with tempfile.TemporaryDirectory(prefix="hora-kernelspec-") as tmp:
         src = Path(tmp) / name
         src.mkdir()
-        spec = kernel_spec(display_name=display_name)
+        spec = kernel_spec(python, display_name=display_name)
         (src / "kernel.json").write_text(json.dumps(spec, indent=1) + "\n")
         _copy_logos(src)
         dest = KernelSpecManager().install_kernel_spec(

@@ -51,7 +51,8 @@ class ClusterOptions:
         n: number of engines (ranks); None means one per free GPU, else 2 on CPU.
         gpus: GPU ids to bind, one per rank (``CUDA_VISIBLE_DEVICES`` entries); None: choose.
         backend: "nccl" or "gloo"; None: nccl with GPUs, gloo on CPU.
-        timeout_s: collective timeout in the engines and the default stall timeout of a cell.
+        timeout_s: collective timeout in the engines; half of it is a cell's default stall
+            timeout (:attr:`stall_timeout_s`).
         start_timeout_s: how long engines may take to register and initialise.
         threads: torch threads per engine on CPU (OMP_NUM_THREADS) when the kernel sets none.
     """
@@ -62,6 +63,20 @@ class ClusterOptions:
     timeout_s: float = DEFAULT_TIMEOUT_S
     start_timeout_s: float = 60.0
     threads: int = 1
+
+    @property
+    def stall_timeout_s(self) -> float:
+        """A cell's default stall timeout: half the collective timeout.
+
+        A rank left waiting in a collective that the others never entered is reported as a
+        stall (which rank, its stack) this long after the first rank finished, before the
+        collective's own timeout ends the cell with a bare backend error.
+
+        Example:
+            >>> ClusterOptions(timeout_s=60).stall_timeout_s
+            30.0
+        """
+        return self.timeout_s / 2
 
     def __post_init__(self) -> None:
         if self.n is not None and self.n < 1:

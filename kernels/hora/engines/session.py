@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
+from urllib.parse import urlsplit
 
 from hora.client import Client, ServiceError
 from hora.client_config import config_path
@@ -43,7 +44,7 @@ from hora.engines.launchers import (
 )
 from hora.engines.state import ClusterState
 from hora.errors import HoraError, SpecError
-from hora.net import free_port
+from hora.net import free_port, is_local_address, route_source
 from hora.spec import SessionInfo
 
 log = logging.getLogger("hora.engines")
@@ -290,13 +291,28 @@ class SessionLauncher(KernelProcesses):
         return engine
 
     def _address(self) -> str:
-        """Where the controller listens: the loopback, or an address the Slurm nodes reach."""
+        """Where the controller listens: the loopback, or an address the Slurm nodes reach.
+
+        On Slurm: the address the service names for its own machine, or, for a kernel on
+        another machine (a user's server that runs as a Slurm job on a node), this
+        machine's address towards the service's.
+        """
         if self.runtime != "slurm":
             return "127.0.0.1"
         if self.ip is not None:
             return self.ip
         resp = self.service.request("GET", "/v1/session-address", params={"runtime": "slurm"})
-        return str(resp.json()["address"])
+        named = str(resp.json()["address"])
+        if is_local_address(named):
+            return named
+        host = urlsplit(self.service.url).hostname or named
+        try:
+            return route_source(host)
+        except OSError as e:
+            raise SpecError(
+                "ip", f"cannot tell this machine's address towards the service ({host}: {e}); "
+                "give one the Slurm nodes reach with --ip",
+            ) from None
 
     def _ask(self, n: int, connection: dict[str, Any]) -> None:
         body = {

@@ -44,6 +44,7 @@ from hora.launch.hosts import Blacklist, discover, parse_hosts_output
 from hora.launch.launcher import FORWARDED, LaunchResult, RankExit
 from hora.launch.output import PrefixedSink, prefix, start_pump
 from hora.net import free_port
+from hora.words import count
 
 log = logging.getLogger("hora.launch")
 
@@ -128,7 +129,8 @@ class ElasticDriver:
         handlers = self._install_handlers()
         try:
             self._discover(time.monotonic(), first=True)
-            self._spawn_up_to(self.config.np, "start")
+            if self._await_start():  # Horovod's rule: wait for -np slots, start on every one
+                self._spawn_up_to(self.ec.max_np, "start")  # offered, up to --max-np
             while not self._done():
                 self._step()
         finally:
@@ -136,6 +138,28 @@ class ElasticDriver:
             for signum, old in handlers.items():
                 signal.signal(signum, old)
         return self._result()
+
+    def _await_start(self) -> bool:
+        """Wait until the hosts offer ``-np`` slots (at most ``--elastic-timeout``), as Horovod.
+
+        Horovod's elastic driver starts once ``-np`` slots are available, on every slot then
+        offered up to ``--max-np``: a discovery script printing ``localhost:3`` with ``-np 2``
+        and no ``--max-np`` starts 3 workers, in one first world.
+
+        Returns:
+            False when the job was stopped (a signal) or failed waiting.
+        """
+        since = time.monotonic()
+        while len(self._free_slots(time.monotonic())) < self.config.np:
+            now = time.monotonic()
+            if now - since > self.ec.timeout:
+                self._fail(f"fewer than -np {self.config.np} slots offered for "
+                           f"{self.ec.timeout:g} s (--elastic-timeout)")  # fmt: skip
+            self._drain_events()  # a signal ends the wait
+            if self.failure or self._signal is not None:
+                return False
+            self._discover(now)
+        return True
 
     def _done(self) -> bool:
         running = any(w.code is None for w in self.workers.values())
@@ -352,7 +376,7 @@ class ElasticDriver:
             self.below_since = None
             self.generations += 1
             self.history.append((time.time(), number, len(order), why))
-            log.info("generation %d: %d workers (%s)", number, len(order), why)
+            log.info("generation %d: %s (%s)", number, count(len(order), "worker"), why)
             if self.ec.report:
                 pids = {w.wid: w.proc.pid for w in members}
                 log.info("%s", rdzv.membership_line(gen, pids, time.time()))
@@ -380,7 +404,8 @@ class ElasticDriver:
     def _check_limits(self, now: float) -> None:
         limit = self.ec.reset_limit
         if limit is not None and self.generations - 1 > limit:
-            self._fail(f"reset limit {limit} reached ({self.generations - 1} re-formed worlds)")
+            worlds = count(self.generations - 1, "re-formed world")
+            self._fail(f"reset limit {limit} reached ({worlds})")
         elif self.below_since is not None and now - self.below_since > self.ec.timeout:
             self._fail(f"fewer than --min-np {self.ec.min_np} workers for "
                        f"{self.ec.timeout:g} s (--elastic-timeout)")  # fmt: skip

@@ -35,6 +35,7 @@ from hora.launch import procs
 from hora.launch.config import LaunchConfig, build_rank_envs
 from hora.launch.output import PrefixedSink, prefix, start_pump
 from hora.net import free_port
+from hora.words import named
 
 log = logging.getLogger("hora.launch")
 
@@ -211,9 +212,10 @@ class Supervisor:
         self._exits.append(ex)
         if code != 0 and not self._stopping:
             self._first = ex
-            others = [r.rank for r in self._running() if r.rank != rank]
-            log.error("rank %d exited with code %d; stopping ranks %s", rank, code,
-                      ", ".join(map(str, others)) or "(none left)")
+            # ranks that ended meanwhile (their exit not handled yet) are not being stopped
+            others = [r.rank for r in self._running() if r.rank != rank and procs.running(r.proc)]
+            stopping = f"; stopping {named('rank', others)}" if others else ""
+            log.error("rank %d exited with code %d%s", rank, code, stopping)
             self._stop(signal.SIGTERM)
         return ex
 

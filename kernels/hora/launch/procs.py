@@ -14,6 +14,7 @@ import ctypes
 import logging
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -57,6 +58,15 @@ def group_has_live_members(pgid: int) -> bool:
         if entry.name.isdigit() and _stat_fields(int(entry.name))[1:] == ("live", pgid):
             return True
     return False
+
+
+def running(proc: subprocess.Popen[bytes]) -> bool:
+    """Whether ``proc`` still runs: not waited for, and not a zombie (Linux: via /proc).
+
+    A rank that has just ended is a zombie until its waiter thread reaps it; it is not
+    running, although no one has handled its exit yet.
+    """
+    return proc.returncode is None and _stat_fields(proc.pid)[1] == "live"
 
 
 def _stat_fields(pid: int) -> tuple[int, str, int]:

@@ -138,7 +138,7 @@ def make_store(world: World, timeout_s: float, generation: int) -> tuple[Any, Pa
         return dist.TCPStore("127.0.0.1", 0, 1, True, timeout=td, wait_for_workers=False), None
     if world.master_addr is None or world.master_port is None:
         return file_rendezvous(world, timeout_s, generation)
-    if world.rank == 0:
+    if world.rank == 0 and not agent_store(os.environ):
         hosted_before = generation > 1
         return host_store(
             world.master_addr, world.master_port, world.size, td, hosted_before
@@ -155,6 +155,22 @@ def make_store(world: World, timeout_s: float, generation: int) -> tuple[Any, Pa
             f"rank 0 (the rendezvous host): {e}",
         ) from None
     return store, None
+
+
+def agent_store(environ: Mapping[str, str]) -> bool:
+    """Whether torchrun's agent already hosts the store at ``MASTER_ADDR:MASTER_PORT``.
+
+    torchrun sets ``TORCHELASTIC_USE_AGENT_STORE=True`` for its workers: rank 0 then joins
+    the agent's store as a client, as ``init_process_group`` does, instead of trying to host
+    one on the agent's port (torch logs a bind error for that try). A launch with a
+    rendezvous secret keeps hora's own store.
+
+    Example:
+        >>> agent_store({"TORCHELASTIC_USE_AGENT_STORE": "True"}), agent_store({})
+        (True, False)
+    """
+    asked = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return asked and not environ.get(RDZV_SECRET_VAR)
 
 
 # A store this process hosted before shutdown() may hold the port a moment longer: the

@@ -28,11 +28,12 @@ from starlette.routing import Match
 
 from hora_service import ui
 from hora_service.api import jobs, logs, queue, sessions, system
-from hora_service.api.deps import CurrentUser, TokenCache, known_query
+from hora_service.api.deps import CurrentUser, Identify, TokenCache, known_query
 from hora_service.api.errors import spec_error_detail, validation_detail
 from hora_service.api.limits import BodySizeLimit
 from hora_service.api.safety import check_safe
 from hora_service.health import StoreProbe
+from hora_service.hub import signin
 from hora_service.manager import JobManager
 from hora_service.quotas import OverLimit, StreamCounter
 from hora_service.sessions import SessionManager
@@ -75,6 +76,8 @@ def create_app(settings: Settings | None = None, manager: JobManager | None = No
             probe.stop()
             if owned:
                 mgr.stop()
+            if settings.hub:
+                app.state.hub_api.close()
 
     app = FastAPI(
         title="hora job service",
@@ -93,6 +96,7 @@ def create_app(settings: Settings | None = None, manager: JobManager | None = No
     app.state.health = probe
     app.state.log_streams = StreamCounter(settings.max_log_streams_per_user)
     app.state.token_cache = TokenCache()
+    app.state.metrics = system.metrics_registry(mgr)
     app.add_middleware(BodySizeLimit, max_bytes=max(1, int(settings.max_request_bytes)))
     app.include_router(jobs.router)
     app.include_router(logs.router)
@@ -101,6 +105,8 @@ def create_app(settings: Settings | None = None, manager: JobManager | None = No
     app.include_router(system.router)
     app.include_router(queue.router)
     ui.install(app)
+    hub_users = signin.install(app, settings, mgr.users) if settings.hub else None
+    app.state.identify = Identify(mgr.users, hub_users)
     _add_docs(app)
     _add_handlers(app)
     _document_common_answers(app)

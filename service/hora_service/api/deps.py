@@ -22,9 +22,11 @@ from fastapi.dependencies.models import Dependant
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
+from hora_service.hub.users import HubUsers
 from hora_service.manager import JobManager
 from hora_service.models import JobRecord, User
 from hora_service.settings import Settings
+from hora_service.users import Users
 
 MAX_JOB_ID = 2**63 - 1
 MAX_TOKEN_CHARS = 512
@@ -90,26 +92,60 @@ class TokenCache:
         return user
 
 
+class Identify:
+    """Whose bearer token this is: a hora token (the store), else the hub's (hub mode).
+
+    Args:
+        users: the service's users.
+        hub: in hub mode, the hub's users (:class:`hora_service.hub.users.HubUsers`).
+    """
+
+    def __init__(self, users: Users, hub: HubUsers | None = None) -> None:
+        self.users = users
+        self.hub = hub
+
+    def __call__(self, token: str) -> User | None:
+        """The user of ``token``, or None.
+
+        Raises:
+            hora_service.hub.users.HubUserRefused: a hub user who cannot be a hora user.
+            hora_service.hub.api.HubUnavailable: the hub did not answer.
+        """
+        user = self.users.for_token(token)
+        if user is None and self.hub is not None:
+            user = self.hub.user_for_token(token)
+        return user
+
+
+def identify(request: Request) -> Identify:
+    """The app's :class:`Identify` (built in ``create_app``)."""
+    found: Identify = request.app.state.identify
+    return found
+
+
 async def current_user(
     request: Request,
-    manager: ManagerDep,
     creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
 ) -> User:
     """The user whose bearer token came with the request.
 
     Raises:
         HTTPException: 401 when the token is missing, malformed or unknown.
+        hora_service.hub.users.HubUserRefused: (hub mode) a hub user who cannot be a hora
+            user (403).
+        hora_service.hub.api.HubUnavailable: (hub mode) the hub did not answer (503).
     """
     if creds is None or not creds.credentials:
         raise unauthorized("missing bearer token (send 'Authorization: Bearer <token>')")
     token = creds.credentials
     if len(token) > MAX_TOKEN_CHARS:
         raise unauthorized("invalid token")
+    who = identify(request)
     cache: TokenCache | None = getattr(request.app.state, "token_cache", None)
     if cache is not None:
-        user = await run_in_threadpool(cache.lookup, token, manager.users.for_token)
+        user = await run_in_threadpool(cache.lookup, token, who)
     else:
-        user = await run_in_threadpool(manager.users.for_token, token)
+        user = await run_in_threadpool(who, token)
     if user is None:
         raise unauthorized("invalid token")
     return user

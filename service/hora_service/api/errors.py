@@ -15,6 +15,7 @@ from typing import Any
 
 from fastapi import HTTPException
 from hora.errors import SpecError
+from hora.spec import error_message
 
 # responses every authenticated route may give, for the OpenAPI schema
 AUTH_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -73,7 +74,7 @@ def validation_detail(errors: Sequence[Any]) -> list[dict[str, Any]]:
         loc = [p if isinstance(p, int) else safe_text(p) for p in err.get("loc", ())]
         item: dict[str, Any] = {
             "loc": loc,
-            "msg": safe_text(err.get("msg", "")),
+            "msg": safe_text(error_message(err)),
             "type": safe_text(err.get("type", "")),
         }
         if "input" in err and _json_safe(err["input"]):

@@ -20,6 +20,7 @@ unique job name when the service died right after ``sbatch``: it never submits t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ from typing import TYPE_CHECKING
 
 from hora.env import RankEnv
 from hora.errors import HoraError, SpecError
+from hora.net import route_source
 from hora.spec import JobSpec
 
 from hora_service.models import SlotInfo
@@ -254,6 +256,14 @@ class SlurmRuntime(Runtime):
         found = proc.stdout.split()
         return found[0] if found else None
 
+    def nodes(self, plan: AttemptPlan) -> frozenset[str]:
+        """The nodes Slurm gave the attempt's job (none while it is not known)."""
+        job_id = self.job_id_of(plan)
+        info = self.info(job_id) if job_id else None
+        if info is None or not info.nodes:
+            return frozenset()
+        return frozenset(expand_hosts(info.nodes))
+
     # state ----------------------------------------------------------------------------------
 
     def info(self, job_id: str, fresh: bool = False) -> JobInfo | None:
@@ -358,10 +368,25 @@ class SlurmRuntime(Runtime):
         if proc.returncode != 0 or not named:
             raise SlurmError(f"scontrol lists no node: {proc.stderr.strip() or proc.stdout}")
         first = named[0]
-        target = first.get("NodeAddr") or first["NodeName"]
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((socket.gethostbyname(target), 9))  # UDP: picks the route, sends nothing
-            return first["NodeName"], str(s.getsockname()[0])
+        return first["NodeName"], route_source(first.get("NodeAddr") or first["NodeName"])
+
+    def node_addresses(self) -> set[str]:
+        """The IPv4 addresses of the cluster's nodes (those that resolve).
+
+        Raises:
+            SlurmError: ``scontrol`` cannot list the nodes.
+        """
+        proc = self.run("scontrol", "show", "node", "-o")
+        if proc.returncode != 0:
+            raise SlurmError(f"scontrol lists no node: {proc.stderr.strip() or proc.stdout}")
+        found = set()
+        for fields in map(_fields, proc.stdout.splitlines()):
+            name = fields.get("NodeAddr") or fields.get("NodeName")
+            if not name:
+                continue
+            with contextlib.suppress(OSError):
+                found.add(socket.gethostbyname(name))
+        return found
 
     def post_wait(self, job_id: int, info: JobInfo | None) -> None:
         """Show Slurm's pending reason on the job while Slurm holds it back; clear it after."""

@@ -4,7 +4,10 @@
 ``SameSite=Strict``, ``Path=/ui``, ``Secure`` over https) that names a server-side session;
 the token itself stays in the service's memory, and every request looks its user up again,
 so removing a user ends their dashboard sessions at once. Sessions live ``UI_SESSION_S``
-(12 h) and end at logout or when the service restarts.
+(12 h) and end at logout or when the service restarts. Behind JupyterHub (hub mode) the
+cookie's path is the service's prefix plus ``/ui``, and a browser may sign in through the
+hub instead (:mod:`hora_service.hub.signin`): its session holds the hub's OAuth token, which
+is checked with the hub like any token, and is bound to the hub's own session cookie.
 
 Cross-site requests: besides ``SameSite=Strict``, every POST must carry the session's CSRF
 token in ``X-Hora-CSRF`` (the page reads it from ``GET /ui/api/me``, which a cross-site page
@@ -23,22 +26,29 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request
 from starlette.concurrency import run_in_threadpool
 
-from hora_service.manager import JobManager
+from hora_service.api.deps import identify
 from hora_service.models import User
 
 COOKIE = "hora_ui"
 CSRF_HEADER = "X-Hora-CSRF"
+HUB_SESSION_COOKIE = "jupyterhub-session-id"  # the hub's, path /: it names the hub login
 UI_SESSION_S = 12 * 3600.0
 MAX_SESSIONS = 10_000
 
 
 @dataclass
 class UiSession:
-    """One signed-in browser: the user's token (never sent back) and its CSRF token."""
+    """One signed-in browser: the user's token (never sent back) and its CSRF token.
+
+    A browser signed in through JupyterHub (hub mode) holds the hub's OAuth token here, and
+    ``hub_session`` is the hub's ``jupyterhub-session-id`` cookie it signed in with: the
+    session is good only with that cookie beside it.
+    """
 
     token: str
     csrf: str
     expires: float
+    hub_session: str | None = None
 
 
 class UiSessions:
@@ -49,10 +59,11 @@ class UiSessions:
         self._by_id: dict[str, UiSession] = {}
         self._lock = threading.Lock()
 
-    def open(self, token: str) -> tuple[str, UiSession]:
+    def open(self, token: str, hub_session: str | None = None) -> tuple[str, UiSession]:
         """A new session for ``token``: its id (the cookie's value) and the session."""
         sid = secrets.token_urlsafe(32)
-        session = UiSession(token, secrets.token_urlsafe(32), time.time() + self.ttl_s)
+        expires = time.time() + self.ttl_s
+        session = UiSession(token, secrets.token_urlsafe(32), expires, hub_session)
         with self._lock:
             now = time.time()
             if len(self._by_id) >= MAX_SESSIONS:  # drop expired ones, then the oldest
@@ -100,14 +111,19 @@ async def viewer(request: Request) -> Viewer:
     """The user signed in with this request's cookie.
 
     Raises:
-        HTTPException: 401 when there is no live session or its user is gone.
+        HTTPException: 401 when there is no live session or its user is gone (or, for a
+            session made through the hub, the hub's session cookie is not the one it was
+            made with, or the hub revoked its token).
     """
     sessions: UiSessions = request.app.state.ui_sessions
     session = sessions.get(request.cookies.get(COOKIE))
     if session is None:
         raise HTTPException(401, "not signed in")
-    manager: JobManager = request.app.state.manager
-    user = await run_in_threadpool(manager.users.for_token, session.token)
+    if session.hub_session is not None and not hmac.compare_digest(
+        request.cookies.get(HUB_SESSION_COOKIE, "").encode(), session.hub_session.encode()
+    ):
+        raise HTTPException(401, "not signed in (not with this browser's hub session)")
+    user = await run_in_threadpool(identify(request), session.token)
     if user is None:
         sessions.close(request.cookies.get(COOKIE))
         raise HTTPException(401, "not signed in (the user was removed)")

@@ -12,12 +12,13 @@ from __future__ import annotations
 import json
 import socket
 import time
+from html import escape
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query, Request, Response
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
 from hora.errors import SpecError
 from hora.spec import JobState
 from pydantic import BaseModel, Field
@@ -63,11 +64,26 @@ def _mgr(request: Request) -> JobManager:
     return manager
 
 
+def _root(request: Request) -> str:
+    """The prefix the request came through (hub mode, behind the proxy), else ``""``."""
+    return str(request.scope.get("root_path", "")).rstrip("/")
+
+
 @router.get("", response_class=HTMLResponse)
 @router.get("/", response_class=HTMLResponse)
-async def page() -> HTMLResponse:
-    """The dashboard's one page (it signs in and routes by ``#/...`` itself)."""
-    return HTMLResponse((STATIC / "index.html").read_text(), headers=HEADERS)
+async def page(request: Request) -> Response:
+    """The dashboard's one page (it signs in and routes by ``#/...`` itself).
+
+    Behind JupyterHub, a browser that is not signed in goes to the hub to sign in.
+    """
+    root = _root(request)
+    sessions: UiSessions = request.app.state.ui_sessions
+    hub = bool(request.app.state.settings.hub)
+    if hub and root and sessions.get(request.cookies.get(COOKIE)) is None:
+        return RedirectResponse(f"{root}/ui/hub/login", status_code=302)
+    html = (STATIC / "index.html").read_text().replace("/ui/static/", f"{root}/ui/static/")
+    marks = f'data-root="{escape(root)}" data-hub="{"1" if hub else ""}"'
+    return HTMLResponse(html.replace("<html ", f"<html {marks} ", 1), headers=HEADERS)
 
 
 @router.get("/static/{name}")
@@ -90,7 +106,7 @@ async def login(body: Login, request: Request) -> JSONResponse:
     sid, session = sessions.open(body.token)
     answer = JSONResponse({"user": user.name, "is_admin": user.is_admin, "csrf": session.csrf})
     answer.set_cookie(
-        COOKIE, sid, max_age=int(sessions.ttl_s), path="/ui", httponly=True,
+        COOKIE, sid, max_age=int(sessions.ttl_s), path=f"{_root(request)}/ui", httponly=True,
         samesite="strict", secure=request.url.scheme == "https",
     )  # fmt: skip
     return answer
@@ -101,7 +117,7 @@ async def logout(request: Request, who: PosterDep) -> JSONResponse:
     """End this browser's session."""
     request.app.state.ui_sessions.close(request.cookies.get(COOKIE))
     answer = JSONResponse({"ok": True})
-    answer.delete_cookie(COOKIE, path="/ui")
+    answer.delete_cookie(COOKIE, path=f"{_root(request)}/ui")
     return answer
 
 

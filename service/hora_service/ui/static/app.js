@@ -3,6 +3,9 @@
 "use strict";
 
 const POLL_MS = 1500;
+// behind JupyterHub the service lives under a prefix (/services/hora), and signs in there
+const ROOT = document.documentElement.dataset.root || "";
+const HUB = document.documentElement.dataset.hub === "1";
 let me = null;
 let timer = null;
 let logs = null; // {job, attempt, next: {rank: offset}}
@@ -62,7 +65,7 @@ async function call(path, method, body) {
       opts.body = JSON.stringify(body);
     }
   }
-  const resp = await fetch(path, opts);
+  const resp = await fetch(ROOT + path, opts);
   const data = await resp.json().catch(() => ({}));
   if (asked !== gen && opts.method === "GET") throw new HttpError(0, "stale");
   if (resp.status === 401 && path !== "/ui/login") { showLogin(); throw new HttpError(401, "signed out"); }
@@ -82,6 +85,9 @@ function showLogin(message) {
   document.getElementById("main").replaceChildren();
   document.getElementById("login").hidden = false;
   document.getElementById("login-error").textContent = message || "";
+  const hub = document.getElementById("hub-login");
+  hub.hidden = !HUB;
+  hub.querySelector("a").href = `${ROOT}/ui/hub/login`;
 }
 
 function signedIn(who) {
@@ -329,6 +335,11 @@ async function act(id, what) {
 async function drawTimeline(job) {
   const data = await call(`/ui/api/jobs/${job.id}/timeline`);
   const box = document.getElementById("timeline-box");
+  if (box && data.error) {  // the job named a file the service does not read (a link, a FIFO...)
+    logs.timeline = true;
+    box.replaceChildren(el("h2", {}, "Timeline"), el("p", { id: "timeline-error", class: "muted" }, data.error));
+    return;
+  }
   if (!box || !data.events.length) return;
   logs.timeline = ["succeeded", "failed", "cancelled"].includes(job.state);
   const ev = data.events;
