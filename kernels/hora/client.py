@@ -24,6 +24,7 @@ from pydantic import ValidationError
 
 from hora.client_config import ClientConfig, config_path, load_config, save_config
 from hora.errors import HoraError, SpecError
+from hora.export import DEFAULT_EXPORT, Export, client_python, with_export
 from hora.spec import JobInfo, JobSpec, JobState, QueueEntry, error_message
 
 _LOG_EVENT = "message"
@@ -188,16 +189,24 @@ class Client:
         gpus: int = 1,
         name: str = "job",
         env: Mapping[str, str] | None = None,
+        export: Export = DEFAULT_EXPORT,
         **fields: Any,
     ) -> Job:
         """Submit ``command`` as a job of ``workers`` processes with ``gpus`` GPUs each.
+
+        Like ``hora submit``, the job takes this process's ``PATH`` (with this Python's
+        directory first when it runs in a virtual environment), ``VIRTUAL_ENV`` and
+        ``CONDA_PREFIX``, and runs in the current directory when that lies under the
+        service's work root (see :mod:`hora.export`).
 
         Args:
             command: argv list, e.g. ``["python", "train.py", "--epochs", "3"]`` (no shell).
             workers: number of processes (ranks).
             gpus: GPUs (or CPU slots) per worker.
             name: job name.
-            env: extra environment variables for every rank.
+            env: extra environment variables for every rank (they win over exported ones).
+            export: what the job takes from here, as ``sbatch --export``: names (a sequence,
+                or one comma-separated string), or ``"NONE"`` for nothing.
             **fields: other :class:`JobSpec` fields (``priority``, ``max_retries``,
                 ``timeout_s``, ``working_dir``, ``submission_id``, ``runtime``, ``image``).
 
@@ -215,7 +224,7 @@ class Client:
             raise SpecError("command", "must be a list of arguments, not a string (no shell)")
         data = dict(fields, command=list(command), workers=workers, gpus_per_worker=gpus, name=name)
         data["env"] = dict(env or {})
-        return self.submit_spec(parse_spec(data))
+        return self.submit_spec(parse_spec(with_export(data, export, interpreter=client_python())))
 
     def job(self, job_id: int) -> Job:
         """A handle on an existing job (checks that it exists and is visible to us)."""
@@ -419,7 +428,8 @@ class Job:
         """Yield one rank's log text live until the job ends.
 
         Waits while the job is queued, then follows each attempt in turn (a retried job
-        has one log per attempt).
+        has one log per attempt), every one of them: also an attempt that began and ended
+        between two looks at the job.
 
         Args:
             rank: which rank.
@@ -435,20 +445,19 @@ class Job:
                 yield chunk.text
             return
         last: tuple[JobState, int] | None = None
-        followed: set[int] = set()
+        followed = 0  # attempts 1..followed were followed to their end
         while True:
             info = self.status()
             if on_state is not None and (info.state, info.attempt) != last:
                 on_state(info)
             last = (info.state, info.attempt)
-            started = info.started_at is not None or info.attempt > 0
-            if info.state.terminal and (info.attempt in followed or not started):
-                return
-            if started and info.state != JobState.queued and info.attempt not in followed:
-                followed.add(info.attempt)
-                for chunk in self.client.stream_logs(self.id, rank, attempt=info.attempt):
+            if followed < info.attempt:  # each attempt in order, none skipped
+                followed += 1
+                for chunk in self.client.stream_logs(self.id, rank, attempt=followed):
                     yield chunk.text
                 continue
+            if info.state.terminal:
+                return
             time.sleep(poll)
 
     def wait(self, timeout: float | None = 3600.0, poll: float = 0.5) -> JobInfo:

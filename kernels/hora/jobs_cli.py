@@ -24,14 +24,18 @@ from typing import Any, TextIO
 
 from hora.client import Client, Job, JobInfo, JobWaitTimeout, parse_spec
 from hora.errors import HoraError, SpecError
+from hora.export import DEFAULT_EXPORT, with_export
 from hora.jobs_text import (
     age,
+    empty_log_note,
     format_table,
     gpus_table,
     jobs_table,
+    new_state_lines,
     scaling_text,
     slot_unit,
     state_cell,
+    state_line,
     status_text,
     workers_cell,
 )
@@ -115,7 +119,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--priority", choices=[p.value for p in Priority], default="normal")
     s.add_argument("--max-retries", type=int, default=0, help="retries after a failed attempt")
     s.add_argument("--timeout", type=float, default=None, help="seconds before the job is killed")
-    s.add_argument("--workdir", default=None, help="working directory of the ranks")
+    s.add_argument(
+        "--workdir",
+        default=None,
+        help="working directory of the ranks (default: this directory when it lies under the "
+        "service's work root, else the service's default)",
+    )
+    s.add_argument(
+        "--export",
+        default=",".join(DEFAULT_EXPORT),
+        metavar="NAMES|NONE",
+        help="what the job takes from here, as sbatch --export: these variables (default "
+        f"{','.join(DEFAULT_EXPORT)}) and this directory; NONE: nothing (the service's "
+        "environment and default working directory)",
+    )
     s.add_argument(
         "--submission-id", default=None, help="idempotency key: resubmitting returns the same job"
     )
@@ -231,19 +248,13 @@ def spec_from_args(args: argparse.Namespace) -> Any:
         "runtime": args.runtime or ("docker" if args.image else "local"),
         "elastic": parse_elastic(args.elastic) if args.elastic is not None else None,
     }
-    return parse_spec({k: v for k, v in data.items() if v is not None})
+    given = {k: v for k, v in data.items() if v is not None}
+    return parse_spec(with_export(given, args.export))
 
 
 def _out(stream: TextIO, text: str) -> None:
     stream.write(text)
     stream.flush()
-
-
-def state_line(info: JobInfo) -> str:
-    """One progress line: ``job 7: running (attempt 2): reason``."""
-    attempt = f" (attempt {info.attempt})" if info.attempt > 1 else ""
-    reason = f": {info.reason}" if info.reason else ""
-    return f"job {info.id}: {info.state.value}{attempt}{reason}\n"
 
 
 def follow_job(job: Job, rank: int, out: TextIO, err: TextIO) -> JobInfo:
@@ -252,7 +263,15 @@ def follow_job(job: Job, rank: int, out: TextIO, err: TextIO) -> JobInfo:
     Returns:
         The final record.
     """
-    for text in job.follow(rank, on_state=lambda info: _out(err, state_line(info))):
+    shown = 0
+
+    def on_state(info: JobInfo) -> None:
+        nonlocal shown
+        for line in new_state_lines(info, shown):
+            _out(err, line)
+        shown = max(shown, len(info.transitions))
+
+    for text in job.follow(rank, on_state=on_state):
         _out(out, text)
     return job.info or job.status()
 
@@ -287,6 +306,10 @@ def cmd_submit(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         job = client.submit_spec(spec)
         state = job.info.state.value if job.info else "queued"
         _out(err if args.wait else out, f"submitted job {job.id} ({spec.name}): {state}\n")
+        moves = job.info.transitions if job.info is not None else []
+        note = moves[0].reason if moves and moves[0].state == JobState.queued else None
+        if note and not args.wait:  # where it runs, if not here (--wait shows it as a state)
+            _out(err, f"hora submit: note: {note}\n")
         if not args.wait:
             return 0
         try:
@@ -346,25 +369,6 @@ def cmd_logs(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         if not text:
             _out(err, empty_log_note(job.status(), args.rank, args.attempt) + "\n")
     return 0
-
-
-def empty_log_note(info: JobInfo, rank: int, attempt: int | None) -> str:
-    """What ``hora logs`` says on stderr when a rank's log is empty (it still exits 0).
-
-    Example:
-        >>> from hora.client import JobInfo
-        >>> spec = {"command": ["x"]}
-        >>> info = JobInfo.model_validate(
-        ...     {"id": 7, "user": "a", "state": "succeeded", "attempt": 1, "spec": spec}
-        ... )
-        >>> empty_log_note(info, 1, None)
-        'hora logs: rank 1 of job 7 wrote nothing (attempt 1; job succeeded)'
-    """
-    which = attempt if attempt is not None else info.attempt
-    return (
-        f"hora logs: rank {rank} of job {info.id} wrote nothing "
-        f"(attempt {which}; job {info.state.value})"
-    )
 
 
 def cmd_cancel(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:

@@ -1,4 +1,4 @@
-"""What the job CLI prints: the tables and views of jobs, slots and scaling (data plane).
+"""What the job CLI prints: tables and views of jobs, slots and scaling; state lines (data plane).
 
 Pure functions from the service's answers (:class:`hora.client.JobInfo`, ``/v1/gpus`` rows,
 a scaling report) to text; :mod:`hora.jobs_cli` re-exports them.
@@ -227,3 +227,58 @@ def scaling_text(report: dict[str, Any]) -> str:
 def _short(text: str, width: int = 60) -> str:
     text = " ".join(text.split())
     return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def state_line(info: JobInfo) -> str:
+    """One progress line: ``job 7: running (attempt 2): reason``."""
+    attempt = f" (attempt {info.attempt})" if info.attempt > 1 else ""
+    reason = f": {info.reason}" if info.reason else ""
+    return f"job {info.id}: {info.state.value}{attempt}{reason}\n"
+
+
+def new_state_lines(info: JobInfo, shown: int) -> list[str]:
+    """Lines for the state changes after the first ``shown`` of ``info.transitions``.
+
+    Every change is shown, also those that came and went between two looks at the job (a
+    quick retry); the newest one with its attempt.
+
+    Example:
+        >>> from hora.spec import Transition
+        >>> at = datetime(2024, 1, 1, tzinfo=UTC)
+        >>> moves = [Transition(state=s, at=at) for s in ("running", "retrying", "starting")]
+        >>> info = JobInfo(id=7, user="a", spec={"command": ["x"]}, state="starting",
+        ...                attempt=2, transitions=moves)
+        >>> print("".join(new_state_lines(info, 1)), end="")
+        job 7: retrying
+        job 7: starting (attempt 2)
+    """
+    moves = info.transitions[shown:]
+    if not moves:
+        return [state_line(info)] if not info.transitions else []
+    *before, last = moves
+    attempt = f" (attempt {info.attempt})" if info.attempt > 1 else ""
+    lines = [_line(info.id, t.state.value, t.reason) for t in before]
+    return [*lines, _line(info.id, last.state.value + attempt, info.reason or last.reason)]
+
+
+def _line(job_id: int, state: str, reason: str | None) -> str:
+    return f"job {job_id}: {state}" + (f": {reason}" if reason else "") + "\n"
+
+
+def empty_log_note(info: JobInfo, rank: int, attempt: int | None) -> str:
+    """What ``hora logs`` says on stderr when a rank's log is empty (it still exits 0).
+
+    Example:
+        >>> from hora.client import JobInfo
+        >>> spec = {"command": ["x"]}
+        >>> info = JobInfo.model_validate(
+        ...     {"id": 7, "user": "a", "state": "succeeded", "attempt": 1, "spec": spec}
+        ... )
+        >>> empty_log_note(info, 1, None)
+        'hora logs: rank 1 of job 7 wrote nothing (attempt 1; job succeeded)'
+    """
+    which = attempt if attempt is not None else info.attempt
+    return (
+        f"hora logs: rank {rank} of job {info.id} wrote nothing "
+        f"(attempt {which}; job {info.state.value})"
+    )

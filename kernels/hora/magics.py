@@ -18,6 +18,7 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from hora import magics_park
+from hora.export import DEFAULT_EXPORT
 from hora.magics_display import (
     DisplaySink,
     QueueDisplay,
@@ -466,6 +467,13 @@ class HoraMagics(Magics):
     @argument("--gpus", type=int, default=1, help="GPUs (or CPU slots) per worker, default 1")
     @argument("--wait", action="store_true", help="wait for the job, showing rank 0's log")
     @argument(
+        "--export",
+        default=",".join(DEFAULT_EXPORT),
+        metavar="NAMES|NONE",
+        help="what the job takes from this kernel, as sbatch --export (default PATH, "
+        "VIRTUAL_ENV, CONDA_PREFIX and the directory; NONE: nothing)",
+    )
+    @argument(
         "--handoff",
         action="store_true",
         help="stop this notebook's session and give its slots straight to the job",
@@ -490,7 +498,7 @@ class HoraMagics(Magics):
             self.history = []
         return submit_history(
             self.history, name=args.name, workers=workers, gpus=args.gpus, session=session,
-            wait=args.wait, stop_engines=self._stop_engines,
+            wait=args.wait, stop_engines=self._stop_engines, export=args.export,
         )  # fmt: skip
 
     def _session_id(self) -> int:

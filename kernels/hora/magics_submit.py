@@ -19,6 +19,7 @@ from typing import Any
 from IPython.core.error import UsageError
 
 from hora.errors import HoraError
+from hora.export import DEFAULT_EXPORT
 
 
 class JobEndedError(HoraError):
@@ -37,6 +38,7 @@ def submit_history(
     session: int | None,
     wait: bool,
     stop_engines: Callable[[], None],
+    export: str = ",".join(DEFAULT_EXPORT),
 ) -> Any:
     """Submit the recorded cells as a job; with ``session``, hand that session's slots to it.
 
@@ -48,6 +50,7 @@ def submit_history(
         session: the service session whose slots the job takes (``--handoff``), or None.
         wait: follow rank 0's log until the job ends.
         stop_engines: ends the kernel's side of the engines after a handoff.
+        export: what the job takes from this kernel (:mod:`hora.export`).
 
     Returns:
         The submitted :class:`hora.Job`.
@@ -59,6 +62,7 @@ def submit_history(
     from hora.client import Client, parse_spec
     from hora.engines.script import CellRecord, pushed_blobs, render_script
     from hora.errors import SpecError
+    from hora.export import client_python, with_export
 
     try:
         text, blobs = render_script(history), pushed_blobs(history)
@@ -68,12 +72,13 @@ def submit_history(
     n = sum(isinstance(r, CellRecord) for r in history)
     # not closed here: the returned Job keeps using it (job.logs(), job.wait())
     client = Client()
+    here = client_python()
     command = [sys.executable, str(script), str(values)]
     if session is None:
-        job = client.submit(command, workers=workers, gpus=gpus, name=name)
+        job = client.submit(command, workers=workers, gpus=gpus, name=name, export=export)
     else:
-        data = {"command": command, "workers": workers, "gpus_per_worker": gpus}
-        job = client.handoff(session, parse_spec(data | {"name": name}))
+        data = {"command": command, "workers": workers, "gpus_per_worker": gpus, "name": name}
+        job = client.handoff(session, parse_spec(with_export(data, export, interpreter=here)))
         stop_engines()  # the service stops the engines; this ends the controller
         sys.stdout.write(f"session {session}'s slots handed to job {job.id}\n")
     sys.stdout.write(

@@ -13,14 +13,14 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_ARGV = 1024
 MAX_ARG_LEN = 16384
 NAME_MAX = 255  # bytes in one path component (Linux)
 
 
 def error_message(err: Any) -> str:
-    """What one of pydantic's validation errors says, without the prefix ``Value error,`` (and the space after it).
+    """What one of pydantic's validation errors says, without its prefix ``Value error,``.
 
     A validator's own sentence is the whole message (the field is named beside it).
 
@@ -131,6 +131,15 @@ class JobSpec(BaseModel):
     gpus_per_worker: Annotated[int, Field(ge=1, le=16)] = 1
     env: dict[str, str] = Field(default_factory=dict)
     working_dir: Annotated[str | None, Field(max_length=4096)] = None
+    submit_dir: Annotated[
+        str | None,
+        Field(
+            max_length=4096,
+            description="the absolute directory the job was submitted from (as sbatch's "
+            "SLURM_SUBMIT_DIR; hora submit and the client fill it in): the ranks' working "
+            "directory when working_dir is not given and it lies under the work root",
+        ),
+    ] = None
     priority: Priority = Priority.normal
     max_retries: Annotated[int, Field(ge=0, le=100)] = 0
     timeout_s: Annotated[float | None, Field(gt=0, le=30 * 24 * 3600, allow_inf_nan=False)] = None
@@ -181,7 +190,7 @@ class JobSpec(BaseModel):
         if len(v) > 256:
             raise ValueError("at most 256 environment variables")
         for k, val in v.items():
-            if not _ENV_NAME.match(k):
+            if not ENV_NAME.match(k):
                 shown = k.encode("utf-8", "backslashreplace").decode()
                 raise ValueError(f"{shown!r} is not a valid environment variable name")
             if len(val) > MAX_ARG_LEN:
@@ -189,14 +198,16 @@ class JobSpec(BaseModel):
             _utf8(val, f"value of {k}")
         return v
 
-    @field_validator("working_dir")
+    @field_validator("working_dir", "submit_dir")
     @classmethod
-    def _check_working_dir(cls, v: str | None) -> str | None:
+    def _check_dir(cls, v: str | None, info: ValidationInfo) -> str | None:
         if v is None:
             return v
-        _utf8(v, "working_dir")
+        _utf8(v, str(info.field_name))
         if any(len(part.encode()) > NAME_MAX for part in v.split("/")):
-            raise ValueError(f"a component of working_dir is longer than {NAME_MAX} bytes")
+            raise ValueError(f"a component of {info.field_name} is longer than {NAME_MAX} bytes")
+        if info.field_name == "submit_dir" and not v.startswith("/"):
+            raise ValueError("must be an absolute path")
         return v
 
     @property

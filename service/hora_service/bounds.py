@@ -2,8 +2,12 @@
 
 Control plane; the job manager asks it at submission and at each launch.
 
-* :meth:`Bounds.workdir`: ``working_dir`` under the work root, or by default the user's own
-  working directory in multi-user mode (``WORK_ROOT/<user>``, see :mod:`hora_service.homes`).
+* :meth:`Bounds.workdir`: ``working_dir`` under the work root; without one, the directory
+  the job was submitted from (``submit_dir``) when it lies under the work root, as ``sbatch``
+  runs a job where it was submitted; else the user's own working directory in multi-user mode
+  (``WORK_ROOT/<user>``, see :mod:`hora_service.homes`), or the work root.
+  :meth:`Bounds.submit_note` says so when a ``submit_dir`` outside the work root was passed
+  over.
 * :meth:`Bounds.preflight`: the job's account can enter the working directory and execute
   the program (:mod:`hora_service.runtimes.preflight`): a 422 naming the field at submission,
   and a job failed at once with the same reason at launch (the directory may have changed).
@@ -15,6 +19,7 @@ Control plane; the job manager asks it at submission and at each launch.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -22,7 +27,7 @@ from hora.errors import SpecError
 from hora.spec import JobSpec
 
 from hora_service.identity import RunAs
-from hora_service.runtimes import preflight
+from hora_service.runtimes import namespaces, preflight
 from hora_service.runtimes.base import AttemptPlan, Runtime
 from hora_service.runtimes.limits import JobLimits, LimitError, Machine, note, resolve
 from hora_service.settings import Settings
@@ -53,45 +58,111 @@ class Bounds:
     def workdir(self, spec: JobSpec, user: str | None = None) -> Path:
         """The ranks' working directory.
 
-        ``working_dir`` under the work root; without one, the user's own working directory
-        in multi-user mode (created if missing), else the work root.
+        ``working_dir`` under the work root; without one, ``submit_dir`` when it lies under
+        the work root; else the user's own working directory in multi-user mode (created if
+        missing), else the work root.
 
         Raises:
-            SpecError: it escapes the work root or is not an existing directory (field
-                ``working_dir``).
+            SpecError: ``working_dir`` (or the ``submit_dir`` taken) escapes the work root or
+                is not an existing directory (field ``working_dir`` or ``submit_dir``).
         """
         root = self.settings.work_root
-        if spec.working_dir is None:
-            own = self.users.workdir(user) if user is not None else None
-            return own if own is not None else root
+        if spec.working_dir is not None:
+            return self._under_root("working_dir", spec.working_dir)
+        if self._submitted_here(spec):
+            return self._under_root("submit_dir", str(spec.submit_dir))
+        own = self.users.workdir(user) if user is not None else None
+        return own if own is not None else root
+
+    def uses_default(self, spec: JobSpec) -> bool:
+        """Whether the job runs in the default working directory (neither given nor taken)."""
+        return spec.working_dir is None and not self._submitted_here(spec)
+
+    def submit_note(self, spec: JobSpec) -> str | None:
+        """Why a job does not run where it was submitted from (None: it does, or none given).
+
+        Example: ``submitted from /data/x, outside the work root /home/ann (setting
+        work_root, HORA_WORK_ROOT): it runs in the default working directory; name one
+        under the work root with working_dir (hora submit --workdir)``.
+        """
+        if spec.working_dir is not None or spec.submit_dir is None:
+            return None
+        if self._submitted_here(spec):
+            return None
+        return (
+            f"submitted from {spec.submit_dir}, outside the work root {self.settings.work_root} "
+            "(setting work_root, HORA_WORK_ROOT): it runs in the default working directory; "
+            "name one under the work root with working_dir (hora submit --workdir)"
+        )
+
+    def _submitted_here(self, spec: JobSpec) -> bool:
+        """Whether ``submit_dir`` lies under the work root (by its path as written)."""
+        if spec.submit_dir is None:
+            return False
+        return Path(os.path.normpath(spec.submit_dir)).is_relative_to(self.settings.work_root)
+
+    def _under_root(self, field: str, given: str) -> Path:
+        """``given`` (relative to the work root, or absolute) resolved, if a directory under it.
+
+        Raises:
+            SpecError: ``field``: it escapes the work root or is not an existing directory.
+        """
+        root = self.settings.work_root
         try:
-            path = (root / spec.working_dir).resolve()
+            path = (root / given).resolve()
             is_dir = path.is_dir()
         except (OSError, RuntimeError, ValueError) as e:  # a symlink loop, a name too long
             why = getattr(e, "strerror", None) or str(e)
-            raise SpecError("working_dir", f"{spec.working_dir!r} cannot be used: {why}") from None
+            raise SpecError(field, f"{given!r} cannot be used: {why}") from None
         if not path.is_relative_to(root):
-            raise SpecError("working_dir", f"{spec.working_dir!r} is outside the work root {root}")
+            raise SpecError(field, f"{given!r} is outside the work root {root}")
         if not is_dir:
-            raise SpecError("working_dir", f"{spec.working_dir!r} is not an existing directory")
+            raise SpecError(field, f"{given!r} is not an existing directory")
         return path
 
     def preflight(
-        self, spec: JobSpec, workdir: Path, who: RunAs | None, driver: str | None = None
-    ) -> None:
+        self,
+        spec: JobSpec,
+        workdir: Path,
+        who: RunAs | None,
+        driver: str | None = None,
+        kind: str = "job",
+    ) -> tuple[Path, ...]:
         """Check as the job's account that it can enter ``workdir`` and run the program.
 
-        The program is checked for the local runtime only (in docker it is the image's);
-        ``driver``: an elastic job's driver Python, which the account must run too.
+        The program, and the ``VIRTUAL_ENV`` / ``CONDA_PREFIX`` of its env, are checked for
+        the local runtime only (in docker they are the image's), as the job will see them:
+        with its private ``/tmp`` where it gets one. ``driver``: an elastic job's driver
+        Python, which the account must run too.
+
+        Returns:
+            The directories under ``/tmp`` the job was given that its account reaches: they
+            stay visible in its private ``/tmp``.
 
         Raises:
-            SpecError: field ``working_dir``, ``command`` or ``elastic``, naming the path.
+            SpecError: field ``working_dir``, ``command``, ``env.VIRTUAL_ENV``,
+                ``env.CONDA_PREFIX`` or ``elastic``, naming the path.
         """
         local = spec.runtime.value == "local"
-        path = spec.env.get("PATH") or self.base_env.get("PATH") or "/usr/bin:/bin"
-        preflight.check(
-            who, workdir, spec.command[0] if local and spec.command else None, path,
-            writable=spec.working_dir is None and who is not None,
+        env = {**self.base_env, **spec.env}
+        path = env.get("PATH") or "/usr/bin:/bin"
+        program = spec.command[0] if local else None
+        # as namespaces.wanted() decides it: a job (not a session) run as its account
+        private = local and who is not None and self.settings.job_private_network
+        private = private and kind == "job"
+        # job_tmp_paths too only where the account reaches them: a bind mount never widens
+        # what it can reach (a checkout in a mktemp -d directory stays out of its jobs)
+        given = (*map(str, self.settings.job_tmp_paths), *namespaces.given_paths(env, program))
+        sight = preflight.Sight(
+            private_tmp=private,
+            visible=(str(workdir), str(self.settings.work_root)),
+            given=given if private else (),
+        )
+        kept = preflight.check(
+            who, workdir, program, path,
+            writable=self.uses_default(spec) and who is not None,
+            env={k: env[k] for k in preflight.ENV_DIRS if k in env} if local else None,
+            sight=sight,
         )  # fmt: skip
         if driver is not None and who is not None:
             try:
@@ -100,6 +171,7 @@ class Bounds:
                 raise SpecError(
                     "elastic", f"the elastic driver's Python (setting session_python): {e.message}"
                 ) from None
+        return kept
 
     def limits(self, user: str, slots: int) -> JobLimits:
         """The limits of an attempt of ``user`` holding ``slots`` slots.

@@ -23,12 +23,14 @@ import errno
 import os
 import pwd
 import stat
+from collections.abc import Sequence
 from pathlib import Path
 
-from hora.errors import SpecError
+from hora.errors import HoraError, SpecError
 
 from hora_service import disks
 from hora_service.identity import ACCOUNT_PREFIX, RunAs
+from hora_service.runtimes import preflight
 
 ACCOUNT_COMMENT = "hora job account"  # what useradd_argv writes in the account's GECOS field
 PRIVATE = 0o700
@@ -146,3 +148,54 @@ def ensure_workdir(root: Path, name: str, who: RunAs, disk_bytes: int | None = N
     finally:
         os.close(fd)
     return path
+
+
+def closed_part(root: Path) -> Path | None:
+    """The first of ``root`` and its parents that other accounts cannot enter (None: none).
+
+    Job accounts are "other" to what root owns: a directory without the ``o+x`` bit on the way
+    to the work root keeps every job out of its working directory.
+
+    Example:
+        >>> closed_part(Path("/"))
+    """
+    for part in (*reversed(root.parents), root):
+        try:
+            if not part.stat().st_mode & stat.S_IXOTH:
+                return part
+        except OSError:
+            return part
+    return None
+
+
+def check_work_root(root: Path, accounts: Sequence[RunAs]) -> None:
+    """Refuse a multi-user work root that job accounts cannot enter, naming the setting.
+
+    Accepted when every account may enter it by the mode bits of ``root`` and its parents
+    or, where a bit is missing, when each of ``accounts`` (the users' own) can, checked as
+    that account (a group of theirs may open it).
+
+    Raises:
+        HoraError: the work root, or a parent, is closed to them.
+    """
+    closed = closed_part(root)
+    if closed is None or (accounts and all(_can_enter(who, root) for who in accounts)):
+        return
+    try:
+        mode = f"mode {stat.S_IMODE(closed.stat().st_mode):04o}"
+    except OSError as e:
+        mode = str(e.strerror)
+    raise HoraError(
+        f"multi-user mode, but job accounts cannot enter the work root {root} ({closed} is "
+        f"{mode}): every job would be refused its working directory. Set work_root "
+        "(hora serve --work-root DIR, or HORA_WORK_ROOT) to a directory they can enter, "
+        "e.g. /srv/hora-work (it defaults to the service account's home)"
+    )
+
+
+def _can_enter(who: RunAs, root: Path) -> bool:
+    try:
+        preflight.check(who, root, None, "")
+    except SpecError:
+        return False
+    return True

@@ -76,8 +76,10 @@ class Settings(BaseSettings):
             runtime runs the job's container with ``--network none``.
         job_tmp_paths: directories under ``/tmp`` or ``/dev/shm`` that jobs with a private
             ``/tmp`` (``job_private_network``) still see at their paths, for what jobs run
-            from there (Python, hora, a checkout); comma-separated; by default none (the work
-            root and the job's working directory always stay visible).
+            from there (Python, hora, a checkout), where the job's account reaches them;
+            comma-separated; by default none (the work root, the job's working directory and
+            the directories of its ``PATH``, ``PYTHONPATH``, ``VIRTUAL_ENV`` and
+            ``CONDA_PREFIX`` its account reaches always stay visible).
         job_env_passthrough: names of the service's environment variables jobs inherit (by
             default none: a job's environment is built from an allow-list).
         log_bytes_per_attempt: most log bytes one attempt keeps, split evenly over its

@@ -360,9 +360,10 @@ class Store:
     # jobs -------------------------------------------------------------------------------
 
     def insert_job(
-        self, conn: Connection, user: str, spec: JobSpec, at: float, kind: str = "job"
-    ) -> int:
-        """Insert a queued job (or session) with its first transition; return its id."""
+        self, conn: Connection, user: str, spec: JobSpec, at: float, kind: str = "job",
+        note: str | None = None,
+    ) -> int:  # fmt: skip
+        """Insert a queued job (or session) with its first transition (``note``: its reason)."""
         row = conn.execute(
             text(
                 "INSERT INTO jobs "
@@ -381,7 +382,7 @@ class Store:
             },
         ).one()
         job_id = int(row[0])
-        self.add_transition(conn, job_id, JobState.queued, at, None)
+        self.add_transition(conn, job_id, JobState.queued, at, note)
         return job_id
 
     def job_by_submission(self, conn: Connection, user: str, submission_id: str) -> int | None:

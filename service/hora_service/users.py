@@ -263,6 +263,23 @@ class Users:
             )
         return identity.run_as(found.os_uid)
 
+    def check_work_root(self) -> None:
+        """In multi-user mode, refuse a work root the job accounts cannot enter.
+
+        Raises:
+            HoraError: see :func:`hora_service.homes.check_work_root`.
+        """
+        root = self.work_root
+        if self.mode != "multi" or root is None or not root.is_dir():
+            return
+        accounts = []
+        for uid in (u.os_uid for u in self.all() if u.os_uid is not None):
+            try:
+                accounts.append(identity.run_as(uid))
+            except SpecError:
+                continue  # an account that is gone: its jobs are refused anyway
+        homes.check_work_root(root, accounts)
+
     def check_start(self, db_path: Path) -> None:
         """Refuse single-user mode over a store with several users (a silent downgrade).
 

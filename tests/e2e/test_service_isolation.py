@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 import psutil
 import pytest
+from helpers.checkout import require_reachable
 from helpers.service_server import ServiceServer, wait_state
 from hora.client_config import save_config
 from hora_service import identity
@@ -123,6 +124,7 @@ def root() -> None:
             "these tests run jobs as other OS accounts and need root (CI runs them as root); "
             "run them as root"
         )
+    require_reachable()
 
 
 @pytest.fixture

@@ -33,6 +33,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from helpers.checkout import require_reachable
 from helpers.service_server import ServiceServer, wait_state
 
 pytestmark = pytest.mark.timeout(300)
@@ -112,6 +113,7 @@ def hora_user(data_dir: Path, work: Path, *args: str) -> subprocess.CompletedPro
 def world() -> Iterator[World]:
     if os.geteuid() != 0:
         pytest.fail("these tests run jobs as other OS accounts and need root (CI runs as root)")
+    require_reachable()
     base = Path(tempfile.mkdtemp(prefix="hora-private-"))
     base.chmod(0o755)
     work = base / "work"

@@ -24,15 +24,8 @@ from hora.client import (
     save_config,
 )
 from hora.errors import SpecError
-from hora.jobs_cli import (
-    age,
-    build_parser,
-    format_table,
-    main,
-    parse_env,
-    spec_from_args,
-    status_text,
-)
+from hora.jobs_cli import build_parser, main, parse_env, spec_from_args
+from hora.jobs_text import age, format_table, status_text
 from hora.spec import JobState
 
 
@@ -208,7 +201,8 @@ def test_submit_args_become_spec() -> None:
     spec = spec_from_args(args)
     assert spec.command == ["python", "train.py", "--epochs", "3"]
     assert (spec.workers, spec.gpus_per_worker, spec.name) == (2, 1, "digits")
-    assert spec.env == {"A": "1", "B": "x=y"}
+    assert {k: spec.env[k] for k in ("A", "B")} == {"A": "1", "B": "x=y"}
+    assert spec.env["PATH"] == os.environ["PATH"]  # exported from here (tests/unit/test_export.py)
     assert (spec.priority.value, spec.max_retries, spec.timeout_s, spec.submission_id) == (
         "high",
         2,

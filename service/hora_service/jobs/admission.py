@@ -62,10 +62,11 @@ class Admission(ManagerCore):
             sqlalchemy.exc.OperationalError: the same, as SQLite reported it.
         """
         store = self.open_store()
-        self.check(user, spec)
+        self.check(user, spec, kind)
         self._check_limits(user, spec)
         # the check and the insert are one write transaction; a store that cannot take it
         # within the timeout answers StoreUnavailable (a 503 with Retry-After), never a hang
+        note = self.bounds.submit_note(spec)
         with store.tx(self.settings.store_write_timeout_s) as conn:
             if spec.submission_id is not None:
                 existing = store.job_by_submission(conn, user, spec.submission_id)
@@ -74,7 +75,7 @@ class Admission(ManagerCore):
                     assert found is not None
                     return found, False
             now = time.time()
-            job_id = store.insert_job(conn, user, spec, now, kind)
+            job_id = store.insert_job(conn, user, spec, now, kind, note)
             if also is not None:
                 also(store, conn, job_id)
             record = store.get(job_id, conn)
@@ -98,7 +99,7 @@ class Admission(ManagerCore):
                     429,
                 )
 
-    def check(self, user: str, spec: JobSpec) -> None:
+    def check(self, user: str, spec: JobSpec, kind: str = "job") -> None:
         """Refuse a spec that can never run on this service (see :meth:`submit`)."""
         total, need = len(self.inventory), spec.total_gpus
         unit = "GPUs" if self._kind == "gpu" else "slots"
@@ -117,7 +118,8 @@ class Admission(ManagerCore):
         if spec.image is not None and spec.runtime.value not in ("docker", "slurm"):
             raise SpecError("image", "an image is used only by the docker runtime")
         self._runtime(spec.runtime.value).check(spec)
-        self.bounds.preflight(spec, self.workdir(spec, user), who, self._driver_python(spec))
+        driver = self._driver_python(spec)
+        self.bounds.preflight(spec, self.workdir(spec, user), who, driver, kind)
 
     def _driver_python(self, spec: JobSpec) -> str | None:
         """The Python an elastic job's driver runs with (None for other jobs)."""

@@ -71,12 +71,12 @@ class Launch(ElasticSlots, Admission):
         try:
             who = self.users.run_as(job.user_id) if self.user_mode == "multi" else None
             workdir = self.workdir(job.spec, job.user)
-            plan = self._plan(job, n, slots, workdir, free_port(), who)
             try:
-                self.bounds.preflight(job.spec, workdir, who, self._driver_python(job.spec))
+                kept = self._checked(job, workdir, who)
             except SpecError:
                 retry = False  # the job's account cannot start it: a retry would not either
                 raise
+            plan = self._plan(job, n, slots, workdir, free_port(), who, kept)
             runtime = self._runtime(job.spec.runtime.value)
             self._offer(plan)
             ranks = runtime.start(plan, self._base_env)
@@ -109,6 +109,17 @@ class Launch(ElasticSlots, Admission):
         else:
             self._running(attempt)
 
+    def _checked(
+        self, job: JobRecord, workdir: Path, who: identity.RunAs | None
+    ) -> tuple[Path, ...]:
+        """The launch's check as the job's account; what of ``/tmp`` its attempt keeps.
+
+        Raises:
+            SpecError: see :meth:`hora_service.bounds.Bounds.preflight`.
+        """
+        driver = self._driver_python(job.spec)
+        return self.bounds.preflight(job.spec, workdir, who, driver, job.kind)
+
     def _running(self, attempt: Attempt) -> None:
         """Record ``attempt`` running from now: its time limit starts, its queue wait ends."""
         running = attempt.started = time.time()
@@ -135,6 +146,7 @@ class Launch(ElasticSlots, Admission):
         workdir: Path,
         port: int,
         run_as: identity.RunAs | None = None,
+        kept: Sequence[Path] = (),
     ) -> AttemptPlan:
         if self._containment is None:
             self._containment = detect(self.settings.containment, self.settings.data_dir)
@@ -164,7 +176,7 @@ class Launch(ElasticSlots, Admission):
             rdzv_secret=new_rdzv_secret(),
             private_network=self.settings.job_private_network and job.kind != "session",
             work_root=self.settings.work_root,
-            tmp_paths=tuple(self.settings.job_tmp_paths),
+            tmp_paths=tuple(kept),
             driver=driver,
             # the rank shims hold the leases too: a restart of the service keeps them held
             # while the ranks run (an elastic job's slots change: the service alone holds them)

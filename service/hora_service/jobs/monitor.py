@@ -43,24 +43,18 @@ class Monitor(Recovery):
             HoraError: another service runs on the data directory (naming its pid and URL);
                 the lease directory cannot be used safely; single-user mode over a store
                 with several users (their jobs would all run as this service's account
-                without anyone having opted in).
+                without anyone having opted in); in multi-user mode, a work root the job
+                accounts cannot enter.
         """
         self._make_dirs()
         self._data_lock.take()  # before anything reads the store or writes the config
         try:
             self.leases.dir.ready()
             self.users.check_start(self.settings.db_path)
+            self.users.check_work_root()
         except BaseException:
             self._data_lock.release()
             raise
-        root = self.settings.work_root
-        if self.user_mode == "multi" and root.is_dir() and not root.stat().st_mode & 0o001:
-            log.warning(
-                "multi-user mode, but the work root %s cannot be entered by other accounts: "
-                "jobs (which run as their users' accounts) will not reach their working "
-                "directories; set HORA_WORK_ROOT to a directory they can enter",
-                root,
-            )
         self.users.make_homes_private()
         with self._lock:
             self._recover()

@@ -64,8 +64,10 @@ class AttemptPlan:
         work_root: the service's work root, which stays visible in the attempt's mount
             namespace with ``workdir`` even when it lies under ``/tmp`` (None: ``workdir``
             alone).
-        tmp_paths: more host directories under ``/tmp`` that stay visible there (setting
-            ``job_tmp_paths``).
+        tmp_paths: more host directories under ``/tmp`` that stay visible there: of the
+            setting ``job_tmp_paths`` and those the job was given (see
+            :func:`hora_service.runtimes.namespaces.given_paths`), the ones its account
+            reaches (the preflight finds them).
         driver: an elastic job's one process (``hora run``'s elastic driver, which starts
             the workers itself, :mod:`hora_service.elastic`), run as rank 0 instead of
             ``spec.workers`` copies of ``spec.command``; empty for every other job.

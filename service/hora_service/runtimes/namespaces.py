@@ -30,6 +30,7 @@ import select
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 HOLDER = Path(__file__).with_name("nsholder.py")
 READY_WAIT_S = 10.0
 KINDS = ("net", "mnt")  # the order the shim enters them in
+PRIVATE_DIRS = ("/tmp", "/dev/shm")  # what the holder mounts afresh (nsholder.PRIVATE_DIRS)
 
 
 def hidepid_supported(release: str | None = None) -> bool:
@@ -61,12 +63,44 @@ def hidepid_supported(release: str | None = None) -> bool:
     return (major, minor) >= (5, 8)
 
 
+def given_paths(env: Mapping[str, str], program: str | None) -> tuple[str, ...]:
+    """Directories under ``/tmp`` or ``/dev/shm`` a job was given, to keep visible there.
+
+    The absolute entries of its ``PATH`` and ``PYTHONPATH``, its ``VIRTUAL_ENV`` and
+    ``CONDA_PREFIX``, and the directory of an absolute program; a ``bin`` directory with its
+    parent (the prefix of a venv or conda environment, where its ``lib`` and
+    ``pyvenv.cfg`` are). Never ``/tmp`` or ``/dev/shm`` themselves. The preflight keeps those
+    the job's account reaches (:mod:`hora_service.runtimes.preflight`).
+
+    Example:
+        >>> given_paths({"PATH": "/tmp/v/bin:/usr/bin", "PYTHONPATH": "/tmp/src"}, None)
+        ('/tmp/src', '/tmp/v', '/tmp/v/bin')
+    """
+    found = [p for name in ("PATH", "PYTHONPATH") for p in env.get(name, "").split(os.pathsep)]
+    found += [env.get("VIRTUAL_ENV", ""), env.get("CONDA_PREFIX", "")]
+    if program is not None and program.startswith("/"):
+        found.append(os.path.dirname(program))
+    out: set[str] = set()
+    for path in (os.path.normpath(p) for p in found if p.startswith("/")):
+        out.add(path)
+        if os.path.basename(path) == "bin":
+            out.add(os.path.dirname(path))
+    return tuple(sorted(p for p in out if _below_private(p)))
+
+
+def _below_private(path: str) -> bool:
+    """Whether ``path`` lies strictly below ``/tmp`` or ``/dev/shm``."""
+    return any(path.startswith(d + "/") for d in PRIVATE_DIRS)
+
+
 def holder_config(plan: AttemptPlan, release: str | None = None) -> dict[str, object]:
     """What the holder reads on its stdin: cgroups to join, paths to keep, ``hidepid``.
 
-    The work root, the working directory and the ``job_tmp_paths`` directories stay visible
-    at their paths when they lie under ``/tmp`` or ``/dev/shm`` (the work root's own modes keep
-    users' directories apart); nothing else of the host's ``/tmp`` does.
+    The work root, the working directory and ``plan.tmp_paths`` (what of ``job_tmp_paths``
+    and of the directories the job was given its account reaches) stay visible at their
+    paths when they lie under ``/tmp`` or ``/dev/shm`` (their own modes keep users'
+    directories apart); nothing else of the host's ``/tmp`` does. The holder binds each
+    through real directories only, never through a symlink.
 
     Example:
         >>> holder_config(plan)["keep"]  # doctest: +SKIP

@@ -6,7 +6,9 @@ Control plane helper, started by the local runtime (as root) as
 ``cgroups`` (directories whose ``cgroup.procs`` it joins first, so the attempt's cgroup
 holds it and it dies with the attempt), ``keep`` (directories under ``/tmp`` or
 ``/dev/shm`` the job needs, such as its working directory: they stay visible at the same
-path) and ``hidepid`` (whether to mount ``/proc`` with ``hidepid=invisible``).
+path; each is opened component by component with ``O_NOFOLLOW``, so a symlink planted on
+the way is never followed as root, and one that cannot be opened so is left out) and
+``hidepid`` (whether to mount ``/proc`` with ``hidepid=invisible``).
 
 It then unshares a network namespace (only a loopback, brought up here) and a mount
 namespace with private propagation, mounts a fresh tmpfs on ``/tmp`` and ``/dev/shm``
@@ -72,9 +74,30 @@ def _bound_under(path: str, kept: "list[str]") -> bool:
     return any(path.startswith(k + "/") for k in kept if k != path)
 
 
+def _open_real(path: str) -> "int | None":
+    """An ``O_PATH`` descriptor of directory ``path`` reached through real directories only.
+
+    None when a component is a symlink, missing or not a directory.
+    """
+    parts = [p for p in path.split("/") if p]
+    if ".." in parts:
+        return None
+    fd = os.open("/", os.O_PATH | os.O_DIRECTORY)
+    try:
+        for part in parts:
+            nxt = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
 def _private_mounts(keep: "list[str]") -> None:
     """Fresh tmpfs on /tmp and /dev/shm; the ``keep`` directories bound back in place."""
-    held = [(p, os.open(p, os.O_PATH | os.O_DIRECTORY)) for p in keep if _under_private(p)]
+    opened = [(p, _open_real(p)) for p in keep if _under_private(p)]
+    held = [(p, fd) for p, fd in opened if fd is not None]
     for d in PRIVATE_DIRS:
         if os.path.isdir(d):
             _mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")

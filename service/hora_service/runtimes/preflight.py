@@ -12,6 +12,12 @@ check runs in the service's process, without a child. What it cannot do comes ba
 path, so that a submission is a 422 and a launch fails at once with that reason, instead of a
 bare "exit code 127" or a ``PermissionError`` deep inside ``torch.save``.
 
+It looks at paths as the job will: with a private ``/tmp`` (:class:`Sight`), what lies
+there is hidden unless it stays visible, and it finds which of the directories the job was
+given its account reaches (the service keeps those visible: :func:`check` returns them).
+Where a job runs in a virtual or conda environment (``VIRTUAL_ENV``, ``CONDA_PREFIX`` in
+its env), its account must be able to enter it (field ``env.VIRTUAL_ENV``).
+
 Nothing user-supplied reaches a shell: the paths travel as one JSON argument.
 """
 
@@ -20,15 +26,35 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from hora.errors import SpecError
 
 from hora_service.identity import RunAs
-from hora_service.runtimes.preflight_child import inspect
+from hora_service.runtimes.preflight_child import ENV_DIRS, inspect
+
+__all__ = ["ENV_DIRS", "Sight", "check"]
 
 CHECK_TIMEOUT_S = 10.0
 CHILD = Path(__file__).with_name("preflight_child.py")
+
+
+@dataclass(frozen=True)
+class Sight:
+    """How much of the host's ``/tmp`` and ``/dev/shm`` a job sees.
+
+    Attributes:
+        private_tmp: the job gets its own (:mod:`hora_service.runtimes.namespaces`).
+        visible: directories there that stay visible (working directory, work root).
+        given: directories there the job was given (``job_tmp_paths``, :func:`~hora_service.
+            runtimes.namespaces.given_paths`): those its account reaches stay visible too.
+    """
+
+    private_tmp: bool = False
+    visible: tuple[str, ...] = ()
+    given: tuple[str, ...] = ()
 
 
 def check(
@@ -37,8 +63,10 @@ def check(
     program: str | None,
     path_env: str,
     writable: bool = False,
+    env: Mapping[str, str] | None = None,
+    sight: Sight | None = None,
     timeout_s: float = CHECK_TIMEOUT_S,
-) -> None:
+) -> tuple[Path, ...]:
     """Check as ``who`` that ``workdir`` can be entered and ``program`` executed.
 
     Args:
@@ -49,28 +77,42 @@ def check(
             its image).
         path_env: the job's ``PATH``.
         writable: the directory must be writable too (the user's default working directory).
+        env: the job's ``VIRTUAL_ENV`` and ``CONDA_PREFIX`` to check (None: none).
+        sight: how much of ``/tmp`` the job sees (None: all of it).
         timeout_s: how long the check may take.
 
+    Returns:
+        The directories of ``sight.given`` the account reaches (to keep visible).
+
     Raises:
-        SpecError: field ``working_dir`` or ``command``, the message naming the path.
+        SpecError: field ``working_dir``, ``command`` or ``env.VIRTUAL_ENV`` (``env.CONDA_
+            PREFIX``), the message naming the path.
 
     Example:
-        >>> check(None, Path("/tmp"), "sh", "/usr/bin:/bin")  # doctest: +SKIP
+        >>> check(None, Path("/tmp"), "sh", "/usr/bin:/bin")
+        ()
     """
     name = f"account {who.user} (uid {who.uid})" if who is not None else "the job's account"
+    sight = sight or Sight()
     args: dict[str, object] = {
         "who": name,
         "workdir": str(workdir),
         "writable": writable,
         "program": program,
         "path": path_env,
+        "env": dict(env or {}),
+        "private_tmp": sight.private_tmp,
+        "visible": list(sight.visible),
+        "given": list(sight.given),
     }
     found = inspect(args) if who is None else _as_account(who, args, timeout_s)
-    if found:
+    if "field" in found:
         raise SpecError(str(found["field"]), str(found["message"]))
+    keep = found.get("keep")
+    return tuple(Path(str(p)) for p in keep) if isinstance(keep, list) else ()
 
 
-def _as_account(who: RunAs, args: dict[str, object], timeout_s: float) -> dict[str, str]:
+def _as_account(who: RunAs, args: dict[str, object], timeout_s: float) -> dict[str, object]:
     """:func:`~hora_service.runtimes.preflight_child.inspect` in a child dropped to ``who``."""
     args = {**args, "uid": who.uid, "gid": who.gid}
     what = f"cannot check {args['workdir']} as {args['who']}"
@@ -83,8 +125,10 @@ def _as_account(who: RunAs, args: dict[str, object], timeout_s: float) -> dict[s
     except (OSError, subprocess.TimeoutExpired) as e:
         raise SpecError("working_dir", f"{what}: {e}") from None
     try:
-        found: dict[str, str] = json.loads(done.stdout.strip().splitlines()[-1])
+        found: object = json.loads(done.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
+        found = None
+    if not isinstance(found, dict):
         why = done.stderr.strip().splitlines()[-1:] or [f"status {done.returncode}"]
-        raise SpecError("working_dir", f"{what}: {why[0]}") from None
+        raise SpecError("working_dir", f"{what}: {why[0]}")
     return found

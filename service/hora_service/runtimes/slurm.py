@@ -52,7 +52,13 @@ from hora_service.runtimes.sbatch import (
     layout_for,
     render_sbatch,
 )
-from hora_service.runtimes.slurm_facts import Partition, fields, gpu_holders, parse_partition
+from hora_service.runtimes.slurm_facts import (
+    Partition,
+    expand_hosts,
+    fields,
+    gpu_holders,
+    parse_partition,
+)
 
 if TYPE_CHECKING:
     from hora_service.settings import Settings
