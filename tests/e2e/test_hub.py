@@ -10,7 +10,8 @@ by ``hora_service.hub.configure``. Debian's Chromium, through Playwright:
   as alice's account; she opens the dashboard through the hub (OAuth) and sees her session;
 * bob signs in and sees neither her session nor its logs (404, like a session that does not
   exist); his account cannot read her server's token; her dashboard cookie is no use in his
-  browser; carol, a hub admin but no hora admin, gets no admin rights in hora;
+  browser; carol, a hub admin but no hora admin, gets no admin rights in hora (until hora
+  is told ``HORA_HUB_ADMINS=1``, at the end);
 * the hub's real idle culler (``jupyterhub-idle-culler``) culls alice's server: its kernel
   shuts down cleanly (SIGINT reaches a server that has ``hora.server_extension``) and ends
   the session, which frees her slots long before its lease could; her server's token stops
@@ -31,6 +32,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -294,6 +296,7 @@ def test_a_team_on_the_hub(stack: tuple[ServiceServer, Hub], team: dict[str, Acc
 
     api_checks(srv, hub, bob, sid)
     cull_and_check(srv, hub, alice, sid, token, engines)
+    hub_admins_when_asked(srv, hub, carol)
 
 
 def api_checks(srv: ServiceServer, hub: Hub, bob: Account, sid: int) -> None:
@@ -314,6 +317,18 @@ def api_checks(srv: ServiceServer, hub: Hub, bob: Account, sid: int) -> None:
     assert refused.status_code == 401, refused.text
     forged = httpx.get(f"{api}/oauth_callback", params={"code": "c", "state": "s"})
     assert forged.status_code == 403 and "not started by this browser" in forged.text
+
+
+def hub_admins_when_asked(srv: ServiceServer, hub: Hub, carol: Account) -> None:
+    """With HORA_HUB_ADMINS=1 the hub's admin carol is a hora admin; bob-like users are not."""
+    srv.stop()
+    srv.env["HORA_HUB_ADMINS"] = "1"
+    srv.start()
+    with closing(hub.browser_session(carol, "/services/hora/ui/")) as c:
+        me = c.get("/services/hora/ui/api/me").json()
+        assert me["user"] == carol.name and me["is_admin"] is True, me
+        users = c.get("/services/hora/ui/api/users")
+        assert users.status_code == 200 and carol.name in users.text, users.text
 
 
 def kernel_environ(kernel: psutil.Process) -> dict[str, str]:
