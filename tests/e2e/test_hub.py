@@ -242,6 +242,8 @@ def test_a_team_on_the_hub(stack: tuple[ServiceServer, Hub], team: dict[str, Acc
             assert len(engines) == 2 and {p.uids().real for p in engines} == {alice.uid}
             kernel = kernel_of(alice)
             assert kernel.uids().real == alice.uid
+            with pytest.raises(KeyError):  # her own account, no hora-NAME beside it
+                pwd.getpwnam(f"hora-{alice.name}")
 
             # her dashboard, through the hub's proxy, signed in through the hub's OAuth
             board = actx.new_page()
