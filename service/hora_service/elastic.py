@@ -1,12 +1,11 @@
-"""Elastic jobs in the service: their driver, their slot file, their membership (control plane).
+"""Elastic jobs in the service: their driver, their slot file, their workers (control plane).
 
 An elastic job (``spec.elastic``) runs as one process under the rank shim: ``hora run``'s
 elastic driver (:mod:`hora.launch.elastic`), which starts the workers, replaces one that dies
 while the others keep their processes, and re-forms the world through ``hora.torch.elastic``.
 The service stays the owner of the slots: it grants them by rewriting the attempt's slot file
 (``RUN_DIR/elastic.hosts``, one ``localhost:N`` line that the driver re-reads every second,
-``--host-file``), and it learns each new world from the ``membership`` lines the driver
-prints on its stderr (``--report-membership``), which land in rank 0's log.
+``--host-file``).
 
 The driver runs as the job's account, which in multi-user mode cannot reach the run
 directory by its path (the data directory is the service's alone, and the attempt's mount
@@ -16,23 +15,38 @@ driver that descriptor: its ``--host-file`` is ``/proc/self/fd/N/elastic.hosts``
 service's (mode 0750 and 0640, group the job's account's): the driver can read the slots it
 is offered but neither change the file nor put another in its place, and no other account
 can read them.
-:class:`ElasticRun` reads them and keeps the job's :class:`~hora.spec.ElasticInfo`.
 
-The driver's report is informational (the job's size and history); what the job holds is
-what the service granted, never what the job says.
+The driver and its workers are the job's own code (a ``sitecustomize`` on its
+``PYTHONPATH`` runs in both), so nothing they print is a fact the service acts on. The
+``membership`` lines the driver prints (``--report-membership``, in rank 0's log) are read
+for the job's page only (its size and history, :class:`ElasticRun`). Which workers exist is
+what the kernel shows (:func:`workers`): the processes of the attempt's container whose
+parent is the driver (or that left the driver's tree), oldest first; the slots they hold are
+the attempt's first ones. A shrink is done when no more of them run than the slots it keeps;
+a job that runs more workers than it holds (it ignores a shrink, or starts more than it was
+offered) has its newest extra workers stopped, with their processes, once the excess has
+lasted ``elastic_shrink_timeout_s`` (:meth:`ElasticRun.excess`, :func:`stop_workers`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import psutil
 from hora.launch.elastic_rdzv import read_membership
+from hora.procs import signal_group
 from hora.spec import ElasticInfo, ElasticMember, JobSpec, MembershipChange
+
+if TYPE_CHECKING:  # the runtimes import this module (the slot file's name)
+    from hora_service.runtimes.containment import Container
 
 HOSTS_FILE = "elastic.hosts"
 HOSTS_ARG = "--host-file"  # the driver's argument the shim points into the run directory
@@ -94,14 +108,55 @@ def write_hosts(path: Path, workers: int, gid: int) -> None:
     os.replace(tmp, path)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def workers(container: Container, shim: int) -> list[int] | None:
+    """An elastic attempt's worker processes as the kernel shows them, oldest first.
+
+    The driver is the process of the attempt whose parent is the rank shim (``shim``, from
+    the shim's own pid file); a worker is a process of the attempt, of the driver's account,
+    whose parent is the driver, or whose parent is outside the attempt (it left the driver's
+    tree, and counts as a worker of its own). The workers' own children (a data loader's) are
+    not counted, nor the service's own helpers in the attempt (its namespace holder runs as
+    root, never a job's account). None while there is no driver to tell them by (it has not
+    started yet, or has ended).
+    """
+    procs: dict[int, tuple[int, int, float]] = {}
+    for pid in container.pids():
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(pid)
+            procs[pid] = (proc.ppid(), proc.uids().real, proc.create_time())
+    drivers = {pid: uid for pid, (parent, uid, _) in procs.items() if parent == shim}
+    if not drivers:
+        return None
+    found = [
+        (started, pid)
+        for pid, (parent, uid, started) in procs.items()
+        if pid not in drivers and uid in drivers.values()
+        and (parent in drivers or parent not in procs)
+    ]
+    return [pid for _, pid in sorted(found)]
+
+
+def stop_workers(pids: Sequence[int], container: Container) -> list[int]:
+    """SIGKILL these workers of the attempt and every process below them; the ones stopped.
+
+    A pid no longer in the attempt's container is left alone (it ended; its number may
+    belong to another process by now).
+    """
+    live, stopped = container.pids(), []
+    for pid in pids:
+        if pid not in live:
+            continue
+        try:
+            below = [p.pid for p in psutil.Process(pid).children(recursive=True)]
+        except psutil.Error:
+            below = []
+        signal_group(pid, signal.SIGKILL)  # a worker leads a process group of its own
+        for each in (pid, *below):
+            if each in live:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(each, signal.SIGKILL)
+        stopped.append(pid)
+    return stopped
 
 
 def _at(ts: float) -> datetime:
@@ -123,8 +178,8 @@ class ElasticRun:
     per_worker: int = 1
     offset: int = 0
     target: int | None = None  # slots it is being shrunk to (None: not shrinking)
-    _leaving: set[int] = field(default_factory=set, repr=False)
-    _shrunk_at: int = 0  # the generation current when the shrink began
+    over_since: float | None = None  # since when more workers run than it may hold
+    next_look: float = 0.0  # when the monitor looks at its workers again
     _partial: bytes = field(default=b"", repr=False)
 
     @classmethod
@@ -150,19 +205,51 @@ class ElasticRun:
 
         Its newest workers leave at the next commit (they exit 0); the others go on.
         """
-        self.target, self._shrunk_at = slots, self.info.generation
-        self._leaving = {m.pid for m in self.info.members}
+        self.target, self.next_look = slots, 0.0  # look at its workers at the next pass
         self._change(MembershipChange(at=_at(now), size=self.info.size, reason=reason,
                                       slots=self.info.slots))  # fmt: skip
 
-    def released(self) -> bool:
-        """Whether a shrink is done: a smaller world formed and the workers that left are gone."""
-        if self.target is None or self.info.generation <= self._shrunk_at:
-            return False
-        if self.info.size > self.target // self.per_worker:
-            return False
-        staying = {m.pid for m in self.info.members}
-        return not any(_alive(pid) for pid in self._leaving - staying)
+    def released(self, seen: Sequence[int]) -> bool:
+        """Whether a shrink is done: no more workers run (``seen``) than the slots it keeps."""
+        return self.target is not None and len(seen) <= self.target // self.per_worker
+
+    def excess(self, seen: Sequence[int], held: int, now: float, bound_s: float) -> list[int]:
+        """The workers to stop now: the newest beyond what it may hold, once ``bound_s`` passed.
+
+        Args:
+            seen: its workers, oldest first (:func:`workers`).
+            held: slots it holds (during a shrink it may keep only ``target``).
+            now: the time.
+            bound_s: how long an excess may last (``elastic_shrink_timeout_s``).
+
+        Example:
+            >>> from hora.spec import ElasticInfo
+            >>> run = ElasticRun(ElasticInfo(min_workers=1, max_workers=4), Path("log"))
+            >>> run.excess([11, 12, 13], held=3, now=0.0, bound_s=60)
+            []
+            >>> run.target = 1  # shrinking to one slot: two too many, stopped after 60 s
+            >>> run.excess([11, 12, 13], 3, 10.0, 60), run.excess([11, 12, 13], 3, 70.0, 60)
+            ([], [12, 13])
+        """
+        allowed = (held if self.target is None else self.target) // self.per_worker
+        extra = list(seen[allowed:])
+        if not extra:
+            self.over_since = None
+            return []
+        if self.over_since is None:
+            self.over_since = now
+        return extra if now - self.over_since >= bound_s else []
+
+    def stopped(self, pids: Sequence[int], now: float) -> None:
+        """Record that the service stopped these workers (they outlived the bound)."""
+        waited = now - (self.over_since if self.over_since is not None else now)
+        self.over_since = None
+        names = ", ".join(map(str, pids))
+        reason = (f"stopped worker process(es) {names}: more workers than the "
+                  f"{self.target if self.target is not None else self.info.slots} slot(s) it "
+                  f"may hold, still running {waited:.0f} s later")  # fmt: skip
+        self._change(MembershipChange(at=_at(now), size=self.info.size, reason=reason,
+                                      slots=self.info.slots))  # fmt: skip
 
     def read(self) -> bool:
         """Read the driver's new ``membership`` lines; True when the membership changed."""

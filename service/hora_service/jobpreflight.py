@@ -26,8 +26,12 @@ crossed, rank 0 hands the figures over with ``failed`` set before every rank's
 rank.
 
 The figures are the job's own word: a job can write false ones. They only change its own
-page, events and failure reason, and the node's ``hora_preflight_bandwidth_gbps`` gauge until
-the next job's; nothing is scheduled on them.
+page, events and failure reason, and the ``hora_preflight_bandwidth_gbps`` gauge of the nodes
+its ranks ran on until the next job's; nothing is scheduled on them. The gauge's labels are
+bounded by what the service knows, never by what the job wrote
+(:meth:`PreflightBook.measured`): a node is one of the nodes the service placed that attempt
+on (this machine, or the nodes Slurm gave it), a path one of :data:`PATHS`; a rank naming any
+other host or path adds no series.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ _KEEP = 4096  # attempts whose figures are kept in memory
 INF = float("inf")
 POLL_S = 1.0  # how often a running attempt's figures file is looked at
 EVENT_MAX = 2000
+PATHS = frozenset({"gloo", "nccl", "mpi", "ucc", "shm"})  # the paths a preflight measures
 
 Num = Annotated[float, Field(ge=0, le=1e9)]
 Name = Annotated[str, Field(max_length=200)]
@@ -253,13 +258,32 @@ class PreflightBook:
             if len(self._figures) >= _KEEP:
                 self._figures.pop(next(iter(self._figures)))
             self._figures[key] = figures
+
+    def measured(self, figures: PreflightFigures, nodes: frozenset[str]) -> None:
+        """Set the gauge of the ``nodes`` the service placed an attempt on from its figures.
+
+        A rank's host counts only if it is one of ``nodes`` (the service's own inventory,
+        never the job's word) and a path only if it is one of :data:`PATHS`.
+
+        Example:
+            >>> book = PreflightBook()
+            >>> rank = {"latency_us": 1, "copy_gbps": 1, "busbw_gbps": 1}
+            >>> path = {"sizes": [1], "busbw_gbps": [2.5], "latency_us": 1, "ranks": [
+            ...     {"rank": 0, "host": "n1", **rank}, {"rank": 1, "host": "made-up", **rank}]}
+            >>> book.measured(PreflightFigures(size=2, backend="gloo", seconds=1, paths=[
+            ...     {"path": "gloo", **path}, {"path": "invented", **path}]), frozenset({"n1"}))
+            >>> book.by_node()
+            {'n1': {'gloo': 2.5}}
+        """
+        with self._lock:
             for p in figures.paths:
-                for host in {r.host for r in p.ranks}:
-                    if p.busbw_gbps:
-                        self._by_node.setdefault(host, {})[p.path] = p.busbw_gbps[-1]
+                if p.path not in PATHS or not p.busbw_gbps:
+                    continue
+                for host in {r.host for r in p.ranks} & nodes:
+                    self._by_node.setdefault(host, {})[p.path] = p.busbw_gbps[-1]
 
     def by_node(self) -> dict[str, dict[str, float]]:
-        """Each node's path -> GB/s of the last preflight seen there (for ``/metrics``)."""
+        """Each node's path -> GB/s of the last preflight measured there (for ``/metrics``)."""
         with self._lock:
             return {n: dict(p) for n, p in self._by_node.items()}
 

@@ -84,6 +84,9 @@ class Settings(BaseSettings):
             ranks; past it a rank's log keeps its newest half after a truncation marker.
         clear_timeout_s: how long the monitor tries to empty an ended attempt's processes
             before it reports the attempt stuck (its slots stay held either way).
+        elastic_shrink_timeout_s: how long an elastic job may run more workers than the slots
+            it may hold (one asked to shrink for a job of higher priority, or one that started
+            more than it was offered) before the service stops its newest extra workers.
         docker_host: the Docker engine's address (``DOCKER_HOST`` convention:
             ``unix:///run/docker.sock``, ``tcp://HOST:PORT``); None: the ``DOCKER_HOST`` of
             the service's environment, else the engine's default socket.
@@ -225,6 +228,7 @@ class Settings(BaseSettings):
     job_env_passthrough: Annotated[list[str], NoDecode] = Field(default_factory=list)
     log_bytes_per_attempt: Annotated[int, Field(ge=1 << 16)] = 256 << 20
     clear_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    elastic_shrink_timeout_s: Annotated[float, Field(gt=0, le=24 * 3600)] = 120.0
     docker_host: str | None = None
     docker_allowed_images: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: ["hora:*", "hora-*:*"]

@@ -103,6 +103,14 @@ def held_by(c: httpx.Client) -> dict[str, str | None]:
     return {s["name"]: s.get("holder") for s in c.get("/v1/gpus").json()}
 
 
+def pool_holders(srv: ServiceServer) -> dict[str, Any]:
+    """Slot name -> its holder as the dashboard's pool shows it (signed in as ann)."""
+    with httpx.Client(base_url=srv.url, timeout=30) as web:
+        assert web.post("/ui/login", json={"token": srv.tokens["ann"]}).status_code == 200
+        slots = web.get("/ui/api/pool").json()["nodes"][0]["slots"]
+    return {s["name"]: s["holder"] for s in slots}
+
+
 def lease_pids(lease_dir: Path) -> dict[str, int]:
     """Lease name -> the pid its file names (what any hora on the machine would read)."""
     out = {}
@@ -191,6 +199,8 @@ def test_two_services_never_hold_one_slot_at_once(tmp_path: Path, gates: Gates) 
         assert a.url in reason and "0 of 2 free" in reason, reason
         shown = held_by(cb)
         assert all(h is not None and a.url in h for h in shown.values()), shown
+        pool = pool_holders(b)  # the dashboard's pool: held, and by whom
+        assert all(h is not None and h["what"] == shown[n] for n, h in pool.items()), pool
         gates.open("ga")
         wait_state(ca, ja, ("succeeded",))
         wait_state(cb, jb, ("running",))

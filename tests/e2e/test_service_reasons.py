@@ -154,7 +154,7 @@ def test_metrics_count_waiting_jobs_by_reason(srv: ServiceServer, queue: dict[st
     with srv.client("root") as c:
         text = c.get("/metrics").text
     for kind in ("slots", "quota", "priority"):
-        assert f'hora_jobs_waiting{{kind="job",reason="{kind}",state="queued"}} 1' in text
-    assert 'hora_queue_wait_seconds_count{priority="normal",user="bob"} 1' in text
+        assert f'hora_jobs_waiting{{kind="job",reason="{kind}",state="queued"}} 1.0' in text
+    assert 'hora_queue_wait_seconds_count{priority="normal",user="bob"} 1.0' in text
     assert 'hora_queue_waiting_longest_seconds{priority="high",user="ann"}' in text
     assert 'hora_slot_hours_total{slot_kind="cpu",user="carol"}' in text

@@ -14,6 +14,7 @@ from hora_service.ui.auth import UiSessions
 from hora_service.ui.gpustats import parse_stats
 from hora_service.ui.timeline import summarize
 from hora_service.usage import Usage
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -63,13 +64,17 @@ def test_metrics_render_waits_slot_hours_reasons_and_preflight() -> None:
         preflight_bandwidth_gbps={"node1": {"nccl": 410.0}},
     )  # fmt: skip
     text = render_metrics(snap)
-    assert 'hora_queue_wait_seconds_sum{priority="high",user="ann"} 6' in text
-    assert 'hora_queue_wait_seconds_count{priority="high",user="ann"} 2' in text
-    assert 'hora_slot_hours_total{slot_kind="gpu",user="bob"} 2' in text
-    assert 'hora_slot_hours_total{slot_kind="gpu",user="ann"} 0.5' in text
-    assert 'hora_jobs_waiting{kind="job",reason="quota",state="queued"} 2' in text
-    assert 'hora_queue_waiting_longest_seconds{priority="high",user="ann"} 9.5' in text
-    assert 'hora_preflight_bandwidth_gbps{node="node1",path="nccl"} 410' in text
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for f in text_string_to_metric_families(text) for s in f.samples}  # fmt: skip
+    user = (("priority", "high"), ("user", "ann"))
+    assert got[("hora_queue_wait_seconds_sum", user)] == 6
+    assert got[("hora_queue_wait_seconds_count", user)] == 2
+    assert got[("hora_slot_hours_total", (("slot_kind", "gpu"), ("user", "bob")))] == 2
+    assert got[("hora_slot_hours_total", (("slot_kind", "gpu"), ("user", "ann")))] == 0.5
+    why = (("kind", "job"), ("reason", "quota"), ("state", "queued"))
+    assert got[("hora_jobs_waiting", why)] == 2
+    assert got[("hora_queue_waiting_longest_seconds", user)] == 9.5
+    assert got[("hora_preflight_bandwidth_gbps", (("node", "node1"), ("path", "nccl")))] == 410
     assert "# TYPE hora_slot_hours_total counter" in text
     # the generic gauges do not repeat the new fields
     assert "hora_slot_hours{" not in text and "hora_queue_wait{" not in text

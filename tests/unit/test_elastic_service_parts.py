@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 from hora.client import parse_spec
 from hora.errors import SpecError
@@ -19,8 +20,16 @@ from hora.jobs_cli import build_parser, spec_from_args
 from hora.launch import elastic_rdzv as rdzv
 from hora.launch.config import parse_args
 from hora.spec import ElasticInfo, ElasticSpec, JobSpec
-from hora_service.elastic import ElasticRun, driver_argv, hosts_arg, write_hosts
+from hora_service.elastic import (
+    ElasticRun,
+    driver_argv,
+    hosts_arg,
+    stop_workers,
+    workers,
+    write_hosts,
+)
 from hora_service.manager import Attempt
+from hora_service.runtimes.containment import TAG_VAR, Container
 from hora_service.usage import Usage
 
 
@@ -108,23 +117,78 @@ def test_the_membership_is_read_from_the_drivers_lines_only(tmp_path: Path) -> N
                                                                    (3, 3)]  # fmt: skip
 
 
-def test_a_shrink_is_released_once_the_leavers_are_gone(tmp_path: Path) -> None:
-    leaver = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+def test_forged_membership_lines_release_no_slot(tmp_path: Path) -> None:
+    log = tmp_path / "rank0.log"
+    log.write_text(_line(1, ["w0", "w1", "w2"], "start"))
+    run = _run(log)
+    run.read()
+    run.shrink(1, "shrinking", time.time())
+    with log.open("a") as f:  # what a sitecustomize in the driver prints: a world of one
+        f.write(_line(99, ["w0"], "forged", {"w0": 999_999_999}))
+    assert run.read() and run.info.size == 1  # shown on the job's page, as the job says
+    assert not run.released([11, 12, 13])  # three workers run: nothing is given back
+    assert not run.released([11, 12]) and run.released([11])
+
+
+def test_workers_beyond_the_slots_are_stopped_once_the_bound_passed(tmp_path: Path) -> None:
+    run = _run(tmp_path / "rank0.log")
+    assert run.excess([1, 2, 3], held=3, now=0.0, bound_s=5) == []  # what it holds
+    assert run.excess([1, 2, 3, 4], 3, 1.0, 5) == []  # one more started: the bound begins
+    assert run.excess([1, 2, 3], 3, 2.0, 5) == []  # it went: the bound is over
+    assert run.excess([1, 2, 3, 4], 3, 3.0, 5) == []
+    assert run.excess([1, 2, 3, 4], 3, 8.0, 5) == [4]  # 5 s later: the newest is stopped
+    run.stopped([4], 8.0)
+    assert "stopped worker process(es) 4" in run.info.history[-1].reason
+    run.shrink(2, "shrinking", 9.0)
+    assert run.excess([1, 2, 3], 3, 9.0, 5) == [] and run.excess([1, 2, 3], 3, 14.0, 5) == [3]
+
+
+TREE = """\
+import os, subprocess, sys, time
+sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+def worker():
+    # a worker (its own session, as the driver starts them) with a child of its own
+    code = "import subprocess, sys, time; subprocess.Popen(%r); time.sleep(60)" % (sleep,)
+    return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+ws = [worker(), worker()]
+if os.fork() == 0:  # one that leaves the driver's tree: it counts as a worker of its own
+    if os.fork() == 0:
+        os.execv(sys.executable, sleep)
+    os._exit(0)
+print(" ".join(str(w.pid) for w in ws), flush=True)
+time.sleep(60)
+"""
+
+
+def test_the_workers_are_what_the_kernel_shows(tmp_path: Path) -> None:
+    tag = f"test/{os.getpid()}/{time.monotonic_ns()}"
+    box = Container("tag", tag)
+    env = {**os.environ, TAG_VAR: tag}
+    driver = subprocess.Popen([sys.executable, "-c", TREE], env=env, stdout=subprocess.PIPE,
+                              text=True, start_new_session=True)  # fmt: skip
     try:
-        log = tmp_path / "rank0.log"
-        log.write_text(_line(1, ["w0", "w1", "w2"], "start", {"w0": 1, "w1": 1, "w2": leaver.pid}))
-        run = _run(log)
-        run.read()
-        run.shrink(2, "shrinking", time.time())
-        assert not run.released()  # no new world yet
-        with log.open("a") as f:
-            f.write(_line(2, ["w0", "w1"], "hosts removed", {"w0": 1, "w1": 1}))
-        run.read()
-        assert not run.released()  # w2 still runs
+        assert driver.stdout is not None
+        w0, w1 = map(int, driver.stdout.readline().split())
+        deadline = time.monotonic() + 30
+        while len(box.pids()) < 6:  # driver, 2 workers, 2 children, the one that left
+            assert time.monotonic() < deadline, box.pids()
+            time.sleep(0.05)
+        seen = workers(box, os.getpid())  # this process is the driver's shim
+        assert seen is not None and seen[:2] == [w0, w1] and len(seen) == 3, seen
+        assert workers(box, 999_999_999) is None  # no process of the attempt is its child
+        left = seen[2]
+        assert psutil.Process(left).ppid() != driver.pid
+        below = [p.pid for p in psutil.Process(w1).children()]
+        assert stop_workers([w1, 999_999_999], box) == [w1]
+        psutil.wait_procs([psutil.Process(p) for p in below], timeout=10)
+        deadline = time.monotonic() + 10
+        while w1 in (workers(box, os.getpid()) or []) or any(p in box.pids() for p in below):
+            assert time.monotonic() < deadline, "the stopped worker or its child still runs"
+            time.sleep(0.05)
+        assert workers(box, os.getpid()) == [w0, left]
     finally:
-        leaver.kill()
-        leaver.wait()
-    assert run.released()
+        box.kill()
+        driver.wait()
 
 
 def test_an_info_shows_size_over_min_and_max() -> None:

@@ -59,9 +59,14 @@ def test_the_book_keeps_an_attempt_s_figures_and_the_node_s_bandwidth(tmp_path: 
     file.write_bytes(_doc(GOOD))
     book = PreflightBook()
     assert book.note(1, 1, tmp_path / "missing.json") is None
-    assert book.note(1, 1, file) is not None
+    figures = book.note(1, 1, file)
+    assert figures is not None
     file.write_bytes(b"")  # kept once read
     assert book.note(1, 1, file) is not None
+    assert book.by_node() == {}  # the gauge: only where the service placed the job
+    book.measured(figures, frozenset({"elsewhere"}))
+    assert book.by_node() == {}  # a host the job names that the service did not place it on
+    book.measured(figures, frozenset({"h"}))
     assert book.by_node() == {"h": {"gloo": 1.5}}
 
 

@@ -13,6 +13,7 @@ from hora_service.api.limits import BodySizeLimit
 from hora_service.api.logstream import complete_prefix, read_chunk, sse_event
 from hora_service.api.prometheus import render_metrics
 from hora_service.api.safety import UnsafeConfigError, check_safe, is_loopback
+from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse
@@ -48,6 +49,16 @@ def test_sse_event_is_one_json_data_line() -> None:
     assert sse_event({"state": "succeeded"}, event="end").decode().startswith("event: end\n")
 
 
+def samples(text: str) -> dict[str, float]:
+    """``name{labels}`` -> value, read back with prometheus_client's own parser."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
 def test_render_metrics() -> None:
     snap = SimpleNamespace(
         jobs_by_state={"queued": 3, "running": 1},
@@ -60,12 +71,12 @@ def test_render_metrics() -> None:
         schedule_latency_count=10,
     )
     text = render_metrics(snap)
-    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
-    assert samples['hora_jobs{state="queued"}'] == "3"
-    assert samples['hora_jobs{state="failed"}'] == "0"  # every state is always present
-    assert samples["hora_slots_allocated"] == "2" and samples["hora_queue_length"] == "3"
-    assert samples['hora_schedule_latency_seconds{quantile="0.99"}'] == "0.2"
-    assert samples["hora_schedule_latency_seconds_count"] == "10"
+    got = samples(text)
+    assert got['hora_jobs{state="queued"}'] == 3
+    assert got['hora_jobs{state="failed"}'] == 0  # every state is always present
+    assert got["hora_slots_allocated"] == 2 and got["hora_queue_length"] == 3
+    assert got['hora_schedule_latency_seconds{quantile="0.99"}'] == 0.2
+    assert got["hora_schedule_latency_seconds_count"] == 10
     assert "# TYPE hora_schedule_latency_seconds summary" in text and text.endswith("\n")
 
 
@@ -74,14 +85,20 @@ def test_render_metrics_exports_extra_fields() -> None:
         jobs_by_state={}, queue_length=0, slots_total=2, slots_allocated=0,
         scheduler_pass_ms=1.5, retries_by_user={"ann": 2}, label="x", flag=True,
     )  # fmt: skip
-    samples = dict(
-        line.rsplit(" ", 1)
-        for line in render_metrics(snap).splitlines()
-        if not line.startswith("#")
-    )
-    assert samples["hora_scheduler_pass_ms"] == "1.5"
-    assert samples['hora_retries_by_user{key="ann"}'] == "2"
-    assert not [k for k in samples if "label" in k or "flag" in k]
+    got = samples(render_metrics(snap))
+    assert got["hora_scheduler_pass_ms"] == 1.5
+    assert got['hora_retries_by_user{key="ann"}'] == 2
+    assert not [k for k in got if "label" in k or "flag" in k]
+
+
+def test_label_values_are_escaped() -> None:
+    from hora_service.models import MetricsSnapshot
+
+    odd = 'a"b\\c\nd'
+    snap = MetricsSnapshot(jobs_by_state={}, queue_length=0, slots_total=1, slots_allocated=0,
+                           slot_hours={odd: 1.0})  # fmt: skip
+    got = samples(render_metrics(snap))
+    assert got[f'hora_slot_hours_total{{slot_kind="gpu",user="{odd}"}}'] == 1.0
 
 
 def test_spec_error_detail_names_field() -> None:

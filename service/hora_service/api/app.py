@@ -96,6 +96,7 @@ def create_app(settings: Settings | None = None, manager: JobManager | None = No
     app.state.health = probe
     app.state.log_streams = StreamCounter(settings.max_log_streams_per_user)
     app.state.token_cache = TokenCache()
+    app.state.metrics = system.metrics_registry(mgr)
     app.add_middleware(BodySizeLimit, max_bytes=max(1, int(settings.max_request_bytes)))
     app.include_router(jobs.router)
     app.include_router(logs.router)

@@ -110,7 +110,11 @@ async def get_job(job: OwnedJob, manager: ManagerDep) -> JobRecord:
     "/{job_id}/scaling",
     response_model=JobScaling,
     summary="A job's scaling report, from its timeline",
-    responses={**JOB_RESPONSES, 404: {"description": "No such job, or it has no timeline"}},
+    responses={
+        **JOB_RESPONSES,
+        404: {"description": "No such job, or it has no timeline"},
+        409: {"description": "The timeline is not a file the job's account wrote and may read"},
+    },
 )
 async def get_scaling(job: OwnedJob, manager: ManagerDep) -> JobScaling:
     """The job's scaling report, as ``%%distributed --profile`` reports a cell.
@@ -119,7 +123,9 @@ async def get_scaling(job: OwnedJob, manager: ManagerDep) -> JobScaling:
     the preflight's; then the slowest rank and why, and an estimated scaling efficiency.
     Computed as ``%%distributed --profile`` computes a cell's, from the job's merged per-rank
     timeline: the job must set ``HOROVOD_TIMELINE`` (a path under its working directory) in
-    its ``env``. While it runs, the report covers what its ranks recorded so far.
+    its ``env``. While it runs, the report covers what its ranks recorded so far. The files
+    are read as the job's account's: a symlink, FIFO, device, another account's file or one
+    larger than the service reads is a 409 naming the file.
     """
     report = await run_in_threadpool(job_scaling, manager, job)
     if report is None:

@@ -3,8 +3,9 @@
 ``/healthz`` is the only route without a token: it answers the background store check of
 :mod:`hora_service.health` (200 ``ok``, or 503 ``degraded`` with the reason) without touching
 the store itself, so it stays fast while the store is slow. ``/metrics`` is Prometheus text
-format 0.0.4 rendered from the manager's :class:`MetricsSnapshot` by
-:func:`hora_service.api.prometheus.render_metrics`.
+format 0.0.4, written by ``prometheus_client`` from the app's registry, whose collector
+(:class:`hora_service.api.prometheus.ServiceCollector`) takes the manager's
+:class:`MetricsSnapshot` at each scrape.
 """
 
 from __future__ import annotations
@@ -12,13 +13,15 @@ from __future__ import annotations
 import hora
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client.registry import CollectorRegistry
 from pydantic import BaseModel, Field
 
 from hora_service.api.deps import CurrentUser, ManagerDep
 from hora_service.api.errors import AUTH_RESPONSES
-from hora_service.api.prometheus import PROMETHEUS_TYPE, render_metrics
+from hora_service.api.prometheus import PROMETHEUS_TYPE, exposition, registry
 from hora_service.health import HealthState, StoreProbe
-from hora_service.models import SlotInfo
+from hora_service.manager import JobManager
+from hora_service.models import MetricsSnapshot, SlotInfo
 from hora_service.queueview import waiting_metrics
 
 router = APIRouter()
@@ -78,8 +81,17 @@ def gpus(user: CurrentUser, manager: ManagerDep) -> list[SlotInfo]:
     summary="Prometheus metrics",
     responses={**AUTH_RESPONSES, 200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
 )
-def metrics(user: CurrentUser, manager: ManagerDep) -> PlainTextResponse:
+def metrics(user: CurrentUser, request: Request) -> PlainTextResponse:
     """Jobs by state and wait reason, queue waits, slot-hours per user, slots, latency."""
+    return PlainTextResponse(exposition(request.app.state.metrics), media_type=PROMETHEUS_TYPE)
+
+
+def metrics_snapshot(manager: JobManager) -> MetricsSnapshot:
+    """The manager's numbers with the queue's waiting rows: what one scrape shows."""
     waiting, longest = waiting_metrics(manager)
-    snap = manager.metrics().model_copy(update={"waiting": waiting, "waiting_longest_s": longest})
-    return PlainTextResponse(render_metrics(snap), media_type=PROMETHEUS_TYPE)
+    return manager.metrics().model_copy(update={"waiting": waiting, "waiting_longest_s": longest})
+
+
+def metrics_registry(manager: JobManager) -> CollectorRegistry:
+    """The app's metrics registry: one collector over ``manager``'s state."""
+    return registry(lambda: metrics_snapshot(manager))

@@ -1,28 +1,37 @@
 """Elastic jobs' slots: growing into spare slots, shrinking for a job of higher priority.
 
 An elastic job's driver reads its slot file; the service writes there what it may use
-(:func:`hora_service.elastic.write_hosts`) and reads the membership back from the driver's
-log (:class:`hora_service.elastic.ElasticRun`). Slots freed by a shrink are released once
-the workers have left them.
+(:func:`hora_service.elastic.write_hosts`) and watches which worker processes run
+(:func:`hora_service.elastic.workers`, what the kernel shows, never what the job prints).
+Slots freed by a shrink are released once no more workers run than the slots the job keeps;
+workers beyond what a job holds that outlive ``elastic_shrink_timeout_s`` are stopped. Any
+number of shrinks may be under way at once: slots a shrink will free count for the jobs
+queued first, and further shrinks start for the jobs behind them.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import replace
 
 from hora.spec import PRIORITY_RANK, JobSpec
 from hora.words import count
 
-from hora_service.elastic import ElasticRun, write_hosts
+from hora_service.elastic import ElasticRun, stop_workers, workers, write_hosts
 from hora_service.jobs.attempt import Attempt
 from hora_service.jobs.core import ManagerCore
 from hora_service.journal import Write
 from hora_service.models import JobRecord
 from hora_service.runtimes import AttemptPlan
 from hora_service.runtimes.base import prepare_run_dir
+from hora_service.runtimes.local import read_pid
+from hora_service.runtimes.runfiles import UntrustedRunFile
 from hora_service.scheduler import Pending
+
+WATCH_S = 1.0  # how often a shrinking (or over-full) elastic attempt's workers are looked at
+IDLE_WATCH_S = 5.0  # how often those of one that holds what it runs are
 
 log = logging.getLogger(__name__)
 
@@ -30,19 +39,52 @@ log = logging.getLogger(__name__)
 class ElasticSlots(ManagerCore):
     """Offering, growing, shrinking and releasing elastic jobs' slots."""
 
-    def _shrink_for(self, head: Pending, free: int, now: float) -> None:
-        """Shrink lower-priority elastic jobs (down to their min) so that ``head`` fits."""
-        runs = [a for a in self._attempts.values() if a.elastic is not None]
-        if any(a.elastic.target is not None for a in runs if a.elastic is not None):
-            return  # a shrink is under way: its slots come first
-        if self._room_in_quota(head.user) < head.need:
-            return  # it waits for its user's own jobs, not for slots
+    def _shrink_for(self, waiting: Sequence[Pending], free: int, now: float) -> None:
+        """Shrink lower-priority elastic jobs (down to their min) so that the queue's head fits.
+
+        ``waiting`` is in queue order. Slots that shrinks under way will free count first
+        (for the jobs queued first); a job they do not cover starts shrinks of its own, from
+        jobs not shrinking yet. The first job that shrinking cannot make fit ends the pass:
+        nobody is disturbed for it or for the jobs behind it.
+        """
+        runs = [a for a in self._attempts.values()
+                if a.elastic is not None and a.stop_state is None]  # fmt: skip
+        coming = free + sum(
+            len(a.plan.slots) - a.elastic.target
+            for a in runs if a.elastic is not None and a.elastic.target is not None
+        )  # fmt: skip
+        for head in waiting:
+            if self._room_in_quota(head.user) < head.need:
+                continue  # it waits for its user's own jobs, not for slots
+            if head.need <= coming:
+                coming -= head.need
+                continue
+            cuts = self._cuts(head, head.need - coming, runs)
+            if cuts is None:
+                return
+            for a, keep in cuts:
+                assert a.elastic is not None
+                coming += len(a.plan.slots) - keep
+                why = f"shrinking to {keep} slot(s): job {head.id} of higher priority needs them"
+                a.elastic.shrink(keep, why, now)
+                self._offer(a.plan, keep)
+                self._write(Write(a.job_id, None, now, None, {"elastic": a.elastic.info}))
+            coming -= head.need
+
+    def _cuts(
+        self, head: Pending, short: int, runs: list[Attempt]
+    ) -> list[tuple[Attempt, int]] | None:
+        """Which elastic jobs keep how many slots so that ``short`` more are free for ``head``.
+
+        Jobs of lower priority not already shrinking, lowest priority and newest first,
+        each down to its min; None when all of them together cannot give ``short``.
+        """
         lower = sorted(
-            (a for a in runs if a.stop_state is None
+            (a for a in runs if a.elastic is not None and a.elastic.target is None
              and PRIORITY_RANK[a.plan.spec.priority] < head.priority),
             key=lambda a: (PRIORITY_RANK[a.plan.spec.priority], -a.started),
         )  # fmt: skip
-        short, cuts = head.need - free, []
+        cuts = []
         for a in lower:
             spec = a.plan.spec
             assert spec.elastic is not None
@@ -51,14 +93,46 @@ class ElasticSlots(ManagerCore):
             if give > 0 and short > 0:
                 cuts.append((a, len(a.plan.slots) - give))
                 short -= give
-        if short > 0:
-            return  # shrinking would not let it start: nobody is disturbed
-        for a, keep in cuts:
-            assert a.elastic is not None
-            why = f"shrinking to {keep} slot(s): job {head.id} of higher priority needs them"
-            a.elastic.shrink(keep, why, now)
-            self._offer(a.plan, keep)
-            self._write(Write(a.job_id, None, now, None, {"elastic": a.elastic.info}))
+        return None if short > 0 else cuts
+
+    def _watch_elastic(self, attempt: Attempt, now: float) -> None:
+        """Read the driver's report (to show), then act on the workers the kernel shows.
+
+        Only a running attempt's workers are acted on (a stopping one is being killed). A
+        shrink is released once no more workers run than the slots it keeps; workers beyond
+        what the job may hold that outlived ``elastic_shrink_timeout_s`` are stopped.
+        """
+        run = attempt.elastic
+        assert run is not None
+        if run.read():
+            self._write(Write(attempt.job_id, None, now, None, {"elastic": run.info}))
+        if attempt.stop_state is not None or now < run.next_look:
+            return
+        busy = run.target is not None or run.over_since is not None
+        run.next_look = now + (WATCH_S if busy else IDLE_WATCH_S)
+        seen = self._workers(attempt)
+        if seen is None:
+            return
+        bound = self.settings.elastic_shrink_timeout_s
+        extra = run.excess(seen, len(attempt.plan.slots), now, bound)
+        if extra and attempt.plan.container is not None:
+            stopped = stop_workers(extra, attempt.plan.container)
+            log.warning("job %d: stopped worker process(es) %s after %.0f s beyond its slots",
+                        attempt.job_id, stopped, bound)  # fmt: skip
+            run.stopped(stopped, now)
+            self._write(Write(attempt.job_id, None, now, None, {"elastic": run.info}))
+            seen = [pid for pid in seen if pid not in stopped]
+        if run.released(seen):
+            self._release(attempt, now)
+
+    def _workers(self, attempt: Attempt) -> list[int] | None:
+        """The attempt's workers as the kernel shows them; None while that cannot be told."""
+        box = attempt.plan.container
+        try:
+            shim = read_pid(attempt.plan.paths, 0)
+        except UntrustedRunFile:
+            return None
+        return None if shim is None or box is None else workers(box, shim)
 
     def _release(self, attempt: Attempt, now: float) -> None:
         """A shrink is done: the slots its workers left are free."""

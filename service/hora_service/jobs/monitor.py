@@ -146,12 +146,8 @@ class Monitor(Recovery):
                 return
             if Exit.lost not in attempt.codes:  # it runs, or ran between two passes
                 self._running(attempt)
-        run = attempt.elastic
-        if run is not None and run.read():
-            self._write(Write(attempt.job_id, None, now, None, {"elastic": run.info}))
-        shrinking = run is not None and run.target is not None and attempt.stop_state is None
-        if shrinking and run is not None and run.released():
-            self._release(attempt, now)
+        if attempt.elastic is not None:
+            self._watch_elastic(attempt, now)
         if attempt.stop_state is None:
             codes = self._keep_engines(attempt, now)
             failed = first_failure(codes)
@@ -259,7 +255,15 @@ class Monitor(Recovery):
         found = self.preflight.poll(attempt.job_id, plan.attempt, plan.paths.preflight, now, force)
         if found is not None:
             self._write(Write(attempt.job_id, JobState.running, now, found.event(), event=True))
+            self.preflight.measured(found, self._nodes(attempt))
         return self.preflight.known(attempt.job_id, plan.attempt)
+
+    def _nodes(self, attempt: Attempt) -> frozenset[str]:
+        """The nodes the service placed an attempt's ranks on, as it knows them itself."""
+        try:
+            return self._runtime(attempt.plan.spec.runtime.value).nodes(attempt.plan)
+        except HoraError:
+            return frozenset()
 
     def _lease(self, slots: Sequence[int]) -> set[int]:
         """Take the leases of ``slots``; those someone else took since the pass looked.
@@ -374,4 +378,4 @@ class Monitor(Recovery):
         elif len(placements) < len(ready):
             waiting = sorted((p for p in ready if p.id not in {x.job_id for x in placements}),
                              key=queue_order)  # fmt: skip
-            self._shrink_for(waiting[0], len(free) - len(placed), now)
+            self._shrink_for(waiting, len(free) - len(placed), now)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import socket
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -295,6 +296,13 @@ class Runtime(ABC):
         if plan.container is None or not self.uses_cgroup:
             return None
         return plan.container.cpu_seconds()
+
+    def nodes(self, plan: AttemptPlan) -> frozenset[str]:
+        """The nodes the attempt's ranks run on, as the service knows them: this machine.
+
+        Runtimes that place ranks elsewhere (Slurm) say where.
+        """
+        return frozenset({socket.gethostname()})
 
     def limit_hits(self, plan: AttemptPlan) -> Hits:
         """How often the attempt ran into its memory and pids limits (read from its cgroup)."""

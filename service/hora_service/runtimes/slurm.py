@@ -256,6 +256,14 @@ class SlurmRuntime(Runtime):
         found = proc.stdout.split()
         return found[0] if found else None
 
+    def nodes(self, plan: AttemptPlan) -> frozenset[str]:
+        """The nodes Slurm gave the attempt's job (none while it is not known)."""
+        job_id = self.job_id_of(plan)
+        info = self.info(job_id) if job_id else None
+        if info is None or not info.nodes:
+            return frozenset()
+        return frozenset(expand_hosts(info.nodes))
+
     # state ----------------------------------------------------------------------------------
 
     def info(self, job_id: str, fresh: bool = False) -> JobInfo | None:

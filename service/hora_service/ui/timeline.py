@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hora_service.jobfiles import UntrustedJobFile
 from hora_service.jobtrace import trace_events
 from hora_service.manager import JobManager
 from hora_service.models import JobRecord
@@ -44,7 +45,10 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
 
 def job_timeline(manager: JobManager, job: JobRecord) -> dict[str, Any]:
     """The job's timeline as the page draws it (``events`` empty when there is none)."""
-    path, events = trace_events(manager, job)
+    try:
+        path, events = trace_events(manager, job)
+    except UntrustedJobFile as e:  # the job named a file it may not show: say so, to it alone
+        return {"path": e.path, "events": [], "rows": {}, "truncated": False, "error": str(e)}
     if path is None:
         return {"path": None, "events": [], "rows": {}, "truncated": False}
     return {"path": str(path), **summarize(events)}

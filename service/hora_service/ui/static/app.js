@@ -335,6 +335,11 @@ async function act(id, what) {
 async function drawTimeline(job) {
   const data = await call(`/ui/api/jobs/${job.id}/timeline`);
   const box = document.getElementById("timeline-box");
+  if (box && data.error) {  // the job named a file the service does not read (a link, a FIFO...)
+    logs.timeline = true;
+    box.replaceChildren(el("h2", {}, "Timeline"), el("p", { id: "timeline-error", class: "muted" }, data.error));
+    return;
+  }
   if (!box || !data.events.length) return;
   logs.timeline = ["succeeded", "failed", "cancelled"].includes(job.state);
   const ev = data.events;
