@@ -118,6 +118,10 @@ class RankEnv:
         elastic_worker: ``HORA_ELASTIC_WORKER``, the worker id (``w3``) in an elastic run.
         elastic_timeout: ``HORA_ELASTIC_TIMEOUT``, seconds the workers may wait below
             ``--min-np``.
+        restore_dir: ``HORA_RESTORE_DIR``, the snapshot a resumed session's engine restores
+            (:mod:`hora.engines.park`); it starts reading its part at once.
+        restore_size: ``HORA_RESTORE_SIZE``, the number of engines the snapshot was taken
+            with (at another size every engine restores rank 0's part).
 
     Example:
         >>> RankEnv(rank=1, world_size=2, gpu="3").to_environ()
@@ -158,6 +162,8 @@ class RankEnv:
     elastic_dir: str | None = None
     elastic_worker: str | None = None
     elastic_timeout: float | None = None
+    restore_dir: str | None = None
+    restore_size: int | None = None
 
     def to_environ(self) -> dict[str, str]:
         """The variables of the fields that are set, as strings (seconds as ``%g``).
@@ -259,6 +265,8 @@ _RANK_VARS: dict[str, tuple[str, ...]] = {
     "elastic_dir": ("HORA_ELASTIC_DIR",),
     "elastic_worker": ("HORA_ELASTIC_WORKER",),
     "elastic_timeout": ("HORA_ELASTIC_TIMEOUT",),
+    "restore_dir": ("HORA_RESTORE_DIR",),
+    "restore_size": ("HORA_RESTORE_SIZE",),
 }
 
 

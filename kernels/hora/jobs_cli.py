@@ -19,13 +19,51 @@ import contextlib
 import io
 import json
 import sys
-from collections.abc import Callable, Mapping, Sequence
-from datetime import UTC, datetime
+from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from hora.client import Client, Job, JobInfo, JobWaitTimeout, parse_spec
 from hora.errors import HoraError, SpecError
-from hora.spec import ElasticInfo, JobState, Priority
+from hora.jobs_text import (
+    age,
+    format_table,
+    gpus_table,
+    jobs_table,
+    scaling_text,
+    slot_unit,
+    state_cell,
+    status_text,
+    workers_cell,
+)
+from hora.spec import JobState, Priority
+
+__all__ = [
+    "age",
+    "build_parser",
+    "cmd_cancel",
+    "cmd_gpus",
+    "cmd_jobs",
+    "cmd_logs",
+    "cmd_scaling",
+    "cmd_status",
+    "cmd_submit",
+    "empty_log_note",
+    "follow_job",
+    "format_table",
+    "gpus_table",
+    "jobs_table",
+    "main",
+    "parse_elastic",
+    "parse_env",
+    "read_token",
+    "scaling_text",
+    "slot_unit",
+    "spec_from_args",
+    "state_cell",
+    "state_line",
+    "status_text",
+    "workers_cell",
+]
 
 CANCEL_WAIT_S = 30.0  # how long hora cancel waits for a job's ranks to stop
 STOPPING = "cancelling (its ranks are stopping)"  # what hora cancel says of one still stopping
@@ -194,188 +232,6 @@ def spec_from_args(args: argparse.Namespace) -> Any:
         "elastic": parse_elastic(args.elastic) if args.elastic is not None else None,
     }
     return parse_spec({k: v for k, v in data.items() if v is not None})
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """Left-aligned columns separated by two spaces.
-
-    Example:
-        >>> print(format_table(["ID", "NAME"], [[1, "a"]]))
-        ID  NAME
-        1   a
-    """
-    cells = [[str(h) for h in headers]] + [["" if v is None else str(v) for v in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
-    return "\n".join(lines)
-
-
-def age(when: datetime | None, now: datetime | None = None) -> str:
-    """Short age like ``42s``, ``5m``, ``3h``, ``2d`` (``-`` when unknown).
-
-    Example:
-        >>> age(datetime(2024, 1, 1, tzinfo=UTC), datetime(2024, 1, 1, 0, 5, tzinfo=UTC))
-        '5m'
-    """
-    if when is None:
-        return "-"
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    secs = max(0, int(((now or datetime.now(UTC)) - when).total_seconds()))
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if secs >= size:
-            return f"{secs // size}{unit}"
-    return f"{secs}s"
-
-
-def jobs_table(
-    jobs: Sequence[JobInfo],
-    now: datetime | None = None,
-    unit: str = "GPU",
-    waits: Mapping[int, str] | None = None,
-) -> str:
-    """The ``hora jobs`` table (``unit``: "GPU", or "slot" on a service without GPUs).
-
-    KIND is ``job``, or ``session`` for a notebook's engines (they share the slots).
-    REASON is why a waiting job waits (``waits``: job id -> reason, from ``/v1/queue``),
-    else why it failed or was cancelled.
-    """
-    waits = waits or {}
-    rows = [
-        [
-            j.id,
-            j.kind,
-            j.spec.name,
-            j.user,
-            j.state.value,
-            workers_cell(j),
-            j.attempt,
-            age(j.created_at, now),
-            _short(waits.get(j.id) or j.reason or ""),
-        ]
-        for j in jobs
-    ]
-    return format_table(
-        [
-            "ID", "KIND", "NAME", "USER", "STATE", f"WORKERSx{unit.upper()}S", "ATTEMPT", "AGE",
-            "REASON",
-        ],  # fmt: skip
-        rows,
-    )
-
-
-def workers_cell(job: JobInfo) -> str:
-    """The WORKERS column: ``2x1``, or ``size 3/2..4`` (now/min..max) for an elastic job.
-
-    Example:
-        >>> from hora.spec import ElasticInfo, ElasticSpec, JobSpec
-        >>> spec = JobSpec(command=["t"], elastic=ElasticSpec(min_workers=2, max_workers=4))
-        >>> job = JobInfo(id=1, user="ann", spec=spec, state="running",
-        ...               elastic=ElasticInfo(min_workers=2, max_workers=4, size=3))
-        >>> workers_cell(job)
-        'size 3/2..4'
-    """
-    s = job.spec
-    if s.elastic is None:
-        return f"{s.workers}x{s.gpus_per_worker}"
-    info = job.elastic or ElasticInfo(
-        min_workers=s.elastic.min_workers, max_workers=s.elastic.max_workers
-    )
-    per = f" x{s.gpus_per_worker}" if s.gpus_per_worker > 1 else ""
-    return f"size {info.label}{per}"
-
-
-def status_text(job: JobInfo, unit: str = "GPU") -> str:
-    """The ``hora status`` view: spec, state, per-rank exit codes and transition times.
-
-    Args:
-        job: the job.
-        unit: what a worker holds: "GPU", or "slot" on a service without GPUs.
-    """
-    s = job.spec
-    lines = [
-        f"job {job.id}  {s.name}  ({job.user})",
-        f"state:    {job.state.value}" + (f"  reason: {job.reason}" if job.reason else ""),
-        f"attempt:  {job.attempt} (max retries {s.max_retries})",
-        f"command:  {' '.join(s.command)}",
-        f"workers:  {s.workers} x {s.gpus_per_worker} {unit}  priority {s.priority.value}"
-        + (f"  timeout {s.timeout_s:g}s" if s.timeout_s else ""),
-        f"slots:    {', '.join(map(str, job.slots)) or '-'}",
-    ]
-    if job.elastic is not None:
-        lines.append(f"elastic:  size {job.elastic.label}  (holds {job.elastic.slots} {unit}s)")
-    if job.queue is not None:
-        place = f"position {job.queue.position}; " if job.queue.position else ""
-        kind = job.queue.why.kind if job.queue.why is not None else "wait"
-        lines.append(f"waiting:  {place}{job.queue.reason} [{kind}]")
-    if job.exit_codes:
-        codes = [[r, "-" if c is None else c] for r, c in sorted(job.exit_codes.items())]
-        lines += ["", format_table(["RANK", "EXIT"], codes)]
-    if job.elastic is not None and job.elastic.history:
-        rows = [[c.size, _iso(c.at), c.reason] for c in job.elastic.history]
-        lines += ["", format_table(["SIZE", "AT", "MEMBERSHIP CHANGE"], rows)]
-    if job.transitions:
-        rows = [[t.state.value, _iso(t.at), t.reason or ""] for t in job.transitions]
-        lines += ["", format_table(["STATE", "AT", "REASON"], rows)]
-    return "\n".join(lines)
-
-
-def _iso(at: datetime) -> str:
-    """A UTC time as the service's JSON writes it (``...Z``)."""
-    return at.isoformat().replace("+00:00", "Z")
-
-
-def slot_unit(slots: Sequence[dict[str, Any]]) -> str:
-    """Name what the service schedules: "GPU", or "slot" where it has only CPU slots.
-
-    Example:
-        >>> slot_unit([{"index": 0, "kind": "cpu"}])
-        'slot'
-    """
-    return "GPU" if any(s.get("kind") == "gpu" for s in slots) else "slot"
-
-
-def gpus_table(slots: Sequence[dict[str, Any]]) -> str:
-    """The ``hora gpus`` table; HOLDER says whether a job or a notebook's session holds it.
-
-    A slot held outside this service (another hora service, a notebook's kernel-local
-    engines) says by whom.
-
-    Example:
-        >>> print(gpus_table([{"index": 0, "kind": "cpu", "name": "cpu0", "user": "ann",
-        ...                    "holder_kind": "kernel", "holder": "notebook kernel pid 7"}]))
-        SLOT  KIND  NAME  JOB  USER  HOLDER
-        0     cpu   cpu0  -    ann   notebook kernel pid 7
-    """
-    rows = [
-        [
-            s.get("index"), s.get("kind"), s.get("name"), s.get("job_id") or "-",
-            s.get("user") or "-", s.get("holder") or s.get("holder_kind") or "-",
-        ]  # fmt: skip
-        for s in slots
-    ]
-    return format_table(["SLOT", "KIND", "NAME", "JOB", "USER", "HOLDER"], rows)
-
-
-def scaling_text(report: dict[str, Any]) -> str:
-    """The ``hora scaling`` view: one row per rank, then the verdict line.
-
-    Example:
-        >>> print(scaling_text({"rows": [{"rank": 0, "wall s": "1.000"}],
-        ...                     "verdict": "slowest rank 0 (balanced)"}))
-        RANK  WALL S
-        0     1.000
-        slowest rank 0 (balanced)
-    """
-    rows = report.get("rows") or []
-    headers = list(rows[0]) if rows else []
-    table = format_table([h.upper() for h in headers], [[r[h] for h in headers] for r in rows])
-    return f"{table}\n{report.get('verdict', '')}"
-
-
-def _short(text: str, width: int = 60) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def _out(stream: TextIO, text: str) -> None:

@@ -17,6 +17,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from hora import magics_park
 from hora.magics_display import (
     DisplaySink,
     QueueDisplay,
@@ -69,7 +70,8 @@ class HoraMagics(Magics):
         self._history_of = 0
         self._last_size: int | None = None  # ranks of the engines %dist_stop stopped
         # how engines are started: (kernel-local forced, idle timeout, runtime, controller address)
-        self._mode: tuple[bool, float | None, str, str | None] = (False, None, "local", None)
+        self._mode: tuple[bool, float | None, str, str | None, str | None] = (
+            False, None, "local", None, None)  # fmt: skip
         self._preflight = True  # %dist_start --no-preflight turns it off
 
     def pre_run_cell(self, info: Any) -> None:
@@ -82,6 +84,9 @@ class HoraMagics(Magics):
         beat = getattr(self.cluster, "heartbeat", None)
         for notice in beat.take_notices() if beat is not None else ():
             sys.stderr.write(notice + "\n")  # the session's idle warning or end, not yet seen
+        settle = getattr(self.cluster, "parked_by_service", None)
+        if settle is not None and settle():
+            sys.stderr.write("hora: the hora service parked this notebook's session\n")
 
     # --- helpers ---------------------------------------------------------------------------
     def _ns(self) -> dict[str, Any]:
@@ -110,7 +115,7 @@ class HoraMagics(Magics):
         from hora.engines import Cluster
         from hora.engines.session import ServiceCluster, service_configured
 
-        local, idle, runtime, ip = self._mode
+        local, idle, runtime, ip, image = self._mode
         queue = QueueDisplay()
         why = "--local" if local else "no hora service configured"
         self.history, self._history_of = [], 0
@@ -120,7 +125,7 @@ class HoraMagics(Magics):
         if not local and service_configured():
             self.cluster = ServiceCluster(
                 options, progress=queue.update, notify=notify, idle_timeout_s=idle,
-                runtime=runtime, ip=ip,
+                runtime=runtime, ip=ip, image=image,
             )  # fmt: skip
             try:
                 rows = self.cluster.start()
@@ -160,11 +165,20 @@ class HoraMagics(Magics):
         self.history.append(record)
 
     def _running(self) -> Any:
+        """The cluster, a parked session resumed first (its engines are needed)."""
         from hora.engines import ClusterNotRunningError
 
         if self.cluster is None:
             raise ClusterNotRunningError("no engines are running; run %dist_start first")
+        if self._parked():
+            magics_park.resume(self.cluster)
+            self._history_of = self.cluster.starts  # the cells that ran are the engines' again
         return self.cluster
+
+    def _parked(self) -> bool:
+        from hora.engines import ClusterState
+
+        return self.cluster is not None and self.cluster.state is ClusterState.PARKED
 
     def _repaired(self) -> Any:
         """The running cluster, its engines that died since the last cell replaced (said so)."""
@@ -217,10 +231,12 @@ class HoraMagics(Magics):
     )
     @argument(
         "--runtime",
-        choices=["local", "slurm"],
+        choices=["local", "docker", "slurm"],
         default="local",
-        help="where the service starts the engines: its machine, or one Slurm job (default local)",
+        help="where the service starts the engines: its machine, containers of --image, or one "
+        "Slurm job (default local)",
     )
+    @argument("--image", default=None, help="with --runtime docker: the engines' image (with hora)")
     @argument(
         "--ip",
         default=None,
@@ -244,6 +260,12 @@ class HoraMagics(Magics):
         options = self._options(args)
         if args.idle_timeout is not None and args.idle_timeout <= 0:
             raise UsageError(f"--idle-timeout must be > 0 seconds, got {args.idle_timeout:g}")
+        if self._parked():
+            sys.stderr.write(
+                f"session {self.cluster.launcher.resuming} is parked: the next %%distributed "
+                "cell (or %dist_resume) resumes it; %dist_stop ends it\n"
+            )
+            return
         if self._is_up():
             sys.stderr.write(
                 f"engines already running ({self.cluster.size} ranks); "
@@ -252,7 +274,9 @@ class HoraMagics(Magics):
             return
         if args.ip is not None and args.runtime != "slurm":
             raise UsageError("--ip is for --runtime slurm (local engines use 127.0.0.1)")
-        self._mode = (args.local, args.idle_timeout, args.runtime, args.ip)
+        if (args.image is not None) != (args.runtime == "docker"):
+            raise UsageError("--image goes with --runtime docker, which needs one (with hora)")
+        self._mode = (args.local, args.idle_timeout, args.runtime, args.ip, args.image)
         self._preflight = not args.no_preflight
         self._start(options)
 
@@ -287,6 +311,9 @@ class HoraMagics(Magics):
         """Show each rank's liveness, pid, device and memory. Example: ``%dist_status``."""
         from IPython.display import display
 
+        if self._parked():
+            magics_park.show_parked(self.cluster)
+            return
         cluster = self._running()
         note = f" ({cluster.broken_reason})" if cluster.broken_reason else ""
         display(Table(cluster.status(), f"cluster {cluster.state.value}{note}"))
@@ -393,7 +420,7 @@ class HoraMagics(Magics):
             from hora.engines import ClusterOptions
 
             self._start(ClusterOptions(n=n))
-        cluster = self.cluster
+        cluster = self._running()
         if n is not None and n != cluster.size:
             raise UsageError(
                 f"engines are running with {cluster.size} ranks but the cell asks for -n {n}; "
@@ -476,10 +503,56 @@ class HoraMagics(Magics):
         return int(session.id)
 
     def stop(self) -> None:
-        """Stop this kernel's engines (unload or shutdown)."""
+        """Stop this kernel's engines (unload or shutdown); a parked session stays parked."""
         if self.cluster is not None:
-            self.cluster.stop()
+            self.cluster.close()
             self.cluster = None
+
+    # --- parking -------------------------------------------------------------------------------
+    @magic_arguments()
+    @argument("--drop", nargs="+", default=[], metavar="NAME", help="variables to leave out")
+    @argument(
+        "--force", action="store_true", help="leave out whatever cannot be saved (named)"
+    )
+    @line_magic
+    def dist_park(self, line: str) -> None:
+        """Park the session: save every engine's variables, give the slots back.
+
+        The next ``%%distributed`` cell (or ``%dist_resume``) resumes it where it was.
+        Whatever cannot be saved is named before anything stops.
+
+        Example: ``%dist_park``, ``%dist_park --drop loader_iter``, ``%dist_park --force``
+        """
+        args = parse_argstring(self.dist_park, line)
+        cluster = magics_park.session_cluster(self.cluster, "%dist_park")
+        magics_park.park(cluster, _names(args.drop, "--drop"), args.force)
+
+    @magic_arguments()
+    @argument("session", nargs="?", type=int, default=None, help="a parked session's id")
+    @argument("-n", type=int, default=None, help="engines (another size needs elastic state)")
+    @line_magic
+    def dist_resume(self, line: str) -> None:
+        """Resume this notebook's parked session, or adopt one of yours by id.
+
+        Without an id and with nothing parked here, list your parked sessions.
+
+        Example: ``%dist_resume``, ``%dist_resume 12``
+        """
+        args = parse_argstring(self.dist_resume, line)
+        if self._parked():
+            mine = self.cluster.launcher.resuming
+            if args.session not in (None, mine):
+                raise UsageError(f"this notebook's session {mine} is parked; %dist_stop it first")
+        elif args.session is None:
+            magics_park.show_parked(self.cluster if self._is_up() else None)
+            return
+        elif self._is_up():
+            raise UsageError("engines are running here; %dist_stop them first")
+        else:
+            self.cluster = magics_park.adopt(args.session)
+            self.history, self._history_of = [], 0
+        magics_park.resume(self.cluster, args.n)
+        self._history_of = self.cluster.starts
 
 
 def load_ipython_extension(ipython: Any) -> None:

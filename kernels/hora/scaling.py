@@ -137,7 +137,7 @@ class ProfileReport:
                 "compute s": f"{r.compute_s:.3f}",
                 "collectives s": f"{r.comm_s:.3f}",
                 "waiting s": f"{r.wait_s:.3f}",
-                "reduced": _bytes(r.bytes_reduced),
+                "reduced": fmt_bytes(r.bytes_reduced),
                 "busbw GB/s": f"{r.busbw_gbps:.2f}",
                 "of preflight": "-" if r.of_preflight is None else f"{100 * r.of_preflight:.0f}%",
             }
@@ -177,7 +177,13 @@ class ProfileReport:
                 f"<div style='font-size:11px'>{html.escape(legend)}</div>")
 
 
-def _bytes(n: int) -> str:
+def fmt_bytes(n: int) -> str:
+    """A size for people, in binary units (the scaling report's, a parked snapshot's).
+
+    Example:
+        >>> fmt_bytes(412 << 20), fmt_bytes(3)
+        ('412.0 MiB', '3 B')
+    """
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
             return f"{n / size:.1f} {unit}"

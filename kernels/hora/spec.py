@@ -208,13 +208,15 @@ class JobSpec(BaseModel):
 class JobState(StrEnum):
     """Lifecycle of a job: queued -> starting -> running -> succeeded | failed | cancelled.
 
-    ``retrying`` sits between a failed attempt and the next one.
+    ``retrying`` sits between a failed attempt and the next one. ``parked`` is a session's
+    only: its engines' state is on disk, it holds no slots, and resuming queues it again.
     """
 
     queued = "queued"
     starting = "starting"
     running = "running"
     retrying = "retrying"
+    parked = "parked"
     succeeded = "succeeded"
     failed = "failed"
     cancelled = "cancelled"
@@ -284,10 +286,14 @@ class ElasticInfo(BaseModel):
 
 
 class SlotInfo(BaseModel):
-    """One schedulable GPU (or CPU slot) and the job holding it (``GET /v1/gpus``)."""
+    """One schedulable GPU (or CPU slot) and the job holding it (``GET /v1/gpus``).
 
-    index: int
-    kind: str = Field(description="gpu or cpu")
+    A parked session holds no slot; ``GET /v1/gpus`` lists each after the slots, with
+    ``kind`` ``parked``, no ``index``, since when and its snapshot's size.
+    """
+
+    index: int | None
+    kind: str = Field(description="gpu or cpu (parked: a parked session, holding none)")
     name: str
     job_id: int | None = None
     user: str | None = None
@@ -302,6 +308,8 @@ class SlotInfo(BaseModel):
     )
     node: str | None = Field(default=None, description="the Slurm node of a cluster GPU")
     slurm_job: str | None = Field(default=None, description="the Slurm job holding it")
+    parked_at: datetime | None = Field(default=None, description="a parked session's: since")
+    snapshot_bytes: int | None = Field(default=None, description="a parked session's snapshot")
 
 
 class HolderInfo(BaseModel):
@@ -403,6 +411,67 @@ class QueueEntry(BaseModel):
 QueueInfo.model_rebuild()
 
 
+class ParkedRank(BaseModel):
+    """One rank's part of a parked session's snapshot: its file, size, checksum and names."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    rank: Annotated[int, Field(ge=0, le=1023)]
+    bytes: Annotated[int, Field(ge=0)]
+    crc32: Annotated[int, Field(ge=0, le=2**32 - 1)]
+    names: list[Annotated[str, Field(max_length=256)]] = Field(default_factory=list)
+    dropped: list[Annotated[str, Field(max_length=512)]] = Field(
+        default_factory=list, description="names left out, each with its type"
+    )
+
+
+class ParkInfo(BaseModel):
+    """A session's snapshot: where, how big, since when and why it was parked.
+
+    ``phase`` is ``parking`` (written, the engines are being stopped), ``parked`` (the
+    session holds no slots) or ``resuming`` (asked for slots again; the snapshot is kept
+    until the kernel restored it).
+
+    Example:
+        >>> ParkInfo(phase="parked", parked_at=datetime(2026, 1, 1), reason="idle", bytes=1,
+        ...          world=2, directory="/w/.hora-parked/session-3-ab").world
+        2
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    phase: str
+    parked_at: datetime
+    reason: str
+    bytes: int = Field(description="the snapshot's size on disk, as the service measured it")
+    world: int = Field(description="the number of engines it was parked with")
+    elastic: bool = Field(default=False, description="the state can resume at another size")
+    directory: str
+    ranks: list[ParkedRank] = Field(default_factory=list)
+    expires_at: datetime | None = None
+
+
+class ParkTicket(BaseModel):
+    """The service's answer to a park's start: where the ranks write, and the room left."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    ticket: str
+    directory: str
+    quota_bytes: int | None = None
+    used_bytes: int = 0
+
+
+class ParkCommit(BaseModel):
+    """What the kernel sends once every rank wrote its part (``POST .../park/commit``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ticket: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
+    ranks: Annotated[list[ParkedRank], Field(min_length=1, max_length=1024)]
+    elastic: bool = False
+
+
 class JobInfo(BaseModel):
     """A job as the service reports it: the one wire model of a job, for client and service.
 
@@ -428,6 +497,7 @@ class JobInfo(BaseModel):
     kind: str = "job"  # or "session": a notebook's engines, scheduled with the jobs
     queue: QueueInfo | None = None  # while it waits: its place and structured reason
     elastic: ElasticInfo | None = None  # an elastic job's size and membership history
+    park: ParkInfo | None = None  # a session's snapshot while it is parked (or resuming)
 
     @field_validator("exit_codes", mode="before")
     @classmethod
@@ -468,6 +538,10 @@ class SessionInfo(BaseModel):
     queue: QueueInfo | None = None
     preflight: dict[str, Any] | None = Field(
         default=None, description="what %dist_start's preflight measured (GET /v1/sessions/ID)"
+    )
+    park: ParkInfo | None = None
+    park_requested: str | None = Field(
+        default=None, description="why the service asks the kernel to park the session now"
     )
 
     @property

@@ -28,7 +28,7 @@ from hora.spec import JobState
 from hora_service.models import JobRecord, Transition
 
 # JobRecord fields a write may set directly (others, such as retry_at, live only in the store)
-RECORD_FIELDS = ("attempt", "slots", "exit_codes", "elastic")
+RECORD_FIELDS = ("attempt", "slots", "exit_codes", "elastic", "park", "spec")
 TIME_FIELDS = ("started_at", "finished_at")
 
 

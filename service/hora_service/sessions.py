@@ -28,215 +28,47 @@ session a fresh lease) and checks them at the end of every monitor pass of the j
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Annotated, Literal
 
-from hora.env import RankEnv
 from hora.errors import HoraError, SpecError
 from hora.net import is_local_address
-from hora.spec import (
-    IMAGE_PATTERN,
-    JobSpec,
-    JobState,
-    Priority,
-    RuntimeName,
-    SessionInfo,
-)
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from hora.spec import JobState, RuntimeName, SessionInfo
 from sqlalchemy import Connection
 
 from hora_service.manager import JobManager
 from hora_service.models import JobRecord, User
+from hora_service.parking import ParkManager
 from hora_service.queueview import IdleOf, job_queue
+from hora_service.session_wire import (
+    CONNECTION_VAR,
+    EngineConnection,
+    EngineReplacement,
+    Heartbeat,
+    SessionAddress,
+    SessionRecord,
+    SessionRequest,
+    check_controller,
+    check_interface,
+    host_of,
+    session_spec,
+)
 from hora_service.settings import Settings
 from hora_service.store import Store
 from hora_service.users import check_idle_timeout
 
+__all__ = [
+    "CONNECTION_VAR", "EngineConnection", "EngineReplacement", "Heartbeat", "Lease",
+    "SessionAddress", "SessionManager", "SessionRecord", "SessionRequest", "check_interface",
+    "effective_idle_timeout", "fmt_s", "is_local_address", "session_spec",
+]  # fmt: skip
+
 log = logging.getLogger(__name__)
-
-CONNECTION_VAR = RankEnv.var("engine_connection")
-Port = Annotated[int, Field(ge=1, le=65535)]
-INLINE_MPL = "module://matplotlib_inline.backend_inline"
 BUSY_SAMPLE_S = 2.0  # how often the engines' CPU time is read
-
-
-class EngineConnection(BaseModel):
-    """The controller's engine connection info (``ipcontroller-engine.json``), checked.
-
-    The controller is the kernel's, on this machine: on its loopback (``tcp://127.0.0.1``)
-    where the engines run here, or on an address of this machine the Slurm nodes reach for
-    a ``slurm`` session (see :func:`check_interface`).
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    ssh: Literal[""] = ""
-    interface: Annotated[str, Field(pattern=r"^tcp://(localhost|[0-9]{1,3}(\.[0-9]{1,3}){3})$")]
-    registration: Port
-    control: Port
-    mux: Port
-    task: Port
-    iopub: Port
-    hb_ping: Port
-    hb_pong: Port
-    broadcast: Annotated[list[Port], Field(max_length=64)] = Field(default_factory=list)
-    key: Annotated[str, Field(pattern=r"^[A-Za-z0-9-]{1,128}$")]
-    location: Annotated[str, Field(max_length=253, pattern=r"^[A-Za-z0-9._-]*$")] = ""
-    pack: Literal["json", "pickle", "msgpack"] = "json"
-    unpack: Literal["json", "pickle", "msgpack"] = "json"
-    signature_scheme: Literal["hmac-sha256", "hmac-sha512", "hmac-md5"] = "hmac-sha256"
-    # the controller's CurveZMQ public key (Z85: printable ASCII) when curve is on
-    curve_serverkey: Annotated[str | None, Field(max_length=64, pattern=r"^[!-~]*$")] = None
-
-
-class SessionRequest(BaseModel):
-    """What ``POST /v1/sessions`` carries: how many engines, and how they reach the kernel.
-
-    Example:
-        >>> SessionRequest(workers=2, connection=conn).workers  # doctest: +SKIP
-        2
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    name: Annotated[
-        str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._ -]*$")
-    ] = "notebook"
-    workers: Annotated[int, Field(ge=1, le=1024)] = 2
-    gpus_per_worker: Annotated[int, Field(ge=1, le=16)] = 1
-    connection: EngineConnection
-    backend: Literal["nccl", "gloo"] | None = None
-    timeout_s: Annotated[float, Field(gt=0, le=24 * 3600)] = 60.0
-    # how long the engines wait for each other at the rendezvous (engines on Slurm nodes
-    # start at different times); the kernel's --start-timeout
-    start_timeout_s: Annotated[float, Field(gt=0, le=24 * 3600)] = 60.0
-    threads: Annotated[int, Field(ge=1, le=256)] = 1
-    idle_timeout_s: Annotated[float | None, Field(gt=0, le=30 * 24 * 3600)] = None
-    priority: Priority = Priority.normal
-    runtime: RuntimeName = RuntimeName.local
-    image: Annotated[str | None, Field(max_length=512, pattern=IMAGE_PATTERN)] = None
-    # the kernel's file where a world re-formed during a cell meets (engines.world): engines
-    # on this machine, as the kernel's user, read it; a path the engines cannot use is ignored
-    world_file: Annotated[str | None, Field(max_length=1024, pattern=r"^/[^\x00]*$")] = None
-
-    @model_validator(mode="after")
-    def _reachable(self) -> SessionRequest:
-        check_interface(self.runtime, self.connection.interface)
-        if self.world_file is not None and self.runtime != RuntimeName.local:
-            raise ValueError(
-                f"world_file: only engines of a local session share the kernel's files, "
-                f"not those of a {self.runtime.value} session"
-            )
-        return self
-
-
-class SessionAddress(BaseModel):
-    """Where a kernel's controller listens for the engines of a session on ``runtime``."""
-
-    runtime: RuntimeName
-    address: str = Field(description="an address of the service's machine the engines reach")
-    source: str = Field(description="how the service chose it")
-
-
-def _host(interface: str) -> str:
-    return interface.removeprefix("tcp://")
-
-
-def check_interface(runtime: RuntimeName, interface: str) -> None:
-    """Check that a session's engines can reach the controller at ``interface``, and only there.
-
-    Engines of a ``local`` or ``docker`` session run on this machine: their controller must
-    listen on the loopback. Engines of a ``slurm`` session run on other nodes, which cannot
-    reach 127.0.0.1 (ipyparallel's default, the engines would wait in vain): their controller
-    listens on an address of this machine (checked by :meth:`SessionManager.create`).
-
-    Raises:
-        ValueError: the address does not fit the runtime (the message names the field).
-
-    Example:
-        >>> check_interface(RuntimeName.local, "tcp://127.0.0.1")
-        >>> check_interface(RuntimeName.slurm, "tcp://10.250.0.1")
-    """
-    host = _host(interface)
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        raise ValueError(f"connection.interface: {host} is not an IPv4 address") from None
-    if runtime == RuntimeName.slurm and loopback:
-        raise ValueError(
-            "connection.interface: engines on Slurm nodes cannot reach a controller on the "
-            "loopback; it must listen on an address of this machine the nodes reach "
-            "(GET /v1/session-address?runtime=slurm names it)"
-        )
-    if runtime != RuntimeName.slurm and not loopback:
-        raise ValueError(
-            f"connection.interface: the engines of a {runtime.value} session run on this "
-            "machine and connect to the kernel's controller on 127.0.0.1 only"
-        )
-
-
-class Heartbeat(BaseModel):
-    """What the kernel says with each heartbeat: how long its engines have been idle."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    idle_s: Annotated[float, Field(ge=0, le=365 * 24 * 3600)] = 0.0
-
-
-class EngineReplacement(BaseModel):
-    """What ``POST /v1/sessions/{id}/replace`` carries: which dead engine, and where it meets.
-
-    The surviving engines rebuild their process group around a new store on ``master_port``
-    (on this machine; the kernel chose it); the new engine of ``rank`` joins them there.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    rank: Annotated[int, Field(ge=0, le=1023)]
-    master_port: Annotated[int, Field(ge=1024, le=65535)]
-
-
-# the wire model lives in hora.spec, shared with the kernel; its old name here stays
-SessionRecord = SessionInfo
-
-
-def session_spec(req: SessionRequest, backend: str, python: str = sys.executable) -> JobSpec:
-    """The job spec of a session: N engines that connect to the kernel's controller.
-
-    Example:
-        >>> session_spec(req, "gloo").command[-1]  # doctest: +SKIP
-        'session-engine'
-    """
-    own = RankEnv(
-        engine_connection=req.connection.model_dump_json(),
-        backend=req.backend or backend,
-        timeout=req.timeout_s,
-        start_timeout=req.start_timeout_s,
-        engine_world=req.world_file,
-    )
-    env = {
-        **own.to_environ(),
-        "OMP_NUM_THREADS": str(req.threads),
-        "MPLBACKEND": INLINE_MPL,
-    }
-    # in a container the image's own python runs the engine (the image must have hora)
-    exe = "python" if req.runtime == RuntimeName.docker else python
-    return JobSpec(
-        name=req.name,
-        command=[exe, "-m", "hora.engines._child", "session-engine"],
-        workers=req.workers,
-        gpus_per_worker=req.gpus_per_worker,
-        env=env,
-        priority=req.priority,
-        runtime=req.runtime,
-        image=req.image,
-    )
 
 
 @dataclass
@@ -333,6 +165,19 @@ class SessionManager:
         self._lock = threading.Lock()
         self._loaded = False
         manager.hooks.append(self.check)
+        self.parks = ParkManager(manager, settings, self.idle_of, self._end_lease, self._renew)
+
+    def _end_lease(self, job_id: int) -> None:
+        with self._lock:
+            self._leases.pop(job_id, None)
+
+    def _renew(self, job_id: int) -> None:
+        """A fresh lease for a session asked for again (a parked one resumed)."""
+        terms = self.manager.open_store().session_terms().get(job_id)
+        now = time.time()
+        lease_s, idle = terms if terms is not None else (self.settings.session_lease_s, None)
+        with self._lock:
+            self._leases[job_id] = Lease(lease_s, idle, now, now)
 
     def _load(self) -> None:
         if self._loaded:
@@ -352,7 +197,7 @@ class SessionManager:
         """
         s = self.settings
         if req.runtime == RuntimeName.slurm:
-            self._check_controller(_host(req.connection.interface))
+            check_controller(self.settings, host_of(req.connection.interface))
         owner = self.manager.open_store().user_by_name(user)
         idle = effective_idle_timeout(
             req.idle_timeout_s,
@@ -374,29 +219,6 @@ class SessionManager:
             self._leases[record.id] = Lease(lease, idle, now, now)
         log.info("session %d of %s: %d engine(s) queued", record.id, user, req.workers)
         return self.view(record)
-
-    def _check_controller(self, host: str) -> None:
-        """A Slurm session's controller runs on this machine or on a node of the cluster.
-
-        On a node: the kernel of a user's server that runs as a Slurm job (batchspawner).
-
-        Raises:
-            SpecError: ``host`` is neither (field ``connection.interface``).
-        """
-        if is_local_address(host):
-            return
-        from hora_service.runtimes.slurm import SlurmRuntime  # only where Slurm is used
-
-        try:
-            nodes = SlurmRuntime.from_settings(self.settings).node_addresses()
-        except (HoraError, OSError):
-            nodes = set()
-        if host not in nodes:
-            raise SpecError(
-                "connection.interface",
-                f"{host} is not an address of the service's machine or of a Slurm node, "
-                "where the kernel's controller must run",
-            )
 
     def address(self, runtime: RuntimeName) -> SessionAddress:
         """Where a kernel's controller must listen for the engines of a ``runtime`` session.
@@ -439,8 +261,14 @@ class SessionManager:
         return self.view(self.manager.get(job.id) or job)
 
     def delete(self, job: JobRecord) -> SessionInfo:
-        """Withdraw a queued session or stop a running one (a no-op on a finished one)."""
-        reason = "withdrawn by the user" if job.state == JobState.queued else "stopped by the user"
+        """Withdraw a queued session, stop a running one, end a parked one (its snapshot goes).
+
+        A no-op on a finished one.
+        """
+        reason = {
+            JobState.queued: "withdrawn by the user",
+            JobState.parked: "ended by the user; its snapshot was deleted",
+        }.get(job.state, "stopped by the user")
         return self.view(self.manager.cancel(job.id, reason=reason))
 
     def check(self, now: float) -> None:
@@ -451,14 +279,22 @@ class SessionManager:
         for job_id, lease in leases:
             self._watch(job_id, lease, now)
         with self._lock:
-            due = [(i, why) for i, lease in self._leases.items() if (why := _due(lease, now))]
-        for job_id, why in due:
+            due = [(i, d) for i, lease in self._leases.items() if (d := _due(lease, now))]
+        for job_id, (why, idle) in due:
             job = self.manager.get(job_id)
+            if job is not None and not job.state.terminal and idle:
+                if self.settings.session_idle_action == "park":
+                    if self.parks.ask(job_id, why, "idle", now):
+                        continue  # its kernel parks it (or says why it cannot: then it stops)
+                    why = f"{why}; the kernel did not park the session"
+                why = f"{why}: engines stopped and slots freed"
             with self._lock:
                 self._leases.pop(job_id, None)
             if job is None or job.state.terminal:
                 continue
             log.info("session %d: %s", job_id, why)
+            if not idle and self.parks.lease_ran_out(job_id):
+                continue  # a resume whose kernel went silent: parked again, snapshot kept
             try:
                 self.manager.cancel(job_id, reason=why)
             except HoraError as e:  # deleted meanwhile
@@ -501,8 +337,10 @@ class SessionManager:
             if lease.idle_timeout_s is not None:
                 idle_left = max(0.0, lease.idle_timeout_s - idle)
                 if idle_left <= self.settings.session_idle_warn_s:
+                    parks = self.settings.session_idle_action == "park"
+                    what = "is parked (its variables kept)" if parks else "stops"
                     warning = (
-                        f"engines idle for {fmt_s(idle)}: session {job.id} stops in "
+                        f"engines idle for {fmt_s(idle)}: session {job.id} {what} in "
                         f"{fmt_s(idle_left)} unless a %%distributed cell runs"
                     )
         who = viewer or User(name=job.user)
@@ -513,7 +351,8 @@ class SessionManager:
             created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at,
             lease_s=lease.lease_s if lease else self.settings.session_lease_s,
             idle_timeout_s=lease.idle_timeout_s if lease else None,
-            idle_s=idle, stop_in_s=idle_left, warning=warning, queue=queue,
+            idle_s=idle, stop_in_s=idle_left, warning=warning, queue=queue, park=job.park,
+            park_requested=self.parks.asked(job.id) if job.state == JobState.running else None,
         )  # fmt: skip
 
     def idle_of(self, job_id: int, now: float | None = None) -> float | None:
@@ -541,22 +380,24 @@ class SessionManager:
         return idle
 
 
-def _due(lease: Lease, now: float) -> str | None:
-    """Why a session must end now, or None.
+def _due(lease: Lease, now: float) -> tuple[str, bool] | None:
+    """Why a session must end (or be parked) now, and whether for idleness; or None.
 
     Example:
-        >>> _due(Lease(30, None, heard=0, active=0), 31)
+        >>> _due(Lease(30, None, heard=0, active=0), 31)[0]
         'the kernel stopped heartbeating (no word for 31s; lease 30s): session ended, slots freed'
+        >>> _due(Lease(30, 60, heard=100, active=0), 100)
+        ('idle for 100s', True)
     """
     silent = now - lease.heard
     if silent > lease.lease_s:
         return (
             f"the kernel stopped heartbeating (no word for {fmt_s(silent)}; "
             f"lease {fmt_s(lease.lease_s)}): session ended, slots freed"
-        )
+        ), False
     idle = now - lease.idle_since()
     if lease.idle_timeout_s is not None and idle > lease.idle_timeout_s:
-        return f"idle for {fmt_s(idle)}: engines stopped and slots freed"
+        return f"idle for {fmt_s(idle)}", True
     return None
 
 

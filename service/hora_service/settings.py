@@ -131,6 +131,17 @@ class Settings(BaseSettings):
         session_busy_cpu: share of a core per engine above which the service counts a
             session's engines as computing (their CPU time is sampled every 2 s); below it
             they are idle, whatever the kernel's heartbeats say.
+        session_idle_action: what the idle timeout does to a session: ``park`` (its engines'
+            state is saved in the owner's own directory, the slots are freed, and the next
+            ``%%distributed`` cell resumes it) or ``stop`` (the engines and their variables
+            are gone). A session whose park fails (over the quota) is stopped.
+        session_park_quota: most bytes of parked snapshots one user may keep (a size such as
+            ``50g``, or ``none``); a park past it is refused and its engines keep running.
+        session_park_retention_s: a parked session not resumed within this long is ended
+            and its snapshot deleted.
+        session_preempt_idle_s: a job or session of a higher priority that waits for slots
+            parks a running session of a lower priority whose engines have been idle this
+            long (a running cell is never interrupted); None: never.
         session_python: the Python that runs local sessions' engines (``python -m
             hora.engines._child session-engine``) and elastic jobs' drivers (``python -m
             hora.launch``); it needs hora, ipyparallel and torch. By default the service's
@@ -252,6 +263,10 @@ class Settings(BaseSettings):
     session_idle_timeout_max_s: Annotated[float | None, Field(gt=0)] = None
     session_idle_warn_s: Annotated[float, Field(ge=0)] = 300.0
     session_busy_cpu: Annotated[float, Field(gt=0, le=64)] = 0.1
+    session_idle_action: Literal["park", "stop"] = "park"
+    session_park_quota: str = "none"
+    session_park_retention_s: Annotated[float, Field(gt=0)] = 7 * 24 * 3600.0
+    session_preempt_idle_s: Annotated[float | None, Field(ge=0)] = 300.0
     session_python: Path | None = None
     job_umask: str = "077"
     job_memory_limit: str = "auto"
@@ -325,6 +340,19 @@ class Settings(BaseSettings):
         if limits.parse(kind, v) == "auto" and info.field_name == "user_disk_limit":
             raise ValueError("user_disk_limit is a size or none (there is no auto)")
         return v.strip().lower()
+
+    @field_validator("session_park_quota")
+    @classmethod
+    def _park_quota(cls, v: str) -> str:
+        if limits.parse("memory", v) == "auto":
+            raise ValueError("session_park_quota is a size or none (there is no auto)")
+        return v.strip().lower()
+
+    @property
+    def park_quota_bytes(self) -> int | None:
+        """``session_park_quota`` in bytes (None: no quota)."""
+        size = limits.parse("memory", self.session_park_quota)
+        return size if isinstance(size, int) else None
 
     @property
     def disk_bytes(self) -> int | None:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import sqlite3
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -22,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from hora.errors import HoraError
-from hora.spec import PRIORITY_RANK, ElasticInfo, JobSpec, JobState
+from hora.spec import PRIORITY_RANK, ElasticInfo, JobSpec, JobState, ParkInfo
 from pydantic import BaseModel
 from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.exc import (
@@ -34,6 +32,7 @@ from sqlalchemy.exc import (
 )
 
 from hora_service.models import JobRecord, Transition, User
+from hora_service.store_sqlite import BUSY_TIMEOUT_MS, drop_broken, owner_only, pragmas
 
 # Each step upgrades the schema by one version; never edit a released step, add one.
 MIGRATIONS: list[list[str]] = [
@@ -117,13 +116,13 @@ MIGRATIONS: list[list[str]] = [
         "ALTER TABLE users ADD COLUMN limits TEXT NOT NULL DEFAULT '{}'",
     ],
     ["ALTER TABLE jobs ADD COLUMN elastic TEXT"],  # v8: an elastic job's size (ElasticInfo)
+    ["ALTER TABLE jobs ADD COLUMN park TEXT"],  # v9: a session's snapshot (ParkInfo)
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
-BUSY_TIMEOUT_MS = 30_000
 ACTIVE = (JobState.starting, JobState.running)
 JOB_COLUMNS = (
     "id, user, spec, state, attempt, reason, exit_codes, slots, created_at, started_at, "
-    "finished_at, user_id, kind, container_id, elastic"
+    "finished_at, user_id, kind, container_id, elastic, park"
 )
 USER_COLUMNS = "id, name, is_admin, gpu_quota, os_uid, idle_timeout_s, limits"
 # the id of the user who has this name now (jobs belong to ids, requests come with names)
@@ -193,7 +192,7 @@ class Store:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        _owner_only(path)
+        owner_only(path)
         self.engine: Engine = create_engine(
             f"sqlite:///{path}",
             connect_args={"check_same_thread": False, "timeout": 30},
@@ -201,8 +200,8 @@ class Store:
             max_overflow=56,
             pool_timeout=30,
         )
-        event.listen(self.engine, "connect", _pragmas)
-        event.listen(self.engine, "handle_error", _drop_broken)
+        event.listen(self.engine, "connect", pragmas)
+        event.listen(self.engine, "handle_error", drop_broken)
         self._write = threading.Lock()
         self.migrate()
 
@@ -489,6 +488,7 @@ class Store:
                 kind=r[12],
                 container_id=r[13],
                 elastic=ElasticInfo.model_validate_json(r[14]) if r[14] else None,
+                park=ParkInfo.model_validate_json(r[15]) if r[15] else None,
             )
             for r in rows
         ]
@@ -503,6 +503,12 @@ class Store:
                 {f"s{i}": n for i, n in enumerate(names)},
             ).all()
             return self._records(conn, rows)
+
+    def jobs_with_park(self) -> list[JobRecord]:
+        """Every session with a snapshot on disk (parked, parking or resuming), oldest first."""
+        with self.engine.connect() as conn:
+            sql = text(f"SELECT {JOB_COLUMNS} FROM jobs WHERE park IS NOT NULL ORDER BY id")
+            return self._records(conn, conn.execute(sql).all())
 
     def pending_rows(self) -> list[tuple[int, str, int, int, str, float | None]]:
         """``(id, user, need, priority, spec, retry_at)`` of queued and retrying jobs."""
@@ -531,13 +537,13 @@ class Store:
         )
 
     def session_terms(self) -> dict[int, tuple[float, float | None]]:
-        """Job id -> (lease, idle timeout) of every session not finished yet."""
+        """Job id -> (lease, idle timeout) of every session not finished (nor parked) yet."""
         with self.engine.connect() as conn:
             rows = conn.execute(
                 text(
                     "SELECT s.job_id, s.lease_s, s.idle_timeout_s FROM sessions s "
                     "JOIN jobs j ON j.id = s.job_id "
-                    "WHERE j.state NOT IN ('succeeded', 'failed', 'cancelled')"
+                    "WHERE j.state NOT IN ('succeeded', 'failed', 'cancelled', 'parked')"
                 )
             ).all()
         return {int(r[0]): (float(r[1]), r[2]) for r in rows}
@@ -556,17 +562,6 @@ def _column(value: Any) -> Any:
     return json.dumps(value) if isinstance(value, dict | list) else value
 
 
-def _owner_only(path: Path) -> None:
-    """Create the database file readable and writable by the service's account only.
-
-    SQLite gives its ``-wal`` and ``-shm`` files the database file's mode.
-    """
-    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
-    for f in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
-        if f.exists():
-            f.chmod(0o600)
-
-
 def _user(row: Any) -> User:
     return User(
         id=row[0], name=row[1], is_admin=bool(row[2]), gpu_quota=row[3], os_uid=row[4],
@@ -576,23 +571,3 @@ def _user(row: Any) -> User:
 
 def _now() -> float:
     return datetime.now(UTC).timestamp()
-
-
-def _drop_broken(ctx: Any) -> None:
-    """A connection that met a damaged file is dropped (with the pool), not reused.
-
-    SQLite keeps answering "file is not a database" on a connection that once read a damaged
-    header, even after the file is repaired; new connections read it afresh.
-    """
-    orig = ctx.original_exception
-    if isinstance(orig, sqlite3.DatabaseError) and type(orig) is sqlite3.DatabaseError:
-        ctx.is_disconnect = True
-
-
-def _pragmas(dbapi_conn: Any, record: Any) -> None:
-    cur = dbapi_conn.cursor()
-    cur.execute("PRAGMA journal_mode=WAL")
-    cur.execute("PRAGMA synchronous=NORMAL")
-    cur.execute("PRAGMA foreign_keys=ON")
-    cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-    cur.close()

@@ -43,7 +43,8 @@ CONN = {
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceServer]:
     users = {"ann": False, "bob": False, "root": True}
-    env = {"HORA_SESSION_LEASE_S": "2"}
+    # the idle timeout stops engines here (no kernel parks them: test_sessions_park.py does)
+    env = {"HORA_SESSION_LEASE_S": "2", "HORA_SESSION_IDLE_ACTION": "stop"}
     with ServiceServer(tmp_path_factory.mktemp("svc-sessions"), users, 2, env) as srv:
         yield srv
 

@@ -128,6 +128,7 @@ def test_a_lying_kernel_loses_its_idle_session_and_others_see_no_idle_time(
     env = {
         "HORA_SESSION_LEASE_S": "5",
         "HORA_SESSION_IDLE_TIMEOUT_MAX_S": "6",  # the admin's maximum
+        "HORA_SESSION_IDLE_ACTION": "stop",  # no kernel here to park it
         "HORA_SESSION_BUSY_CPU": "0.05",
     }
     users = {"ann": False, "bob": False, "root": True}

@@ -101,6 +101,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceServer]:
         "HORA_SESSION_LEASE_S": "3",
         "HORA_SESSION_IDLE_TIMEOUT_S": "3600",
         "HORA_SESSION_IDLE_WARN_S": "3",
+        "HORA_SESSION_IDLE_ACTION": "stop",  # parking: test_sessions_park.py
         # the engines import this checkout's hora
         "HORA_JOB_ENV_PASSTHROUGH": "PYTHONPATH,OMP_NUM_THREADS,PYTHONUNBUFFERED",
     }

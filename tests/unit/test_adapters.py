@@ -1,7 +1,8 @@
-"""The private names of ipyparallel and torch.distributed are used in one adapter module each.
+"""The private names of ipyparallel, torch.distributed and cloudpickle: one adapter module each.
 
-``hora.engines._ipp`` and ``hora.torch._dist`` are the only modules that may reach them (see
-docs/dev/architecture.md); an upgrade that moves one then breaks in one place.
+``hora.engines._ipp``, ``hora.torch._dist`` and ``hora.engines._pickling`` are the only modules
+that may reach them (see docs/dev/architecture.md); an upgrade that moves one then breaks in
+one place.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ ROOT = Path(hora.__file__).parent
 OWNED = {
     "engines/_ipp.py": re.compile(r"\._engines\b|\._mux_stream\b|\._send_control_request\b"),
     "torch/_dist.py": re.compile(r"distributed_c10d\._|\bdist\._[a-z]|torch\._C\._distributed"),
+    "engines/_pickling.py": re.compile(r"\._dynamic_function_reduce\b|cloudpickle\.cloudpickle\b"),
 }
 
 

@@ -20,6 +20,7 @@ FULL = RankEnv(
     preflight="1", preflight_warn_below=0.5, preflight_fail_below=0.3,
     preflight_baseline="/srv/base", preflight_fd="5:14:2201", elastic_dir="/tmp/el",
     elastic_worker="w3", elastic_timeout=600.0,
+    restore_dir="/w/.hora-parked/session-3-0123456789abcdef", restore_size=2,
 )  # fmt: skip
 
 

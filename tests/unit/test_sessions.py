@@ -191,6 +191,7 @@ def test_a_queued_session_whose_kernel_died_leaves_the_queue(
 
 
 def test_idle_engines_are_warned_then_stopped(mgr: JobManager, sessions: SessionManager) -> None:
+    mgr.settings.session_idle_action = "stop"  # the admin's choice (parking: test_parking_service)
     s = sessions.create("ann", request(idle_timeout_s=300))
     mgr.tick()
     record = mgr.get(s.id)

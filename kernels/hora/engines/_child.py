@@ -14,6 +14,8 @@ ipyparallel's own ``main`` it adds what the notebook needs:
 ``hora_service.sessions``): it reads the controller's engine connection info from
 ``HORA_ENGINE_CONNECTION`` (JSON checked by the service), writes it and its stack file into a
 private directory of its own, and runs as an engine; its parent is the service's rank shim.
+The engine of a resumed session starts reading its part of the snapshot at once
+(:func:`hora.engines.park.start_prefetch`).
 """
 
 from __future__ import annotations
@@ -91,6 +93,9 @@ def _remove_on_stop(home: str) -> None:
 def _session_engine() -> None:
     """An engine of a service session: connect with the info the service passed (see above)."""
     info = json.loads(os.environ.pop(CONNECTION_VAR))  # not inherited by the user's children
+    from hora.engines import park
+
+    park.start_prefetch()  # a resumed session's engine reads its part while it starts
     home = tempfile.mkdtemp(prefix="hora-session-engine-")  # mode 0700: the key stays ours
     atexit.register(shutil.rmtree, home, True)
     _remove_on_stop(home)

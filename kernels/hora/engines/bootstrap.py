@@ -115,6 +115,16 @@ def _user_ns() -> dict[str, Any]:
     return ip.user_ns  # type: ignore[no-any-return]
 
 
+def namespace() -> dict[str, Any]:
+    """The engine's user namespace (where cells run)."""
+    return _user_ns()
+
+
+def rank_device() -> Any:
+    """This rank's device (``cuda:N`` bound at init, else the CPU)."""
+    return _device()
+
+
 def _device() -> Any:
     import torch
 

@@ -22,6 +22,7 @@ import json
 import logging
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -90,6 +91,9 @@ class Cluster:
         self.start_s = 0.0
         self.starts = 0
         self.numbers = CellNumbers()
+        # held by whatever uses the engines (a cell, a push, a park): a park the service
+        # asks for in the background never interrupts one
+        self.lock = threading.RLock()
 
     # --- lifecycle ---------------------------------------------------------------------------
     @property
@@ -246,22 +250,30 @@ class Cluster:
             ),
             log_file=self.launcher.log_file(rank),
             main_thread=info["main_thread"],
-            local=info["host"] == socket.gethostname(),
+            # a container's engine has the host's name but a pid of its own namespace
+            local=info["host"] == socket.gethostname() and getattr(proc, "signallable", True),
         )
 
     def stop(self) -> None:
         """Stop every engine and the controller; wait until they are gone. Harmless if stopped."""
+        self._disconnect()
+        self.launcher.stop()
+        self.engines = []
+        self.state, self.broken_reason = ClusterState.STOPPED, ""
+        self.numbers = CellNumbers()
+        _LIVE.discard(self)
+
+    def close(self) -> None:
+        """What the kernel's exit does: :meth:`stop` (a session cluster may park instead)."""
+        self.stop()
+
+    def _disconnect(self) -> None:
         if self.client is not None:
             try:
                 self.client.close(linger=0)
             except Exception as e:  # closing a client whose controller died can fail; go on
                 log.debug("closing the client: %s", e)
             self.client = None
-        self.launcher.stop()
-        self.engines = []
-        self.state, self.broken_reason = ClusterState.STOPPED, ""
-        self.numbers = CellNumbers()
-        _LIVE.discard(self)
 
     def restart(self) -> list[dict[str, Any]]:
         """Stop and start again with the same options.
@@ -280,6 +292,10 @@ class Cluster:
         if self.state is ClusterState.BROKEN:
             raise ClusterBrokenError(
                 f"{self.broken_reason}; run %dist_restart (engine variables are lost)"
+            )
+        if self.state is ClusterState.PARKED:
+            raise ClusterNotRunningError(
+                "the session is parked: resume() it (the next %%distributed cell does)"
             )
         if self.state is not ClusterState.READY:
             raise ClusterNotRunningError("no engines are running; run %dist_start first")
@@ -323,7 +339,7 @@ class Cluster:
                 (``outcome`` says so; engines that did not stop are restarted).
             KeyboardInterrupt: interrupted; as for a stall, the group is rebuilt when needed.
         """
-        with self.launcher.cell():
+        with self.lock, self.launcher.cell():
             self._require_ready()
             self.repair()  # engines that died since the last cell (the magic says so first)
             self.recovery.replacing = None
@@ -387,9 +403,10 @@ class Cluster:
             values: name -> value.
             ranks: which ranks (default all).
         """
-        self._require_ready()
-        view = self.view(ranks)
-        view.apply_async(bootstrap.push_values, values).get(timeout=self.options.timeout_s)
+        with self.lock:
+            self._require_ready()
+            view = self.view(ranks)
+            view.apply_async(bootstrap.push_values, values).get(timeout=self.options.timeout_s)
 
     def pull(self, name: str, ranks: Sequence[int] | None = None) -> list[Any]:
         """Fetch a variable from the engines (tensors come back on CPU), ordered by rank.
@@ -408,12 +425,13 @@ class Cluster:
 
         from hora.engines.errors import CellFailedError, RankError
 
-        self._require_ready()
-        chosen = self._ranks(ranks)
-        ars = [
-            self.client[self.engines[r].engine_id].apply_async(bootstrap.pull_value, name)
-            for r in chosen
-        ]
+        with self.lock:
+            self._require_ready()
+            chosen = self._ranks(ranks)
+            ars = [
+                self.client[self.engines[r].engine_id].apply_async(bootstrap.pull_value, name)
+                for r in chosen
+            ]
         out, errors = [], []
         for r, ar in zip(chosen, ars, strict=True):
             try:
@@ -489,4 +507,4 @@ def _track(cluster: Cluster) -> None:
 
 def _stop_all() -> None:
     for cluster in list(_LIVE):
-        cluster.stop()
+        cluster.close()

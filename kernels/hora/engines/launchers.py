@@ -383,14 +383,18 @@ class RemoteProcess:
 
     Its exit code is the service's to know (the session's events, ``hora logs``); here a gone
     process reads as :data:`~hora.engines.errors.UNSEEN_EXIT`.
-    An engine on another machine (a Slurm node) cannot be watched by its pid: it reads as
-    gone once the service ended the session (``ended``), which it does when any engine ends.
+    An engine on another machine (a Slurm node) or in a container (a pid namespace of its own)
+    cannot be watched by its pid: it reads as gone once the service ended the session (``ended``),
+    which it does when any engine ends; it is never signalled (``signallable``).
     """
 
     def __init__(self, pid: int, ended: Callable[[], bool] | None = None) -> None:
         self._pid = pid
         self._ended = ended
         self.returncode: int | None = None
+        # its pid is one of this machine's (not a Slurm node's nor a container's namespace's):
+        # it may be signalled and its stack file read here
+        self.signallable = ended is None
 
     @property
     def pid(self) -> int:

@@ -20,12 +20,10 @@ import json
 import logging
 import os
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from datetime import datetime
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -34,6 +32,7 @@ from hora.client_config import config_path
 from hora.engines import plan
 from hora.engines.cluster import Cluster, kernel_cuda_initialized
 from hora.engines.errors import EngineError, EngineStartError, rank_ranges
+from hora.engines.heartbeat import SessionHeartbeat, render_queue
 from hora.engines.launchers import (
     AskedEngine,
     EngineProcess,
@@ -42,66 +41,25 @@ from hora.engines.launchers import (
     RemoteProcess,
     world_file,
 )
+from hora.engines.parking import Parker, ParkReport, ResumeReport
 from hora.engines.state import ClusterState
 from hora.errors import HoraError, SpecError
 from hora.net import free_port, is_local_address, route_source
 from hora.spec import SessionInfo
 
 log = logging.getLogger("hora.engines")
+__all__ = [
+    "ServiceCluster", "SessionHeartbeat", "SessionLauncher", "SessionWithdrawn",
+    "render_queue", "service_configured",
+]  # fmt: skip
 
 POLL_S = 0.25
+PARK_ON_EXIT = "HORA_PARK_ON_EXIT"  # "1": a kernel that exits parks its session
 ASK_S = 10.0  # how long a new engine is asked for while the service sees the old one run
 
 
 class SessionWithdrawn(EngineError):
     """``%dist_start`` was interrupted while queued; the request left the queue."""
-
-
-def _ago(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f}s"
-    if seconds < 5400:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
-
-
-def render_queue(info: SessionInfo, now: datetime, waited_s: float = 0.0) -> str:
-    """What a queued ``%dist_start`` shows: place, who holds the slots, an estimate.
-
-    Example:
-        >>> print(render_queue(info, now))  # doctest: +SKIP
-        session 7 queued: position 1; waiting for 2 slot(s); 0 free (waited 3s; Ctrl-C withdraws)
-          job 5 (bob) holds slots 0,1 since 12:00:01 (5 min)
-          no estimate: what holds the slots has no time limit
-    """
-    q = info.queue
-    if q is None:
-        return f"session {info.id} {info.state}"
-    if q.position == 0:  # handed to a runtime whose own queue holds it (Slurm)
-        return (
-            f"session {info.id} waits in the runtime's queue: {q.reason} "
-            f"(waited {_ago(waited_s)}; Ctrl-C withdraws)"
-        )
-    lines = [
-        f"session {info.id} queued: position {q.position}; {q.reason} "
-        f"(waited {_ago(waited_s)}; Ctrl-C withdraws)"
-    ]
-    for h in q.holders:
-        since = h.since.astimezone().strftime("%H:%M:%S")
-        held = _ago(max(0.0, (now - h.since).total_seconds()))
-        idle = f", idle {_ago(h.idle_s)}" if h.idle_s is not None else ""
-        ends = f", ends by {h.ends_at.astimezone():%H:%M:%S}" if h.ends_at else ""
-        slots = ",".join(map(str, h.slots))
-        who = h.what or f"{h.kind} {h.id} ({h.user})"  # what: a holder outside the service
-        lines.append(f"  {who} holds slots {slots} since {since} ({held}{idle}{ends})")
-    if q.estimate_at is not None:
-        left = max(0.0, (q.estimate_at - now).total_seconds())
-        lines.append(
-            f"  estimate: slots free by {q.estimate_at.astimezone():%H:%M:%S} (~{_ago(left)})"
-        )
-    elif q.holders:
-        lines.append("  no estimate: what holds the slots has no time limit")
-    return "\n".join(lines)
 
 
 def service_configured(environ: Mapping[str, str] | None = None) -> bool:
@@ -113,79 +71,6 @@ def service_configured(environ: Mapping[str, str] | None = None) -> bool:
     """
     env = os.environ if environ is None else environ
     return bool(env.get("HORA_URL") or env.get("HORA_TOKEN")) or config_path(env).is_file()
-
-
-class SessionHeartbeat:
-    """Renews the session's lease from a background thread; keeps the warnings and the end.
-
-    Args:
-        service: a client of its own (the kernel's thread uses another).
-        session_id: the session.
-        period: seconds between heartbeats.
-        idle: returns how long the engines have been idle, in seconds.
-        notify: shows a notice in the notebook (a warning, or why the session ended).
-    """
-
-    def __init__(
-        self,
-        service: Client,
-        session_id: int,
-        period: float,
-        idle: Callable[[], float],
-        notify: Callable[[str], None] | None = None,
-    ) -> None:
-        self.service, self.session_id, self.period = service, session_id, period
-        self.idle, self.notify = idle, notify
-        self.ended: SessionInfo | None = None
-        self.notices: list[str] = []
-        self._warned: str | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="hora-heartbeat", daemon=True)
-
-    def start(self) -> None:
-        """Start beating."""
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Stop beating (the lease then runs out unless the session is deleted)."""
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
-        self.service.close()
-
-    def beat(self) -> SessionInfo:
-        """Send one heartbeat; note a new warning or the session's end."""
-        path = f"/v1/sessions/{self.session_id}/heartbeat"
-        info = SessionInfo.model_validate(
-            self.service.request("POST", path, json={"idle_s": self.idle()}).json()
-        )
-        if info.ended:
-            self.ended = info
-            self._notice(f"hora: session {info.id} ended: {info.reason or info.state}")
-        elif info.warning and self._warned is None:
-            self._warned = info.warning
-            self._notice(f"hora: {info.warning}")
-        elif not info.warning:
-            self._warned = None
-        return info
-
-    def _notice(self, text: str) -> None:
-        self.notices.append(text)
-        if self.notify is not None:
-            self.notify(text)
-
-    def take_notices(self) -> list[str]:
-        """The notices not shown yet (for the next cell's output)."""
-        out, self.notices = self.notices, []
-        return out
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.period):
-            try:
-                if self.beat().ended:
-                    return
-            except Exception as e:  # the service may be restarting: the lease covers a gap
-                log.debug("heartbeat of session %d failed: %s", self.session_id, e)
 
 
 class SessionLauncher(KernelProcesses):
@@ -201,6 +86,7 @@ class SessionLauncher(KernelProcesses):
             (one Slurm job; the controller then listens on an address the nodes reach).
         ip: that address (default: the one the service names, ``GET /v1/session-address``).
         ready: whether the cluster is ready (a cluster that is not counts as never idle).
+        image: with the ``docker`` runtime, the engines' image (it must have hora).
 
     Raises:
         SpecError: ``gpus`` given, or ``ip`` without the ``slurm`` runtime.
@@ -216,13 +102,14 @@ class SessionLauncher(KernelProcesses):
         runtime: str = "local",
         ip: str | None = None,
         ready: Callable[[], bool] = lambda: True,
+        image: str | None = None,
     ) -> None:
         super().__init__(options)
         if options.gpus is not None:
             raise SpecError("gpus", "the service chooses a session's GPUs; leave out --gpus")
         if ip is not None and runtime != "slurm":
             raise SpecError("ip", "only engines on Slurm nodes need another address than 127.0.0.1")
-        self.runtime, self.ip = runtime, ip
+        self.runtime, self.ip, self.image = runtime, ip, image
         self.address = "127.0.0.1"  # where the controller listens (set at start)
         self.service = service or Client()
         self.progress, self.notify = progress, notify
@@ -235,6 +122,8 @@ class SessionLauncher(KernelProcesses):
         self.busy = False
         self.last_active = time.monotonic()
         self._last_check = 0.0
+        self.resuming: int | None = None  # the parked session the next launch resumes
+        self.on_park: Callable[[str], None] | None = None  # the service asks for a park
 
     @property
     def where(self) -> str:
@@ -315,25 +204,29 @@ class SessionLauncher(KernelProcesses):
             ) from None
 
     def _ask(self, n: int, connection: dict[str, Any]) -> None:
-        body = {
-            "workers": n,
-            "connection": connection,
-            "backend": self.options.backend,
-            "timeout_s": self.options.timeout_s,
-            "start_timeout_s": self.options.start_timeout_s,
-            "threads": self.options.threads,
-            "idle_timeout_s": self.idle_timeout_s,
-            "runtime": self.runtime,
-        }
+        """Ask for a new session, or to resume the parked one (:attr:`resuming`)."""
+        body: dict[str, Any] = {"connection": connection}
         if self.runtime == "local" and self._dir is not None:  # where re-formed worlds meet
             body["world_file"] = str(world_file(self._dir))
+        if self.resuming is not None:
+            body["workers"] = self.options.n
+            path = f"/v1/sessions/{self.resuming}/resume"
+        else:
+            body.update(
+                workers=n, backend=self.options.backend, timeout_s=self.options.timeout_s,
+                start_timeout_s=self.options.start_timeout_s, threads=self.options.threads,
+                idle_timeout_s=self.idle_timeout_s, runtime=self.runtime, image=self.image,
+            )  # fmt: skip
+            path = "/v1/sessions"
         self.session = SessionInfo.model_validate(
-            self.service.request("POST", "/v1/sessions", json=body).json()
+            self.service.request("POST", path, json=body).json()
         )
         self.asked = self.session.id
         beat = Client(self.service.url, self.service.token)
         period = max(0.2, self.session.lease_s / 3)
-        self.heartbeat = SessionHeartbeat(beat, self.session.id, period, self._idle, self.notify)
+        self.heartbeat = SessionHeartbeat(
+            beat, self.session.id, period, self._idle, self.notify, self.on_park
+        )
         self.heartbeat.start()
 
     def _idle(self) -> float:
@@ -378,9 +271,10 @@ class SessionLauncher(KernelProcesses):
 
     def placed(self, info: Mapping[str, Any]) -> tuple[int, EngineProcess]:
         """The rank the engine reports, and its process watched by its pid."""
-        if info.get("host") == socket.gethostname():
+        if info.get("host") == socket.gethostname() and self.runtime == "local":
             return int(info.get("rank", -1)), RemoteProcess(int(info["pid"]))
-        # on a Slurm node: its pid means nothing here; the service says when it is gone
+        # on a Slurm node or in a container (its own pid namespace, the host's name): its pid
+        # means nothing here, and is never signalled; the service says when it is gone
         return int(info.get("rank", -1)), RemoteProcess(int(info["pid"]), self._ended)
 
     def _ended(self) -> bool:
@@ -451,8 +345,16 @@ class SessionLauncher(KernelProcesses):
         return f"{rank_ranges(sorted(dead))} died; the hora service ends the session"
 
     def withdrawn(self) -> EngineError | None:
-        """The start was interrupted while queued: the session is withdrawn by :meth:`stop`."""
+        """The start was interrupted while queued: the session is withdrawn by :meth:`stop`.
+
+        A parked session asked to resume goes back to being parked, its snapshot kept.
+        """
         sid = self.session.id if self.session else "?"
+        if self.resuming is not None:
+            return SessionWithdrawn(
+                f"interrupted: session {sid} left the queue and stays parked; the next "
+                "%%distributed cell (or %dist_resume) asks for its engines again"
+            )
         return SessionWithdrawn(
             f"interrupted: session {sid} withdrawn from the queue; run %dist_start again "
             "to ask for engines"
@@ -469,17 +371,47 @@ class SessionLauncher(KernelProcesses):
             self.last_active = time.monotonic()
 
     def stop(self) -> None:
-        """Stop the heartbeat, end the session (its engines), stop the controller."""
+        """Stop the heartbeat, end the session (its engines), stop the controller.
+
+        A resumed session still queued goes back to being parked instead (its snapshot is
+        kept); a parked one (:attr:`resuming`, no engines) is ended, its snapshot deleted.
+        """
+        self._end_heartbeat()
+        sid = self.session.id if self.session is not None else self.resuming
+        if sid is not None and (self.session is None or not self.session.ended):
+            back = self.resuming is not None and self.session is not None
+            method, path = ("POST", f"/v1/sessions/{sid}/withdraw") if back else (
+                "DELETE", f"/v1/sessions/{sid}")  # fmt: skip
+            try:
+                self.service.request(method, path)
+            except HoraError as e:  # the lease frees the slots if the service cannot hear us
+                log.warning("could not end session %s: %s", sid, e)
+        self.session = None
+        self.resuming = None
+        super().stop()
+
+    def release(self) -> None:
+        """The service parked the session: stop heartbeating and the controller, end nothing.
+
+        The next :meth:`launch` resumes the session (:attr:`resuming`).
+        """
+        self._end_heartbeat()
+        if self.session is not None:
+            self.resuming = self.session.id
+        self.session = None
+        super().stop()
+
+    def forget(self) -> None:
+        """Let go of a parked session without ending it (the kernel exits): it stays parked."""
+        self._end_heartbeat()
+        self.session = None
+        self.resuming = None
+        super().stop()
+
+    def _end_heartbeat(self) -> None:
         if self.heartbeat is not None:
             self.heartbeat.stop()
             self.heartbeat = None
-        if self.session is not None and not self.session.ended:
-            try:
-                self.service.request("DELETE", f"/v1/sessions/{self.session.id}")
-            except HoraError as e:  # the lease frees the slots if the service cannot hear us
-                log.warning("could not end session %d: %s", self.session.id, e)
-        self.session = None
-        super().stop()
 
 
 def _ended_reason(ended: SessionInfo) -> str:
@@ -489,7 +421,8 @@ def _ended_reason(ended: SessionInfo) -> str:
 class ServiceCluster(Cluster):
     """A :class:`Cluster` whose engines are a session of the hora service (module docstring).
 
-    It only wires a :class:`SessionLauncher` and shows its session.
+    It wires a :class:`SessionLauncher`, shows its session, and parks and resumes it
+    (:class:`hora.engines.parking.Parker`).
 
     Args:
         options: how many engines, backend, timeouts (``gpus`` is the service's choice).
@@ -501,11 +434,18 @@ class ServiceCluster(Cluster):
         runtime: where the service starts the engines: ``local`` (its machine) or ``slurm``
             (one Slurm job; the controller then listens on an address the nodes reach).
         ip: that address (default: the one the service names, ``GET /v1/session-address``).
+        resume: the id of a parked session to resume (see :meth:`resume`) instead of
+            starting a new one.
+        image: the engines' image, for the ``docker`` runtime (it must have hora).
 
     Example:
         >>> c = ServiceCluster(plan.ClusterOptions(n=2))  # doctest: +SKIP
         >>> c.start(); c.session.id  # doctest: +SKIP
         12
+        >>> print(c.park().line())  # doctest: +SKIP
+        parked session 12 in 1.9 s: 412 MB (3 names a rank); slots freed; ...
+        >>> print(c.resume().line())  # doctest: +SKIP
+        resumed session 12 in 6.1 s (queued 0.4 s, engines 3.9 s, restore 1.8 s: ...)
     """
 
     launcher: SessionLauncher
@@ -520,13 +460,63 @@ class ServiceCluster(Cluster):
         cuda_check: Callable[[], bool] = kernel_cuda_initialized,
         runtime: str = "local",
         ip: str | None = None,
+        resume: int | None = None,
+        image: str | None = None,
     ) -> None:
         options = options or plan.ClusterOptions()
         launcher = SessionLauncher(
             options, service, progress, notify, idle_timeout_s, runtime, ip,
-            ready=lambda: self.state is ClusterState.READY,
+            ready=lambda: self.state is ClusterState.READY, image=image,
         )  # fmt: skip
         super().__init__(options, cuda_check, launcher)
+        self.parker = Parker(self, notify)
+        launcher.on_park = self.parker.requested
+        if resume is not None:
+            launcher.resuming, self.state = resume, ClusterState.PARKED
+
+    def park(self, drop: Sequence[str] = (), force: bool = False) -> ParkReport:
+        """Save the engines' namespaces and give the slots back (see :class:`Parker`)."""
+        return self.parker.park(drop, force)
+
+    def resume(self, n: int | None = None) -> ResumeReport:
+        """Start the parked session's engines again and restore them (see :class:`Parker`)."""
+        return self.parker.resume(n)
+
+    def release(self) -> None:
+        """The session is parked: let go of the engines and the controller, end nothing."""
+        self._disconnect()
+        self.launcher.release()
+        self.engines = []
+        self.state, self.broken_reason = ClusterState.PARKED, ""
+
+    def parked_by_service(self) -> bool:
+        """The service holds the session parked while this cluster still thinks it runs.
+
+        (A park whose confirmation was lost.) The cluster then lets its engines go.
+        """
+        beat = self.launcher.heartbeat
+        if self.state is ClusterState.READY and beat is not None and beat.parked is not None:
+            self.release()
+            return True
+        return False
+
+    def close(self) -> None:
+        """At the kernel's exit: a parked session stays parked; a running one is ended.
+
+        With ``HORA_PARK_ON_EXIT=1`` in the kernel's environment (JupyterHub's culler sets
+        it) a running session is parked instead (as ``--force``: whatever cannot be saved
+        is left out, and named when it resumes).
+        """
+        if self.state is ClusterState.READY and os.environ.get(PARK_ON_EXIT) == "1":
+            try:
+                self.parker.park(force=True, cause="exit")
+            except HoraError as e:
+                log.warning("could not park session at exit: %s", e)
+        if self.state is ClusterState.PARKED:
+            self.launcher.forget()
+            self.state = ClusterState.STOPPED
+            return
+        self.stop()
 
     @property
     def session(self) -> SessionInfo | None:

@@ -1,7 +1,9 @@
 """The lifecycle states of a notebook cluster (data plane).
 
 STOPPED -> STARTING -> READY; READY -> BROKEN when a rank can be reached no more (it died
-while another was still inside the cell); ``restart`` leads back to READY.
+while another was still inside the cell); ``restart`` leads back to READY. A session of the
+hora service may be READY -> PARKED (its engines' state on disk, its engines gone); resuming
+starts it again (PARKED -> STARTING -> READY).
 """
 
 from __future__ import annotations
@@ -16,3 +18,4 @@ class ClusterState(enum.Enum):
     STARTING = "starting"
     READY = "ready"
     BROKEN = "broken"
+    PARKED = "parked"

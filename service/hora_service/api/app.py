@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from hora_service import ui
-from hora_service.api import jobs, logs, queue, sessions, system
+from hora_service.api import jobs, logs, parking, queue, sessions, system
 from hora_service.api.deps import CurrentUser, Identify, TokenCache, known_query
 from hora_service.api.errors import spec_error_detail, validation_detail
 from hora_service.api.limits import BodySizeLimit
@@ -100,6 +100,7 @@ def create_app(settings: Settings | None = None, manager: JobManager | None = No
     app.add_middleware(BodySizeLimit, max_bytes=max(1, int(settings.max_request_bytes)))
     app.include_router(jobs.router)
     app.include_router(logs.router)
+    app.include_router(parking.router)
     app.include_router(sessions.router)
     app.include_router(sessions.address_router)
     app.include_router(system.router)

@@ -64,14 +64,16 @@ async def healthz(request: Request) -> JSONResponse:
     summary="GPUs/slots and who holds them",
     responses=AUTH_RESPONSES,
 )
-def gpus(user: CurrentUser, manager: ManagerDep) -> list[SlotInfo]:
+def gpus(user: CurrentUser, manager: ManagerDep, request: Request) -> list[SlotInfo]:
     """Every GPU (or CPU slot on a machine without GPUs) and the job holding it, if any.
 
     With ``slurm_conf`` set, the Slurm cluster's GPUs follow, one row per node and GPU
     (``node``), with the job holding each where Slurm says (``slurm_job``, and hora's job
-    and user when it is one of hora's).
+    and user when it is one of hora's). Then each parked session (``kind`` ``parked``, no
+    ``index``: it holds no slot), with its owner, since when and its snapshot's size.
     """
-    return manager.slots() + manager.cluster_slots()
+    parked = request.app.state.sessions.parks.parked_rows()
+    return manager.slots() + manager.cluster_slots() + parked
 
 
 @router.get(

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hora.errors import HoraError, SpecError
-from hora.spec import JobSpec, JobState
+from hora.spec import JobSpec, JobState, ParkInfo
 from sqlalchemy import Connection
 
 from hora_service.elastic import python
@@ -161,8 +161,8 @@ class Admission(ManagerCore):
             if job is None:
                 raise HoraError(f"job {job_id} not found")
             now = time.time()
-            if job_id in self._pending:
-                del self._pending[job_id]
+            if job_id in self._pending or job.state == JobState.parked:
+                self._pending.pop(job_id, None)
                 self._set_state(job_id, JobState.cancelled, now, reason, finished_at=now)
             elif job_id in self._attempts:
                 self._attempts[job_id].stop(
@@ -174,6 +174,43 @@ class Admission(ManagerCore):
         found = self._record(job_id)
         assert found is not None
         return found
+
+    def park(self, session_id: int, reason: str, park: ParkInfo) -> None:
+        """Record a session's committed snapshot and stop its engines; it ends ``parked``.
+
+        A session still queued (asked to resume, not started) is parked at once.
+
+        Raises:
+            HoraError: the session is neither running nor queued.
+        """
+        with self._lock:
+            now = time.time()
+            attempt = self._attempts.get(session_id)
+            if session_id in self._pending:
+                del self._pending[session_id]
+                self._set_state(session_id, JobState.parked, now, reason, park=park)
+            elif attempt is not None and attempt.kind == "session" and attempt.stop_state is None:
+                self._write(Write(session_id, None, now, None, {"park": park}))
+                attempt.stop(JobState.parked, reason, now, self.settings.kill_grace_s, False)
+            else:
+                raise HoraError(f"session {session_id} is not running")
+            self._dirty = True
+        self._wake.set()
+
+    def requeue(
+        self, session_id: int, user: str, spec: JobSpec, reason: str, park: ParkInfo
+    ) -> None:
+        """Queue a parked session again with ``spec`` (its engines resume from ``park``)."""
+        with self._lock:
+            now = time.time()
+            fields = {"spec": spec, "need": spec.total_gpus, "park": park, "retry_at": None}
+            self._write(Write(session_id, JobState.queued, now, reason, fields))
+        self._enqueue(session_id, user, spec, None)
+
+    def set_park(self, session_id: int, park: ParkInfo | None) -> None:
+        """Record (None: forget) a session's snapshot without changing its state."""
+        with self._lock:
+            self._write(Write(session_id, None, time.time(), None, {"park": park}))
 
     def handoff(self, session_id: int, user: str, spec: JobSpec) -> JobRecord:
         """Submit ``spec`` for ``user`` and give it the running session's slots.

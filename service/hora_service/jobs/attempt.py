@@ -52,9 +52,11 @@ class Attempt:
 
     def stop(self, state: JobState, reason: str, now: float, grace: float, retry: bool) -> None:
         """Begin stopping every rank: SIGTERM now, SIGKILL at ``now + grace``."""
-        # a cancel may replace a failure already being stopped (the user's word is final and
-        # a cancelled job is not retried); nothing replaces a cancel
-        if self.stop_state is not None and self.stop_state != JobState.failed:
+        # a cancel may replace a failure or a park already being stopped (the user's word is
+        # final and a cancelled job is not retried); nothing replaces a cancel
+        replaceable = (JobState.failed, JobState.parked) if state == JobState.cancelled else (
+            JobState.failed,)  # fmt: skip
+        if self.stop_state is not None and self.stop_state not in replaceable:
             return
         self.stop_state, self.stop_reason, self.retriable = state, reason, retry
         self.kill_at = min(self.kill_at, now + grace)

@@ -321,6 +321,14 @@ class Monitor(Recovery):
         if heir in self._pending:  # the session's slots go straight to the job it handed to
             self._launch(heir, attempt.plan.slots[: self._pending[heir][0].need])
         codes = {r: (c if isinstance(c, int) else None) for r, c in enumerate(attempt.codes)}
+        if state == JobState.parked:  # a session whose engines' state is on disk
+            job = self._record(attempt.job_id)
+            park = job.park if job is not None else None
+            park = park.model_copy(update={"phase": "parked"}) if park is not None else None
+            self._set_state(
+                attempt.job_id, state, now, reason, exit_codes=codes, slots=[], park=park
+            )
+            return
         spec = attempt.plan.spec
         if (
             state == JobState.failed

@@ -47,6 +47,8 @@ class Recovery(Launch):
             self._attempts[job.id] = attempt
             if job.id in cancelling:
                 attempt.stop(JobState.cancelled, "cancelled by the user", now, grace, False)
+            elif job.park is not None and job.park.phase == "parking":  # committed: stop them
+                attempt.stop(JobState.parked, job.park.reason, now, grace, retry=False)
             elif job.state == JobState.starting and self._held(job.spec.runtime.value, ranks):
                 attempt.held = True  # still in the runtime's queue, or started meanwhile
             elif job.state == JobState.starting:

@@ -11,11 +11,12 @@ import time
 
 from hora.errors import HoraError
 from hora.leases import LeaseHolder
+from hora.spec import PRIORITY_RANK
 
 from hora_service.inventory import Slot
 from hora_service.jobs.attempt import Attempt, Holder, QueueView
 from hora_service.jobs.core import ManagerCore
-from hora_service.models import MetricsSnapshot, SlotInfo
+from hora_service.models import JobRecord, MetricsSnapshot, SlotInfo
 from hora_service.scheduler import INF, Holding, Pending, queue_order, reserve
 
 
@@ -106,6 +107,46 @@ class SlotViews(ManagerCore):
             mine[0] + 1, job.need, free, holders, shadow if shadow < INF else None,
             quota is not None and used + job.need > quota,
         )  # fmt: skip
+
+    def blocked_head(self, now: float | None = None) -> tuple[Pending, int] | None:
+        """The first queued request (by priority, then age) that the free slots cannot take.
+
+        Returns:
+            It and the number of free slots, or None when nothing ready waits for slots
+            (or the first waits for its user's own quota, which no other holder frees).
+        """
+        now = time.time() if now is None else now
+        with self._lock:
+            ready = [p for p, due in self._pending.values() if p.need > 0 and (due or 0) <= now]
+            held = sum(len(a.plan.slots) for a in self._attempts.values())
+            used: dict[str, int] = {}
+            for a in self._attempts.values():
+                used[a.user] = used.get(a.user, 0) + len(a.plan.slots)
+        free = len(self.inventory) - held
+        for head in sorted(ready, key=queue_order):
+            if head.need <= free:
+                free -= head.need  # the next pass places it
+                continue
+            quota = self.quota_of(head.user)
+            if quota is not None and used.get(head.user, 0) + head.need > quota:
+                return None
+            return head, free
+        return None
+
+    def session_holders(self) -> list[tuple[int, str, int, int]]:
+        """``(id, user, priority, slots)`` of the running sessions not being stopped."""
+        with self._lock:
+            return [
+                (a.job_id, a.user, PRIORITY_RANK[a.plan.spec.priority], len(a.plan.slots))
+                for a in self._attempts.values()
+                if a.kind == "session" and a.stop_state is None and not a.held
+            ]
+
+    def session_jobs(self) -> list[JobRecord]:
+        """The sessions queued, starting or running now (their records)."""
+        with self._lock:
+            ids = [a.job_id for a in self._attempts.values() if a.kind == "session"]
+        return [j for j in (self._record(i) for i in ids) if j is not None]
 
     def queue_snapshot(self) -> tuple[list[tuple[Pending, float | None]], tuple[Holder, ...]]:
         """The queued jobs (with their retry time) and the holders, oldest first, at once."""

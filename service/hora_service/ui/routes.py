@@ -151,7 +151,12 @@ def pool(request: Request, who: ViewerDep) -> dict[str, Any]:
             "gpu": gpu.model_dump() if gpu is not None else None,
         })  # fmt: skip
     node = {"name": socket.gethostname(), "runtime": "local", "slots": slots}
-    return {"nodes": [node], "total": len(slots), "now": time.time()}
+    parked = [
+        {"id": r.job_id, "user": r.user, "name": r.name, "since": r.parked_at,
+         "bytes": r.snapshot_bytes}
+        for r in request.app.state.sessions.parks.parked_rows()
+    ]  # fmt: skip
+    return {"nodes": [node], "total": len(slots), "parked": parked, "now": time.time()}
 
 
 @router.get("/api/queue")

@@ -162,7 +162,17 @@ async function viewPool() {
     return [el("h2", {}, `${node.name} — ${node.slots.length - held} of ${node.slots.length} free`),
       table(["slot", "name", "state", "holder", "user", "since", "GPU memory", "utilisation"], rows, (i) => node.slots[i].state)];
   });
-  page("Pool", el("div", { id: "pool" }, nodes));
+  const parked = (data.parked || []).map((p) => [
+    me.is_admin || p.user === me.user ? el("a", { href: `#/job/${p.id}` }, `session ${p.id}`) : `session ${p.id}`,
+    p.name, p.user, since(p.since), mib(p.bytes),
+  ]);
+  const held = parked.length ? [el("h2", {}, "Parked sessions (holding no slot)"),
+    table(["session", "name", "user", "parked since", "snapshot"], parked)] : [];
+  page("Pool", el("div", { id: "pool" }, nodes, el("div", { id: "parked" }, held)));
+}
+
+function mib(bytes) {
+  return bytes >= 1 << 30 ? `${(bytes / (1 << 30)).toFixed(1)} GiB` : `${(bytes / (1 << 20)).toFixed(1)} MiB`;
 }
 
 function bar(pct) {
@@ -267,8 +277,10 @@ function fillJob(job) {
   }
   const s = job.session;
   const box = document.getElementById("job-session");
-  box.hidden = !s || job.state !== "running";
-  if (s) box.textContent = `engines idle ${ago(s.idle_s)}` + (s.stop_in_s !== null ? `; stopped in ${ago(s.stop_in_s)} unless a cell runs` : "; no idle timeout");
+  const p = job.park;
+  box.hidden = !(s && job.state === "running") && !(p && job.state === "parked");
+  if (p && job.state === "parked") box.textContent = `parked since ${new Date(Date.parse(p.parked_at)).toLocaleString()} (${p.reason}); snapshot ${mib(p.bytes)} of ${p.world} ranks; the next %%distributed cell resumes it`;
+  else if (s) box.textContent = `engines idle ${ago(s.idle_s)}` + (s.stop_in_s !== null ? `; parked or stopped in ${ago(s.stop_in_s)} unless a cell runs` : "; no idle timeout");
   document.getElementById("cancel").hidden = ["succeeded", "failed", "cancelled"].includes(job.state);
   document.getElementById("resubmit").hidden = !job.can_resubmit;
   document.getElementById("transitions").replaceChildren(table(["state", "at", "reason"],
@@ -408,9 +420,10 @@ async function viewSessions() {
     el("a", { href: `#/job/${s.id}` }, String(s.id)), s.name, s.user, stateTag(s.state), s.workers,
     (s.slots || []).join(","), s.state === "running" ? ago(s.idle_s) : "",
     s.stop_in_s !== null && s.stop_in_s !== undefined ? ago(s.stop_in_s) : (s.state === "running" ? "no timeout" : ""),
+    s.park ? mib(s.park.bytes) : "",
     s.warning || s.reason || "",
   ]);
-  page("Sessions", items.length ? table(["id", "name", "user", "state", "engines", "slots", "idle", "culled in", "note"], rows)
+  page("Sessions", items.length ? table(["id", "name", "user", "state", "engines", "slots", "idle", "culled in", "snapshot", "note"], rows)
     : el("p", { class: "muted" }, "No sessions."));
 }
 
