@@ -13,9 +13,9 @@ by ``hora_service.hub.configure``. Debian's Chromium, through Playwright:
   browser; carol, a hub admin but no hora admin, gets no admin rights in hora (until hora
   is told ``HORA_HUB_ADMINS=1``, at the end);
 * the hub's real idle culler (``jupyterhub-idle-culler``) culls alice's server: its kernel
-  shuts down cleanly (SIGINT reaches a server that has ``hora.server_extension``) and ends
-  the session, which frees her slots long before its lease could; her server's token stops
-  working in hora.
+  shuts down cleanly (SIGINT reaches a server that has ``hora.server_extension``) and parks
+  the session (``HORA_PARK_ON_EXIT``, set by ``configure``), which frees her slots long
+  before its lease could; her server's token stops working in hora.
 
 Screenshots go to ``HORA_SCREENSHOT_DIR`` when set. Needs root (CI runs it as root).
 """
@@ -345,7 +345,7 @@ def cull_and_check(
     token: str,
     engines: list[psutil.Process],
 ) -> None:
-    """The hub's idle culler culls alice's server: her session ends, her slots are free."""
+    """The hub's idle culler culls alice's server: her session is parked, her slots free."""
     env = {**os.environ, "JUPYTERHUB_API_TOKEN": hub.culler_token}
     culler = subprocess.Popen(
         [sys.executable, "-m", "jupyterhub_idle_culler", f"--url={hub.url}/hub/api",
@@ -358,18 +358,21 @@ def cull_and_check(
         culler.terminate()
         culler.wait(timeout=30)
     with srv.client("root") as c:
-        job = wait_for(
-            "alice's session to end",
-            lambda: (j := c.get(f"/v1/jobs/{sid}").json())["state"] != "running" and j,
+        session = wait_for(
+            "alice's session to be parked",
+            lambda: (j := c.get(f"/v1/sessions/{sid}").json())["state"] != "running" and j,
         )
-        # ended by her kernel as it shut down, not by the lease running out (300 s)
-        assert (job["state"], job["reason"]) == ("cancelled", "stopped by the user"), job
+        # parked by her kernel as it shut down (not ended by its lease, 300 s)
+        assert session["state"] == "parked", session
+        assert "kernel exited" in session["reason"] and session["park"]["world"] == 2, session
 
         def free() -> list[dict[str, Any]] | None:
             slots = c.get("/v1/gpus").json()
-            return slots if all(x["job_id"] is None for x in slots) else None
+            held = [x for x in slots if x["kind"] != "parked" and x["job_id"] is not None]
+            return None if held else slots
 
-        assert len(wait_for("her slots to be free", free)) == 2
+        slots = wait_for("her slots to be free", free)
+        assert [x["job_id"] for x in slots if x["kind"] == "parked"] == [sid], slots
     assert all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in engines)
     time.sleep(2)  # hub_cache_s = 1: the hub revoked her server's token when it stopped
     gone = httpx.get(f"{srv.url}/v1/jobs", headers={"Authorization": f"Bearer {token}"})
