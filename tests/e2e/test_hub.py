@@ -10,11 +10,12 @@ by ``hora_service.hub.configure``. Debian's Chromium, through Playwright:
   as alice's account; she opens the dashboard through the hub (OAuth) and sees her session;
 * bob signs in and sees neither her session nor its logs (404, like a session that does not
   exist); his account cannot read her server's token; her dashboard cookie is no use in his
-  browser; carol, a hub admin but no hora admin, gets no admin rights in hora;
+  browser; carol, a hub admin but no hora admin, gets no admin rights in hora (until hora
+  is told ``HORA_HUB_ADMINS=1``, at the end);
 * the hub's real idle culler (``jupyterhub-idle-culler``) culls alice's server: its kernel
-  shuts down cleanly (SIGINT reaches a server that has ``hora.server_extension``) and ends
-  the session, which frees her slots long before its lease could; her server's token stops
-  working in hora.
+  shuts down cleanly (SIGINT reaches a server that has ``hora.server_extension``) and parks
+  the session (``HORA_PARK_ON_EXIT``, set by ``configure``), which frees her slots long
+  before its lease could; her server's token stops working in hora.
 
 Screenshots go to ``HORA_SCREENSHOT_DIR`` when set. Needs root (CI runs it as root).
 """
@@ -31,6 +32,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -240,6 +242,8 @@ def test_a_team_on_the_hub(stack: tuple[ServiceServer, Hub], team: dict[str, Acc
             assert len(engines) == 2 and {p.uids().real for p in engines} == {alice.uid}
             kernel = kernel_of(alice)
             assert kernel.uids().real == alice.uid
+            with pytest.raises(KeyError):  # her own account, no hora-NAME beside it
+                pwd.getpwnam(f"hora-{alice.name}")
 
             # her dashboard, through the hub's proxy, signed in through the hub's OAuth
             board = actx.new_page()
@@ -294,6 +298,7 @@ def test_a_team_on_the_hub(stack: tuple[ServiceServer, Hub], team: dict[str, Acc
 
     api_checks(srv, hub, bob, sid)
     cull_and_check(srv, hub, alice, sid, token, engines)
+    hub_admins_when_asked(srv, hub, carol)
 
 
 def api_checks(srv: ServiceServer, hub: Hub, bob: Account, sid: int) -> None:
@@ -316,6 +321,18 @@ def api_checks(srv: ServiceServer, hub: Hub, bob: Account, sid: int) -> None:
     assert forged.status_code == 403 and "not started by this browser" in forged.text
 
 
+def hub_admins_when_asked(srv: ServiceServer, hub: Hub, carol: Account) -> None:
+    """With HORA_HUB_ADMINS=1 the hub's admin carol is a hora admin; bob-like users are not."""
+    srv.stop()
+    srv.env["HORA_HUB_ADMINS"] = "1"
+    srv.start()
+    with closing(hub.browser_session(carol, "/services/hora/ui/")) as c:
+        me = c.get("/services/hora/ui/api/me").json()
+        assert me["user"] == carol.name and me["is_admin"] is True, me
+        users = c.get("/services/hora/ui/api/users")
+        assert users.status_code == 200 and carol.name in users.text, users.text
+
+
 def kernel_environ(kernel: psutil.Process) -> dict[str, str]:
     return dict(kernel.environ())
 
@@ -328,7 +345,7 @@ def cull_and_check(
     token: str,
     engines: list[psutil.Process],
 ) -> None:
-    """The hub's idle culler culls alice's server: her session ends, her slots are free."""
+    """The hub's idle culler culls alice's server: her session is parked, her slots free."""
     env = {**os.environ, "JUPYTERHUB_API_TOKEN": hub.culler_token}
     culler = subprocess.Popen(
         [sys.executable, "-m", "jupyterhub_idle_culler", f"--url={hub.url}/hub/api",
@@ -341,18 +358,21 @@ def cull_and_check(
         culler.terminate()
         culler.wait(timeout=30)
     with srv.client("root") as c:
-        job = wait_for(
-            "alice's session to end",
-            lambda: (j := c.get(f"/v1/jobs/{sid}").json())["state"] != "running" and j,
+        session = wait_for(
+            "alice's session to be parked",
+            lambda: (j := c.get(f"/v1/sessions/{sid}").json())["state"] != "running" and j,
         )
-        # ended by her kernel as it shut down, not by the lease running out (300 s)
-        assert (job["state"], job["reason"]) == ("cancelled", "stopped by the user"), job
+        # parked by her kernel as it shut down (not ended by its lease, 300 s)
+        assert session["state"] == "parked", session
+        assert "kernel exited" in session["reason"] and session["park"]["world"] == 2, session
 
         def free() -> list[dict[str, Any]] | None:
             slots = c.get("/v1/gpus").json()
-            return slots if all(x["job_id"] is None for x in slots) else None
+            held = [x for x in slots if x["kind"] != "parked" and x["job_id"] is not None]
+            return None if held else slots
 
-        assert len(wait_for("her slots to be free", free)) == 2
+        slots = wait_for("her slots to be free", free)
+        assert [x["job_id"] for x in slots if x["kind"] == "parked"] == [sid], slots
     assert all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in engines)
     time.sleep(2)  # hub_cache_s = 1: the hub revoked her server's token when it stopped
     gone = httpx.get(f"{srv.url}/v1/jobs", headers={"Authorization": f"Bearer {token}"})

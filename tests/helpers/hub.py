@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import re
 import secrets
 import shutil
 import signal
@@ -71,8 +72,9 @@ c.JupyterHub.load_roles = [
 """
 # the notebooks reach hora through the hub's proxy, as a browser does
 HORA = """\
+# (hora may ask who the hub's admins are: whether they count is hora's HORA_HUB_ADMINS)
 configure(c, "{hora_url}", api_token="{hora_token}", kernel_python="{python}",
-          notebook_url="http://{ip}:{proxy_port}/services/hora")
+          notebook_url="http://{ip}:{proxy_port}/services/hora", hub_admins=True)
 """
 SCRIPT = "#!{python}\nimport sys\nfrom {module} import main\nsys.exit(main())\n"
 SCRIPTS = {
@@ -228,6 +230,21 @@ class Hub:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
             raise AssertionError(f"the hub ignored SIGTERM for 60 s:\n{self.output()}") from None
+
+    def browser_session(self, who: Account, next_url: str) -> httpx.Client:
+        """An HTTP client signed in to the hub as ``who`` (its login form), then at ``next_url``.
+
+        Redirects are followed, as a browser would: a service's OAuth sign-in included.
+        """
+        c = httpx.Client(base_url=self.url, follow_redirects=True, timeout=60)
+        form = c.get("/hub/login").text
+        xsrf = re.search(r'name="_xsrf" value="([^"]+)"', form)
+        assert xsrf, form[:2000]
+        done = c.post(f"/hub/login?next={next_url}", data={
+            "username": who.name, "password": who.password, "_xsrf": xsrf[1],
+        })  # fmt: skip
+        assert done.status_code == 200 and next_url in str(done.url), (done.url, done.text[:500])
+        return c
 
     def server(self, user: Account) -> dict[str, object] | None:
         """The user's default server as the hub has it (None: not running)."""

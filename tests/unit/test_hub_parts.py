@@ -205,3 +205,14 @@ def test_an_account_bound_to_another_hora_user_is_refused_with_the_reason(tmp_pa
     hub = HubUsers(users, None, "hora", uid_of={"bob": NOBODY}.__getitem__)  # type: ignore[arg-type]
     with pytest.raises(HubUserRefused, match="already runs the jobs of user 'ann'"):
         hub.user_for("bob")
+
+
+def test_the_hubs_park_variable_is_the_kernels() -> None:
+    from hora.engines import session
+    from hora_service.hub import config
+
+    assert config.PARK_ON_EXIT == session.PARK_ON_EXIT
+    assert config.server_environment("http://h", park_on_exit=False).keys() == {
+        "HORA_URL",
+        "HORA_TOKEN",
+    }

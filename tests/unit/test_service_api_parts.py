@@ -148,16 +148,17 @@ def test_is_loopback(host: str, loop: bool) -> None:
 
 
 @pytest.mark.parametrize(
-    ("host", "users", "dev", "ok"),
+    ("host", "users", "dev", "hub", "ok"),
     [
-        ("127.0.0.1", 0, False, True),
-        ("0.0.0.0", 1, False, True),
-        ("0.0.0.0", 0, False, False),
-        ("0.0.0.0", 0, True, True),
+        ("127.0.0.1", 0, False, False, True),
+        ("0.0.0.0", 1, False, False, True),
+        ("0.0.0.0", 0, False, False, False),
+        ("0.0.0.0", 0, True, False, True),
+        ("10.0.0.1", 0, False, True, True),  # behind a hub: its users come on first contact
     ],
 )
-def test_check_safe(host: str, users: int, dev: bool, ok: bool) -> None:
-    settings = SimpleNamespace(host=host, dev_mode=dev, max_request_bytes=1 << 20)
+def test_check_safe(host: str, users: int, dev: bool, hub: bool, ok: bool) -> None:
+    settings = SimpleNamespace(host=host, dev_mode=dev, max_request_bytes=1 << 20, hub=hub)
     if ok:
         check_safe(settings, users)
     else:

@@ -3,7 +3,8 @@
 Outside dev mode the service refuses to start when
 
 * it would listen on a non-loopback address while no user exists (anyone who can reach the
-  port would meet an empty service; create a user first with ``hora user add NAME --admin``);
+  port would meet an empty service; create a user first with ``hora user add NAME --admin``),
+  except behind JupyterHub (``hub``), whose users become the service's on first contact;
 * the request-size limit is not positive (every body would be unbounded).
 
 ``hora serve --dev`` (``HORA_DEV_MODE=1``) lifts the rule for local experiments. Tokens are
@@ -49,7 +50,7 @@ def check_safe(settings: Any, user_count: int) -> None:
     """
     if settings.dev_mode:
         return
-    if not is_loopback(settings.host) and user_count == 0:
+    if not is_loopback(settings.host) and user_count == 0 and not getattr(settings, "hub", False):
         raise UnsafeConfigError(
             f"refusing to listen on {settings.host} with no users: anyone could reach an "
             "empty service. Create one first (hora user add NAME --admin) or use --dev"

@@ -18,7 +18,8 @@ What it sets, each built by a pure function below:
   service may read users (to see who is the hub's admin);
 * the servers' environment (:func:`server_environment`): ``HORA_URL`` and ``HORA_TOKEN``, the
   server's own API token (made by the hub for that server alone, in its environment only,
-  revoked when it stops), so ``%load_ext hora`` and ``%dist_start`` need no set-up;
+  revoked when it stops), so ``%load_ext hora`` and ``%dist_start`` need no set-up; and
+  ``HORA_PARK_ON_EXIT=1``, so that a kernel the hub's stop shuts down parks its session;
 * the servers' arguments (:func:`server_args`): they load :mod:`hora.server_extension`, so
   that the hub's SIGINT (a cull, a stop) shuts their kernels down cleanly, and each kernel
   ends its session (frees its slots) before the server goes, given time to do it;
@@ -34,6 +35,7 @@ from typing import Any
 # down cleanly, so that a kernel ends (or parks) its session before the server goes
 SERVER_EXTENSION = "--ServerApp.jpserver_extensions=hora.server_extension=True"
 KERNEL_SHUTDOWN_S = 25.0  # the hub sends SIGTERM 30 s after SIGINT
+PARK_ON_EXIT = "HORA_PARK_ON_EXIT"  # read by the kernel (hora.engines.session)
 # the scopes of the hub's built-in roles that configure() extends (jupyterhub.roles)
 USER_ROLE_SCOPES = ("self",)
 SERVER_ROLE_SCOPES = ("users:activity!user", "access:servers!server")
@@ -136,14 +138,17 @@ def server_token(spawner: Any) -> str:
     return str(spawner.api_token)
 
 
-def server_environment(notebook_url: str) -> dict[str, Any]:
+def server_environment(notebook_url: str, park_on_exit: bool = True) -> dict[str, Any]:
     """What each user's server gets in its environment (values or callables of the spawner).
 
     Example:
         >>> sorted(server_environment("http://127.0.0.1:8000/services/hora"))
-        ['HORA_TOKEN', 'HORA_URL']
+        ['HORA_PARK_ON_EXIT', 'HORA_TOKEN', 'HORA_URL']
     """
-    return {"HORA_URL": notebook_url.rstrip("/"), "HORA_TOKEN": server_token}
+    env: dict[str, Any] = {"HORA_URL": notebook_url.rstrip("/"), "HORA_TOKEN": server_token}
+    if park_on_exit:  # a kernel shut down with its server (a cull) parks its session
+        env[PARK_ON_EXIT] = "1"
+    return env
 
 
 def server_args(kernel_shutdown_s: float = KERNEL_SHUTDOWN_S) -> list[str]:
@@ -182,6 +187,7 @@ def configure(
     kernel_python: str | None = None,
     hub_admins: bool = False,
     kernel_shutdown_s: float = KERNEL_SHUTDOWN_S,
+    park_on_exit: bool = True,
 ) -> None:
     """Add the hora service to a JupyterHub configuration ``c`` (see the module docstring).
 
@@ -202,6 +208,9 @@ def configure(
         hub_admins: the hub's admins are hora admins too (the service may then read users).
         kernel_shutdown_s: how long a server waits for each kernel to end at its stop (a
             kernel that parks its session writes its engines' state first).
+        park_on_exit: a kernel that shuts down with its server (a cull, a stop) parks its
+            session (``HORA_PARK_ON_EXIT=1``: ``%dist_resume`` in a new kernel brings the
+            engines and their variables back); False: it ends the session.
 
     Raises:
         ValueError: an external service without ``api_token``.
@@ -218,7 +227,7 @@ def configure(
     ]
     c.JupyterHub.load_roles = merge_roles(_listed(c.JupyterHub.load_roles), roles(name, hub_admins))
     own = _resolved(c.Spawner.environment, {})
-    c.Spawner.environment = {**own, **server_environment(notebook_url or url)}
+    c.Spawner.environment = {**own, **server_environment(notebook_url or url, park_on_exit)}
     args = _listed(c.Spawner.args)
     c.Spawner.args = [*args, *(a for a in server_args(kernel_shutdown_s) if a not in args)]
     if kernel_python:

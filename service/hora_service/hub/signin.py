@@ -38,7 +38,7 @@ from hora_service.api.deps import identify
 from hora_service.hub.api import HubApi, HubUnavailable, authorize_url, pkce_pair
 from hora_service.hub.users import HubUserRefused, HubUsers
 from hora_service.settings import Settings
-from hora_service.ui.auth import COOKIE, HUB_SESSION_COOKIE, UiSessions
+from hora_service.ui.auth import COOKIE, HUB_SESSION_COOKIE, UiSessions, root_of
 from hora_service.users import Users
 
 STATE_COOKIE = "hora_oauth_state"
@@ -69,11 +69,6 @@ class HubPrefix:
         ):
             scope = dict(scope, root_path=self.prefix)
         await self.app(scope, receive, send)
-
-
-def root_of(request: Request) -> str:
-    """The prefix the request came through (``""`` at the service's own address)."""
-    return str(request.scope.get("root_path", "")).rstrip("/")
 
 
 class PendingSignIns:

@@ -98,6 +98,11 @@ class Viewer:
     session: UiSession
 
 
+def root_of(request: Request) -> str:
+    """The prefix the request came through (behind JupyterHub's proxy), else ``""``."""
+    return str(request.scope.get("root_path", "")).rstrip("/")
+
+
 def same_origin(request: Request) -> bool:
     """True unless the request names an ``Origin`` other than the service's own."""
     origin = request.headers.get("origin")

@@ -32,7 +32,14 @@ from hora_service.jobtrace import job_scaling
 from hora_service.manager import JobManager
 from hora_service.models import JobRecord, User
 from hora_service.queueview import job_queue, queue_entries
-from hora_service.ui.auth import COOKIE, PosterDep, UiSessions, ViewerDep, same_origin
+from hora_service.ui.auth import (
+    COOKIE,
+    PosterDep,
+    UiSessions,
+    ViewerDep,
+    root_of,
+    same_origin,
+)
 from hora_service.ui.gpustats import GpuProbe
 from hora_service.ui.timeline import job_timeline
 
@@ -65,11 +72,6 @@ def _mgr(request: Request) -> JobManager:
     return manager
 
 
-def _root(request: Request) -> str:
-    """The prefix the request came through (hub mode, behind the proxy), else ``""``."""
-    return str(request.scope.get("root_path", "")).rstrip("/")
-
-
 @router.get("", response_class=HTMLResponse)
 @router.get("/", response_class=HTMLResponse)
 async def page(request: Request) -> Response:
@@ -77,7 +79,7 @@ async def page(request: Request) -> Response:
 
     Behind JupyterHub, a browser that is not signed in goes to the hub to sign in.
     """
-    root = _root(request)
+    root = root_of(request)
     sessions: UiSessions = request.app.state.ui_sessions
     hub = bool(request.app.state.settings.hub)
     if hub and root and sessions.get(request.cookies.get(COOKIE)) is None:
@@ -107,7 +109,7 @@ async def login(body: Login, request: Request) -> JSONResponse:
     sid, session = sessions.open(body.token)
     answer = JSONResponse({"user": user.name, "is_admin": user.is_admin, "csrf": session.csrf})
     answer.set_cookie(
-        COOKIE, sid, max_age=int(sessions.ttl_s), path=f"{_root(request)}/ui", httponly=True,
+        COOKIE, sid, max_age=int(sessions.ttl_s), path=f"{root_of(request)}/ui", httponly=True,
         samesite="strict", secure=request.url.scheme == "https",
     )  # fmt: skip
     return answer
@@ -118,7 +120,7 @@ async def logout(request: Request, who: PosterDep) -> JSONResponse:
     """End this browser's session."""
     request.app.state.ui_sessions.close(request.cookies.get(COOKIE))
     answer = JSONResponse({"ok": True})
-    answer.delete_cookie(COOKIE, path=f"{_root(request)}/ui")
+    answer.delete_cookie(COOKIE, path=f"{root_of(request)}/ui")
     return answer
 
 
