@@ -141,6 +141,30 @@ def measure(workdir: Path, session_id: int, ticket: str, files: Sequence[str]) -
     return sizes
 
 
+def flush(workdir: Path, session_id: int, ticket: str, files: Sequence[str]) -> None:
+    """Flush a park's parts and its directory to disk (``fsync``; links not followed).
+
+    The ranks write their parts through the page cache and the park is recorded at once;
+    this makes it survive a power loss too (a part cut short by one never matches its
+    checksum, so it is never restored either way). A part that cannot be opened is skipped.
+    """
+    name = session_dir_name(session_id, ticket)
+    try:
+        with _opened(workdir, PARK_DIR, name) as fd:
+            for f in files:
+                try:
+                    part = os.open(f, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                except OSError:
+                    continue
+                try:
+                    os.fsync(part)
+                finally:
+                    os.close(part)
+            os.fsync(fd)
+    except OSError:
+        return
+
+
 def remove(workdir: Path, session_id: int, keep: str | None = None) -> list[str]:
     """Remove the park directories of a session, but ``keep`` (a ticket); their names.
 

@@ -231,6 +231,11 @@ class ParkManager:
         with self._lock:
             self._snapshots().add(job.id)
         parkdirs.remove(opened.workdir, job.id, keep=opened.ticket)  # an earlier park's parts
+        parts = [part_name(r.rank) for r in info.ranks]
+        threading.Thread(
+            target=parkdirs.flush, args=(opened.workdir, job.id, opened.ticket, parts),
+            name=f"hora-park-flush-{job.id}", daemon=True,
+        ).start()  # fmt: skip
         log.info("session %d parked: %s (%s)", job.id, info.reason, fmt_bytes(info.bytes))
         found = self.manager.get(job.id)
         assert found is not None

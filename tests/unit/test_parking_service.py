@@ -259,3 +259,13 @@ def test_a_higher_priority_waiting_job_asks_an_idle_lower_session_to_park(
     sessions.heartbeat(mgr.get(idle), Heartbeat(idle_s=0))  # a cell runs: the ask is dropped
     mgr.tick()
     assert sessions.view(mgr.get(idle)).park_requested is None  # type: ignore[arg-type]
+
+
+def test_a_parks_parts_are_flushed_without_following_a_link(tmp_path: Path) -> None:
+    where = parkdirs.make(tmp_path, 4, "0123456789abcdef", None)
+    (where / "rank0.pt").write_bytes(b"x")
+    os.symlink("/etc/passwd", where / "rank1.pt")
+    parkdirs.flush(tmp_path, 4, "0123456789abcdef", ["rank0.pt", "rank1.pt", "rank2.pt"])
+    assert parkdirs.measure(tmp_path, 4, "0123456789abcdef", ["rank0.pt"]) == {"rank0.pt": 1}
+    assert parkdirs.remove(tmp_path, 4) == ["session-4-0123456789abcdef"]
+    assert not where.exists() and Path("/etc/passwd").exists()

@@ -12,8 +12,10 @@ rank at once: each rank writes its own part, in parallel, nothing is gathered.
   is one tensor again after the restore, and functions and classes defined in cells come
   back. Modules (``torch``, ``hvd``, ``np``) are imported again, not saved. The RNG states
   (Python, numpy, torch CPU and CUDA) go with it, so training continues bit for bit. The
-  part is written to a temporary file, checksummed (CRC-32) as it is written, flushed to
-  disk and only then renamed: a part that exists is whole.
+  part is written to a temporary file, checksummed (CRC-32) as it is written, and only then
+  renamed: a part that exists is whole. The service flushes the parts to disk once the park
+  is committed (the engines need not wait for the disk); a part an OS crash left short never
+  matches its checksum, so it is never restored.
 * :func:`start_prefetch` (a resumed engine, at process start) reads its part and checks its
   checksum while torch imports and the engine registers; :func:`restore_prepare` loads it
   (tensors that were on a GPU land on this rank's device) and :func:`restore_install` puts
@@ -376,9 +378,7 @@ def write(directory: str, drop: Sequence[str] = ()) -> dict[str, Any]:
         out = ChecksumFile(fd)
         with _pickling.saving(ns, set(kept) | set(modules), _refused_types()), _torch_crc_off():
             torch.save(snapshot, cast(IO[bytes], out), pickle_module=_pickling, pickle_protocol=4)
-        os.fsync(fd)
-        os.rename(tmp, path)
-        _fsync_dir(where)
+        os.rename(tmp, path)  # whole, or not there (the service flushes it to disk later)
     except BaseException:
         _unlink(tmp)
         raise
@@ -388,14 +388,6 @@ def write(directory: str, drop: Sequence[str] = ()) -> dict[str, Any]:
         "rank": rank, "bytes": out.size, "crc32": out.crc, "names": sorted(kept),
         "dropped": dropped, "elastic": _elastic(kept), "seconds": time.perf_counter() - t0,
     }  # fmt: skip
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _unlink(path: Path) -> None:
