@@ -4,7 +4,10 @@
 ``SameSite=Strict``, ``Path=/ui``, ``Secure`` over https) that names a server-side session;
 the token itself stays in the service's memory, and every request looks its user up again,
 so removing a user ends their dashboard sessions at once. Sessions live ``UI_SESSION_S``
-(12 h) and end at logout or when the service restarts.
+(12 h) and end at logout or when the service restarts. One user holds at most
+``SESSIONS_PER_USER`` sessions: a sign-in beyond that ends *their own* oldest one, never
+another user's, so no amount of signing in by one user signs anyone else out (a user has one
+token, so the sessions are counted by token).
 
 Cross-site requests: besides ``SameSite=Strict``, every POST must carry the session's CSRF
 token in ``X-Hora-CSRF`` (the page reads it from ``GET /ui/api/me``, which a cross-site page
@@ -29,7 +32,7 @@ from hora_service.models import User
 COOKIE = "hora_ui"
 CSRF_HEADER = "X-Hora-CSRF"
 UI_SESSION_S = 12 * 3600.0
-MAX_SESSIONS = 10_000
+SESSIONS_PER_USER = 32
 
 
 @dataclass
@@ -47,20 +50,40 @@ class UiSessions:
     def __init__(self, ttl_s: float = UI_SESSION_S) -> None:
         self.ttl_s = ttl_s
         self._by_id: dict[str, UiSession] = {}
+        self._of_token: dict[str, list[str]] = {}  # session ids by token, oldest first
         self._lock = threading.Lock()
 
     def open(self, token: str) -> tuple[str, UiSession]:
-        """A new session for ``token``: its id (the cookie's value) and the session."""
+        """A new session for ``token``: its id (the cookie's value) and the session.
+
+        The token's expired sessions go, and beyond ``SESSIONS_PER_USER`` its oldest live
+        ones; other tokens' sessions are never touched.
+        """
         sid = secrets.token_urlsafe(32)
         session = UiSession(token, secrets.token_urlsafe(32), time.time() + self.ttl_s)
         with self._lock:
             now = time.time()
-            if len(self._by_id) >= MAX_SESSIONS:  # drop expired ones, then the oldest
-                self._by_id = {k: v for k, v in self._by_id.items() if v.expires > now}
-                while len(self._by_id) >= MAX_SESSIONS:
-                    self._by_id.pop(next(iter(self._by_id)))
+            mine = [s for s in self._of_token.get(token, []) if self._live(s, now)]
+            while len(mine) >= SESSIONS_PER_USER:
+                self._by_id.pop(mine.pop(0), None)
+            mine.append(sid)
+            self._of_token[token] = mine
             self._by_id[sid] = session
         return sid, session
+
+    def _live(self, sid: str, now: float) -> bool:
+        """Whether ``sid`` is a live session; drops it when it has expired (lock held)."""
+        session = self._by_id.get(sid)
+        if session is not None and session.expires <= now:
+            del self._by_id[sid]
+            return False
+        return session is not None
+
+    def count(self, token: str) -> int:
+        """How many live sessions ``token`` has."""
+        with self._lock:
+            now = time.time()
+            return sum(self._live(s, now) for s in self._of_token.get(token, []))
 
     def get(self, sid: str | None) -> UiSession | None:
         """The live session ``sid`` names, or None."""
@@ -76,7 +99,13 @@ class UiSessions:
     def close(self, sid: str | None) -> None:
         """End a session (logout)."""
         with self._lock:
-            self._by_id.pop(sid or "", None)
+            session = self._by_id.pop(sid or "", None)
+            if session is not None:
+                mine = [s for s in self._of_token.get(session.token, []) if s != sid]
+                if mine:
+                    self._of_token[session.token] = mine
+                else:
+                    self._of_token.pop(session.token, None)
 
 
 @dataclass(frozen=True)
