@@ -36,7 +36,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from hora.env import RankEnv
 from hora.errors import HoraError, SpecError
@@ -57,6 +57,9 @@ from hora_service.queueview import IdleOf, job_queue
 from hora_service.settings import Settings
 from hora_service.store import Store
 from hora_service.users import check_idle_timeout
+
+if TYPE_CHECKING:
+    from hora_service.noderoute import NodeRoute
 
 log = logging.getLogger(__name__)
 
@@ -347,7 +350,18 @@ class SessionManager:
         self._leases: dict[int, Lease] = {}
         self._lock = threading.Lock()
         self._loaded = False
+        self._route: NodeRoute | None = None
         manager.hooks.append(self.check)
+
+    def _node_route(self) -> NodeRoute:
+        with self._lock:
+            if self._route is None:
+                from hora_service.noderoute import NodeRoute  # only where Slurm is used
+                from hora_service.runtimes.slurm import SlurmRuntime
+
+                slurm = SlurmRuntime.from_settings(self.settings)
+                self._route = NodeRoute(slurm.address_towards_nodes)
+            return self._route
 
     def _load(self) -> None:
         if self._loaded:
@@ -401,6 +415,8 @@ class SessionManager:
         The loopback, except on Slurm: the admin's ``slurm_session_address``, else the
         address this machine reaches the first Slurm node from.
 
+        Slurm is asked at most once a while (:mod:`hora_service.noderoute`).
+
         Raises:
             SpecError: Slurm's nodes cannot be asked or reached (field ``runtime``).
         """
@@ -409,16 +425,7 @@ class SessionManager:
         if self.settings.slurm_session_address is not None:
             configured = self.settings.slurm_session_address
             return SessionAddress(runtime=runtime, address=configured, source="the admin's")
-        from hora_service.runtimes.slurm import SlurmRuntime  # only where Slurm is used
-
-        try:
-            node, address = SlurmRuntime.from_settings(self.settings).address_towards_nodes()
-        except (HoraError, OSError) as e:
-            raise SpecError(
-                "runtime",
-                f"cannot tell which address the Slurm nodes reach this machine at ({e}); "
-                "set HORA_SLURM_SESSION_ADDRESS",
-            ) from None
+        node, address = self._node_route().get()
         return SessionAddress(runtime=runtime, address=address, source=f"the route to {node}")
 
     def heartbeat(self, job: JobRecord, beat: Heartbeat) -> SessionInfo:

@@ -8,12 +8,14 @@ kernel are in test_sessions_notebooks.py), so they wait until the service stops 
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
@@ -202,3 +204,36 @@ def test_bad_requests_name_the_field(server: ServiceServer, body: dict, field: s
         resp = ann.post("/v1/sessions", json=body)
     assert resp.status_code == 422, resp.text
     assert field in resp.text
+
+
+# A Slurm whose controller cannot be reached (a real scontrol, a configuration that names a
+# port nothing listens on, short timeouts); the wrapper counts how often the service runs it.
+SLURM_CONF = (
+    "ClusterName=hora-test\nSlurmctldHost=localhost\nSlurmctldPort=1\nMessageTimeout=1\n"
+    "TCPTimeout=1\nNodeName=n1 CPUs=1\nPartitionName=p Nodes=n1\n"
+)
+
+
+@pytest.mark.skipif(shutil.which("scontrol") is None, reason="needs Slurm's scontrol")
+def test_session_address_asks_slurm_once_and_words_its_error(tmp_path: Path) -> None:
+    (tmp_path / "slurm.conf").write_text(SLURM_CONF)
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    wrapper = bin_dir / "scontrol"
+    wrapper.write_text(f'#!/bin/sh\necho "$@" >> {calls}\nexec {shutil.which("scontrol")} "$@"\n')
+    wrapper.chmod(0o755)
+    env = {"HORA_SLURM_CONF": str(tmp_path / "slurm.conf"), "HORA_SLURM_BIN_DIR": str(bin_dir)}
+    users = {"ann": False, "root": True}
+    with ServiceServer(tmp_path, users, 1, env) as srv, srv.client("ann") as ann:
+        answers = [ann.get("/v1/session-address", params={"runtime": "slurm"}) for _ in range(5)]
+        assert ann.get("/v1/session-address").json()["address"] == "127.0.0.1"
+        log = srv.output()
+    assert {a.status_code for a in answers} == {422}
+    detail = answers[0].json()["detail"][0]
+    assert detail["loc"] == ["query", "runtime"]
+    assert "Slurm's scontrol listed no node" in detail["msg"]
+    assert "HORA_SLURM_SESSION_ADDRESS" in detail["msg"]
+    for raw in ("slurm_load_node", "Unable to contact", "connect failure", str(bin_dir)):
+        assert raw not in answers[0].text  # Slurm's own words stay in the service's log
+    assert "Unable to contact slurm controller" in log
+    assert calls.read_text().splitlines() == ["show node -o"]  # once for five requests
