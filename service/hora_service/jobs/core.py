@@ -116,6 +116,11 @@ class ManagerCore:
         """Most slots ``user``'s jobs and sessions may hold (None: no limit)."""
         return self._quotas().get(user, self.settings.user_gpu_quota)
 
+    def quota_table(self) -> Callable[[str], int | None]:
+        """:meth:`quota_of` for many users at once: the users are read once, here."""
+        quotas, default = self._quotas(), self.settings.user_gpu_quota
+        return lambda user: quotas.get(user, default)
+
     def _forget(self, job_id: int) -> None:
         with self._cache_lock:
             self._generation += 1

@@ -23,6 +23,17 @@ class Reads(ManagerCore):
             return hit[0]
         return self._load([job_id]).get(job_id, (None, b""))[0]
 
+    def records(self, ids: list[int]) -> dict[int, JobRecord]:
+        """The jobs with these ids that exist, by id.
+
+        Cached ones as they are; the rest are read from the store in one query (and cached).
+        """
+        found = {i: hit[0] for i in ids if (hit := self._cache.get(i)) is not None}
+        missing = [i for i in ids if i not in found]
+        if missing:
+            found.update((i, record) for i, (record, _) in self._load(missing).items())
+        return found
+
     def list_jobs(
         self, user: str | None, state: JobState | None, limit: int, offset: int
     ) -> tuple[list[JobRecord], int]:
