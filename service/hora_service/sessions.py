@@ -443,9 +443,15 @@ class SessionManager:
         return self.view(self.manager.get(job.id) or job)
 
     def delete(self, job: JobRecord) -> SessionInfo:
-        """Withdraw a queued session or stop a running one (a no-op on a finished one)."""
+        """Withdraw a queued session or stop a running one, and delete it.
+
+        The answer is the session as it stood; from then on it is a 404 and in no list (its
+        engines stop, then its record and logs are removed).
+        """
         reason = "withdrawn by the user" if job.state == JobState.queued else "stopped by the user"
-        return self.view(self.manager.cancel(job.id, reason=reason))
+        with self._lock:
+            self._leases.pop(job.id, None)
+        return self.view(self.manager.drop_session(job.id, reason))
 
     def check(self, now: float) -> None:
         """Withdraw sessions whose lease ran out, stop idle ones (called by the monitor)."""

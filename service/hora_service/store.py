@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import sqlite3
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -34,6 +32,7 @@ from sqlalchemy.exc import (
 )
 
 from hora_service.models import JobRecord, Transition, User
+from hora_service.store_sqlite import BUSY_TIMEOUT_MS, drop_broken, owner_only, pragmas
 
 # Each step upgrades the schema by one version; never edit a released step, add one.
 MIGRATIONS: list[list[str]] = [
@@ -119,7 +118,6 @@ MIGRATIONS: list[list[str]] = [
     ["ALTER TABLE jobs ADD COLUMN elastic TEXT"],  # v8: an elastic job's size (ElasticInfo)
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
-BUSY_TIMEOUT_MS = 30_000
 ACTIVE = (JobState.starting, JobState.running)
 JOB_COLUMNS = (
     "id, user, spec, state, attempt, reason, exit_codes, slots, created_at, started_at, "
@@ -130,6 +128,8 @@ USER_COLUMNS = "id, name, is_admin, gpu_quota, os_uid, idle_timeout_s, limits"
 USER_ID = "(SELECT id FROM users WHERE name = :u)"
 # jobs of the user who has the name :u now (NULL-safe: jobs of a name no user has, in tests)
 OWNED_BY = f"user = :u AND user_id IS {USER_ID}"
+# a session deleted by its owner loses its terms at once, its row once its engines are gone
+DROPPED = "kind = 'session' AND id NOT IN (SELECT job_id FROM sessions)"
 
 
 class StoreError(HoraError):
@@ -193,7 +193,7 @@ class Store:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        _owner_only(path)
+        owner_only(path)
         self.engine: Engine = create_engine(
             f"sqlite:///{path}",
             connect_args={"check_same_thread": False, "timeout": 30},
@@ -201,8 +201,8 @@ class Store:
             max_overflow=56,
             pool_timeout=30,
         )
-        event.listen(self.engine, "connect", _pragmas)
-        event.listen(self.engine, "handle_error", _drop_broken)
+        event.listen(self.engine, "connect", pragmas)
+        event.listen(self.engine, "handle_error", drop_broken)
         self._write = threading.Lock()
         self.migrate()
 
@@ -433,7 +433,7 @@ class Store:
         self, user: str | None, state: JobState | None, limit: int, offset: int
     ) -> tuple[list[int], int]:
         """Ids of a page of jobs, newest first, and how many match in all."""
-        where: list[str] = []
+        where: list[str] = [f"NOT ({DROPPED})"]
         params: dict[str, object] = {"lim": limit, "off": offset}
         if user is not None:
             where.append(OWNED_BY)
@@ -441,7 +441,7 @@ class Store:
         if state is not None:
             where.append("state = :s")
             params["s"] = state.value
-        clause = f" WHERE {' AND '.join(where)}" if where else ""
+        clause = f" WHERE {' AND '.join(where)}"
         with self.engine.connect() as conn:
             count = text(f"SELECT COUNT(*) FROM jobs{clause}")
             total = int(conn.execute(count, params).scalar_one())
@@ -530,6 +530,16 @@ class Store:
             {"j": job_id, "l": lease_s, "i": idle_timeout_s},
         )
 
+    def drop_session(self, job_id: int) -> None:
+        """Delete a session's terms: it is gone from lists (:meth:`dropped_sessions`)."""
+        with self.tx() as conn:
+            conn.execute(text("DELETE FROM sessions WHERE job_id = :j"), {"j": job_id})
+
+    def dropped_sessions(self) -> set[int]:
+        """Ids of sessions deleted by their owners whose rows are still here."""
+        with self.engine.connect() as conn:
+            return {int(r[0]) for r in conn.execute(text(f"SELECT id FROM jobs WHERE {DROPPED}"))}
+
     def session_terms(self) -> dict[int, tuple[float, float | None]]:
         """Job id -> (lease, idle timeout) of every session not finished yet."""
         with self.engine.connect() as conn:
@@ -556,17 +566,6 @@ def _column(value: Any) -> Any:
     return json.dumps(value) if isinstance(value, dict | list) else value
 
 
-def _owner_only(path: Path) -> None:
-    """Create the database file readable and writable by the service's account only.
-
-    SQLite gives its ``-wal`` and ``-shm`` files the database file's mode.
-    """
-    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
-    for f in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
-        if f.exists():
-            f.chmod(0o600)
-
-
 def _user(row: Any) -> User:
     return User(
         id=row[0], name=row[1], is_admin=bool(row[2]), gpu_quota=row[3], os_uid=row[4],
@@ -576,23 +575,3 @@ def _user(row: Any) -> User:
 
 def _now() -> float:
     return datetime.now(UTC).timestamp()
-
-
-def _drop_broken(ctx: Any) -> None:
-    """A connection that met a damaged file is dropped (with the pool), not reused.
-
-    SQLite keeps answering "file is not a database" on a connection that once read a damaged
-    header, even after the file is repaired; new connections read it afresh.
-    """
-    orig = ctx.original_exception
-    if isinstance(orig, sqlite3.DatabaseError) and type(orig) is sqlite3.DatabaseError:
-        ctx.is_disconnect = True
-
-
-def _pragmas(dbapi_conn: Any, record: Any) -> None:
-    cur = dbapi_conn.cursor()
-    cur.execute("PRAGMA journal_mode=WAL")
-    cur.execute("PRAGMA synchronous=NORMAL")
-    cur.execute("PRAGMA foreign_keys=ON")
-    cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-    cur.close()

@@ -89,6 +89,7 @@ class ManagerCore:
         self.usage = Usage()  # queue waits and slot-hours by user, for /metrics
         self.preflight = PreflightBook()  # the jobs' preflight figures, for pages and /metrics
         self._handoffs: dict[int, int] = {}  # session id -> the job that takes its slots
+        self._dropped: set[int] = set()  # sessions their owners deleted, rows not removed yet
 
     def open_store(self) -> Store:
         """Open (and migrate) the SQLite store if it is not open yet."""

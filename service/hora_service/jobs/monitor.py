@@ -121,6 +121,8 @@ class Monitor(Recovery):
                 self._schedule(now)
             for hook in self.hooks:
                 hook(now)
+            if self._dropped:
+                self._remove_dropped()
 
     def _poll(self, attempt: Attempt, now: float) -> None:
         grace = self.settings.kill_grace_s

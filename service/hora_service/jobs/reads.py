@@ -17,7 +17,12 @@ class Reads(ManagerCore):
     """One job and pages of jobs, as the monitor knows them."""
 
     def get(self, job_id: int) -> JobRecord | None:
-        """One job as the monitor knows it (with changes the store has yet to take), or None."""
+        """One job as the monitor knows it (with changes the store has yet to take), or None.
+
+        A session its owner deleted is None at once (its row goes once its engines are gone).
+        """
+        if job_id in self._dropped:
+            return None
         hit = self._cache.get(job_id)
         if hit is not None:
             return hit[0]
@@ -28,6 +33,7 @@ class Reads(ManagerCore):
 
         Cached ones as they are; the rest are read from the store in one query (and cached).
         """
+        ids = [i for i in ids if i not in self._dropped]
         found = {i: hit[0] for i in ids if (hit := self._cache.get(i)) is not None}
         missing = [i for i in ids if i not in found]
         if missing:

@@ -30,6 +30,7 @@ class Recovery(Launch):
         store = self.open_store()
         now = time.time()
         cancelling = store.cancel_requested()
+        self._dropped |= store.dropped_sessions()  # removed once their engines are gone
         grace = self.settings.kill_grace_s
         for job in store.jobs_in((JobState.starting, JobState.running)):
             plan = self._plan(job, job.attempt, job.slots, self.settings.work_root, 0)
