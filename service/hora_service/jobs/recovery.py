@@ -2,7 +2,9 @@
 
 Ranks still alive are adopted again, attempts a queueing runtime (Slurm) still holds stay
 ``starting``, and attempts caught while starting are failed (then retried per policy);
-the queue is read back from the store.
+the queue is read back from the store. What any other attempt of this service left on the
+machine (cgroups, processes, private temporary directories) is reaped
+(:mod:`hora_service.runtimes.strays`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from hora.spec import JobSpec, JobState
 from hora_service.elastic import ElasticRun
 from hora_service.jobs.attempt import Attempt, _outside
 from hora_service.jobs.launch import Launch
-from hora_service.runtimes import RankProcess
+from hora_service.runtimes import RankProcess, strays
 from hora_service.scheduler import Pending
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,11 @@ class Recovery(Launch):
                 retry_at,
             )
         self._dirty = True
+        known = {(a.job_id, a.plan.attempt) for a in self._attempts.values()}
+        try:  # what attempts no one owns any more left
+            strays.reap(self._contained(), known)
+        except OSError as e:  # the containment asked for is unusable: the first start says so
+            log.warning("cannot look for what ended attempts left: %s", e)
         if self._attempts or self._pending:
             log.info(
                 "recovered %d active and %d queued job(s)", len(self._attempts), len(self._pending)
