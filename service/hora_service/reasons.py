@@ -55,11 +55,12 @@ def _at(ts: float) -> datetime:
 
 
 def slots_reason(
-    job: Pending, q: QueueState, free: int, memo: dict[int, float] | None = None
+    job: Pending, q: QueueState, free: int, memo: dict[tuple[int, int], WaitReason] | None = None
 ) -> WaitReason:
     """Not enough free slots: how many asked, free, total, who holds them, an estimate.
 
-    ``memo`` keeps the shadow time by size across one pass (the holders do not change).
+    ``memo`` keeps the reason by size and free slots across one pass (the holders do not
+    change): entries that ask alike share one reason.
 
     Example:
         >>> q = QueueState([], 4, [Holding(1, "bob", (0, 1, 2), ends_at=INF)])
@@ -67,9 +68,14 @@ def slots_reason(
         'waiting for 2 slot(s): 1 of 4 free; held by bob (job 1); no estimate (no time limit)'
     """
     memo = {} if memo is None else memo
-    if job.need not in memo:
-        memo[job.need] = reserve(job, free, list(q.holding), q.now).shadow
-    shadow = memo[job.need]
+    known = memo.get((job.need, free))
+    if known is None:
+        known = memo[job.need, free] = _slots_reason(job, q, free)
+    return known
+
+
+def _slots_reason(job: Pending, q: QueueState, free: int) -> WaitReason:
+    shadow = reserve(job, free, list(q.holding), q.now).shadow
     estimate = _at(shadow) if shadow < INF else None
     text = f"waiting for {job.need} slot(s): {free} of {q.total} free"
     held = _held_by(q)
@@ -163,7 +169,7 @@ def explain_queue(q: QueueState, until: int | None = None) -> dict[int, WaitReas
         users[h.user] = users.get(h.user, 0) + len(h.slots)
         running[h.user] = running.get(h.user, 0) + 1
     head: Pending | None = None
-    memo: dict[int, float] = {}
+    memo: dict[tuple[int, int], WaitReason] = {}
     out: dict[int, WaitReason] = {}
     for job in sorted(q.queue, key=queue_order):
         if until is not None and until in out:

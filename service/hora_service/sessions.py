@@ -34,6 +34,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 from hora.errors import HoraError, SpecError
 from hora.net import is_local_address
@@ -66,6 +67,9 @@ __all__ = [
     "SessionAddress", "SessionManager", "SessionRecord", "SessionRequest", "check_interface",
     "effective_idle_timeout", "fmt_s", "is_local_address", "session_spec",
 ]  # fmt: skip
+
+if TYPE_CHECKING:
+    from hora_service.noderoute import NodeRoute
 
 log = logging.getLogger(__name__)
 BUSY_SAMPLE_S = 2.0  # how often the engines' CPU time is read
@@ -164,6 +168,7 @@ class SessionManager:
         self._leases: dict[int, Lease] = {}
         self._lock = threading.Lock()
         self._loaded = False
+        self._route: NodeRoute | None = None
         manager.hooks.append(self.check)
         self.parks = ParkManager(manager, settings, self.idle_of, self._end_lease, self._renew)
 
@@ -178,6 +183,16 @@ class SessionManager:
         lease_s, idle = terms if terms is not None else (self.settings.session_lease_s, None)
         with self._lock:
             self._leases[job_id] = Lease(lease_s, idle, now, now)
+
+    def _node_route(self) -> NodeRoute:
+        with self._lock:
+            if self._route is None:
+                from hora_service.noderoute import NodeRoute  # only where Slurm is used
+                from hora_service.runtimes.slurm import SlurmRuntime
+
+                slurm = SlurmRuntime.from_settings(self.settings)
+                self._route = NodeRoute(slurm.address_towards_nodes)
+            return self._route
 
     def _load(self) -> None:
         if self._loaded:
@@ -226,6 +241,8 @@ class SessionManager:
         The loopback, except on Slurm: the admin's ``slurm_session_address``, else the
         address this machine reaches the first Slurm node from.
 
+        Slurm is asked at most once a while (:mod:`hora_service.noderoute`).
+
         Raises:
             SpecError: Slurm's nodes cannot be asked or reached (field ``runtime``).
         """
@@ -234,16 +251,7 @@ class SessionManager:
         if self.settings.slurm_session_address is not None:
             configured = self.settings.slurm_session_address
             return SessionAddress(runtime=runtime, address=configured, source="the admin's")
-        from hora_service.runtimes.slurm import SlurmRuntime  # only where Slurm is used
-
-        try:
-            node, address = SlurmRuntime.from_settings(self.settings).address_towards_nodes()
-        except (HoraError, OSError) as e:
-            raise SpecError(
-                "runtime",
-                f"cannot tell which address the Slurm nodes reach this machine at ({e}); "
-                "set HORA_SLURM_SESSION_ADDRESS",
-            ) from None
+        node, address = self._node_route().get()
         return SessionAddress(runtime=runtime, address=address, source=f"the route to {node}")
 
     def heartbeat(self, job: JobRecord, beat: Heartbeat) -> SessionInfo:
@@ -261,15 +269,18 @@ class SessionManager:
         return self.view(self.manager.get(job.id) or job)
 
     def delete(self, job: JobRecord) -> SessionInfo:
-        """Withdraw a queued session, stop a running one, end a parked one (its snapshot goes).
+        """Delete a session: withdrawn if queued, stopped if running, its snapshot gone if parked.
 
-        A no-op on a finished one.
+        The answer is the session as it stood; from then on it is a 404 and in no list (its
+        engines stop, then its record and logs are removed).
         """
         reason = {
             JobState.queued: "withdrawn by the user",
             JobState.parked: "ended by the user; its snapshot was deleted",
         }.get(job.state, "stopped by the user")
-        return self.view(self.manager.cancel(job.id, reason=reason))
+        with self._lock:
+            self._leases.pop(job.id, None)
+        return self.view(self.manager.drop_session(job.id, reason))
 
     def check(self, now: float) -> None:
         """Withdraw sessions whose lease ran out, stop idle ones (called by the monitor)."""

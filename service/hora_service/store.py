@@ -129,6 +129,8 @@ USER_COLUMNS = "id, name, is_admin, gpu_quota, os_uid, idle_timeout_s, limits"
 USER_ID = "(SELECT id FROM users WHERE name = :u)"
 # jobs of the user who has the name :u now (NULL-safe: jobs of a name no user has, in tests)
 OWNED_BY = f"user = :u AND user_id IS {USER_ID}"
+# a session deleted by its owner loses its terms at once, its row once its engines are gone
+DROPPED = "kind = 'session' AND id NOT IN (SELECT job_id FROM sessions)"
 
 
 class StoreError(HoraError):
@@ -433,7 +435,7 @@ class Store:
         self, user: str | None, state: JobState | None, limit: int, offset: int
     ) -> tuple[list[int], int]:
         """Ids of a page of jobs, newest first, and how many match in all."""
-        where: list[str] = []
+        where: list[str] = [f"NOT ({DROPPED})"]
         params: dict[str, object] = {"lim": limit, "off": offset}
         if user is not None:
             where.append(OWNED_BY)
@@ -441,7 +443,7 @@ class Store:
         if state is not None:
             where.append("state = :s")
             params["s"] = state.value
-        clause = f" WHERE {' AND '.join(where)}" if where else ""
+        clause = f" WHERE {' AND '.join(where)}"
         with self.engine.connect() as conn:
             count = text(f"SELECT COUNT(*) FROM jobs{clause}")
             total = int(conn.execute(count, params).scalar_one())
@@ -536,6 +538,16 @@ class Store:
             text("INSERT INTO sessions (job_id, lease_s, idle_timeout_s) VALUES (:j, :l, :i)"),
             {"j": job_id, "l": lease_s, "i": idle_timeout_s},
         )
+
+    def drop_session(self, job_id: int) -> None:
+        """Delete a session's terms: it is gone from lists (:meth:`dropped_sessions`)."""
+        with self.tx() as conn:
+            conn.execute(text("DELETE FROM sessions WHERE job_id = :j"), {"j": job_id})
+
+    def dropped_sessions(self) -> set[int]:
+        """Ids of sessions deleted by their owners whose rows are still here."""
+        with self.engine.connect() as conn:
+            return {int(r[0]) for r in conn.execute(text(f"SELECT id FROM jobs WHERE {DROPPED}"))}
 
     def session_terms(self) -> dict[int, tuple[float, float | None]]:
         """Job id -> (lease, idle timeout) of every session not finished (nor parked) yet."""

@@ -17,6 +17,7 @@ from helpers.service_server import (
     wait_state,
     write_scripts,
 )
+from hora_service.ui.auth import SESSIONS_PER_USER
 
 PY = sys.executable
 pytestmark = pytest.mark.timeout(180)
@@ -113,6 +114,23 @@ def test_submission_ids_are_per_user(server: ServiceServer, tmp_path: Path) -> N
         a = ann.post("/v1/jobs", json=body).json()
         b = bob.post("/v1/jobs", json=body).json()
         assert a["id"] != b["id"] and (a["user"], b["user"]) == ("ann", "bob")
+
+
+def test_dashboard_sign_ins_are_capped_per_user(server: ServiceServer) -> None:
+    def sign_in(user: str) -> httpx.Client:
+        page = httpx.Client(base_url=server.url, timeout=30)
+        assert page.post("/ui/login", json={"token": server.tokens[user]}).status_code == 200
+        return page
+
+    bob = sign_in("bob")
+    ann = [sign_in("ann") for _ in range(SESSIONS_PER_USER + 1)]
+    try:
+        assert bob.get("/ui/api/me").json()["user"] == "bob"  # ann's sign-ins left bob alone
+        assert ann[0].get("/ui/api/me").status_code == 401  # her own oldest session ended
+        assert [p.get("/ui/api/me").status_code for p in ann[1:]] == [200] * SESSIONS_PER_USER
+    finally:
+        for page in [bob, *ann]:
+            page.close()
 
 
 def test_refuses_public_bind_without_users(tmp_path: Path) -> None:

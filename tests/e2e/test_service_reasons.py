@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from helpers.service_server import ServiceServer, wait_state
 from hora import jobs_cli
@@ -136,6 +137,16 @@ def test_queue_view_hides_other_users_entries(srv: ServiceServer, queue: dict[st
         admin = c.get("/v1/queue").json()
     assert [e["id"] for e in admin] == [queue["ann_big"], queue["carol_quota"], queue["ann_small"]]
     assert [e["reason"]["kind"] for e in admin] == ["slots", "quota", "priority"]
+
+
+def test_the_dashboards_queue_is_the_apis(srv: ServiceServer, queue: dict[str, int]) -> None:
+    # both serialise the entries in one pass now; same entries, same reasons, same redaction
+    for user in ("bob", "root"):
+        with srv.client(user) as api, httpx.Client(base_url=srv.url, timeout=30) as page:
+            assert page.post("/ui/login", json={"token": srv.tokens[user]}).status_code == 200
+            shown, listed = page.get("/ui/api/queue"), api.get("/v1/queue")
+            assert shown.headers["content-type"] == listed.headers["content-type"]
+            assert shown.json() == listed.json() and len(listed.json()) == 3
 
 
 def test_hora_jobs_and_status_show_the_reason(srv: ServiceServer, queue: dict[str, int]) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from hora_service.api.prometheus import render_metrics
 from hora_service.models import MetricsSnapshot
+from hora_service.ui import auth
 from hora_service.ui.auth import UiSessions
 from hora_service.ui.gpustats import parse_stats
 from hora_service.ui.timeline import summarize
@@ -50,6 +51,20 @@ def test_ui_sessions_end_at_expiry_and_logout() -> None:
     sid2, _ = live.open("tok")
     live.close(sid2)
     assert live.get(sid2) is None
+
+
+def test_one_users_sign_ins_never_sign_another_user_out() -> None:
+    # the red team's concern: by the code, 10,000 sign-ins by one user signed everyone out
+    sessions = UiSessions()
+    bob, _ = sessions.open("bob-token")
+    alice = [sessions.open("alice-token")[0] for _ in range(10_000)]
+    assert sessions.get(bob) is not None
+    assert sessions.get(alice[-1]) is not None and sessions.get(alice[0]) is None
+    live = [sid for sid in alice if sessions.get(sid) is not None]
+    assert live == alice[-auth.SESSIONS_PER_USER :]  # alice's newest, hers only
+    assert sessions.count("alice-token") == auth.SESSIONS_PER_USER
+    sessions.close(live[0])
+    assert sessions.count("alice-token") == auth.SESSIONS_PER_USER - 1
 
 
 def test_metrics_render_waits_slot_hours_reasons_and_preflight() -> None:

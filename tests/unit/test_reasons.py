@@ -114,6 +114,16 @@ def test_a_pass_for_one_job_stops_there_and_agrees_with_the_full_pass() -> None:
     assert set(part) == {1, 2, 3, 4} and all(part[i] == full[i] for i in part)
 
 
+def test_entries_that_wait_alike_share_a_reason_and_others_keep_their_own() -> None:
+    # one reason per (size, free slots) in a pass: 200 queued entries are a few reasons
+    queue = [Pending(1, "ann", 1), Pending(2, "bob", 3), Pending(3, "ann", 3), Pending(4, "c", 1)]
+    out = explain_queue(state(queue, 4, [Holding(9, "dan", (0, 1, 2))]))
+    assert out[1].text == "starting: 1 of 1 free slot(s) are being assigned"
+    assert out[2] is out[3] and (out[2].asked, out[2].free) == (3, 0)
+    assert out[4].kind == ReasonKind.slots and (out[4].asked, out[4].free) == (1, 0)
+    assert "waiting for 1 slot(s): 0 of 4 free" in out[4].text
+
+
 def _one(queue: list[Pending], total: int, holding: list[Holding], **kw: object) -> WaitReason:
     return explain_queue(state(queue, total, holding, **kw))[5]
 

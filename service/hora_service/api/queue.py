@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import time
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from hora.spec import QueueEntry
 from starlette.concurrency import run_in_threadpool
 
 from hora_service.api.deps import CurrentUser, ManagerDep
 from hora_service.api.errors import AUTH_RESPONSES
-from hora_service.queueview import queue_entries
+from hora_service.queueview import entries_json, queue_entries
 
 router = APIRouter(tags=["jobs"])
 
@@ -24,7 +24,7 @@ router = APIRouter(tags=["jobs"])
     summary="The queue in order, each entry with its reason",
     responses=AUTH_RESPONSES,
 )
-async def queue(user: CurrentUser, manager: ManagerDep, request: Request) -> list[QueueEntry]:
+async def queue(user: CurrentUser, manager: ManagerDep, request: Request) -> Response:
     """Queued jobs and sessions in the order the scheduler considers them.
 
     Each of your entries carries ``reason``: a ``kind`` (slots, quota, running_limit,
@@ -32,6 +32,7 @@ async def queue(user: CurrentUser, manager: ManagerDep, request: Request) -> lis
     """
     sessions = request.app.state.sessions
     now = time.time()
-    return await run_in_threadpool(
+    entries = await run_in_threadpool(
         queue_entries, manager, user, now, sessions.idle_seen_by(user, now)
     )
+    return Response(entries_json(entries), media_type="application/json")

@@ -124,7 +124,7 @@ def session_address(
     try:
         return sessions.address(runtime)
     except SpecError as e:
-        raise unprocessable(e) from None
+        raise unprocessable(e, "query") from None
 
 
 @router.get(

@@ -147,7 +147,8 @@ async def oauth_callback(
         service = request.app.state.settings.hub_service_name
         raise HTTPException(403, f"the hub does not let this user use the service {service!r}")
     sessions: UiSessions = request.app.state.ui_sessions
-    sid, _ = sessions.open(token, hub_session=request.cookies.get(HUB_SESSION_COOKIE, ""))
+    hub_session = request.cookies.get(HUB_SESSION_COOKIE, "")
+    sid, _ = sessions.open(token, hub_session=hub_session, owner=user.name)
     root = root_of(request)
     answer = RedirectResponse(f"{root}/ui/", status_code=302)
     answer.set_cookie(

@@ -236,6 +236,37 @@ class Admission(ManagerCore):
         self.cancel(session_id, reason=f"stopped: its slots were handed to job {job.id}")
         return job
 
+    def drop_session(self, job_id: int, reason: str) -> JobRecord:
+        """Stop a session and delete it: gone from every read at once.
+
+        Its row and logs go once its engines have (the monitor's pass removes them; a
+        restart finds it again, :meth:`Store.dropped_sessions`).
+
+        Returns:
+            The session as it stood when it was deleted.
+
+        Raises:
+            HoraError: there is no such job.
+        """
+        job = self.cancel(job_id, reason=reason)
+        self.open_store().drop_session(job_id)
+        with self._lock:
+            self._dropped.add(job_id)
+            self._forget(job_id)
+            self._remove_dropped()
+        return job
+
+    def _remove_dropped(self) -> None:
+        """Remove the rows and logs of dropped sessions whose engines are gone (lock held)."""
+        for job_id in sorted(self._dropped):
+            if job_id in self._attempts or job_id in self._pending:
+                continue
+            try:
+                self.delete(job_id)
+            except HoraError:  # its end is not recorded yet: a later pass
+                continue
+            self._dropped.discard(job_id)
+
     def delete(self, job_id: int) -> None:
         """Remove a finished job and its logs.
 

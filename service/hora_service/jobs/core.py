@@ -97,6 +97,7 @@ class ManagerCore:
         self.leases = SlotLeases(lease_dir, self.inventory, me)
         self._foreign: dict[int, LeaseHolder] = {}  # slot -> its holder (last pass)
         self._data_lock = DataDirLock(settings.data_dir, settings.url)
+        self._dropped: set[int] = set()  # sessions their owners deleted, rows not removed yet
 
     def open_store(self) -> Store:
         """Open (and migrate) the SQLite store if it is not open yet."""
@@ -126,6 +127,11 @@ class ManagerCore:
     def quota_of(self, user: str) -> int | None:
         """Most slots ``user``'s jobs and sessions may hold (None: no limit)."""
         return self._quotas().get(user, self.settings.user_gpu_quota)
+
+    def quota_table(self) -> Callable[[str], int | None]:
+        """:meth:`quota_of` for many users at once: the users are read once, here."""
+        quotas, default = self._quotas(), self.settings.user_gpu_quota
+        return lambda user: quotas.get(user, default)
 
     def _forget(self, job_id: int) -> None:
         with self._cache_lock:

@@ -28,7 +28,7 @@ from hora_service.jobs.elastic_slots import ElasticSlots
 from hora_service.journal import Write
 from hora_service.models import JobRecord
 from hora_service.runtimes import AttemptPlan, RankProcess
-from hora_service.runtimes.containment import detect
+from hora_service.runtimes.containment import Containment, detect
 from hora_service.runtimes.paths import JobPaths
 
 log = logging.getLogger(__name__)
@@ -148,9 +148,7 @@ class Launch(ElasticSlots, Admission):
         run_as: identity.RunAs | None = None,
         kept: Sequence[Path] = (),
     ) -> AttemptPlan:
-        if self._containment is None:
-            self._containment = detect(self.settings.containment, self.settings.data_dir)
-            log.info("attempts are contained by %s", self._containment.kind)
+        containment = self._contained()
         driver: tuple[str, ...] = ()
         sized = 0
         if job.spec.elastic is not None:
@@ -167,7 +165,7 @@ class Launch(ElasticSlots, Admission):
             workdir=workdir,
             master_port=port,
             run_as=run_as,
-            container=self._containment.container(job.id, attempt),
+            container=containment.container(job.id, attempt),
             log_bytes=self.settings.log_bytes_per_attempt,
             # an elastic attempt's cgroup is sized for what it may grow to
             limits=self.bounds.limits(job.user, max(len(slots), sized)),
@@ -182,6 +180,13 @@ class Launch(ElasticSlots, Admission):
             # while the ranks run (an elastic job's slots change: the service alone holds them)
             leases=() if driver else self.leases.fds(slots),
         )
+
+    def _contained(self) -> Containment:
+        """How attempts are contained here (detected once)."""
+        if self._containment is None:
+            self._containment = detect(self.settings.containment, self.settings.data_dir)
+            log.info("attempts are contained by %s", self._containment.kind)
+        return self._containment
 
     def _preflight_env(self, kind: str) -> tuple[tuple[str, str], ...]:
         s = self.settings

@@ -131,6 +131,8 @@ class Monitor(Recovery):
             owners = {s: (a.job_id, a.plan.attempt) for a in self._attempts.values()
                       for s in a.plan.slots}  # fmt: skip
             self.leases.sync(owners)
+            if self._dropped:
+                self._remove_dropped()
 
     def _poll(self, attempt: Attempt, now: float) -> None:
         grace = self.settings.kill_grace_s

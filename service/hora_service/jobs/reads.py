@@ -17,11 +17,28 @@ class Reads(ManagerCore):
     """One job and pages of jobs, as the monitor knows them."""
 
     def get(self, job_id: int) -> JobRecord | None:
-        """One job as the monitor knows it (with changes the store has yet to take), or None."""
+        """One job as the monitor knows it (with changes the store has yet to take), or None.
+
+        A session its owner deleted is None at once (its row goes once its engines are gone).
+        """
+        if job_id in self._dropped:
+            return None
         hit = self._cache.get(job_id)
         if hit is not None:
             return hit[0]
         return self._load([job_id]).get(job_id, (None, b""))[0]
+
+    def records(self, ids: list[int]) -> dict[int, JobRecord]:
+        """The jobs with these ids that exist, by id.
+
+        Cached ones as they are; the rest are read from the store in one query (and cached).
+        """
+        ids = [i for i in ids if i not in self._dropped]
+        found = {i: hit[0] for i in ids if (hit := self._cache.get(i)) is not None}
+        missing = [i for i in ids if i not in found]
+        if missing:
+            found.update((i, record) for i, (record, _) in self._load(missing).items())
+        return found
 
     def list_jobs(
         self, user: str | None, state: JobState | None, limit: int, offset: int

@@ -3,7 +3,9 @@
 Ranks still alive are adopted again, attempts a queueing runtime (Slurm) still holds stay
 ``queued`` there (a queued job with a container id was handed to that runtime: it is adopted,
 never submitted again), and attempts caught while starting are failed (then retried per
-policy); the queue is read back from the store.
+policy); the queue is read back from the store; what any other
+attempt of this service left on the machine (cgroups, processes, private temporary directories)
+is reaped (:mod:`hora_service.runtimes.strays`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from hora.spec import JobSpec, JobState
 from hora_service.elastic import ElasticRun
 from hora_service.jobs.attempt import Attempt, _outside
 from hora_service.jobs.launch import Launch
-from hora_service.runtimes import RankProcess
+from hora_service.runtimes import RankProcess, strays
 from hora_service.scheduler import Pending
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,7 @@ class Recovery(Launch):
         store = self.open_store()
         now = time.time()
         cancelling = store.cancel_requested()
+        self._dropped |= store.dropped_sessions()  # removed once their engines are gone
         grace = self.settings.kill_grace_s
         # a queued job with a container (a Slurm job) was handed over: its runtime queues it
         handed = [j for j in store.jobs_in((JobState.queued,)) if j.container_id]
@@ -67,6 +70,11 @@ class Recovery(Launch):
                 retry_at,
             )
         self._dirty = True
+        known = {(a.job_id, a.plan.attempt) for a in self._attempts.values()}
+        try:  # what attempts no one owns any more left
+            strays.reap(self._contained(), known)
+        except OSError as e:  # the containment asked for is unusable: the first start says so
+            log.warning("cannot look for what ended attempts left: %s", e)
         if self._attempts or self._pending:
             log.info(
                 "recovered %d active and %d queued job(s)", len(self._attempts), len(self._pending)

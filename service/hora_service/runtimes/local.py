@@ -262,10 +262,6 @@ class LocalRuntime(Runtime):
     name = "local"
     replaces_ranks = True
 
-    def __init__(self) -> None:
-        # each started attempt's namespace holder (multi-user mode), reaped at its clear()
-        self._holders: dict[tuple[int, int], namespaces.Holder] = {}
-
     @classmethod
     def from_settings(cls, settings: object = None) -> LocalRuntime:
         """The local runtime (it has no settings of its own)."""
@@ -278,15 +274,13 @@ class LocalRuntime(Runtime):
             if missed:
                 logger.warning("job %d: limits not enforced: %s", plan.job_id, ", ".join(missed))
         holder = namespaces.start(plan) if namespaces.wanted(plan) else None
-        if holder is not None:
-            self._holders[(plan.job_id, plan.attempt)] = holder
         # without a private /tmp, a TMPDIR of its own that clear() removes (even after SIGKILL)
         tmp = scratch.make(plan) if holder is None else None
         try:
             return self._start_ranks(plan, base_env, holder, tmp)
         finally:
-            if holder is not None:
-                holder.close_fds()  # each shim has its own copies
+            if holder is not None:  # each shim holds the namespaces now: nothing else must
+                holder.stop()
 
     def _start_ranks(
         self,
@@ -363,9 +357,6 @@ class LocalRuntime(Runtime):
         return [AdoptedRank(rank, plan.paths) for rank in range(plan.ranks)]
 
     def _clear(self, plan: AttemptPlan) -> bool:
-        holder = self._holders.pop((plan.job_id, plan.attempt), None)
-        if holder is not None:  # an adopted attempt's holder dies with its cgroup
-            holder.stop()
         empty = super()._clear(plan)
         if empty:  # nothing can write there any more
             scratch.remove(plan)

@@ -14,11 +14,14 @@ job in multi-user mode gets, on its host:
   where each ``/proc`` mount has options of its own).
 
 A small holder process (:mod:`hora_service.runtimes.nsholder`, joined to the attempt's
-cgroup and carrying its tag, so it dies with the attempt) creates the namespaces and keeps
-them; the service passes descriptors of them to each rank's shim (:func:`launch_fields`),
-which enters them before dropping privileges. Where this is impossible (the service is not
-root, the kernel refuses), the attempt runs without, after one warning; its rendezvous is
-still sealed by the attempt's secret (:mod:`hora.torch._sealed`).
+cgroup and carrying its tag) creates the namespaces; the service passes descriptors of them
+to each rank's shim (:func:`launch_fields`), which enters them before dropping privileges.
+Once every rank's shim is started it holds its own descriptors, which keep the namespaces
+(and the tmpfs in them) alive, and the holder is ended: nothing of the attempt but its ranks
+is left running, whether or not a service is there when they end. Where this is impossible
+(the service is not root, the kernel refuses), the attempt runs without, after one warning;
+its rendezvous store still answers only holders of the attempt's secret
+(:mod:`hora.torch._authstore`).
 """
 
 from __future__ import annotations
@@ -149,7 +152,7 @@ class Holder:
         self.fds = ()
 
     def stop(self) -> None:
-        """Kill the holder and reap it (the namespaces go once their last rank has)."""
+        """Kill the holder and reap it (the ranks' descriptors keep the namespaces)."""
         self.close_fds()
         if self.proc.poll() is None:
             self.proc.kill()

@@ -28,18 +28,22 @@ from hora_service.runtimes.base import AttemptPlan
 log = logging.getLogger(__name__)
 
 VAR = "TMPDIR"
+PREFIX = "hora-tmp-"
+
+
+def prefix_of(tag: str) -> str:
+    """The name an attempt's directory starts with, from its containment tag.
+
+    Example:
+        >>> prefix_of("ab12cd/7/1")
+        'hora-tmp-ab12cd-7-1-'
+    """
+    return PREFIX + tag.replace("/", "-") + "-"
 
 
 def prefix(plan: AttemptPlan) -> str | None:
-    """The name the attempt's directory starts with; None without a containment tag.
-
-    Example:
-        >>> prefix(plan)  # doctest: +SKIP
-        'hora-tmp-ab12cd-7-1-'
-    """
-    if plan.container is None:
-        return None
-    return "hora-tmp-" + plan.container.tag.replace("/", "-") + "-"
+    """The name the attempt's directory starts with; None without a containment tag."""
+    return None if plan.container is None else prefix_of(plan.container.tag)
 
 
 def make(plan: AttemptPlan, where: str | None = None) -> Path | None:
@@ -53,9 +57,8 @@ def make(plan: AttemptPlan, where: str | None = None) -> Path | None:
     return path
 
 
-def _dirs(plan: AttemptPlan, where: str | None) -> list[Path]:
+def _dirs(start: str | None, where: str | None) -> list[Path]:
     """The attempt's directories: real directories (never links) named with its prefix."""
-    start = prefix(plan)
     if start is None:
         return []
     found = []
@@ -70,7 +73,7 @@ def _dirs(plan: AttemptPlan, where: str | None) -> list[Path]:
 
 def existing(plan: AttemptPlan, where: str | None = None) -> Path | None:
     """The attempt's directory made by :func:`make` (a real directory, never a link), if any."""
-    return next(iter(_dirs(plan, where)), None)
+    return next(iter(_dirs(prefix(plan), where)), None)
 
 
 def remove(plan: AttemptPlan, where: str | None = None) -> None:
@@ -79,8 +82,14 @@ def remove(plan: AttemptPlan, where: str | None = None) -> None:
     Only real directories whose names start with the attempt's prefix; a symlink of that
     name is left alone, and what lies inside is removed without following links.
     """
-    for path in _dirs(plan, where):
+    if plan.container is not None:
+        remove_tagged(plan.container.tag, plan.job_id, where)
+
+
+def remove_tagged(tag: str, job_id: int, where: str | None = None) -> None:
+    """:func:`remove` for the attempt tagged ``tag`` (one a restarted service reaps)."""
+    for path in _dirs(prefix_of(tag), where):
         try:
             shutil.rmtree(path)
         except OSError as e:
-            log.warning("job %d: cannot remove %s: %s", plan.job_id, path, e)
+            log.warning("job %d: cannot remove %s: %s", job_id, path, e)

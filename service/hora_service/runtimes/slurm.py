@@ -87,6 +87,18 @@ class SlurmError(HoraError):
     """Slurm's commands failed (missing, the controller down); the message says which."""
 
 
+class NodeRouteError(SlurmError):
+    """Which address the nodes reach this machine at could not be told.
+
+    The message carries the tool's own words (for the service's log); ``brief`` says what
+    failed in words fit for any user, without Slurm's output.
+    """
+
+    def __init__(self, brief: str, detail: str) -> None:
+        super().__init__(f"{brief}: {detail}")
+        self.brief = brief
+
+
 @dataclass(frozen=True)
 class JobInfo:
     """What Slurm says about one job: its state, reason (pending reason or why it ended), nodes."""
@@ -425,16 +437,25 @@ class SlurmRuntime(Runtime):
         """The first node and the address of this machine that reaches it (no packet is sent).
 
         Raises:
-            SlurmError: ``scontrol`` cannot list the nodes.
-            OSError: the node's address cannot be resolved or routed to.
+            NodeRouteError: ``scontrol`` cannot be run or lists no node, or the first node's
+                address cannot be resolved or routed to.
         """
-        proc = self.run("scontrol", "show", "node", "-o")
+        try:
+            proc = self.run("scontrol", "show", "node", "-o")
+        except (SlurmError, OSError) as e:
+            raise NodeRouteError("Slurm's scontrol could not be run", str(e)) from None
         nodes = [fields(line) for line in proc.stdout.splitlines()]
         named = [f for f in nodes if f.get("NodeName")]
         if proc.returncode != 0 or not named:
-            raise SlurmError(f"scontrol lists no node: {proc.stderr.strip() or proc.stdout}")
+            said = f"exit {proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()}"
+            raise NodeRouteError("Slurm's scontrol listed no node", said)
         first = named[0]
-        return first["NodeName"], route_source(first.get("NodeAddr") or first["NodeName"])
+        target = first.get("NodeAddr") or first["NodeName"]
+        try:
+            return first["NodeName"], route_source(target)
+        except OSError as e:
+            brief = f"this machine has no route to the first Slurm node ({first['NodeName']})"
+            raise NodeRouteError(brief, f"{target}: {e}") from None
 
     def node_addresses(self) -> set[str]:
         """The IPv4 addresses of the cluster's nodes (those that resolve).

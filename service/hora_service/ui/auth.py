@@ -8,6 +8,10 @@ so removing a user ends their dashboard sessions at once. Sessions live ``UI_SES
 cookie's path is the service's prefix plus ``/ui``, and a browser may sign in through the
 hub instead (:mod:`hora_service.hub.signin`): its session holds the hub's OAuth token, which
 is checked with the hub like any token, and is bound to the hub's own session cookie.
+One user holds at most
+``SESSIONS_PER_USER`` sessions: a sign-in beyond that ends *their own* oldest one, never
+another user's, so no amount of signing in by one user signs anyone else out (sessions are
+counted by the user the token resolves to).
 
 Cross-site requests: besides ``SameSite=Strict``, every POST must carry the session's CSRF
 token in ``X-Hora-CSRF`` (the page reads it from ``GET /ui/api/me``, which a cross-site page
@@ -33,7 +37,7 @@ COOKIE = "hora_ui"
 CSRF_HEADER = "X-Hora-CSRF"
 HUB_SESSION_COOKIE = "jupyterhub-session-id"  # the hub's, path /: it names the hub login
 UI_SESSION_S = 12 * 3600.0
-MAX_SESSIONS = 10_000
+SESSIONS_PER_USER = 32
 
 
 @dataclass
@@ -49,6 +53,7 @@ class UiSession:
     csrf: str
     expires: float
     hub_session: str | None = None
+    owner: str = ""  # whose sessions it counts among (the user's name; else the token)
 
 
 class UiSessions:
@@ -57,21 +62,46 @@ class UiSessions:
     def __init__(self, ttl_s: float = UI_SESSION_S) -> None:
         self.ttl_s = ttl_s
         self._by_id: dict[str, UiSession] = {}
+        self._of_token: dict[str, list[str]] = {}  # session ids by owner, oldest first
         self._lock = threading.Lock()
 
-    def open(self, token: str, hub_session: str | None = None) -> tuple[str, UiSession]:
-        """A new session for ``token``: its id (the cookie's value) and the session."""
+    def open(
+        self, token: str, hub_session: str | None = None, owner: str | None = None
+    ) -> tuple[str, UiSession]:
+        """A new session for ``token``: its id (the cookie's value) and the session.
+
+        Sessions are counted by ``owner`` (the user's name; the token when not given: a hub
+        sign-in brings a new OAuth token each time, so it passes the user). The owner's
+        expired sessions go, and beyond ``SESSIONS_PER_USER`` their oldest live ones; other
+        owners' sessions are never touched.
+        """
+        key = owner or token
         sid = secrets.token_urlsafe(32)
         expires = time.time() + self.ttl_s
-        session = UiSession(token, secrets.token_urlsafe(32), expires, hub_session)
+        session = UiSession(token, secrets.token_urlsafe(32), expires, hub_session, key)
         with self._lock:
             now = time.time()
-            if len(self._by_id) >= MAX_SESSIONS:  # drop expired ones, then the oldest
-                self._by_id = {k: v for k, v in self._by_id.items() if v.expires > now}
-                while len(self._by_id) >= MAX_SESSIONS:
-                    self._by_id.pop(next(iter(self._by_id)))
+            mine = [s for s in self._of_token.get(key, []) if self._live(s, now)]
+            while len(mine) >= SESSIONS_PER_USER:
+                self._by_id.pop(mine.pop(0), None)
+            mine.append(sid)
+            self._of_token[key] = mine
             self._by_id[sid] = session
         return sid, session
+
+    def _live(self, sid: str, now: float) -> bool:
+        """Whether ``sid`` is a live session; drops it when it has expired (lock held)."""
+        session = self._by_id.get(sid)
+        if session is not None and session.expires <= now:
+            del self._by_id[sid]
+            return False
+        return session is not None
+
+    def count(self, token: str) -> int:
+        """How many live sessions ``token`` (or the owner of that name) has."""
+        with self._lock:
+            now = time.time()
+            return sum(self._live(s, now) for s in self._of_token.get(token, []))
 
     def get(self, sid: str | None) -> UiSession | None:
         """The live session ``sid`` names, or None."""
@@ -87,7 +117,14 @@ class UiSessions:
     def close(self, sid: str | None) -> None:
         """End a session (logout)."""
         with self._lock:
-            self._by_id.pop(sid or "", None)
+            session = self._by_id.pop(sid or "", None)
+            if session is not None:
+                key = session.owner or session.token
+                mine = [s for s in self._of_token.get(key, []) if s != sid]
+                if mine:
+                    self._of_token[key] = mine
+                else:
+                    self._of_token.pop(key, None)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from hora_service.jobpreflight import job_preflight
 from hora_service.jobtrace import job_scaling
 from hora_service.manager import JobManager
 from hora_service.models import JobRecord, User
-from hora_service.queueview import job_queue, queue_entries
+from hora_service.queueview import entries_json, job_queue, queue_entries
 from hora_service.ui.auth import (
     COOKIE,
     PosterDep,
@@ -106,7 +106,7 @@ async def login(body: Login, request: Request) -> JSONResponse:
     if user is None:
         raise HTTPException(401, "unknown token")
     sessions: UiSessions = request.app.state.ui_sessions
-    sid, session = sessions.open(body.token)
+    sid, session = sessions.open(body.token, owner=user.name)
     answer = JSONResponse({"user": user.name, "is_admin": user.is_admin, "csrf": session.csrf})
     answer.set_cookie(
         COOKIE, sid, max_age=int(sessions.ttl_s), path=f"{root_of(request)}/ui", httponly=True,
@@ -164,12 +164,12 @@ def pool(request: Request, who: ViewerDep) -> dict[str, Any]:
 
 
 @router.get("/api/queue")
-def queue(request: Request, who: ViewerDep) -> list[dict[str, Any]]:
+def queue(request: Request, who: ViewerDep) -> Response:
     """The queue in order, each of the viewer's entries with its reason."""
     sessions = request.app.state.sessions
     now = time.time()
     entries = queue_entries(_mgr(request), who.user, now, sessions.idle_seen_by(who.user, now))
-    return [e.model_dump(mode="json") for e in entries]
+    return Response(entries_json(entries), media_type="application/json")
 
 
 def _row(job: JobRecord) -> dict[str, Any]:
