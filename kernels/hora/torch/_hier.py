@@ -139,14 +139,14 @@ def _across(comm: Any, op: str, hosts: list[Any]) -> Hier | None:
     mine = next(g for g in groups if me in g)
     n = len(mine)
     slot = _shm.slot_bytes(n)
-    size = _shm._header_bytes(n) + 2 * n * slot
+    size = _shm.segment_bytes(n)
     want = _shm.enabled()
-    path = _shm._create(size) if (want and n > 1 and me == mine[0]) else ""
+    path = _shm.create(size) if (want and n > 1 and me == mine[0]) else ""
     paths: list[Any] = [None] * comm.size
     run_guarded(op, "shm", dist.all_gather_object, paths, path, group=comm.side)
     local = None
     if n > 1 and want and paths[mine[0]]:
-        mm = _shm._open(paths[mine[0]], size)
+        mm = _shm.open_segment(paths[mine[0]], size)
         if mm is not None:
             local = _shm.Ring(mm, [comm.ranks[i] for i in mine], mine.index(me), slot)
             local.publish_pid()

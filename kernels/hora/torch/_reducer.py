@@ -14,6 +14,11 @@ straight back. :meth:`Reducer.synchronize` fills the slots whose hooks did not f
 the existing gradient, or zeros), launches what is left, waits, and points each
 ``param.grad`` at its slot of the reduced bucket (no copy back).
 
+CPU buckets of ranks on one host go through the process set's shared-memory ring
+(:mod:`hora.torch._shm`), deferred to ``synchronize()`` and reduced there in bucket order.
+After the first such ``synchronize()`` the buckets move into shared memory themselves (an
+arena, :mod:`hora.torch._arena`) and are reduced where they are, all in one pass.
+
 The reducer is configured by one frozen :class:`ReducerConfig`, built and checked by
 :func:`hora.torch.optimizer.DistributedOptimizer`.
 """
@@ -29,14 +34,14 @@ import torch
 import torch.distributed as dist
 
 from hora.errors import HoraError
-from hora.torch import _hier, _shm, _state, timeline
+from hora.torch import _arena, _hier, _shm, _state, timeline
 from hora.torch._engine import launch_planned
 from hora.torch._grouped import sparse_allreduce_async
 from hora.torch._handles import hold_works
 from hora.torch._ops import Average, Sum
 from hora.torch._process_sets import comm_of
 from hora.torch._stall import wait_work
-from hora.torch.compression import cast_dtype
+from hora.torch.compression import NoneCompressor, cast_dtype
 
 # Like DDP's first bucket: a small one closes early so communication starts early in backward.
 FIRST_BUCKET_BYTES = 1024 * 1024
@@ -95,7 +100,7 @@ class _Bucket:
     __slots__ = ("flat", "gathered", "index", "nbytes", "names", "params", "pending", "sparse",
                  "t_done",
                  "t_launch", "t_ready", "views", "wire", "wire_views", "ctx", "work", "left",
-                 "solo", "cast")
+                 "solo", "cast", "shared")
 
     def __init__(self, index: int, params: list[torch.Tensor], names: list[str], solo: bool,
                  cast: torch.dtype | None) -> None:
@@ -116,6 +121,7 @@ class _Bucket:
         if self.cast is not None:
             self.wire = torch.zeros(total, dtype=self.cast, device=params[0].device)
             self.wire_views = _views(self.wire, params)
+        self.shared = False  # its wire buffer lives in the optimizer's arena
         self.pending = len(params)
         self.left = [0] * len(params)
         self.sparse: list[int] = []  # sparse gradients reduced densely (sparse_as_dense)
@@ -206,6 +212,9 @@ class Reducer:
         self.next = 0
         self.dirty = False
         self.tl = timeline.enabled()
+        self.arena: _arena.Arena | None = None
+        self.arena_tried = False
+        self.used_ring: Any = None  # the ring a CPU bucket went through this step
         self._reset()
         # one bound hook per gradient: the hot path looks nothing up
         self.handles = [p.register_post_accumulate_grad_hook(functools.partial(self.on_grad, b, k))
@@ -233,6 +242,9 @@ class Reducer:
         for h in self.handles:
             h.remove()
         self.handles = []
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
 
     # -- hot path ---------------------------------------------------------------------------
     def on_grad(self, b: _Bucket, k: int, p: torch.Tensor) -> None:
@@ -304,7 +316,15 @@ class Reducer:
         if b.cast is None:
             b.wire, b.ctx = self.compression.compress(b.flat)
         ring = self._ring(b.wire)
-        if ring is not None:  # same host, CPU: through shared memory, run in bucket order
+        if ring is not None and self.arena is not None and self.arena.ring is not ring:
+            # the set was rebuilt: the buffers go through the new ring, then a new arena
+            self.arena, self.arena_tried = None, False
+            for other in self.buckets:
+                other.shared = False
+        if ring is not None and b.shared and self.arena is not None:
+            b.work = launch_planned("allreduce", b.names[0], self._arena_pass)
+        elif ring is not None:  # same host, CPU: through shared memory, run in bucket order
+            self.used_ring = ring
             label = f"DistributedOptimizer.bucket{b.index}:{b.names[0]}"
             b.work = launch_planned("allreduce", b.names[0], _shm.Work, ring, b.wire,
                                     "allreduce", label)
@@ -327,6 +347,31 @@ class Reducer:
                 self.comm = comm_of(self.process_set, "DistributedOptimizer")
         return _hier.ring_of(self.comm, "DistributedOptimizer")
 
+    def _arena_pass(self) -> _arena.Pass:
+        assert self.arena is not None  # noqa: S101  (only shared buckets call it)
+        return self.arena.current
+
+    def _share(self) -> None:
+        """Move the CPU buckets into an arena, with every member (after a synchronize)."""
+        ring, self.used_ring = self.used_ring, None
+        if self.arena_tried or not isinstance(ring, _shm.Ring) or ring.broken or ring.closed:
+            return
+        self.arena_tried = True
+        plain = getattr(self.compression, "compress", None) is NoneCompressor.compress
+        fit = [b for b in self.buckets if b.params[0].device.type == "cpu" and not b.shared
+               and (b.cast is not None or plain)]
+        sizes = [(b.cast or b.params[0].dtype, sum(p.numel() for p in b.params)) for b in fit]
+        arena = _arena.build(ring, sizes, "DistributedOptimizer") if fit else None
+        if arena is None:
+            return
+        for b, buf in zip(fit, arena.mine, strict=True):
+            b.shared = True
+            if b.cast is not None:  # the wire buffer moves; the gradients are cast back
+                b.wire, b.wire_views = buf, _views(buf, b.params)
+            else:  # a solo gradient is now packed too: cheaper than a copy in and out
+                b.solo, b.flat, b.views = False, buf, _views(buf, b.params)
+        self.arena = arena
+
     # -- synchronize ------------------------------------------------------------------------
     def synchronize(self) -> None:
         for b in self.buckets[self.next :]:
@@ -342,6 +387,8 @@ class Reducer:
                 self._finish(b)
             for p, wait in sparse:
                 p.grad = wait()
+            if self.used_ring is not None:
+                self._share()
         finally:
             self._reset()
 
@@ -409,6 +456,9 @@ class Reducer:
         self.next = 0
         self.dirty = False
         self.tl = timeline.enabled()
+        self.used_ring = None
+        if self.arena is not None:
+            self.arena.next_step()
 
     def busy(self) -> bool:
         return self.dirty or self.next > 0

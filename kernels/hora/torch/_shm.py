@@ -3,30 +3,30 @@
 On CPU, gloo carries a collective between two processes of one machine over TCP loopback:
 every byte goes through the kernel's socket buffers, in chunks, on gloo's threads. When every
 member of a process set can map the same file in ``/dev/shm`` (they run on one host, in one
-IPC namespace), two kinds of traffic go through that file instead: the engine's negotiation
-rounds (:meth:`Ring.allgather_ints`: one barrier) and the DistributedOptimizer's CPU gradient
-buckets (:meth:`Ring.allreduce_`; MPI does the same within a node):
+IPC namespace), its CPU traffic goes through that file instead, the way MPI works inside a
+node: the engine's negotiation rounds (:meth:`Ring.allgather_ints`, one barrier), plain
+``hvd.allreduce`` calls and the DistributedOptimizer's gradient buckets
+(:mod:`hora.torch._shm_ops`, :mod:`hora.torch._arena`).
 
-1. each rank copies its bucket into its own slot;
-2. barrier; each rank sums one slice of every slot into its own slot (reduce-scatter);
-3. barrier; each rank copies every reduced slice into its bucket (allgather).
-
-Each slice is summed by exactly one rank and copied by all, so every rank ends with the same
-bits. Buckets larger than a slot go in chunks; consecutive chunks use alternate halves of the
-segment, so a rank that runs ahead never overwrites what a slower one still reads.
+An allreduce is a reduce-scatter and an allgather in shared memory: each member copies its
+tensor into its own slot, sums one slice of every slot into its own slot, and copies every
+summed slice back. Each slice is summed by exactly one member and copied by all, so every
+member ends with the same bits. The ring is cut into ``NBUF`` buffers used in turn, one per
+barrier: a tensor larger than a slot goes in chunks, pipelined so that one barrier separates
+the copy-in of a chunk, the sum of the one before and the copy-out of the one before that,
+and nothing is overwritten before every member has read it.
 
 A barrier is a per-rank counter in the segment. Next to it each rank writes what it reduces
 (element count, chunk, a checksum of name and dtype, the operation's number). Members that
 reached different tensors all raise TensorMismatchError at the same point, still in step,
 instead of summing unrelated bytes; members that drifted an operation apart raise it too,
-instead of reading each other's stale slots. A wait spins briefly, then sleeps in growing
-steps, within the group timeout: a member whose process exited is named at once
-(RankFailedError), one that never arrives is named at the timeout (CollectiveTimeout).
+instead of reading each other's stale slots. A wait spins briefly, yields the CPU, then
+sleeps in growing steps, within the group timeout: a member whose process exited is named at
+once (RankFailedError), one that never arrives is named at the timeout (CollectiveTimeout).
 
-Both kinds run in the calling thread, in program order, which is the same on every member (rounds
-pair with rounds, buckets are reduced in bucket order in ``synchronize()``), so one channel
-serves both. Plain ``hvd.allreduce`` data stays on gloo: it must progress in the background
-while the script computes (Horovod's async semantics), which a same-thread path cannot do.
+Every operation runs in the calling thread, in program order, which is the same on every
+member: rounds pair with rounds, a plain allreduce runs when its round launches it (on every
+member, right after the same round), buckets are reduced in ``synchronize()``.
 
 Used only where it is safe: x86-64 (its store order, plus a locked instruction before each
 counter store, makes a rank's data visible before its counter), every member mapped the
@@ -48,26 +48,28 @@ import signal
 import socket
 import threading
 import time
-import zlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from hora.errors import CollectiveTimeout, HoraError, PeerFailedError, TensorMismatchError
-from hora.torch import _state
+from hora.torch import _shm_ops, _state
 from hora.torch._stall import run_guarded
 
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
-MAGIC = 0x686F7261_73686D31  # "horashm1"
-LINE = 64  # one counter per cache line
+MAGIC = 0x686F7261_73686D32  # "horashm2"
+LINE = 64  # one counter (and its signatures) per cache line
 ALIGN = 4096
-SPIN = 400  # counter checks before the first sleep
+NBUF = 3  # buffers used in turn, one per barrier (a chunk is read up to two barriers later)
+SPIN = 200  # counter checks before yielding the CPU
+YIELDS = 2000  # sched_yield()s before the first sleep
 SLEEP_MAX_S = 1e-3
 PID_CHECK_S = 0.5
-# Total segment: 2 halves x members x slot. A slot of 4 MiB for 2 ranks (16 MiB in all),
+# Total segment: NBUF buffers x members x slot. A slot of 4 MiB for 2 ranks (24 MiB in all),
 # never over 32 MiB in all (Docker's default /dev/shm is 64 MiB), never under 256 KiB.
 SEGMENT_BUDGET = 32 * 1024 * 1024
 SLOT_MAX = 4 * 1024 * 1024
@@ -76,7 +78,7 @@ SLOT_MIN = 256 * 1024
 _FENCE = threading.Lock()
 _OPS_MASK = 0xFFFFFF  # the operation number's bits in a signature (it wraps, harmlessly)
 ABORTED = -1  # a counter value: this member left an operation early, the ring is unusable
-_TABLES = zlib.crc32(b"negotiation tables")  # the checksum an allgather_ints publishes
+_SIGNS = 3  # ints a member signs at each barrier: element count, chunk, name and op number
 
 
 def enabled(environ: dict[str, str] | None = None) -> bool:
@@ -113,15 +115,26 @@ def host_key(environ: dict[str, str] | None = None) -> str:
 
 
 def slot_bytes(members: int) -> int:
-    """Bytes of one rank's slot in one half of the segment, for ``members`` ranks."""
-    per = SEGMENT_BUDGET // (2 * max(members, 1))
+    """Bytes of one rank's slot in one buffer of the segment, for ``members`` ranks.
+
+    Example:
+        >>> slot_bytes(2) // 1024, slot_bytes(64) // 1024
+        (4096, 256)
+    """
+    per = SEGMENT_BUDGET // (NBUF * max(members, 1))
     per = max(SLOT_MIN, min(SLOT_MAX, per))
     return per - per % ALIGN
 
 
-def _header_bytes(members: int) -> int:
+def header_bytes(members: int) -> int:
+    """Bytes of the segment's control part (counters, signatures, pids), page-aligned."""
     raw = LINE * (2 * members + 1)
     return -(-raw // ALIGN) * ALIGN
+
+
+def segment_bytes(members: int) -> int:
+    """Bytes of a whole segment for ``members`` ranks."""
+    return header_bytes(members) + NBUF * members * slot_bytes(members)
 
 
 def _start_time(pid: int) -> int:
@@ -138,7 +151,7 @@ def _start_time(pid: int) -> int:
 
 
 class Ring:
-    """One process set's mapped segment on this rank, and the allreduce over it.
+    """One process set's mapped segment on this rank: its barriers and its operations.
 
     Args:
         mm: the mapped segment.
@@ -150,22 +163,32 @@ class Ring:
     def __init__(self, mm: mmap.mmap, ranks: list[int], index: int, slot: int) -> None:
         self.mm, self.ranks, self.index, self.slot = mm, ranks, index, slot
         n = len(ranks)
-        self.header = _header_bytes(n)
+        self.size = n
+        self.header = header_bytes(n)
         self.ctl = memoryview(mm)[: self.header].cast("q")
         step = LINE // 8
         self.counter = [step * (1 + i) for i in range(n)]
         self.pid_cell = [step * (1 + n + i) for i in range(n)]
         self.others = [self.counter[i] for i in range(n) if i != index]
         self.data = torch.frombuffer(mm, dtype=torch.uint8, offset=self.header,
-                                     count=2 * n * slot)
-        self.halves = [[self.data[(h * n + i) * slot : (h * n + i + 1) * slot] for i in range(n)]
-                       for h in (0, 1)]
-        self.epoch = 0
+                                     count=NBUF * n * slot)
+        self.bufs = [[self.data[(b * n + i) * slot : (b * n + i + 1) * slot] for i in range(n)]
+                     for b in range(NBUF)]
+        self.epoch = 0  # barriers passed
+        self.seq = 0  # operations started (in the signatures: members an op apart differ)
         self.closed = False
         self.broken = ""  # why this ring cannot be used any more ("" while it can)
         self.interrupted = False  # a SIGINT arrived during an operation (delivered at its end)
-        self.ops = 0
         self.peers: dict[int, tuple[int, int]] = {}  # member index -> (pid, start time)
+
+    @property
+    def ops(self) -> int:
+        """Barriers passed so far (every operation passes at least one)."""
+        return self.epoch
+
+    def next_buffer(self) -> list[torch.Tensor]:
+        """The members' slots (uint8) of the buffer written before the next barrier."""
+        return self.bufs[(self.epoch + 1) % NBUF]
 
     # -- set-up -------------------------------------------------------------------------------
     def publish_pid(self) -> None:
@@ -195,7 +218,7 @@ class Ring:
         if abort:
             self.abort()
         self.closed = True
-        self.halves = []
+        self.bufs = []
         self.data = torch.empty(0, dtype=torch.uint8)
         self.ctl.release()
         try:
@@ -203,23 +226,34 @@ class Ring:
         except BufferError:  # a view is still referenced (a traceback): freed with it
             log.debug("shared-memory segment still referenced; unmapped when freed")
 
-    # -- allreduce ----------------------------------------------------------------------------
-    def allreduce_(self, t: torch.Tensor, op: str, name: str) -> None:
-        """Sum ``t`` (contiguous, CPU) over the members, in place.
+    # -- operations ---------------------------------------------------------------------------
+    def allreduce_(self, t: torch.Tensor, op: str, name: str, reduce: str = "sum",
+                   tag: str | None = None, source: torch.Tensor | None = None) -> None:
+        """Reduce ``t`` (contiguous, CPU) over the members, in place.
+
+        Args:
+            t: the tensor, the same size and dtype on every member.
+            op: the public collective's name, for errors.
+            name: the tensor's name, checked on every member (errors name it).
+            reduce: ``sum``, ``min``, ``max`` or ``product``.
+            tag: what is checked instead of ``name`` (negotiated collectives, whose names
+                were matched already and which a joined member serves without one).
+            source: where the values come from (contiguous, like ``t``); default ``t``.
 
         Raises:
             CollectiveTimeout: a member did not arrive within the group timeout (named).
             RankFailedError: a member's process exited or left a collective early (named).
             TensorMismatchError: the members reached different tensors (on every member).
         """
-        self._run(op, name, self._allreduce, t, op, name)
+        self.run(op, name, _shm_ops.allreduce, self, t, op, name, reduce,
+                 name if tag is None else tag, t if source is None else source)
 
     def broadcast_(self, t: torch.Tensor, op: str, name: str) -> None:
         """Copy member 0's ``t`` (contiguous, CPU) into every member's, in place.
 
         One barrier per chunk. Raises like :meth:`allreduce_`.
         """
-        self._run(op, name, self._broadcast, t, op, name)
+        self.run(op, name, _shm_ops.broadcast, self, t, op, name)
 
     def allgather_ints(self, mine: list[int], op: str, name: str) -> list[list[int]] | None:
         """Every member's list of ints (the engine's negotiation tables), in member order.
@@ -228,9 +262,10 @@ class Ring:
         Returns None, on every member alike, when some list does not fit a slot (the caller
         then uses the group). Raises like :meth:`allreduce_`.
         """
-        return self._run(op, name, self._allgather, mine, op, name)  # type: ignore[no-any-return]
+        return self.run(op, name, _shm_ops.allgather_ints,  # type: ignore[no-any-return]
+                        self, mine, op, name)
 
-    def _run(self, op: str, name: str, body: Any, *args: Any) -> Any:
+    def run(self, op: str, name: str, body: Callable[..., Any], *args: Any) -> Any:
         """Run one operation to its end, or leave the ring unusable and tell the members.
 
         A SIGINT is held until the operation ends (a collective in C++ is deaf to it the same
@@ -245,6 +280,7 @@ class Ring:
             raise HoraError(f"{op} {name!r}: {self.broken}; call hvd.shutdown() and hvd.init()")
         if self.closed:
             raise HoraError(f"{op} {name!r}: hora.torch was shut down while this was in flight")
+        self.seq += 1
         before = self._hold_sigint()
         try:
             return body(*args)
@@ -283,91 +319,40 @@ class Ring:
         if not self.closed:
             self.ctl[self.counter[self.index]] = ABORTED
 
-    def _allreduce(self, t: torch.Tensor, op: str, name: str) -> None:
-        flat = t.view(-1)
-        n, me = len(self.ranks), self.index
-        chunk = self.slot // t.element_size()
-        total = flat.numel()
-        sig = zlib.crc32(f"{name}|{t.dtype}".encode())
-        for start in range(0, total, chunk):
-            part = flat[start : start + chunk]
-            m = part.numel()
-            slots = [s.view(t.dtype)[:m] for s in self.halves[self.ops & 1]]
-            self.ops += 1
-            slots[me].copy_(part)
-            at = sig | ((self.ops & _OPS_MASK) << 32)  # members an op apart disagree here
-            self._sign(total, start, at)
-            self._barrier(op, name)
-            self._check_signs(op, name, total, start, at)
-            lo, hi = _bounds(m, n, me)
-            if hi > lo:
-                acc = slots[me][lo:hi]
-                for j in range(n):
-                    if j != me:
-                        acc.add_(slots[j][lo:hi])
-            self._barrier(op, name)
-            for j in range(n):
-                a, b = _bounds(m, n, j)
-                if b > a:
-                    part[a:b].copy_(slots[j][a:b])
+    # -- barriers -----------------------------------------------------------------------------
+    def step(self, op: str, name: str, total: int, start: int, check: int) -> None:
+        """Sign, pass the next barrier, and check that every member signed the same.
 
-    def _broadcast(self, t: torch.Tensor, op: str, name: str) -> None:
-        flat = t.view(-1)
-        chunk = self.slot // t.element_size()
-        total = flat.numel()
-        sig = zlib.crc32(f"{name}|{t.dtype}|broadcast".encode())
-        for start in range(0, total, chunk):
-            part = flat[start : start + chunk]
-            src = self.halves[self.ops & 1][0].view(t.dtype)[: part.numel()]
-            self.ops += 1
-            if self.index == 0:
-                src.copy_(part)
-            at = sig | ((self.ops & _OPS_MASK) << 32)
-            self._sign(total, start, at)
-            self._barrier(op, name)
-            self._check_signs(op, name, total, start, at)
-            if self.index != 0:
-                part.copy_(src)
-
-    def _allgather(self, mine: list[int], op: str, name: str) -> list[list[int]] | None:
-        cap = self.slot // 8 - 1
-        slots = [s.view(torch.int64) for s in self.halves[self.ops & 1]]
-        self.ops += 1
-        row = slots[self.index]
-        row[0] = len(mine)
-        if len(mine) <= cap:
-            row[1 : 1 + len(mine)] = torch.tensor(mine, dtype=torch.int64)
-        at = _TABLES | ((self.ops & _OPS_MASK) << 32)
-        self._sign(0, 0, at)
-        self._barrier(op, name)
-        self._check_signs(op, name, 0, 0, at)
-        lengths = [int(s[0]) for s in slots]
-        if max(lengths) > cap:
-            return None
-        return [s[1 : 1 + n].tolist() for s, n in zip(slots, lengths, strict=True)]
-
-    def _sign(self, total: int, start: int, sig: int) -> None:
-        """Publish what this rank reduces now (checked by every member after the barrier).
-
-        Like the data, the signature has a place per half of the segment: a member that
-        has passed this op's barrier and signs the next op never overwrites what a slower
-        member is still checking.
+        Args:
+            op: the public collective's name, for errors.
+            name: the tensor's name, for errors.
+            total: elements of the whole tensor.
+            start: the chunk's first element (``total`` once every chunk was written).
+            check: a checksum of what the operation is (name, dtype, kind:
+                :func:`hora.torch._shm_ops.checksum`).
         """
-        at = self.counter[self.index] + 1 + 3 * ((self.ops - 1) & 1)
+        sig = check | ((self.seq & _OPS_MASK) << 32)
+        at = self.counter[self.index] + 1 + _SIGNS * ((self.epoch + 1) & 1)
         self.ctl[at], self.ctl[at + 1], self.ctl[at + 2] = total, start, sig
+        self._barrier(op, name)
+        self._check_signs(op, name, (total, start, sig))
 
-    def _check_signs(self, op: str, name: str, total: int, start: int, sig: int) -> None:
-        """Every member sees the same table, so every member raises alike, still in step."""
-        ctl, mine, off = self.ctl, (total, start, sig), 1 + 3 * ((self.ops - 1) & 1)
+    def _check_signs(self, op: str, name: str, mine: tuple[int, int, int]) -> None:
+        """Every member sees the same table, so every member raises alike, still in step.
+
+        The signatures have a place per parity of the barrier: a member that has passed
+        this barrier and signs the next one never overwrites what a slower member checks.
+        """
+        ctl, off = self.ctl, 1 + _SIGNS * (self.epoch & 1)
         rows = [(ctl[c + off], ctl[c + off + 1], ctl[c + off + 2]) for c in self.counter]
         if all(r == mine for r in rows):
             return
         what = "; ".join(f"rank {self.ranks[i]}: {r[0]} elements" + (
-            f" (chunk at {r[1]})" if r[1] else "") + f" (operation {r[2] >> 32})"
+            f" (chunk at {r[1]})" if r[1] and r[1] < r[0] else "") + f" (operation {r[2] >> 32})"
             for i, r in enumerate(rows))
         raise TensorMismatchError(
-            op, name, "members reached different tensors (synchronize optimizers and reduce "
-            f"buckets in the same order on every rank): {what}", self.ranks)
+            op, name, "members reached different tensors (synchronize optimizers and "
+            f"reduce buckets in the same order on every rank): {what}", self.ranks)
 
     def _barrier(self, op: str, name: str) -> None:
         self.epoch += 1
@@ -386,6 +371,11 @@ class Ring:
         t0 = time.monotonic()
         deadline = t0 + state.timeout_s
         next_check = t0 + PID_CHECK_S
+        ctl, others = self.ctl, self.others
+        for _ in range(YIELDS):  # a peer on this CPU, or one about to arrive, goes first
+            os.sched_yield()
+            if all(ctl[c] >= e for c in others):
+                return
         nap = 2e-5
         while True:
             if self._arrived(e, op, name):
@@ -422,13 +412,6 @@ class Ring:
                     f"its process (pid {pid}) exited during {op} {name!r}"))
 
 
-def _bounds(m: int, n: int, i: int) -> tuple[int, int]:
-    """Slice ``i`` of ``n`` near-equal slices of ``m`` elements."""
-    base, extra = divmod(m, n)
-    lo = i * base + min(i, extra)
-    return lo, lo + base + (1 if i < extra else 0)
-
-
 class Work:
     """A deferred shared-memory allreduce: it runs when waited for (buckets wait in order).
 
@@ -448,6 +431,9 @@ class Work:
             self.future.set_result(None)
         return True
 
+    def is_completed(self) -> bool:
+        return self.done
+
     def get_future(self) -> Any:
         return self.future
 
@@ -464,22 +450,21 @@ def ring_of(comm: Any, op: str) -> Ring | None:
     fail like any other (CollectiveTimeout or RankFailedError naming the rank).
     """
     if comm.shm_decided:
-        return comm.shm
+        return comm.shm  # type: ignore[no-any-return]
     comm.shm_decided = True
     if comm.size < 2 or comm.side is None:
         return None
     n, me = comm.size, comm.index
-    slot = slot_bytes(n)
-    size = _header_bytes(n) + 2 * n * slot
+    size = segment_bytes(n)
     want = enabled()
     path = ""
     if me == 0 and want:
-        path = _create(size)
+        path = create(size)
     box = [path]
     run_guarded(op, "shm", dist.broadcast_object_list, box, src=comm.ranks[0], group=comm.side)
     path = box[0] or ""
-    mm = _open(path, size) if (want and path) else None
-    ring = Ring(mm, comm.ranks, me, slot) if mm is not None else None
+    mm = open_segment(path, size) if (want and path) else None
+    ring = Ring(mm, comm.ranks, me, slot_bytes(n)) if mm is not None else None
     if ring is not None:
         ring.publish_pid()
     flag = torch.tensor([1 if ring is not None else 0], dtype=torch.int64)
@@ -500,8 +485,8 @@ def ring_of(comm: Any, op: str) -> Ring | None:
     return ring
 
 
-def _create(size: int) -> str:
-    """Create and fully reserve the segment file; '' when /dev/shm cannot hold it."""
+def create(size: int, magic: int = MAGIC) -> str:
+    """Create and fully reserve a segment file; '' when /dev/shm cannot hold it."""
     path = os.path.join(SHM_DIR, f"hora-{os.getpid()}-{secrets.token_hex(8)}")
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -510,7 +495,7 @@ def _create(size: int) -> str:
         return ""
     try:
         os.posix_fallocate(fd, 0, size)  # ENOSPC now, never SIGBUS on first touch
-        os.pwrite(fd, MAGIC.to_bytes(8, "little"), 0)
+        os.pwrite(fd, magic.to_bytes(8, "little"), 0)
     except OSError as e:
         log.debug("shared memory: cannot reserve %d bytes in %s: %s", size, SHM_DIR, e)
         os.close(fd)
@@ -521,10 +506,10 @@ def _create(size: int) -> str:
     return path
 
 
-def _open(path: str, size: int) -> mmap.mmap | None:
-    """Map the segment; None when it is not there (another host or IPC namespace)."""
+def open_segment(path: str, size: int, magic: int = MAGIC) -> mmap.mmap | None:
+    """Map a segment; None when it is not there (another host or IPC namespace)."""
     try:
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     except OSError:
         return None
     try:
@@ -535,7 +520,7 @@ def _open(path: str, size: int) -> mmap.mmap | None:
         return None
     finally:
         os.close(fd)
-    if int.from_bytes(mm[:8], "little") != MAGIC:
+    if int.from_bytes(mm[:8], "little") != magic:
         mm.close()
         return None
     return mm

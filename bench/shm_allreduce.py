@@ -1,0 +1,286 @@
+"""Shared-memory reductions against the machine's limit: hora vs its derived bound and gloo.
+
+Protocol (../shared/BENCH.md, rule 8). For 2 and 3 ranks on this machine, per size (1 to 256
+MB), interleaved rounds of blocks (a barrier before each block, the row order reversed every
+other round), after a correctness check (every row's result equals gloo's, exactly for 2
+ranks, and has the same bits on every rank):
+
+* ``copy``: every rank copies a buffer of the size into another at the same time (both
+  already written once: no first-touch faults). Its per-rank rate ``B`` sets the bound.
+* ``hvd.allreduce_``: ``hvd.allreduce_(t, op=Sum)`` (in place; through the ring).
+* ``bucket``: a DistributedOptimizer over one parameter of the size: ``p.grad = g`` then
+  ``synchronize()`` (the gradient packed into its bucket, the bucket reduced in place in
+  shared memory; op Average, as the optimizer's default).
+* ``gloo``: ``dist.all_reduce(t)`` on the same ranks.
+* ``before`` (with ``--before REF``): the ring of commit REF (``kernels/hora/torch/_shm.py``
+  loaded from git next to the current one), ``ring.allreduce_(t)``, which is what that
+  commit's optimizer and preflight used for a bucket.
+
+The bound (docs/dev/benchmarks.md): an allreduce of ``S`` bytes by reduce-scatter and
+allgather in shared memory makes each rank move ``k`` times what a copy of ``S`` moves:
+``k = 2 + (n+1)/(2n)`` for a tensor outside shared memory (copy in, sum a slice, copy out)
+and ``k = 1 + (n+1)/(2n) + (n-1)/n`` for a bucket that lives in shared memory (pack, sum a
+slice, gather the others' slices). With every rank copying at ``B`` at the same time, busbw
+can be at most ``B / k x 2(n-1)/n``. Reported: each row's busbw (median over rounds), its
+fraction of the bound (the median of per-round fractions, the bound from the same round's
+copy), and ratios to gloo and to ``before``. Also the copy rate at 256 MB of one process
+alone and of two at once, as the machine's figure.
+
+Targets (issue 29): busbw >= 0.7 of the bound at every size >= 16 MB for both hora rows;
+hora >= 3x ``before`` at 4 MB (when ``--before`` is given).
+
+Usage: python bench/shm_allreduce.py [--quick] [--ranks 2,3] [--pairs 5] [--before REF]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _world import run_ranks
+
+MB = 1024 * 1024
+FULL_SIZES = [1 * MB, 4 * MB, 16 * MB, 64 * MB, 256 * MB]
+QUICK_SIZES = [4 * MB, 16 * MB]
+TARGET, TARGET_BEFORE = 0.7, 3.0
+ROWS = ["copy", "allreduce", "bucket", "gloo"]
+
+
+def passes(n: int, bucket: bool) -> float:
+    """Copies' worth of memory traffic per rank for one allreduce (see the docstring)."""
+    scatter = (n + 1) / (2 * n)  # read n slices of S/n, write one
+    return 1 + scatter + ((n - 1) / n if bucket else 1)
+
+
+def _calls(nbytes: int) -> int:
+    return max(3, min(20, 32 * MB // nbytes))
+
+
+def _load_before(path: str | None, comm: Any) -> Any:
+    """The ring of the ``--before`` commit, set up on the same ranks (its own segment)."""
+    if not path:
+        return None
+    spec = importlib.util.spec_from_file_location("hora_shm_before", path)
+    assert spec is not None and spec.loader is not None  # noqa: S101  (a file we just wrote)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    class _Comm:  # what its ring_of reads of a process set
+        shm, shm_decided = None, False
+        size, index, ranks, side = comm.size, comm.index, comm.ranks, comm.side
+
+    ring = mod.ring_of(_Comm(), "bench")
+    assert ring is not None, "the --before ring is not usable here"  # noqa: S101
+    return ring
+
+
+class Rows:
+    """Every row's operation on one size, in the same processes."""
+
+    def __init__(self, torch: Any, dist: Any, hvd: Any, nbytes: int, before: Any) -> None:
+        self.torch, self.dist, self.hvd, self.before = torch, dist, hvd, before
+        numel = nbytes // 4
+        self.src, self.dst = torch.ones(numel), torch.zeros(numel)
+        self.t = torch.ones(numel)
+        self.param = torch.nn.Parameter(torch.zeros(numel))
+        self.grad = torch.full((numel,), float(hvd.rank() + 1))
+        sgd = torch.optim.SGD([self.param], lr=0.0)
+        self.opt = hvd.DistributedOptimizer(sgd, named_parameters=[("p", self.param)])
+        for _ in range(2):  # the first synchronize moves the bucket into shared memory
+            self.bucket()
+
+    def bucket(self) -> None:
+        self.param.grad = self.grad
+        self.opt.synchronize()
+
+    def run(self, row: str) -> None:
+        if row == "copy":
+            self.dst.copy_(self.src)
+        elif row == "allreduce":
+            self.hvd.allreduce_(self.t, op=self.hvd.Sum, name="bench")
+        elif row == "bucket":
+            self.bucket()
+        elif row == "gloo":
+            self.dist.all_reduce(self.t)
+        else:
+            self.before.allreduce_(self.t, "allreduce", "bench")
+
+    def check(self) -> dict[str, bool]:
+        """Each row's result equals gloo's on this rank (exactly for 2 ranks)."""
+        torch, n = self.torch, self.hvd.size()
+        x = torch.arange(self.t.numel(), dtype=torch.float32) % 251 + self.hvd.rank()
+        ref = x.clone()
+        self.dist.all_reduce(ref)
+        got = {"allreduce": x.clone()}
+        self.hvd.allreduce_(got["allreduce"], op=self.hvd.Sum, name="check")
+        self.param.grad = x.clone()
+        self.opt.synchronize()
+        got["bucket"] = self.param.grad * n  # the optimizer averages
+        if self.before is not None:
+            got["before"] = x.clone()
+            self.before.allreduce_(got["before"], "allreduce", "check")
+        tol = 0.0 if n == 2 else 1e-6
+        return {k: bool(torch.allclose(v, ref, rtol=tol, atol=tol)) for k, v in got.items()}
+
+
+def _block(rows: Rows, row: str, calls: int) -> float:
+    rows.dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        rows.run(row)
+    return (time.perf_counter() - t0) / calls
+
+
+def _copy_alone_and_together(torch: Any, dist: Any, rank: int, reps: int) -> dict[str, float]:
+    """256 MB copies: rank 0 alone, then ranks 0 and 1 at once (best of ``reps``, GB/s)."""
+    src, dst = torch.ones(64 * MB), torch.zeros(64 * MB)
+    out: dict[str, float] = {}
+    for label, who in (("one", {0}), ("two", {0, 1})):
+        best = float("inf")
+        for _ in range(reps):
+            dist.barrier()
+            if rank in who:
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                best = min(best, time.perf_counter() - t0)
+        out[label] = 256 * MB / best / 1e9 if rank == 0 else 0.0
+    return out
+
+
+def worker(args: argparse.Namespace) -> None:
+    import hora.torch as hvd
+    import torch
+    import torch.distributed as dist
+    from hora.torch._process_sets import comm_of
+
+    torch.set_num_threads(1)
+    hvd.init()
+    before = _load_before(args.before_file, comm_of(None, "bench"))
+    rows_run = ROWS + (["before"] if before is not None else [])
+    result: dict[str, Any] = {"np": hvd.size(), "torch": torch.__version__, "rows": rows_run,
+                              "load": [os.getloadavg()[0]], "sizes": {},
+                              "copy256": _copy_alone_and_together(torch, dist, hvd.rank(), 5)}
+    for nbytes in QUICK_SIZES if args.quick else FULL_SIZES:
+        rows = Rows(torch, dist, hvd, nbytes, before)
+        check = rows.check()
+        if not all(check.values()):
+            raise SystemExit(f"correctness check failed at {nbytes} bytes: {check}")
+        calls = _calls(nbytes)
+        rounds = []
+        for r in range(args.pairs + 1):
+            order = rows_run if r % 2 == 0 else rows_run[::-1]
+            rounds.append({row: _block(rows, row, calls) for row in order})
+        result["sizes"][nbytes] = {"calls": calls, "rounds": rounds[1:], "check": check}
+        del rows
+    result["load"].append(os.getloadavg()[0])
+    if hvd.rank() == 0:
+        Path(args.out).write_text(json.dumps(result))
+    hvd.shutdown()
+
+
+def _fmt(nbytes: int) -> str:
+    return f"{nbytes // MB} MB"
+
+
+def report(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Print one world's table; return its rows (size, row, busbw, fraction of bound, ...)."""
+    n = data["np"]
+    busf = 2 * (n - 1) / n
+    c = data["copy256"]
+    print(f"\n{n} ranks, 1 thread each, torch {data['torch']}; load average {data['load'][0]:.1f}"
+          f" -> {data['load'][1]:.1f}; copy at 256 MB: {c['one']:.2f} GB/s alone, "
+          f"{c['two']:.2f} GB/s per process with two at once")
+    print(f"passes per allreduce: {passes(n, False):.3f} copies (tensor), "
+          f"{passes(n, True):.3f} (bucket in shared memory)")
+    print(f"{'size':>7} {'row':>10} {'busbw':>7} {'bound':>7} {'of bound':>9} {'min':>6} "
+          f"{'max':>6} {'vs gloo':>8} {'vs before':>9}  (GB/s; copy row: per rank, all at once)")
+    out = []
+    for key, info in data["sizes"].items():
+        nbytes = int(key)
+        rounds = info["rounds"]
+        for row in data["rows"]:
+            out.append(_row(nbytes, row, rounds, n, busf, "before" in data["rows"]))
+    return out
+
+
+def _row(nbytes: int, row: str, rounds: list[dict[str, float]], n: int, busf: float,
+         has_before: bool) -> dict[str, Any]:
+    med = statistics.median
+    if row == "copy":
+        bw = med(nbytes / r["copy"] / 1e9 for r in rounds)
+        print(f"{_fmt(nbytes):>7} {row:>10} {bw:7.2f}")
+        return {"bytes": nbytes, "row": row, "busbw": bw}
+    bw = med(nbytes / r[row] / 1e9 * busf for r in rounds)
+    k = passes(n, row == "bucket") if row in ("allreduce", "bucket") else passes(n, False)
+    fracs = [(nbytes / r[row] * busf) / (nbytes / r["copy"] / k * busf) for r in rounds]
+    bound = med(nbytes / r["copy"] / 1e9 / k * busf for r in rounds)
+    vs_gloo = med(r["gloo"] / r[row] for r in rounds)
+    vs_before = med(r["before"] / r[row] for r in rounds) if has_before else float("nan")
+    print(f"{_fmt(nbytes):>7} {row:>10} {bw:7.2f} {bound:7.2f} {med(fracs):9.3f} "
+          f"{min(fracs):6.3f} {max(fracs):6.3f} {vs_gloo:8.2f} {vs_before:9.2f}")
+    return {"bytes": nbytes, "row": row, "busbw": bw, "bound": bound, "fraction": med(fracs),
+            "vs_gloo": vs_gloo, "vs_before": vs_before}
+
+
+def launch(args: argparse.Namespace, n: int) -> dict[str, Any]:
+    worker_args = ["--pairs", str(args.pairs)] + (["--quick"] if args.quick else [])
+    if not args.before:
+        return run_ranks(__file__, n, worker_args)
+    root = Path(__file__).resolve().parent.parent
+    src = subprocess.run(["git", "show", f"{args.before}:kernels/hora/torch/_shm.py"],
+                         cwd=root, capture_output=True, text=True, check=True).stdout
+    with tempfile.TemporaryDirectory(prefix="hora-before-") as tmp:
+        path = Path(tmp, "shm_before.py")
+        path.write_text(src)
+        return run_ranks(__file__, n, [*worker_args, "--before-file", str(path)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="2 ranks, 4 and 16 MB, 3 rounds")
+    p.add_argument("--ranks", default="2,3", help="world sizes to run, comma-separated")
+    p.add_argument("--pairs", type=int, default=5, help="timed rounds per size")
+    p.add_argument("--before", metavar="GIT_REF", help="add the ring of this commit as a row")
+    p.add_argument("--before-file", help=argparse.SUPPRESS)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    sizes = [int(x) for x in args.ranks.split(",")]
+    if args.quick:
+        sizes, args.pairs = [2], 3
+    t0 = time.monotonic()
+    rows = []
+    for n in sizes:
+        rows += [dict(r, np=n) for r in report(launch(args, n))]
+    hora = [r for r in rows if r["row"] in ("allreduce", "bucket") and r["bytes"] >= 16 * MB]
+    worst = min(hora, key=lambda r: r["fraction"])
+    at4 = [r["vs_before"] for r in rows if r["row"] in ("allreduce", "bucket")
+           and r["bytes"] == 4 * MB]
+    ok = worst["fraction"] >= TARGET and (not args.before or min(at4) >= TARGET_BEFORE)
+    gloo = next(r for r in rows if r["row"] == "gloo" and r["bytes"] == worst["bytes"]
+                and r["np"] == worst["np"])
+    print(f"wall {time.monotonic() - t0:.0f}s")
+    print(json.dumps({
+        "bench": "shm_allreduce", "metric": "hora busbw / derived bound, worst row >= 16 MB",
+        "hora": round(worst["busbw"], 3), "baseline": round(gloo["busbw"], 3),
+        "ratio": round(worst["fraction"], 3), "target": TARGET, "pass": ok,
+        "worst": f"{worst['np']} ranks {_fmt(worst['bytes'])} {worst['row']}",
+        **({"vs_before_at_4MB": [round(x, 2) for x in at4], "target_before": TARGET_BEFORE}
+           if args.before else {})}))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

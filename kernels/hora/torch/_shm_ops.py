@@ -1,0 +1,166 @@
+"""The shared-memory ring's data operations: allreduce, broadcast, allgather (data plane).
+
+Each function runs inside :meth:`hora.torch._shm.Ring.run` (which holds SIGINT and turns a
+failure midway into an abort the members see) and moves data with whole-slice torch ops on
+the segment's tensors; the only Python loop is over chunks of a slot's size (4 MiB for two
+ranks).
+
+**Allreduce**, ``n`` members, a tensor of ``S`` bytes cut into chunks of a slot: every member
+copies chunk ``k`` into its slot of a buffer (*A*), sums slice ``me`` of every member's slot
+into its own (*R*: a reduce-scatter) and copies every member's summed slice into its tensor
+(*O*: an allgather). With three buffers used in turn, one barrier ends each step
+``[O(k-2), R(k-1), A(k)]``: a chunk is summed one barrier after every member wrote it,
+copied out one barrier after every member summed it, and its buffer is written again only
+after every member copied it out. A tensor of ``T`` chunks passes ``T + 1`` barriers.
+
+Passes over memory for one member (in units of ``S``): *A* reads 1 and writes 1, *R* reads 1
+and writes ``1/n``, *O* reads 1 and writes 1; ``docs/dev/benchmarks.md`` turns that into the
+bound the benchmark compares with.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+
+class Ring(Protocol):
+    """What these operations use of :class:`hora.torch._shm.Ring`."""
+
+    index: int
+    slot: int
+
+    def next_buffer(self) -> list[torch.Tensor]:
+        """The members' slots (uint8) of the buffer written before the next barrier."""
+
+    def step(self, op: str, name: str, total: int, start: int, check: int) -> None:
+        """Sign, pass the next barrier, check that every member signed the same."""
+
+
+Reduce = Callable[[torch.Tensor, torch.Tensor], object]
+
+REDUCERS: dict[str, Reduce] = {
+    "sum": torch.Tensor.add_,
+    "min": lambda acc, x: torch.minimum(acc, x, out=acc),
+    "max": lambda acc, x: torch.maximum(acc, x, out=acc),
+    "product": torch.Tensor.mul_,
+}
+
+# dtypes the ring reduces with torch's own kernels, with gloo's results (integers wrap alike)
+DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+                    torch.int32, torch.int16, torch.int8, torch.uint8})
+
+
+def checksum(what: str) -> int:
+    """The 32-bit checksum of an operation's description that members sign at each barrier.
+
+    Example:
+        >>> checksum("negotiation tables") == checksum("negotiation tables")
+        True
+    """
+    return zlib.crc32(what.encode())
+
+
+_TABLES = checksum("negotiation tables")
+
+
+def bounds(m: int, n: int, i: int) -> tuple[int, int]:
+    """Slice ``i`` of ``n`` near-equal slices of ``m`` elements.
+
+    Example:
+        >>> [bounds(7, 3, i) for i in range(3)]
+        [(0, 3), (3, 5), (5, 7)]
+    """
+    base, extra = divmod(m, n)
+    lo = i * base + min(i, extra)
+    return lo, lo + base + (1 if i < extra else 0)
+
+
+def reduce_slice(slots: list[torch.Tensor], me: int, fn: Reduce) -> None:
+    """Reduce slice ``me`` of every member's ``slots`` into member ``me``'s, in place."""
+    lo, hi = bounds(slots[0].numel(), len(slots), me)
+    if hi <= lo:
+        return
+    acc = slots[me][lo:hi]
+    for j, s in enumerate(slots):
+        if j != me:
+            fn(acc, s[lo:hi])
+
+
+def gather_slices(slots: list[torch.Tensor], dst: torch.Tensor, skip: int = -1) -> None:
+    """Copy slice ``j`` of member ``j``'s slot into ``dst`` for every member but ``skip``."""
+    n = len(slots)
+    for j, s in enumerate(slots):
+        if j != skip:
+            lo, hi = bounds(s.numel(), n, j)
+            if hi > lo:
+                dst[lo:hi].copy_(s[lo:hi])
+
+
+def allreduce(ring: Ring, t: torch.Tensor, op: str, name: str, reduce: str, tag: str,
+              source: torch.Tensor) -> None:
+    """Reduce ``source`` over the ring's members into ``t`` (see the module docstring).
+
+    ``t`` and ``source`` are contiguous CPU tensors of one size and dtype, possibly the same
+    one; ``tag`` (with the dtype and the reduction) is what the members check they agree on.
+    """
+    flat, src = t.view(-1), source.view(-1)
+    fn, me, dtype = REDUCERS[reduce], ring.index, t.dtype
+    per = ring.slot // t.element_size()
+    total = flat.numel()
+    check = checksum(f"{tag}|{dtype}|{reduce}")
+    chunks = [(s, min(per, total - s)) for s in range(0, total, per)]
+    held: list[list[torch.Tensor]] = []  # the members' slots of each chunk written so far
+    last = len(chunks)
+    for k in range(last + 2):
+        if k >= 2:  # O: every member summed chunk k-2 one barrier ago
+            start, m = chunks[k - 2]
+            gather_slices(held[k - 2], flat[start : start + m])
+        if 1 <= k <= last:  # R: every member wrote chunk k-1 one barrier ago
+            reduce_slice(held[k - 1], me, fn)
+        if k < last:  # A
+            start, m = chunks[k]
+            slots = [s.view(dtype)[:m] for s in ring.next_buffer()]
+            slots[me].copy_(src[start : start + m])
+            held.append(slots)
+        if k <= last:
+            ring.step(op, name, total, chunks[k][0] if k < last else total, check)
+
+
+def broadcast(ring: Ring, t: torch.Tensor, op: str, name: str) -> None:
+    """Copy member 0's ``t`` into every member's, in place, one barrier per chunk."""
+    flat = t.view(-1)
+    per = ring.slot // t.element_size()
+    total = flat.numel()
+    root = ring.index == 0
+    check = checksum(f"{name}|{t.dtype}|broadcast")
+    src: torch.Tensor | None = None
+    for start in range(0, total + per, per):
+        if src is not None and not root:  # the previous chunk, written a barrier ago
+            m = src.numel()
+            flat[start - per : start - per + m].copy_(src)
+        if start >= total:
+            return
+        m = min(per, total - start)
+        src = ring.next_buffer()[0].view(t.dtype)[:m]
+        if root:
+            src.copy_(flat[start : start + m])
+        ring.step(op, name, total, start, check)
+
+
+def allgather_ints(ring: Ring, mine: list[int], op: str, name: str) -> list[list[int]] | None:
+    """Every member's list (in member order); None on every member when one is too long."""
+    cap = ring.slot // 8 - 1
+    slots = [s.view(torch.int64) for s in ring.next_buffer()]
+    row = slots[ring.index]
+    row[0] = len(mine)
+    if len(mine) <= cap:
+        row[1 : 1 + len(mine)] = torch.tensor(mine, dtype=torch.int64)
+    ring.step(op, name, 0, 0, _TABLES)
+    lengths = [int(s[0]) for s in slots]
+    if max(lengths) > cap:
+        return None
+    return [s[1 : 1 + n].tolist() for s, n in zip(slots, lengths, strict=True)]

@@ -1,0 +1,50 @@
+"""bench/gpu/check.sh, the GPU check, passes its own dry run on a machine without a GPU.
+
+Every step the issue names is present in the report and skipped with the reason "no GPU";
+a step whose program cannot run fails the dry run instead of being skipped quietly.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = ["cuda_tests", "nccl_world1", "notebook", "optimizer_overhead", "preflight_nccl",
+         "park_cuda", "gpu_image"]
+
+
+CHECK = ROOT / "bench" / "gpu" / "check.sh"
+
+
+def _run(tmp: Path, *args: str, check_sh: Path = CHECK) -> tuple[int, dict[str, Any], str]:
+    report = tmp / "report.md"
+    proc = subprocess.run([str(check_sh), "--dry-run", "--report", str(report), *args],
+                          capture_output=True, text=True, timeout=60)
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    return proc.returncode, last, report.read_text()
+
+
+def test_dry_run_lists_every_step_skipped_for_want_of_a_gpu(tmp_path: Path) -> None:
+    code, last, report = _run(tmp_path)
+    assert code == 0, report
+    assert last["bench"] == "gpu_check" and last["pass"] is True and last["gpus"] == 0
+    assert list(last["steps"]) == STEPS
+    assert set(last["steps"].values()) == {"skipped"}
+    for step in STEPS:
+        row = next(ln for ln in report.splitlines() if ln.startswith(f"| {step} |"))
+        assert row.split("|")[3].strip() == "skipped" and row.split("|")[5].strip() == "no GPU"
+
+
+def test_a_step_whose_program_cannot_run_fails_the_dry_run(tmp_path: Path) -> None:
+    copy = tmp_path / "repo" / "bench" / "gpu"
+    shutil.copytree(ROOT / "bench" / "gpu", copy)
+    (copy / "nccl_world1.py").write_text("def broken(:\n")
+    code, last, report = _run(tmp_path, check_sh=copy / "check.sh")
+    assert code == 1
+    assert last["failed"] == ["nccl_world1"]
+    row = next(ln for ln in report.splitlines() if ln.startswith("| nccl_world1 |"))
+    assert "cannot run" in row
