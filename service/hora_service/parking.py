@@ -364,6 +364,13 @@ class ParkManager:
         with self._lock:
             self._snapshots().discard(job.id)
 
+    def dropped(self, job: JobRecord) -> None:
+        """Its owner deleted the session: its snapshot goes with it (the row is gone already)."""
+        if job.park is not None:
+            parkdirs.remove(_workdir_of(job.park), job.id)
+        with self._lock:
+            self._snapshots().discard(job.id)
+
     def lease_ran_out(self, job_id: int) -> bool:
         """The kernel went silent: a session with a snapshot is parked again (True)."""
         job = self.manager.get(job_id)

@@ -280,7 +280,9 @@ class SessionManager:
         }.get(job.state, "stopped by the user")
         with self._lock:
             self._leases.pop(job.id, None)
-        return self.view(self.manager.drop_session(job.id, reason))
+        ended = self.manager.drop_session(job.id, reason)
+        self.parks.dropped(job)
+        return self.view(ended)
 
     def check(self, now: float) -> None:
         """Withdraw sessions whose lease ran out, stop idle ones (called by the monitor)."""

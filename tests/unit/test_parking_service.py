@@ -181,11 +181,12 @@ def test_a_parked_session_ended_by_its_user_or_past_the_retention_loses_its_snap
     park(mgr, sessions, kept, [1, 1])
     park(mgr, sessions, ended, [1, 1])
     dirs = {s: Path(mgr.get(s).park.directory) for s in (kept, ended)}  # type: ignore[union-attr]
-    sessions.delete(mgr.get(ended))  # type: ignore[arg-type]
+    gone_now = sessions.delete(mgr.get(ended))  # type: ignore[arg-type]
+    assert gone_now.reason == "ended by the user; its snapshot was deleted"
     mgr.tick()
     mgr.tick(now=mgr.get(kept).park.parked_at.timestamp() + 5)  # type: ignore[union-attr]
     assert not dirs[ended].exists() and dirs[kept].exists()
-    assert mgr.get(ended).reason == "ended by the user; its snapshot was deleted"  # type: ignore[union-attr]
+    assert mgr.get(ended) is None  # deleted: a 404 from then on
     mgr.tick(now=mgr.get(kept).park.parked_at.timestamp() + 61)  # type: ignore[union-attr]
     mgr.tick(now=mgr.get(kept).park.parked_at.timestamp() + 64)  # type: ignore[union-attr]
     gone = mgr.get(kept)

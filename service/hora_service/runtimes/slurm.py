@@ -20,13 +20,11 @@ unique job name when the service died right after ``sbatch``: it never submits t
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -57,6 +55,7 @@ from hora_service.runtimes.slurm_facts import (
     expand_hosts,
     fields,
     gpu_holders,
+    node_addresses,
     parse_partition,
 )
 
@@ -466,14 +465,7 @@ class SlurmRuntime(Runtime):
         proc = self.run("scontrol", "show", "node", "-o")
         if proc.returncode != 0:
             raise SlurmError(f"scontrol lists no node: {proc.stderr.strip() or proc.stdout}")
-        found = set()
-        for node in map(fields, proc.stdout.splitlines()):
-            name = node.get("NodeAddr") or node.get("NodeName")
-            if not name:
-                continue
-            with contextlib.suppress(OSError):
-                found.add(socket.gethostbyname(name))
-        return found
+        return node_addresses(proc.stdout)
 
     def post_wait(self, job_id: int, info: JobInfo | None) -> None:
         """Show Slurm's pending reason on the job while Slurm holds it back; clear it after."""

@@ -19,7 +19,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import re
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -177,3 +179,15 @@ def gpu_holders(
                 holder_kind=mine[2] if mine else ("slurm" if job else None),
             ))  # fmt: skip
     return out
+
+
+def node_addresses(scontrol_nodes: str) -> set[str]:
+    """The IPv4 addresses of the nodes ``scontrol show node -o`` lists (those that resolve)."""
+    found = set()
+    for node in map(fields, scontrol_nodes.splitlines()):
+        name = node.get("NodeAddr") or node.get("NodeName")
+        if not name:
+            continue
+        with contextlib.suppress(OSError):
+            found.add(socket.gethostbyname(name))
+    return found
