@@ -34,6 +34,17 @@ from sqlalchemy.exc import (
 from hora_service.models import JobRecord, Transition, User
 from hora_service.store_sqlite import BUSY_TIMEOUT_MS, drop_broken, owner_only, pragmas
 
+
+def _count(row: str, sign: str) -> str:
+    """Trigger statements that count ``row`` (``NEW`` or ``OLD``) in or out of job_counts."""
+    key = f"{row}.user, COALESCE({row}.user_id, -1), {row}.state"
+    return (  # INSERT OR IGNORE then UPDATE: an upsert the oldest SQLite 3 in use still takes
+        f"INSERT OR IGNORE INTO job_counts (user, uid, state, n) VALUES ({key}, 0); "
+        f"UPDATE job_counts SET n = n {sign} 1 WHERE user = {row}.user "
+        f"AND uid = COALESCE({row}.user_id, -1) AND state = {row}.state;"
+    )
+
+
 # Each step upgrades the schema by one version; never edit a released step, add one.
 MIGRATIONS: list[list[str]] = [
     [
@@ -117,6 +128,27 @@ MIGRATIONS: list[list[str]] = [
     ],
     ["ALTER TABLE jobs ADD COLUMN elastic TEXT"],  # v8: an elastic job's size (ElasticInfo)
     ["ALTER TABLE jobs ADD COLUMN park TEXT"],  # v9: a session's snapshot (ParkInfo)
+    [
+        # v10: how many jobs each owner has in each state, kept by triggers in the writing
+        # transaction, so that a list's total and the metrics' counts read a few rows instead
+        # of counting every job (``uid`` is -1 for a job of no user, in tests); and an index
+        # for a page of one user's jobs in one state
+        """CREATE TABLE job_counts (
+            user TEXT NOT NULL,
+            uid INTEGER NOT NULL,
+            state TEXT NOT NULL,
+            n INTEGER NOT NULL,
+            PRIMARY KEY (user, uid, state)) WITHOUT ROWID""",
+        """INSERT INTO job_counts (user, uid, state, n)
+            SELECT user, COALESCE(user_id, -1), state, COUNT(*) FROM jobs GROUP BY 1, 2, 3""",
+        f"""CREATE TRIGGER jobs_counted_in AFTER INSERT ON jobs BEGIN {_count("NEW", "+")} END""",
+        f"""CREATE TRIGGER jobs_counted_out AFTER DELETE ON jobs BEGIN {_count("OLD", "-")} END""",
+        f"""CREATE TRIGGER jobs_counted_moved AFTER UPDATE OF user, user_id, state ON jobs
+            WHEN OLD.user IS NOT NEW.user OR OLD.user_id IS NOT NEW.user_id
+                OR OLD.state IS NOT NEW.state
+            BEGIN {_count("OLD", "-")} {_count("NEW", "+")} END""",
+        "CREATE INDEX jobs_by_user_state ON jobs (user, state, id)",
+    ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 ACTIVE = (JobState.starting, JobState.running)
@@ -432,23 +464,45 @@ class Store:
         return self._records(conn, [row])[0]
 
     def list_ids(
-        self, user: str | None, state: JobState | None, limit: int, offset: int
+        self,
+        user: str | None,
+        state: JobState | None,
+        limit: int,
+        offset: int,
+        hidden: Iterable[int] = (),
     ) -> tuple[list[int], int]:
-        """Ids of a page of jobs, newest first, and how many match in all."""
-        where: list[str] = [f"NOT ({DROPPED})"]
+        """Ids of a page of jobs, newest first, and how many match in all.
+
+        The total is read from ``job_counts`` (a few rows, whatever the store holds) and the
+        page from an index, so neither reads every job. ``hidden``: ids left out of both
+        (the sessions their owners deleted, whose rows stay until their engines are gone).
+        """
+        where: list[str] = []
         params: dict[str, object] = {"lim": limit, "off": offset}
+        counted: list[str] = []
         if user is not None:
             where.append(OWNED_BY)
+            counted.append(f"user = :u AND uid = COALESCE({USER_ID}, -1)")
             params["u"] = user
         if state is not None:
             where.append("state = :s")
+            counted.append("state = :s")
             params["s"] = state.value
-        clause = f" WHERE {' AND '.join(where)}"
+        left_out = ",".join(str(int(i)) for i in sorted(set(hidden)))  # ints, never input
+        clause = " AND ".join(where) or "1"
         with self.engine.connect() as conn:
-            count = text(f"SELECT COUNT(*) FROM jobs{clause}")
-            total = int(conn.execute(count, params).scalar_one())
+            total = int(conn.execute(text(
+                "SELECT COALESCE(SUM(n), 0) FROM job_counts"
+                + (f" WHERE {' AND '.join(counted)}" if counted else "")
+            ), params).scalar_one())  # fmt: skip
+            page = f"SELECT id FROM jobs WHERE {clause}"
+            if left_out:
+                total -= int(conn.execute(text(
+                    f"SELECT COUNT(*) FROM jobs WHERE {clause} AND id IN ({left_out})"
+                ), params).scalar_one())  # fmt: skip
+                page += f" AND id NOT IN ({left_out})"
             rows = conn.execute(
-                text(f"SELECT id FROM jobs{clause} ORDER BY id DESC LIMIT :lim OFFSET :off"), params
+                text(f"{page} ORDER BY id DESC LIMIT :lim OFFSET :off"), params
             ).all()
         return [int(r[0]) for r in rows], total
 
@@ -562,9 +616,11 @@ class Store:
         return {int(r[0]): (float(r[1]), r[2]) for r in rows}
 
     def count_by_state(self) -> dict[str, int]:
-        """Number of jobs in each state that has any."""
+        """Number of jobs in each state that has any (from ``job_counts``: a few rows)."""
         with self.engine.connect() as conn:
-            rows = conn.execute(text("SELECT state, COUNT(*) FROM jobs GROUP BY state"))
+            rows = conn.execute(text(
+                "SELECT state, SUM(n) FROM job_counts GROUP BY state HAVING SUM(n) > 0"
+            ))  # fmt: skip
             return {r[0]: int(r[1]) for r in rows}
 
 
