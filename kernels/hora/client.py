@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from hora.client_config import ClientConfig, config_path, load_config, save_config
 from hora.errors import HoraError, SpecError
 from hora.export import DEFAULT_EXPORT, Export, client_python, with_export
-from hora.spec import JobInfo, JobSpec, JobState, QueueEntry, error_message
+from hora.spec import JobInfo, JobSpec, JobState, QueueEntry, SlotInfo, error_message
 
 _LOG_EVENT = "message"
 
@@ -284,9 +284,10 @@ class Client:
         """
         return dict(self.request("GET", f"/v1/jobs/{job_id}/scaling").json())
 
-    def gpus(self) -> list[dict[str, Any]]:
-        """Every GPU / CPU slot and the job holding it."""
-        return list(self.request("GET", "/v1/gpus").json())
+    def gpus(self) -> list[SlotInfo]:
+        """Every GPU / CPU slot and who holds it; then the parked sessions (holding none)."""
+        rows = self.request("GET", "/v1/gpus").json()
+        return [SlotInfo.model_validate(row) for row in rows]
 
     def health(self) -> dict[str, Any]:
         """The service's ``/healthz`` answer (no token needed)."""
