@@ -7,7 +7,9 @@ by ``hora_service.hub.configure``. Debian's Chromium, through Playwright:
 
 * alice signs in to the hub; her JupyterLab spawns as her account; a notebook with no set-up
   runs ``%dist_start -n 2`` and a ``%%distributed`` cell through the service: the engines run
-  as alice's account; she opens the dashboard through the hub (OAuth) and sees her session;
+  as alice's account; an interrupt of her kernel through the hub reaches them (her kernel
+  signals them: the same account), and they stay usable; she opens the dashboard through the
+  hub (OAuth) and sees her session;
 * bob signs in and sees neither her session nor its logs (404, like a session that does not
   exist); his account cannot read her server's token, neither from her kernel's environment
   nor from any file it can open (her home, the hub's and hora's directories, /tmp, /dev/shm);
@@ -43,7 +45,7 @@ import httpx
 import nbformat
 import psutil
 import pytest
-from helpers.hub import Account, Hub, accounts, user_python
+from helpers.hub import Account, Hub, Kernel, accounts, user_python
 from helpers.service_server import ServiceServer
 from playwright.sync_api import BrowserContext, Page, sync_playwright
 from test_notebooks_jupyterlab import (
@@ -287,6 +289,7 @@ def test_a_team_on_the_hub(stack: tuple[ServiceServer, Hub], team: dict[str, Acc
             assert kernel.uids().real == alice.uid
             with pytest.raises(KeyError):  # her own account, no hora-NAME beside it
                 pwd.getpwnam(f"hora-{alice.name}")
+            interrupt_through_the_hub(hub, alice)
 
             # her dashboard, through the hub's proxy, signed in through the hub's OAuth
             board = actx.new_page()
@@ -350,6 +353,39 @@ def test_a_team_on_the_hub(stack: tuple[ServiceServer, Hub], team: dict[str, Acc
         assert c.get(f"/v1/jobs/{bobs}/logs", params={"rank": 0}).text == "bob's job\n"
         assert c.post(f"/v1/jobs/{bobs}/cancel").status_code == 200
     hub_admins_when_asked(srv, hub, carol)
+
+
+SLEEPS = (
+    "%%distributed --all\nimport time\nprint('started', flush=True)\n"
+    "try:\n    time.sleep(300)\n"
+    "except KeyboardInterrupt:\n    print('interrupted', flush=True)\n    raise"
+)
+
+
+def interrupt_through_the_hub(hub: Hub, alice: Account) -> None:
+    """Her notebook's kernel, interrupted through the hub (REST, as JupyterLab's button does),
+    interrupts her engines, as under ``hora up``; they keep her session and stay usable."""
+    scopes = [f"access:servers!user={alice.name}"]
+    minted = hub.api("POST", f"/users/{alice.name}/tokens", json={"scopes": scopes})
+    assert minted.status_code == 201, minted.text
+    server, token = f"{hub.url}/user/{alice.name}/", str(minted.json()["token"])
+    listed = httpx.get(f"{server}api/kernels", headers={"Authorization": f"token {token}"})
+    (kernel_id,) = [k["id"] for k in listed.json()]
+    kernel = Kernel(server, token, kernel_id, timeout=120)
+    sent: list[bool] = []
+
+    def on_output(text: str) -> None:
+        if not sent and "[rank 0] started" in text and "[rank 1] started" in text:
+            sent.append(True)
+            kernel.interrupt()
+
+    try:
+        out = kernel.run(SLEEPS, on_output)
+        assert "EnginesInterrupted: interrupted on ranks 0-1" in out, out
+        assert "[rank 0] interrupted" in out and "[rank 1] interrupted" in out, out
+        assert kernel.run("%%distributed\nprint(hvd.size())").strip() == "2"
+    finally:
+        kernel.close()
 
 
 def api_checks(srv: ServiceServer, hub: Hub, bob: Account, sid: int) -> int:
