@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from hora.errors import HoraError, SpecError
+from hora.errors import EngineRunning, HoraError, SpecError
 from hora.spec import JobState
 
 from hora_service.jobpreflight import PreflightFigures
@@ -224,7 +224,7 @@ class Monitor(Recovery):
             attempt.codes = [rank_status(r) for r in attempt.ranks]
             self._keep_engines(attempt, now)
             if rank not in attempt.lost:
-                raise HoraError(f"rank {rank}'s engine of session {session_id} is running")
+                raise EngineRunning(session_id, rank)
             runtime = self._runtime(attempt.plan.spec.runtime.value)
             try:
                 new = runtime.replace_rank(attempt.plan, rank, self._base_env, master_port)
