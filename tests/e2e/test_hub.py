@@ -465,9 +465,9 @@ def cull_and_check(
         assert session["state"] == "parked", session
         assert "kernel exited" in session["reason"] and session["park"]["world"] == 2, session
 
-        def free() -> list[dict[str, Any]] | None:
+        def free() -> list[dict[str, Any]] | None:  # of hers (bob's job holds one)
             slots = c.get("/v1/gpus").json()
-            held = [x for x in slots if x["kind"] != "parked" and x["job_id"] is not None]
+            held = [x for x in slots if x["kind"] != "parked" and x["job_id"] == sid]
             return None if held else slots
 
         slots = wait_for("her slots to be free", free)
