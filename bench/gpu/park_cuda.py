@@ -202,15 +202,7 @@ def side_by_side(
         cluster.run(cells(STATE.format(mb=mb) + cpu.LOAD.format(where=where) + SYNC))
         return save_s, time.perf_counter() - t0
 
-    out: list[tuple[tuple[float, float], tuple[float, float]]] = []
-    hora(), by_hand()
-    for i in range(pairs):
-        if i % 2 == 0:
-            out.append((hora(), by_hand()))
-        else:
-            b = by_hand()
-            out.append((hora(), b))
-    return out
+    return list(cpu.nb.interleave(pairs, hora, by_hand))
 
 
 if __name__ == "__main__":
