@@ -163,13 +163,17 @@ def make_store(
     """The raw store of this rendezvous (rank 0 hosts it), and the file that names it, if any.
 
     ``key``: the store key of the launch's secret (hora's authenticated store), or None.
+    Under torchrun's agent the store is the agent's ``TCPStore`` whatever the key: the ranks
+    join it as clients (and :func:`scoped_store` still seals what they write there).
     """
     td = datetime.timedelta(seconds=timeout_s)
     if world.size == 1 and world.master_port is None:
         return open_store("127.0.0.1", 0, 1, td, key, host=True), None
     if world.master_addr is None or world.master_port is None:
         return file_rendezvous(world, timeout_s, generation, key)
-    if world.rank == 0 and not agent_store(os.environ):
+    if agent_store(os.environ):
+        key = None  # the agent hosts a TCPStore: hora's handshake would find no one there
+    elif world.rank == 0:
         hosted_before = generation > 1
         return host_store(
             world.master_addr, world.master_port, world.size, td, hosted_before, key
@@ -193,15 +197,15 @@ def agent_store(environ: Mapping[str, str]) -> bool:
 
     torchrun sets ``TORCHELASTIC_USE_AGENT_STORE=True`` for its workers: rank 0 then joins
     the agent's store as a client, as ``init_process_group`` does, instead of trying to host
-    one on the agent's port (torch logs a bind error for that try). A launch with a
-    rendezvous secret keeps hora's own store.
+    one on the agent's port (torch logs a bind error for that try). That store is the
+    agent's ``TCPStore``, so a torchrun started inside a hora job (whose ranks inherit the
+    job's ``HORA_RDZV_SECRET``) meets there too, its keys and values sealed.
 
     Example:
         >>> agent_store({"TORCHELASTIC_USE_AGENT_STORE": "True"}), agent_store({})
         (True, False)
     """
-    asked = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    return asked and not environ.get(RDZV_SECRET_VAR)
+    return environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
 # A store this process hosted before shutdown() may hold the port a moment longer: the
