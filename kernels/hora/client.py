@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from hora.client_config import ClientConfig, config_path, load_config, save_config
 from hora.errors import HoraError, SpecError
 from hora.export import DEFAULT_EXPORT, Export, client_python, with_export
-from hora.spec import JobInfo, JobSpec, JobState, QueueEntry, error_message
+from hora.spec import JobInfo, JobSpec, JobState, QueueEntry, SlotInfo, error_message
 
 _LOG_EVENT = "message"
 
@@ -53,13 +53,15 @@ class ServiceError(HoraError):
         status: the HTTP status code.
         detail: the service's explanation (a string, or FastAPI's list of field errors).
         url: the request URL.
+        code: what code may act on, when the service gave one (``"engine_running"``, ...).
     """
 
-    def __init__(self, status: int, detail: Any, url: str) -> None:
+    def __init__(self, status: int, detail: Any, url: str, code: str | None = None) -> None:
         super().__init__(f"{_status_hint(status)} ({status}) from {url}: {render_detail(detail)}")
         self.status = status
         self.detail = detail
         self.url = url
+        self.code = code  # the service's machine-readable code (e.g. "engine_running"), if any
 
 
 class ServiceUnavailable(HoraError, ConnectionError):
@@ -282,9 +284,10 @@ class Client:
         """
         return dict(self.request("GET", f"/v1/jobs/{job_id}/scaling").json())
 
-    def gpus(self) -> list[dict[str, Any]]:
-        """Every GPU / CPU slot and the job holding it."""
-        return list(self.request("GET", "/v1/gpus").json())
+    def gpus(self) -> list[SlotInfo]:
+        """Every GPU / CPU slot and who holds it; then the parked sessions (holding none)."""
+        rows = self.request("GET", "/v1/gpus").json()
+        return [SlotInfo.model_validate(row) for row in rows]
 
     def health(self) -> dict[str, Any]:
         """The service's ``/healthz`` answer (no token needed)."""
@@ -565,11 +568,14 @@ def parse_sse(lines: Iterator[str]) -> Iterator[_Event]:
 def _raise_for_status(resp: httpx.Response) -> None:
     if resp.status_code < 400:
         return
+    code = None
     try:
-        detail: Any = resp.json().get("detail", resp.text)
+        body = resp.json()
+        detail: Any = body.get("detail", resp.text)
+        code = body.get("code") if isinstance(body.get("code"), str) else None
     except (ValueError, AttributeError):
         detail = resp.text[:500] or resp.reason_phrase
-    raise ServiceError(resp.status_code, detail, str(resp.request.url))
+    raise ServiceError(resp.status_code, detail, str(resp.request.url), code)
 
 
 def _transport_cause(e: httpx.TransportError) -> str:

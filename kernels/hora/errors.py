@@ -11,7 +11,24 @@ from collections.abc import Sequence
 
 
 class HoraError(Exception):
-    """Root of every error hora raises on purpose."""
+    """Root of every error hora raises on purpose.
+
+    ``code`` is what code may act on (the service sends it beside the message; the client's
+    :class:`hora.client.ServiceError` carries it back): never the message's text.
+    """
+
+    code: str | None = None
+
+
+class EngineRunning(HoraError):
+    """A session's engine asked to be replaced still runs (the service has not seen it die)."""
+
+    code = "engine_running"
+
+    def __init__(self, session_id: int, rank: int) -> None:
+        super().__init__(f"rank {rank}'s engine of session {session_id} is running")
+        self.session_id = session_id
+        self.rank = rank
 
 
 class NotInitializedError(HoraError):

@@ -245,7 +245,7 @@ def spec_from_args(args: argparse.Namespace) -> Any:
         "working_dir": args.workdir,
         "submission_id": args.submission_id,
         "image": args.image,
-        "runtime": args.runtime or ("docker" if args.image else "local"),
+        "runtime": args.runtime,  # none given: the spec's default (docker with an image)
         "elastic": parse_elastic(args.elastic) if args.elastic is not None else None,
     }
     given = {k: v for k, v in data.items() if v is not None}

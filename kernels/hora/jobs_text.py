@@ -12,7 +12,7 @@ from typing import Any
 
 from hora.client import JobInfo
 from hora.scaling import fmt_bytes
-from hora.spec import ElasticInfo, JobState
+from hora.spec import ElasticInfo, JobState, SlotInfo
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -168,17 +168,17 @@ def _iso(at: datetime) -> str:
     return at.isoformat().replace("+00:00", "Z")
 
 
-def slot_unit(slots: Sequence[dict[str, Any]]) -> str:
+def slot_unit(slots: Sequence[SlotInfo]) -> str:
     """Name what the service schedules: "GPU", or "slot" where it has only CPU slots.
 
     Example:
-        >>> slot_unit([{"index": 0, "kind": "cpu"}])
+        >>> slot_unit([SlotInfo(index=0, kind="cpu", name="cpu0")])
         'slot'
     """
-    return "GPU" if any(s.get("kind") == "gpu" for s in slots) else "slot"
+    return "GPU" if any(s.kind == "gpu" for s in slots) else "slot"
 
 
-def gpus_table(slots: Sequence[dict[str, Any]]) -> str:
+def gpus_table(slots: Sequence[SlotInfo]) -> str:
     """The ``hora gpus`` table; HOLDER says whether a job or a notebook's session holds it.
 
     A slot held outside this service (another hora service, a notebook's kernel-local
@@ -186,24 +186,25 @@ def gpus_table(slots: Sequence[dict[str, Any]]) -> str:
     snapshot's size and since when.
 
     Example:
-        >>> print(gpus_table([{"index": 0, "kind": "cpu", "name": "cpu0", "user": "ann",
-        ...                    "holder_kind": "kernel", "holder": "notebook kernel pid 7"},
-        ...     {"index": None, "kind": "parked", "name": "nb", "job_id": 3, "user": "ann",
-        ...      "holder_kind": "session", "snapshot_bytes": 412_000_000,
-        ...      "parked_at": "2026-01-01T10:02:11Z"}]))
+        >>> print(gpus_table([
+        ...     SlotInfo(index=0, kind="cpu", name="cpu0", user="ann", holder_kind="kernel",
+        ...              holder="notebook kernel pid 7"),
+        ...     SlotInfo(index=None, kind="parked", name="nb", job_id=3, user="ann",
+        ...              holder_kind="session", snapshot_bytes=412_000_000,
+        ...              parked_at="2026-01-01T10:02:11Z")]))
         SLOT  KIND    NAME  JOB  USER  HOLDER
         0     cpu     cpu0  -    ann   notebook kernel pid 7
         -     parked  nb    3    ann   session, 392.9 MiB since 2026-01-01T10:02:11Z
     """
     rows = []
     for s in slots:
-        holder = s.get("holder") or s.get("holder_kind") or "-"
-        if s.get("kind") == "parked":
-            holder += f", {fmt_bytes(int(s.get('snapshot_bytes') or 0))} since {s.get('parked_at')}"
-        index = s.get("index")
+        holder = s.holder or s.holder_kind or "-"
+        if s.kind == "parked":
+            since = _iso(s.parked_at) if s.parked_at else "-"
+            holder += f", {fmt_bytes(s.snapshot_bytes or 0)} since {since}"
         rows.append([
-            "-" if index is None else index, s.get("kind"), s.get("name"),
-            s.get("job_id") or "-", s.get("user") or "-", holder,
+            "-" if s.index is None else s.index, s.kind, s.name, s.job_id or "-",
+            s.user or "-", holder,
         ])  # fmt: skip
     return format_table(["SLOT", "KIND", "NAME", "JOB", "USER", "HOLDER"], rows)
 

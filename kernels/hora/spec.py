@@ -161,6 +161,15 @@ class JobSpec(BaseModel):
                 data = {**data, "workers": low}
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _image_means_docker(cls, data: Any) -> Any:
+        # an image given without a runtime means the docker runtime, whatever the entry point
+        # (CLI, client, REST, magics); an image with another runtime is refused at admission
+        if isinstance(data, dict) and data.get("image") is not None and "runtime" not in data:
+            data = {**data, "runtime": RuntimeName.docker}
+        return data
+
     @field_validator("workers")
     @classmethod
     def _workers_of_elastic(cls, v: int, info: ValidationInfo) -> int:

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from hora.errors import SpecError
-from hora.spec import JobSpec
+from hora.spec import JobSpec, RuntimeName
 
 from hora_service.identity import RunAs
 from hora_service.runtimes import namespaces, preflight
@@ -143,7 +143,7 @@ class Bounds:
             SpecError: field ``working_dir``, ``command``, ``env.VIRTUAL_ENV``,
                 ``env.CONDA_PREFIX`` or ``elastic``, naming the path.
         """
-        local = spec.runtime.value == "local"
+        local = spec.runtime == RuntimeName.local
         env = {**self.base_env, **spec.env}
         path = env.get("PATH") or "/usr/bin:/bin"
         program = spec.command[0] if local else None

@@ -130,6 +130,21 @@ def test_image_policy_names_the_image_field() -> None:
         assert e.value.field == "image"
 
 
+@pytest.mark.parametrize(
+    ("given", "runtime"),
+    [
+        ({"image": "hora:cpu"}, "docker"),  # an image alone means docker, for every entry point
+        ({"image": "hora:cpu", "runtime": "local"}, "local"),  # said: admission refuses it
+        ({}, "local"),
+    ],
+)
+def test_an_image_without_a_runtime_means_docker(given: dict[str, str], runtime: str) -> None:
+    spec = JobSpec.model_validate({"command": ["x"], **given})
+    assert spec.runtime.value == runtime
+    # the client and the REST API send what the CLI sends: the same spec either way
+    assert JobSpec.model_validate_json(spec.model_dump_json()) == spec
+
+
 def test_settings_reach_the_runtime(tmp_path: Path) -> None:
     s = Settings(
         data_dir=tmp_path, docker_host="unix:///x.sock", docker_allowed_images="a:*, b:*",

@@ -12,18 +12,20 @@ from datetime import UTC, datetime
 from io import StringIO
 from pathlib import Path
 
+import httpx
 import pytest
 from hora.client import (
     Client,
     ServiceError,
     ServiceUnavailable,
+    _raise_for_status,
     load_config,
     parse_spec,
     parse_sse,
     render_detail,
     save_config,
 )
-from hora.errors import SpecError
+from hora.errors import EngineRunning, SpecError
 from hora.jobs_cli import build_parser, main, parse_env, spec_from_args
 from hora.jobs_text import age, format_table, status_text
 from hora.spec import JobState
@@ -167,6 +169,22 @@ def test_render_detail_of_validation_errors() -> None:
     assert render_detail(detail) == "workers: asks for 8 GPUs; this cluster has 4"
     err = ServiceError(422, detail, "http://x/v1/jobs")
     assert "workers: asks for 8 GPUs" in str(err) and err.status == 422
+
+
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        ({"detail": "rank 1's engine of session 3 is running", "code": "engine_running"},
+         EngineRunning.code),
+        ({"detail": "rank 1's engine of session 3 is running"}, None),  # text is never a code
+        ({"detail": "x", "code": 7}, None),
+    ],
+)  # fmt: skip
+def test_a_service_error_carries_the_code_code_acts_on(body: dict[str, object], code: str) -> None:
+    request = httpx.Request("POST", "http://x/v1/sessions/3/replace")
+    with pytest.raises(ServiceError) as e:
+        _raise_for_status(httpx.Response(409, json=body, request=request))
+    assert e.value.status == 409 and e.value.code == code
 
 
 def test_submit_args_become_spec() -> None:

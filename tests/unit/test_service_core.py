@@ -454,7 +454,7 @@ def test_rank_argv_passes_hostile_arguments_verbatim(tmp_path: Path) -> None:
     assert argv == ["/py", "-I", "-S", str(SHIM), run_dir, "1"]
     # the command is in the launch file only: the shim's argv is readable in /proc by anyone
     p = plan(tmp_path, workers=2, gpus_per_worker=2)
-    assert launch_file(p, 1, {})["command"] == ["python", *HOSTILE]
+    assert launch_file(p, 1, {}).command == ("python", *HOSTILE)
 
 
 def test_rank_environment_contract(tmp_path: Path) -> None:

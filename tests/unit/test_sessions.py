@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from hora.errors import HoraError, SpecError
+from hora.errors import EngineRunning, HoraError, SpecError
 from hora.spec import JobSpec, JobState
 from hora_service.manager import JobManager
 from hora_service.models import User
@@ -458,8 +458,9 @@ def test_a_dead_engine_keeps_its_slot_until_the_kernel_asks_for_a_new_one(
     s = sessions.create("ann", request(workers=3))
     mgr.tick()
     ranks = rt.started[0][1]
-    with pytest.raises(HoraError, match="rank 1's engine of session .* is running"):
+    with pytest.raises(EngineRunning, match="rank 1's engine of session .* is running") as e:
         mgr.replace_engine(s.id, 1, 40000)
+    assert e.value.code == "engine_running"  # what the kernel's retry acts on, not the text
     ranks[1].status = -9
     for _ in range(3):
         mgr.tick()

@@ -43,7 +43,7 @@ from hora.engines.launchers import (
 )
 from hora.engines.parking import Parker, ParkReport, ResumeReport
 from hora.engines.state import ClusterState
-from hora.errors import HoraError, SpecError
+from hora.errors import EngineRunning, HoraError, SpecError
 from hora.net import free_port, is_local_address, route_source
 from hora.spec import SessionInfo
 
@@ -303,7 +303,7 @@ class SessionLauncher(KernelProcesses):
                 self.service.request("POST", f"/v1/sessions/{self.session.id}/replace", json=body)
                 return AskedEngine()
             except ServiceError as e:
-                if e.status != 409 or "is running" not in str(e) or time.monotonic() > until:
+                if e.code != EngineRunning.code or time.monotonic() > until:
                     raise EngineStartError(f"the service did not start a new engine: {e}") from e
             time.sleep(POLL_S)
 

@@ -221,4 +221,5 @@ def _add_handlers(app: FastAPI) -> None:
     @app.exception_handler(HoraError)
     async def _hora_error(request: Request, exc: HoraError) -> JSONResponse:
         log.warning("%s %s: %s", request.method, request.url.path, exc)
-        return JSONResponse({"detail": str(exc)}, status_code=409)
+        code = {"code": exc.code} if exc.code else {}
+        return JSONResponse({"detail": str(exc), **code}, status_code=409)

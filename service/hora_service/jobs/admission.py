@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hora.errors import HoraError, SpecError
-from hora.spec import JobSpec, JobState, ParkInfo
+from hora.spec import JobSpec, JobState, ParkInfo, RuntimeName
 from sqlalchemy import Connection
 
 from hora_service.elastic import python
@@ -115,9 +115,9 @@ class Admission(ManagerCore):
             raise SpecError(field, f"asks for {need} {unit}; your quota is {quota}")
         self._check_elastic(spec, total, unit)
         who = self.users.run_as_of(user) if self.user_mode == "multi" else None
-        if spec.image is not None and spec.runtime.value not in ("docker", "slurm"):
+        if spec.image is not None and spec.runtime not in (RuntimeName.docker, RuntimeName.slurm):
             raise SpecError("image", "an image is used only by the docker runtime")
-        self._runtime(spec.runtime.value).check(spec)
+        self._runtime(spec.runtime).check(spec)
         driver = self._driver_python(spec)
         self.bounds.preflight(spec, self.workdir(spec, user), who, driver, kind)
 
@@ -132,7 +132,7 @@ class Admission(ManagerCore):
         e = spec.elastic
         if e is None:
             return
-        if spec.runtime.value != "local":
+        if spec.runtime != RuntimeName.local:
             raise SpecError("elastic", "elastic jobs run on the local runtime only for now")
         if self._kind == "gpu":
             raise SpecError("elastic", "elastic jobs run on CPU slots only for now")

@@ -11,7 +11,7 @@ import signal
 from dataclasses import dataclass, field
 
 from hora.procs import ended
-from hora.spec import JobSpec, JobState
+from hora.spec import JobSpec, JobState, RuntimeName
 
 from hora_service.elastic import ElasticRun
 from hora_service.runtimes import AttemptPlan, Exit, RankProcess
@@ -132,7 +132,7 @@ class QueueView:
 
 def _outside(spec: JobSpec) -> bool:
     """The job runs on resources its runtime owns (Slurm's nodes), not the service's slots."""
-    return spec.runtime.value == "slurm"
+    return spec.runtime == RuntimeName.slurm
 
 
 def describe(rank: int, status: RankStatus, note: str | None = None) -> str:

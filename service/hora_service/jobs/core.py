@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from hora.leases import LeaseDir, LeaseHolder, default_dir
-from hora.spec import PRIORITY_RANK, JobSpec, JobState
+from hora.spec import PRIORITY_RANK, JobSpec, JobState, RuntimeName
 
 from hora_service import identity, runtimes
 from hora_service.bounds import Bounds
@@ -64,7 +64,9 @@ class ManagerCore:
         self._pending: dict[int, tuple[Pending, float | None]] = {}
         self._attempts: dict[int, Attempt] = {}
         self._dirty = True
-        self._runtimes: dict[str, Runtime] = dict(runtimes or {})
+        self._runtimes: dict[RuntimeName, Runtime] = {
+            RuntimeName(k): v for k, v in (runtimes or {}).items()
+        }
         self._base_env = allowed_env(os.environ, settings.job_env_passthrough)
         self.users = Users(
             identity.resolve_mode(settings.user_mode), self.open_store, settings.work_root,
@@ -216,7 +218,7 @@ class ManagerCore:
         self._quota_memo = {u.name: u.gpu_quota for u in users if u.gpu_quota is not None}
         return self._quota_memo
 
-    def _runtime(self, name: str) -> Runtime:
+    def _runtime(self, name: RuntimeName) -> Runtime:
         if name not in self._runtimes:
             self._runtimes[name] = runtimes.create(name, self.settings)
             self._runtimes[name].waits = self.waits

@@ -77,7 +77,7 @@ class Launch(ElasticSlots, Admission):
                 retry = False  # the job's account cannot start it: a retry would not either
                 raise
             plan = self._plan(job, n, slots, workdir, free_port(), who, kept)
-            runtime = self._runtime(job.spec.runtime.value)
+            runtime = self._runtime(job.spec.runtime)
             self._offer(plan)
             ranks = runtime.start(plan, self._base_env)
         except (OSError, HoraError) as e:

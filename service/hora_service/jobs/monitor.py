@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from hora.errors import HoraError, SpecError
+from hora.errors import EngineRunning, HoraError, SpecError
 from hora.spec import JobState
 
 from hora_service.jobpreflight import PreflightFigures
@@ -158,7 +158,7 @@ class Monitor(Recovery):
                 if attempt.plan.driver:  # rank 0 is hora run's driver; its log says why
                     why = f"the elastic driver ({why}; rank 0's log says why)"
                 why = self.bounds.explain(
-                    self._runtime(attempt.plan.spec.runtime.value), attempt.plan, first, why, status
+                    self._runtime(attempt.plan.spec.runtime), attempt.plan, first, why, status
                 )
                 attempt.stop(JobState.failed, why, now, grace, retry=True)
             elif attempt.deadline is not None and now > attempt.deadline:
@@ -174,7 +174,7 @@ class Monitor(Recovery):
             if self._cleared(attempt, now):
                 self._finish(attempt, attempt.stop_state, attempt.stop_reason, now)
         elif now >= attempt.kill_at:
-            self._runtime(attempt.plan.spec.runtime.value).clear(attempt.plan)
+            self._runtime(attempt.plan.spec.runtime).clear(attempt.plan)
             for rank, code in zip(attempt.ranks, attempt.codes, strict=True):
                 if code is Exit.running:
                     rank.signal(signal.SIGKILL)
@@ -189,7 +189,7 @@ class Monitor(Recovery):
         """
         if attempt.kind != "session":
             return attempt.codes
-        if not self._runtime(attempt.plan.spec.runtime.value).replaces_ranks:
+        if not self._runtime(attempt.plan.spec.runtime).replaces_ranks:
             return attempt.codes
         dead = {r: c for r, c in enumerate(attempt.codes) if r not in attempt.lost and c != 0
                 and c is not Exit.running}  # fmt: skip
@@ -224,8 +224,8 @@ class Monitor(Recovery):
             attempt.codes = [rank_status(r) for r in attempt.ranks]
             self._keep_engines(attempt, now)
             if rank not in attempt.lost:
-                raise HoraError(f"rank {rank}'s engine of session {session_id} is running")
-            runtime = self._runtime(attempt.plan.spec.runtime.value)
+                raise EngineRunning(session_id, rank)
+            runtime = self._runtime(attempt.plan.spec.runtime)
             try:
                 new = runtime.replace_rank(attempt.plan, rank, self._base_env, master_port)
             except OSError as e:
@@ -261,7 +261,7 @@ class Monitor(Recovery):
     def _nodes(self, attempt: Attempt) -> frozenset[str]:
         """The nodes the service placed an attempt's ranks on, as it knows them itself."""
         try:
-            return self._runtime(attempt.plan.spec.runtime.value).nodes(attempt.plan)
+            return self._runtime(attempt.plan.spec.runtime).nodes(attempt.plan)
         except HoraError:
             return frozenset()
 
@@ -283,7 +283,7 @@ class Monitor(Recovery):
         cannot be emptied within ``clear_timeout_s`` is logged as stuck, and still held.
         """
         try:
-            runtime = self._runtime(attempt.plan.spec.runtime.value)
+            runtime = self._runtime(attempt.plan.spec.runtime)
         except HoraError:  # it never started (no such runtime here): only its cgroup is left
             box = attempt.plan.container
             try:

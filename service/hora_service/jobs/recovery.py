@@ -14,7 +14,7 @@ import logging
 import time
 
 from hora.errors import HoraError
-from hora.spec import JobSpec, JobState
+from hora.spec import JobSpec, JobState, RuntimeName
 
 from hora_service.elastic import ElasticRun
 from hora_service.jobs.attempt import Attempt, _outside
@@ -39,7 +39,7 @@ class Recovery(Launch):
         handed = [j for j in store.jobs_in((JobState.queued,)) if j.container_id]
         for job in [*store.jobs_in((JobState.starting, JobState.running)), *handed]:
             plan = self._plan(job, job.attempt, job.slots, self.settings.work_root, 0)
-            ranks = self._runtime(job.spec.runtime.value).adopt(plan)
+            ranks = self._runtime(job.spec.runtime).adopt(plan)
             started = job.started_at.timestamp() if job.started_at else now
             timeout = job.spec.timeout_s
             attempt = Attempt(
@@ -55,7 +55,7 @@ class Recovery(Launch):
                 attempt.stop(JobState.cancelled, "cancelled by the user", now, grace, False)
             elif job.park is not None and job.park.phase == "parking":  # committed: stop them
                 attempt.stop(JobState.parked, job.park.reason, now, grace, retry=False)
-            elif job.state != JobState.running and self._held(job.spec.runtime.value, ranks):
+            elif job.state != JobState.running and self._held(job.spec.runtime, ranks):
                 attempt.held = True  # still in the runtime's queue, or started meanwhile
                 attempt.held_why = job.reason if job.state == JobState.queued else None
             elif job.state != JobState.running:
@@ -80,7 +80,7 @@ class Recovery(Launch):
                 "recovered %d active and %d queued job(s)", len(self._attempts), len(self._pending)
             )
 
-    def _held(self, runtime: str, ranks: list[RankProcess]) -> bool:
+    def _held(self, runtime: RuntimeName, ranks: list[RankProcess]) -> bool:
         """A starting job a queueing runtime (Slurm) took: re-adopted, never started twice."""
         try:
             queues = self._runtime(runtime).queues

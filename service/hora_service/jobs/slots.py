@@ -11,7 +11,7 @@ import time
 
 from hora.errors import HoraError
 from hora.leases import LeaseHolder
-from hora.spec import PRIORITY_RANK
+from hora.spec import PRIORITY_RANK, RuntimeName
 
 from hora_service.inventory import Slot
 from hora_service.jobs.attempt import Attempt, Holder, QueueView
@@ -61,7 +61,7 @@ class SlotViews(ManagerCore):
         if attempt is None:
             return None
         try:
-            runtime = self._runtime(attempt.plan.spec.runtime.value)
+            runtime = self._runtime(attempt.plan.spec.runtime)
         except HoraError:
             return None
         return runtime.cpu_seconds(attempt.plan)
@@ -79,7 +79,7 @@ class SlotViews(ManagerCore):
             }
         from hora_service.runtimes.slurm import SlurmRuntime  # only where Slurm is used
 
-        runtime = self._runtime("slurm")
+        runtime = self._runtime(RuntimeName.slurm)
         return runtime.cluster_slots(holders) if isinstance(runtime, SlurmRuntime) else []
 
     def queue_view(self, job_id: int, now: float | None = None) -> QueueView:

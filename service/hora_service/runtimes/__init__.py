@@ -1,6 +1,7 @@
 """Runtimes of the job service: where a job's ranks run (control plane).
 
-Chosen by name from :data:`REGISTRY`, whose factories import their module only when used.
+Chosen by the spec's :class:`~hora.spec.RuntimeName` from :data:`REGISTRY`, whose factories
+import their module only when used.
 ``local`` runs one process per rank on this machine, ``docker`` one container per attempt
 holding every rank (:mod:`hora_service.runtimes.docker`), ``slurm`` one Slurm batch job per
 attempt (:mod:`hora_service.runtimes.slurm`). A factory takes the service's settings.
@@ -8,10 +9,11 @@ attempt (:mod:`hora_service.runtimes.slurm`). A factory takes the service's sett
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from hora.errors import SpecError
+from hora.spec import RuntimeName
 
 from hora_service.runtimes.base import AttemptPlan, Exit, RankProcess, Runtime
 
@@ -20,34 +22,49 @@ if TYPE_CHECKING:
 
 __all__ = ["REGISTRY", "AttemptPlan", "Exit", "RankProcess", "Runtime", "available", "create"]
 
-# name -> "module:factory"
-REGISTRY: dict[str, str] = {
-    "local": "hora_service.runtimes.local:LocalRuntime.from_settings",
-    "docker": "hora_service.runtimes.docker:DockerRuntime.from_settings",
-    "slurm": "hora_service.runtimes.slurm:SlurmRuntime.from_settings",
+
+def _local(settings: Settings) -> Runtime:
+    from hora_service.runtimes.local import LocalRuntime
+
+    return LocalRuntime.from_settings(settings)
+
+
+def _docker(settings: Settings) -> Runtime:
+    from hora_service.runtimes.docker import DockerRuntime  # the docker SDK: only when used
+
+    return DockerRuntime.from_settings(settings)
+
+
+def _slurm(settings: Settings) -> Runtime:
+    from hora_service.runtimes.slurm import SlurmRuntime
+
+    return SlurmRuntime.from_settings(settings)
+
+
+# one factory per runtime, keyed by the spec's enum; each imports its module when first used
+REGISTRY: dict[RuntimeName, Callable[[Settings], Runtime]] = {
+    RuntimeName.local: _local,
+    RuntimeName.docker: _docker,
+    RuntimeName.slurm: _slurm,
 }
 
 
 def available() -> list[str]:
     """Names of the runtimes this service can run."""
-    return sorted(REGISTRY)
+    return sorted(r.value for r in REGISTRY)
 
 
-def create(name: str, settings: Settings) -> Runtime:
+def create(name: RuntimeName | str, settings: Settings) -> Runtime:
     """Build the runtime called ``name`` with the service's settings.
 
     Raises:
         SpecError: no such runtime here (field ``runtime``).
     """
-    target = REGISTRY.get(name)
-    if target is None:
+    try:
+        factory = REGISTRY[RuntimeName(name)]
+    except (ValueError, KeyError):
         raise SpecError(
             "runtime",
             f"runtime {name!r} is not available here (available: {', '.join(available())})",
-        )
-    module, _, path = target.partition(":")
-    factory: Any = importlib.import_module(module)
-    for attr in path.split("."):
-        factory = getattr(factory, attr)
-    made: Runtime = factory(settings)
-    return made
+        ) from None
+    return factory(settings)

@@ -13,7 +13,6 @@ list and the environment are built by pure functions (:func:`rank_argv`,
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import signal
@@ -30,6 +29,7 @@ from hora.procs import signal_group
 from hora_service.elastic import hosts_arg
 from hora_service.runtimes import namespaces, scratch
 from hora_service.runtimes.base import AttemptPlan, Exit, RankProcess, RankStatus, Runtime
+from hora_service.runtimes.launchfile import LaunchFile, private_file
 from hora_service.runtimes.limits import apply_cgroup
 from hora_service.runtimes.paths import JobPaths
 from hora_service.runtimes.runfiles import UntrustedRunFile, read_int
@@ -120,34 +120,12 @@ def rank_environment(plan: AttemptPlan, rank: int, base: Mapping[str, str]) -> d
     return env
 
 
-def launch_file(plan: AttemptPlan, rank: int, base: Mapping[str, str]) -> dict[str, object]:
+def launch_file(plan: AttemptPlan, rank: int, base: Mapping[str, str]) -> LaunchFile:
     """What the shim reads from ``rank<R>.launch`` (see :mod:`hora_service.runtimes.shim`)."""
-    who = plan.run_as
-    fields: dict[str, object] = {
-        "command": plan.command,
-        "env": rank_environment(plan, rank, base),
-        "uid": who.uid if who is not None else None,
-        "gid": who.gid if who is not None else None,
-        "cgroups": [str(d) for d in plan.container.dirs] if plan.container is not None else [],
-        "log_limit": plan.rank_log_bytes,
-        "cwd": str(plan.workdir),  # entered by the command once it runs as the job's account
-        "umask": plan.umask,
-    }
+    launch = LaunchFile.of_plan(plan, rank_environment(plan, rank, base))
     if plan.driver:  # the slot file, read through the shim's descriptor of the run directory
-        fields["run_dir_arg"] = hosts_arg(plan.driver)
-    return fields
-
-
-def _private_file(path: Path, gid: int, mode: int, text: str = "") -> None:
-    """Create ``path`` as the service's, with group ``gid`` and ``mode`` (from the start)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
-    try:
-        os.fchmod(fd, mode)
-        if os.geteuid() == 0 or gid == os.getegid():
-            os.fchown(fd, -1, gid)
-        os.write(fd, text.encode())
-    finally:
-        os.close(fd)
+        launch = dataclasses.replace(launch, run_dir_arg=hosts_arg(plan.driver))
+    return launch
 
 
 def read_exit(paths: JobPaths, rank: int) -> int | None:
@@ -310,13 +288,12 @@ class LocalRuntime(Runtime):
     ) -> ChildRank:
         """Start the shim of ``rank``; ``again``: a replacement, whose log goes on the old one."""
         gid = plan.run_as.gid if plan.run_as is not None else os.getegid()
-        fields = {**launch_file(plan, rank, base_env), **namespaces.launch_fields(holder)}
+        launch = launch_file(plan, rank, base_env).with_namespaces(namespaces.fds_of(holder))
         if tmp is not None and scratch.VAR not in plan.spec.env:
-            fields["env"][scratch.VAR] = str(tmp)  # type: ignore[index]
-        launch = json.dumps(fields)
-        _private_file(plan.paths.launch(rank), os.getegid(), 0o600, launch)
+            launch = launch.with_env(**{scratch.VAR: str(tmp)})
+        private_file(plan.paths.launch(rank), os.getegid(), 0o600, launch.to_json())
         if not again:
-            _private_file(plan.paths.log(rank), gid, 0o640)
+            private_file(plan.paths.log(rank), gid, 0o640)
         with plan.paths.log(rank).open("ab") as log:
             if again:
                 log.write(f"[hora] rank {rank} started again (a replacement)\n".encode())

@@ -16,7 +16,8 @@ job in multi-user mode gets, on its host:
 
 A small holder process (:mod:`hora_service.runtimes.nsholder`, joined to the attempt's
 cgroup and carrying its tag) creates the namespaces; the service passes descriptors of them
-to each rank's shim (:func:`launch_fields`), which enters them before dropping privileges.
+to each rank's shim (:func:`fds_of`, named in its launch file), which enters them before
+dropping privileges.
 Once every rank's shim is started it holds its own descriptors, which keep the namespaces
 (and the tmpfs in them) alive, and the holder is ended: nothing of the attempt but its ranks
 is left running, whether or not a service is there when they end. Where this is impossible
@@ -199,9 +200,9 @@ def start(plan: AttemptPlan) -> Holder | None:
     return Holder(proc, fds)
 
 
-def launch_fields(holder: Holder | None) -> dict[str, object]:
-    """What the shim reads from the launch file: ``setns`` the descriptors it inherits."""
-    return {"namespaces": list(holder.fds) if holder is not None else []}
+def fds_of(holder: Holder | None) -> tuple[int, ...]:
+    """The descriptors a rank's shim ``setns`` into (none without a holder)."""
+    return tuple(holder.fds) if holder is not None else ()
 
 
 def _read_line(fd: int, timeout_s: float) -> str:

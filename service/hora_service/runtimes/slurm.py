@@ -20,7 +20,7 @@ unique job name when the service died right after ``sbatch``: it never submits t
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import os
 import shutil
@@ -41,7 +41,8 @@ from hora.words import count
 from hora_service.models import SlotInfo
 from hora_service.reasons import runtime_reason
 from hora_service.runtimes.base import AttemptPlan, Exit, RankProcess, RankStatus, Runtime
-from hora_service.runtimes.local import _private_file, rank_environment, read_exit, read_pid
+from hora_service.runtimes.launchfile import LaunchFile, private_file
+from hora_service.runtimes.local import rank_environment, read_exit, read_pid
 from hora_service.runtimes.sbatch import (
     Layout,
     SlurmOptions,
@@ -296,7 +297,7 @@ class SlurmRuntime(Runtime):
                    "path": self.path, "conf": self.conf or ""},
             batch_script=script,
         )  # fmt: skip
-        _private_file(script, os.getegid(), 0o700, sub.script)
+        private_file(script, os.getegid(), 0o700, sub.script)
         try:
             proc = subprocess.run(
                 sub.argv, env=sub.env, capture_output=True, text=True, timeout=CMD_TIMEOUT_S,
@@ -324,19 +325,11 @@ class SlurmRuntime(Runtime):
                 cross_size=layout.nodes, gpus_per_rank=plan.spec.gpus_per_worker,
             )  # fmt: skip
             env.update(placed.to_environ())
-            who = plan.run_as
-            launch: dict[str, object] = {
-                "command": list(plan.spec.command),
-                "cwd": str(plan.workdir),  # entered as the job's account
-                "env": env,
-                "uid": who.uid if who is not None else None,
-                "gid": who.gid if who is not None else None,
-                "cgroups": [],  # Slurm holds the ranks' processes on the nodes
-                "log_limit": plan.rank_log_bytes,
-            }
-            text = json.dumps(launch)
-            _private_file(plan.paths.launch(rank), os.getegid(), 0o600, text)
-            _private_file(plan.paths.log(rank), gid, 0o640)
+            # Slurm holds the ranks' processes on the nodes: no cgroups of the service's
+            launch = dataclasses.replace(LaunchFile.of_plan(plan, env), cgroups=())
+            text = launch.to_json()
+            private_file(plan.paths.launch(rank), os.getegid(), 0o600, text)
+            private_file(plan.paths.log(rank), gid, 0o640)
 
     def _adopt(self, plan: AttemptPlan) -> list[RankProcess]:
         job_id = self.job_id_of(plan)
