@@ -337,6 +337,9 @@ def _drop_comm(comm: Any, abort: bool) -> list[weakref.ref[Any]]:
     """
     groups = [g for g in (comm.group, comm.side) if isinstance(g, dist.ProcessGroup)]
     comm.group = comm.side = None
+    if comm.shm_lane is not None:  # its thread leaves first (hora.torch._lane.Lane)
+        comm.shm_lane.close(abort=abort)
+        comm.shm_lane = None
     if comm.shm is not None:  # the shared-memory segment (hora.torch._shm.Ring)
         comm.shm.close(abort=abort)  # aborted: members waiting in it fail at once
         comm.shm = None
