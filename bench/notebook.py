@@ -8,10 +8,12 @@ per-pair ratios with min and max:
    ``view.execute("x = 1", block=True)`` on the SAME 2 engines, both run as notebook cells
    through one IPython shell (``shell.run_cell``). A pair is --iters cells of each side,
    alternating one by one; its sample is the median per side. Correct first: each path must set
-   ``x`` on both engines. Target: hora / ipyparallel <= 1.25.
+   ``x`` on both engines. Target: hora / ipyparallel <= 1.05 (issue 29).
 2. cold start: ``hora.engines.Cluster(n=2).start()`` (controller, 2 engines, hora.torch.init:
-   a ready process group) vs ``ipyparallel.Cluster(n=2).start_and_connect_sync()`` (engines
-   registered, no process group). Target: hora <= 5 s (absolute, this machine); ratio reported.
+   a ready process group) vs ``ipyparallel.Cluster(n=2).start_and_connect_sync()`` followed by
+   ``torch.distributed.init_process_group("gloo")`` on both engines (a ready process group
+   too). Correct first: an allreduce on each side returns 2 (not timed). Targets: hora /
+   ipyparallel <= 1.1 (issue 29) and hora <= 5 s (absolute, this machine).
 3. training: samples/s of the digits CNN (bench/_digits_train.py: the same function, shard,
    batch, steps and 1 thread per rank) run in the notebook engines vs under
    ``hora run -np 2``. Correct first: both paths end with the same parameter checksum (that
@@ -37,9 +39,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hora.net import free_port
+
 HERE = Path(__file__).resolve().parent
 TRAIN = HERE / "_digits_train.py"
-TARGETS = {"roundtrip": 1.25, "cold_start_s": 5.0, "train": 0.95}
+# issue 29: round trip <= 1.05x raw ipyparallel; cold start <= 1.1x ipyparallel's own start
+# + an init_process_group (and <= 5 s, as before)
+TARGETS = {"roundtrip": 1.05, "cold_start": 1.1, "cold_start_s": 5.0, "train": 0.95}
 HORA_CELL = "%%distributed\nx = 1\n"
 RAW_CELL = "_raw_view.execute('x = 1', block=True)\n"
 
@@ -173,9 +179,17 @@ def ipp_cold_start() -> float:
             cluster.start_cluster_sync()
             client = cluster.connect_client_sync()
             client.wait_for_engines(2, timeout=60, interactive=False)
+            port = free_port()
+            rs = [client[e].execute(
+                "import torch, torch.distributed as dist\n"
+                f"dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{port}', "
+                f"rank={i}, world_size=2)\n") for i, e in enumerate(client.ids[:2])]
+            for r in rs:
+                r.get(timeout=120)
             elapsed = time.perf_counter() - t0
-            if len(client.ids) != 2:
-                raise RuntimeError(f"ipyparallel cold start: {len(client.ids)} engines, not 2")
+            client[:].execute("t = torch.ones(1); dist.all_reduce(t)", block=True)
+            if [t.item() for t in client[:].pull("t", block=True)] != [2.0, 2.0]:
+                raise RuntimeError("ipyparallel cold start: the process group is not ready")
             client.close()
             return elapsed
         finally:
@@ -189,15 +203,18 @@ def bench_cold_start(pairs: int, warmup: bool) -> dict[str, Any]:
     raw = statistics.median(r for _, r in samples)
     rows = [[str(i), f"{h:.2f}", f"{r:.2f}", f"{h / r:.2f}"] for i, (h, r) in enumerate(samples)]
     print(table("\n2. cold start of 2 engines (s)",
-                ["pair", "hora (ready process group)", "ipyparallel (engines registered)",
-                 "ratio"], rows))
+                ["pair", "hora (ready process group)",
+                 "ipyparallel + init_process_group", "ratio"], rows))
     s = summarize(ratios)
     print(f"hora median {hora:.2f}s (min {min(h for h, _ in samples):.2f}, max "
           f"{max(h for h, _ in samples):.2f}); target <= {TARGETS['cold_start_s']} s; "
-          f"ratio to ipyparallel median {s['median']:.2f}")
-    return {"bench": "notebook.cold_start", "metric": "cold_start_s (2 engines)", "hora": hora,
-            "baseline": raw, "ratio": s["median"], "ratio_min": s["min"], "ratio_max": s["max"],
-            "target": TARGETS["cold_start_s"], "pass": hora <= TARGETS["cold_start_s"]}
+          f"ratio median {s['median']:.2f} (min {s['min']:.2f}, max {s['max']:.2f}); "
+          f"target <= {TARGETS['cold_start']}")
+    return {"bench": "notebook.cold_start", "metric": "cold_start_s (2 engines, hora / "
+            "ipyparallel + init_process_group)", "hora": hora, "baseline": raw,
+            "ratio": s["median"], "ratio_min": s["min"], "ratio_max": s["max"],
+            "target": TARGETS["cold_start"], "target_s": TARGETS["cold_start_s"],
+            "pass": s["median"] <= TARGETS["cold_start"] and hora <= TARGETS["cold_start_s"]}
 
 
 # --- 3. training throughput --------------------------------------------------------------------

@@ -46,6 +46,17 @@ SERVE = (
     "s = Settings();"
     "uvicorn.run(create_app(s), host=s.host, port=s.port, log_level='warning')"
 )
+# one user: single-user mode, jobs run as this process's account (even as root); older
+# checkouts named the call create_user
+MAKE_USER = (
+    "import sys; from pathlib import Path;"
+    "from hora_service.manager import JobManager;"
+    "from hora_service.settings import Settings;"
+    "m = JobManager(Settings(data_dir=Path(sys.argv[1]), user_mode='single'));"
+    "m.open_store();"
+    "make = getattr(m, 'create_user', None) or m.users.create;"
+    "print(make('bench', admin=True))"
+)
 TARGETS = {"latency_median_ms": 200.0, "pass_10k_ms": 50.0, "list_p99_ms": 100.0}
 
 
@@ -59,17 +70,19 @@ class Server:
     """A real uvicorn process running the hora app on a temp data dir."""
 
     def __init__(
-        self, data_dir: Path, slots: int, settings: Mapping[str, str] | None = None
+        self,
+        data_dir: Path,
+        slots: int,
+        settings: Mapping[str, str] | None = None,
+        tree: Path | None = None,
     ) -> None:
-        """Start it; ``settings`` adds or overrides ``HORA_*`` settings of the served process."""
-        from hora_service.manager import JobManager
-        from hora_service.settings import Settings
+        """Start it; ``settings`` adds or overrides ``HORA_*`` settings of the served process.
 
-        # one user: single-user mode, jobs run as this process's account (even as root)
-        manager = JobManager(Settings(data_dir=data_dir, user_mode="single"))
-        if hasattr(manager, "open_store"):
-            manager.open_store()
-        self.token = str(manager.users.create("bench", admin=True))
+        ``tree``: serve the sources of this checkout (its ``kernels`` and ``service``) instead
+        of the installed hora, e.g. an older commit to compare with (``bench/service_submit.py``).
+        """
+        self.pythonpath = {} if tree is None else {"PYTHONPATH": f"{tree}/kernels:{tree}/service"}
+        self.token = self._make_user(data_dir)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("HORA_")}
@@ -84,6 +97,8 @@ class Server:
                 "HORA_KILL_GRACE_S": "2",
                 "HORA_USER_MODE": "single",
                 "HORA_JOB_ENV_PASSTHROUGH": "PYTHONPATH,OMP_NUM_THREADS",
+                "HORA_LEASE_DIR": str(data_dir / "leases"),
+                **self.pythonpath,
                 **(settings or {}),
             }
         )
@@ -105,6 +120,17 @@ class Server:
                 pass
             time.sleep(0.1)
         raise SystemExit(f"server did not start:\n{self.log.read_text()}")
+
+    def _make_user(self, data_dir: Path) -> str:
+        """Create the benchmark's admin in a new store, with the code that will serve it."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HORA_")}
+        done = subprocess.run(
+            [sys.executable, "-c", MAKE_USER, str(data_dir)], env={**env, **self.pythonpath},
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise SystemExit(f"could not create the benchmark's user:\n{done.stderr}")
+        return done.stdout.strip().splitlines()[-1]
 
     @property
     def headers(self) -> dict[str, str]:

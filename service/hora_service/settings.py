@@ -162,6 +162,12 @@ class Settings(BaseSettings):
             ``WORK_ROOT/<user>``, made as a loop-mounted file system of that size when the
             directory is made (``none``: no limit, the default; see
             :mod:`hora_service.disks`). A job that fills it gets ``ENOSPC``.
+        job_disk_limit: most bytes each of a job's private ``/tmp``, ``/var/tmp`` and
+            ``/dev/shm`` holds (tmpfs, counted against the job's memory too), where the job
+            has its own (multi-user mode with ``job_private_network``; the docker runtime's
+            ``/tmp`` and ``/var/tmp``); ``none`` (the default): the kernel's tmpfs default,
+            half the machine's memory each. A job past it gets ``ENOSPC``. Its working
+            directory is limited per user (``user_disk_limit``); see the operations page.
         job_cpu_limit: a hard cap on the CPUs' worth of time one attempt uses: ``none``
             (the default: attempts share the CPUs in proportion to their slots, and use an
             idle machine whole), ``auto`` (its share of the machine's CPUs, at least one) or
@@ -277,6 +283,7 @@ class Settings(BaseSettings):
     job_pids_limit: str = "auto"
     job_cpu_limit: str = "none"
     user_disk_limit: str = "none"
+    job_disk_limit: str = "none"
     slurm_conf: Path | None = None
     slurm_bin_dir: Path | None = None
     slurm_slots_per_node: Annotated[int | None, Field(ge=1, le=1024)] = None
@@ -335,14 +342,16 @@ class Settings(BaseSettings):
             raise ValueError(f"job_umask must be an octal mask like 077; got {v!r}")
         return f"{mask:03o}"
 
-    @field_validator("job_memory_limit", "job_pids_limit", "job_cpu_limit", "user_disk_limit")
+    @field_validator(
+        "job_memory_limit", "job_pids_limit", "job_cpu_limit", "user_disk_limit", "job_disk_limit"
+    )
     @classmethod
     def _limit(cls, v: str, info: ValidationInfo) -> str:
         kind = {"job_pids_limit": "pids", "job_cpu_limit": "cpus"}.get(
             str(info.field_name), "memory"
         )
-        if limits.parse(kind, v) == "auto" and info.field_name == "user_disk_limit":
-            raise ValueError("user_disk_limit is a size or none (there is no auto)")
+        if limits.parse(kind, v) == "auto" and "disk" in str(info.field_name):
+            raise ValueError(f"{info.field_name} is a size or none (there is no auto)")
         return v.strip().lower()
 
     @field_validator("session_park_quota")
@@ -362,6 +371,12 @@ class Settings(BaseSettings):
     def disk_bytes(self) -> int | None:
         """``user_disk_limit`` in bytes (None: no limit)."""
         size = limits.parse("memory", self.user_disk_limit)
+        return size if isinstance(size, int) else None
+
+    @property
+    def job_tmp_bytes(self) -> int | None:
+        """``job_disk_limit`` in bytes (None: no limit of hora's)."""
+        size = limits.parse("memory", self.job_disk_limit)
         return size if isinstance(size, int) else None
 
     @property

@@ -1,8 +1,9 @@
 """The SQLite store of the job service (control plane): users, jobs, transitions.
 
 SQLAlchemy 2 over one SQLite file in WAL mode (readers never wait for the writer). The
-schema is versioned with ``PRAGMA user_version`` and upgraded by :data:`MIGRATIONS` when the
-store opens, in one transaction per step, so an old data directory keeps working.
+schema is versioned with ``PRAGMA user_version`` and upgraded by :data:`MIGRATIONS`
+(:mod:`hora_service.store_schema`) when the store opens, in one transaction per step, so an
+old data directory keeps working.
 
 Times are stored as UNIX seconds (REAL) and returned as aware UTC datetimes. Tokens are
 stored only as SHA-256 hex digests.
@@ -32,93 +33,9 @@ from sqlalchemy.exc import (
 )
 
 from hora_service.models import JobRecord, Transition, User
+from hora_service.store_schema import MIGRATIONS, SCHEMA_VERSION
 from hora_service.store_sqlite import BUSY_TIMEOUT_MS, drop_broken, owner_only, pragmas
 
-# Each step upgrades the schema by one version; never edit a released step, add one.
-MIGRATIONS: list[list[str]] = [
-    [
-        """CREATE TABLE users (
-            name TEXT PRIMARY KEY,
-            token_hash TEXT NOT NULL UNIQUE,
-            is_admin INTEGER NOT NULL DEFAULT 0,
-            created_at REAL NOT NULL)""",
-        """CREATE TABLE jobs (
-            id INTEGER PRIMARY KEY AUTOINCREMENT,
-            user TEXT NOT NULL,
-            submission_id TEXT,
-            spec TEXT NOT NULL,
-            state TEXT NOT NULL,
-            priority INTEGER NOT NULL,
-            need INTEGER NOT NULL,
-            attempt INTEGER NOT NULL DEFAULT 0,
-            reason TEXT,
-            exit_codes TEXT NOT NULL DEFAULT '{}',
-            slots TEXT NOT NULL DEFAULT '[]',
-            created_at REAL NOT NULL,
-            started_at REAL,
-            finished_at REAL,
-            UNIQUE (user, submission_id))""",
-        "CREATE INDEX jobs_by_user ON jobs (user, id)",
-        "CREATE INDEX jobs_by_state ON jobs (state, id)",
-        """CREATE TABLE transitions (
-            seq INTEGER PRIMARY KEY AUTOINCREMENT,
-            job_id INTEGER NOT NULL REFERENCES jobs (id) ON DELETE CASCADE,
-            state TEXT NOT NULL,
-            at REAL NOT NULL,
-            reason TEXT)""",
-        "CREATE INDEX transitions_by_job ON transitions (job_id, seq)",
-    ],
-    [
-        # v2: per-user GPU quota, and the time a retrying job may start again
-        "ALTER TABLE users ADD COLUMN gpu_quota INTEGER",
-        "ALTER TABLE jobs ADD COLUMN retry_at REAL",
-        "ALTER TABLE jobs ADD COLUMN cancel_requested INTEGER NOT NULL DEFAULT 0",
-    ],
-    [
-        # v3: users get a stable id that is never reused (jobs belong to it, not to a name
-        # a later user may take) and the OS account their jobs run as in multi-user mode
-        """CREATE TABLE users_v3 (
-            id INTEGER PRIMARY KEY AUTOINCREMENT,
-            name TEXT NOT NULL UNIQUE,
-            token_hash TEXT NOT NULL UNIQUE,
-            is_admin INTEGER NOT NULL DEFAULT 0,
-            created_at REAL NOT NULL,
-            gpu_quota INTEGER,
-            os_uid INTEGER UNIQUE)""",
-        """INSERT INTO users_v3 (name, token_hash, is_admin, created_at, gpu_quota)
-            SELECT name, token_hash, is_admin, created_at, gpu_quota FROM users
-            ORDER BY created_at""",
-        "DROP TABLE users",
-        "ALTER TABLE users_v3 RENAME TO users",
-        "ALTER TABLE jobs ADD COLUMN user_id INTEGER",
-        "UPDATE jobs SET user_id = (SELECT id FROM users WHERE users.name = jobs.user)",
-        "CREATE INDEX jobs_by_user_id ON jobs (user_id, id)",
-    ],
-    [
-        # v4: sessions (interactive engines of a notebook) are jobs of kind 'session' with
-        # their lease and idle timeout beside them
-        "ALTER TABLE jobs ADD COLUMN kind TEXT NOT NULL DEFAULT 'job'",
-        """CREATE TABLE sessions (
-            job_id INTEGER PRIMARY KEY REFERENCES jobs (id) ON DELETE CASCADE,
-            lease_s REAL NOT NULL,
-            idle_timeout_s REAL)""",
-    ],
-    [
-        # v5: the container of a docker job's current attempt
-        "ALTER TABLE jobs ADD COLUMN container_id TEXT",
-    ],
-    [
-        # v6: a per-user idle timeout of notebook sessions (NULL: the service's default)
-        "ALTER TABLE users ADD COLUMN idle_timeout_s REAL",
-    ],
-    [
-        # v7: a user's own job limits ({"memory": "8g", "pids": "4096", "cpus": "2"})
-        "ALTER TABLE users ADD COLUMN limits TEXT NOT NULL DEFAULT '{}'",
-    ],
-    ["ALTER TABLE jobs ADD COLUMN elastic TEXT"],  # v8: an elastic job's size (ElasticInfo)
-    ["ALTER TABLE jobs ADD COLUMN park TEXT"],  # v9: a session's snapshot (ParkInfo)
-]
-SCHEMA_VERSION = len(MIGRATIONS)
 ACTIVE = (JobState.starting, JobState.running)
 JOB_COLUMNS = (
     "id, user, spec, state, attempt, reason, exit_codes, slots, created_at, started_at, "
@@ -432,23 +349,45 @@ class Store:
         return self._records(conn, [row])[0]
 
     def list_ids(
-        self, user: str | None, state: JobState | None, limit: int, offset: int
+        self,
+        user: str | None,
+        state: JobState | None,
+        limit: int,
+        offset: int,
+        hidden: Iterable[int] = (),
     ) -> tuple[list[int], int]:
-        """Ids of a page of jobs, newest first, and how many match in all."""
-        where: list[str] = [f"NOT ({DROPPED})"]
+        """Ids of a page of jobs, newest first, and how many match in all.
+
+        The total is read from ``job_counts`` (a few rows, whatever the store holds) and the
+        page from an index, so neither reads every job. ``hidden``: ids left out of both
+        (the sessions their owners deleted, whose rows stay until their engines are gone).
+        """
+        where: list[str] = []
         params: dict[str, object] = {"lim": limit, "off": offset}
+        counted: list[str] = []
         if user is not None:
             where.append(OWNED_BY)
+            counted.append(f"user = :u AND uid = COALESCE({USER_ID}, -1)")
             params["u"] = user
         if state is not None:
             where.append("state = :s")
+            counted.append("state = :s")
             params["s"] = state.value
-        clause = f" WHERE {' AND '.join(where)}"
+        left_out = ",".join(str(int(i)) for i in sorted(set(hidden)))  # ints, never input
+        clause = " AND ".join(where) or "1"
         with self.engine.connect() as conn:
-            count = text(f"SELECT COUNT(*) FROM jobs{clause}")
-            total = int(conn.execute(count, params).scalar_one())
+            total = int(conn.execute(text(
+                "SELECT COALESCE(SUM(n), 0) FROM job_counts"
+                + (f" WHERE {' AND '.join(counted)}" if counted else "")
+            ), params).scalar_one())  # fmt: skip
+            page = f"SELECT id FROM jobs WHERE {clause}"
+            if left_out:
+                total -= int(conn.execute(text(
+                    f"SELECT COUNT(*) FROM jobs WHERE {clause} AND id IN ({left_out})"
+                ), params).scalar_one())  # fmt: skip
+                page += f" AND id NOT IN ({left_out})"
             rows = conn.execute(
-                text(f"SELECT id FROM jobs{clause} ORDER BY id DESC LIMIT :lim OFFSET :off"), params
+                text(f"{page} ORDER BY id DESC LIMIT :lim OFFSET :off"), params
             ).all()
         return [int(r[0]) for r in rows], total
 
@@ -562,9 +501,11 @@ class Store:
         return {int(r[0]): (float(r[1]), r[2]) for r in rows}
 
     def count_by_state(self) -> dict[str, int]:
-        """Number of jobs in each state that has any."""
+        """Number of jobs in each state that has any (from ``job_counts``: a few rows)."""
         with self.engine.connect() as conn:
-            rows = conn.execute(text("SELECT state, COUNT(*) FROM jobs GROUP BY state"))
+            rows = conn.execute(text(
+                "SELECT state, SUM(n) FROM job_counts GROUP BY state HAVING SUM(n) > 0"
+            ))  # fmt: skip
             return {r[0]: int(r[1]) for r in rows}
 
 

@@ -7,15 +7,20 @@ by ``hora_service.hub.configure``. Debian's Chromium, through Playwright:
 
 * alice signs in to the hub; her JupyterLab spawns as her account; a notebook with no set-up
   runs ``%dist_start -n 2`` and a ``%%distributed`` cell through the service: the engines run
-  as alice's account; she opens the dashboard through the hub (OAuth) and sees her session;
+  as alice's account; an interrupt of her kernel through the hub reaches them (her kernel
+  signals them: the same account), and they stay usable; she opens the dashboard through the
+  hub (OAuth) and sees her session;
 * bob signs in and sees neither her session nor its logs (404, like a session that does not
-  exist); his account cannot read her server's token; her dashboard cookie is no use in his
-  browser; carol, a hub admin but no hora admin, gets no admin rights in hora (until hora
-  is told ``HORA_HUB_ADMINS=1``, at the end);
+  exist); his account cannot read her server's token, neither from her kernel's environment
+  nor from any file it can open (her home, the hub's and hora's directories, /tmp, /dev/shm);
+  her dashboard cookie is no use in his browser; he submits a job with a hub token of his;
+  carol, a hub admin but no hora admin, gets no admin rights in hora (until hora is told
+  ``HORA_HUB_ADMINS=1``, at the end);
 * the hub's real idle culler (``jupyterhub-idle-culler``) culls alice's server: its kernel
   shuts down cleanly (SIGINT reaches a server that has ``hora.server_extension``) and parks
   the session (``HORA_PARK_ON_EXIT``, set by ``configure``), which frees her slots long
-  before its lease could; her server's token stops working in hora.
+  before its lease could; bob's job runs on, untouched; her server's token stops working in
+  hora.
 
 Screenshots go to ``HORA_SCREENSHOT_DIR`` when set. Needs root (CI runs it as root).
 """
@@ -40,7 +45,7 @@ import httpx
 import nbformat
 import psutil
 import pytest
-from helpers.hub import Account, Hub, accounts, user_python
+from helpers.hub import Account, Hub, Kernel, accounts, user_python
 from helpers.service_server import ServiceServer
 from playwright.sync_api import BrowserContext, Page, sync_playwright
 from test_notebooks_jupyterlab import (
@@ -60,6 +65,46 @@ CELLS = [
     "who = hvd.allgather_object(f'{getpass.getuser()}:{os.getuid()}')\n"
     "print('engines run as', sorted(set(who)), 'on', hvd.size(), 'ranks')",
 ]
+BOBS_JOB = [
+    "/usr/bin/python3",
+    "-c",
+    'import time; print("bob\'s job", flush=True); time.sleep(900)',
+]
+# run as bob: every file he can open under ROOTS (in /tmp, /var/tmp and /dev/shm: only what
+# alice owns there) is searched for alice's token; prints FOUND <path> for each one holding it
+FIND_TOKEN = """\
+import os, stat
+token, roots, uid, shared = {token!r}.encode(), {roots!r}, {uid}, ("/tmp", "/var/tmp", "/dev/shm")
+def search(path, depth):
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return
+    if stat.S_ISDIR(st.st_mode) and depth < 12:
+        try:
+            names = os.listdir(path)
+        except OSError:
+            return
+        for name in names:
+            full = os.path.join(path, name)
+            try:
+                if path in shared and os.lstat(full).st_uid != uid:
+                    continue
+            except OSError:
+                continue
+            search(full, depth + 1)
+    elif stat.S_ISREG(st.st_mode) and st.st_size < 64 << 20:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            return
+        with os.fdopen(fd, "rb") as f:
+            if token in f.read():
+                print("FOUND", path)
+for root in roots:
+    search(root, 0)
+print("searched")
+"""
 LAB_SETTINGS = {  # no news toast; every cell in the DOM (for the screenshot)
     "@jupyterlab/apputils-extension/notification.jupyterlab-settings": '{"fetchNews": "false"}',
     "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": '{"windowingMode": "none"}',
@@ -115,7 +160,7 @@ def stack(base: Path, team: dict[str, Account]) -> Iterator[tuple[ServiceServer,
         "HORA_SESSION_PYTHON": str(python), "HORA_SESSION_LEASE_S": "300",
         "HOME": str(base), "HORA_TEST_TAG": tag,
     }  # fmt: skip
-    srv = ServiceServer(base / "hora", {"root": True}, 2, env).start()
+    srv = ServiceServer(base / "hora", {"root": True}, 3, env).start()  # alice 2, bob 1
     try:
         hub.hora_url = srv.url
         with hub:
@@ -219,7 +264,7 @@ def kernel_of(who: Account) -> psutil.Process:
 
 def as_account(who: Account, code: str) -> str:
     done = subprocess.run(["/usr/bin/python3", "-I", "-c", code], user=who.uid, group=who.uid,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+                          extra_groups=[], capture_output=True, text=True, timeout=120)  # fmt: skip
     return done.stdout + done.stderr
 
 
@@ -244,6 +289,7 @@ def test_a_team_on_the_hub(stack: tuple[ServiceServer, Hub], team: dict[str, Acc
             assert kernel.uids().real == alice.uid
             with pytest.raises(KeyError):  # her own account, no hora-NAME beside it
                 pwd.getpwnam(f"hora-{alice.name}")
+            interrupt_through_the_hub(hub, alice)
 
             # her dashboard, through the hub's proxy, signed in through the hub's OAuth
             board = actx.new_page()
@@ -280,6 +326,9 @@ def test_a_team_on_the_hub(stack: tuple[ServiceServer, Hub], team: dict[str, Acc
             shot(bpage, "bob-dashboard")
             leak = as_account(bob, f"print(open('/proc/{kernel.pid}/environ').read())")
             assert "PermissionError" in leak and token not in leak, leak
+            roots = [pwd_home(alice), str(hub.base), "/tmp", "/var/tmp", "/dev/shm"]
+            found = as_account(bob, FIND_TOKEN.format(token=token, roots=roots, uid=alice.uid))
+            assert found.strip().endswith("searched") and "FOUND" not in found, found
             bctx.add_cookies([{**alice_cookie}])  # her dashboard cookie, beside his hub login
             assert get_json(bctx, f"{ui}/api/me")[0] == 401
 
@@ -296,14 +345,56 @@ def test_a_team_on_the_hub(stack: tuple[ServiceServer, Hub], team: dict[str, Acc
         finally:
             browser.close()
 
-    api_checks(srv, hub, bob, sid)
+    bobs = api_checks(srv, hub, bob, sid)
     cull_and_check(srv, hub, alice, sid, token, engines)
+    with srv.client("root") as c:  # bob's job ran on through alice's cull
+        job = c.get(f"/v1/jobs/{bobs}").json()
+        assert (job["user"], job["state"]) == (bob.name, "running"), job
+        assert c.get(f"/v1/jobs/{bobs}/logs", params={"rank": 0}).text == "bob's job\n"
+        assert c.post(f"/v1/jobs/{bobs}/cancel").status_code == 200
     hub_admins_when_asked(srv, hub, carol)
 
 
-def api_checks(srv: ServiceServer, hub: Hub, bob: Account, sid: int) -> None:
+SLEEPS = (
+    "%%distributed --all\nimport time\nprint('started', flush=True)\n"
+    "try:\n    time.sleep(300)\n"
+    "except KeyboardInterrupt:\n    print('interrupted', flush=True)\n    raise"
+)
+
+
+def interrupt_through_the_hub(hub: Hub, alice: Account) -> None:
+    """Her notebook's kernel, interrupted through the hub (REST, as JupyterLab's button does),
+    interrupts her engines, as under ``hora up``; they keep her session and stay usable."""
+    scopes = [f"access:servers!user={alice.name}"]
+    minted = hub.api("POST", f"/users/{alice.name}/tokens", json={"scopes": scopes})
+    assert minted.status_code == 201, minted.text
+    server, token = f"{hub.url}/user/{alice.name}/", str(minted.json()["token"])
+    listed = httpx.get(f"{server}api/kernels", headers={"Authorization": f"token {token}"})
+    (kernel_id,) = [k["id"] for k in listed.json()]
+    kernel = Kernel(server, token, kernel_id, timeout=120)
+    sent: list[bool] = []
+
+    def on_output(text: str) -> None:
+        if not sent and "[rank 0] started" in text and "[rank 1] started" in text:
+            sent.append(True)
+            kernel.interrupt()
+
+    try:
+        out = kernel.run(SLEEPS, on_output)
+        assert "EnginesInterrupted: interrupted on ranks 0-1" in out, out
+        assert "[rank 0] interrupted" in out and "[rank 1] interrupted" in out, out
+        assert kernel.run("%%distributed\nprint(hvd.size())").strip() == "2"
+    finally:
+        kernel.close()
+
+
+def api_checks(srv: ServiceServer, hub: Hub, bob: Account, sid: int) -> int:
     """The API through the hub: a hub token of bob's sees none of alice's; one without
-    hora's scope is refused; a sign-in this browser did not start is refused."""
+    hora's scope is refused; a sign-in this browser did not start is refused.
+
+    Returns:
+        The id of a job bob submits with his hub token (it runs until cancelled).
+    """
 
     def token_of(who: Account, scopes: list[str]) -> str:
         made = hub.api("POST", f"/users/{who.name}/tokens", json={"scopes": scopes})
@@ -319,6 +410,14 @@ def api_checks(srv: ServiceServer, hub: Hub, bob: Account, sid: int) -> None:
     assert refused.status_code == 401, refused.text
     forged = httpx.get(f"{api}/oauth_callback", params={"code": "c", "state": "s"})
     assert forged.status_code == 403 and "not started by this browser" in forged.text
+    made = httpx.post(f"{api}/v1/jobs", headers=his, json={"command": BOBS_JOB})
+    assert made.status_code == 201, made.text
+    job = int(made.json()["id"])
+    with srv.client("root") as c:
+        wait_for("bob's job to run", lambda: c.get(f"/v1/jobs/{job}/logs", params={"rank": 0})
+                 .text == "bob's job\n", 120)  # fmt: skip
+        assert c.get(f"/v1/jobs/{job}").json()["user"] == bob.name
+    return job
 
 
 def hub_admins_when_asked(srv: ServiceServer, hub: Hub, carol: Account) -> None:
@@ -366,9 +465,9 @@ def cull_and_check(
         assert session["state"] == "parked", session
         assert "kernel exited" in session["reason"] and session["park"]["world"] == 2, session
 
-        def free() -> list[dict[str, Any]] | None:
+        def free() -> list[dict[str, Any]] | None:  # of hers (bob's job holds one)
             slots = c.get("/v1/gpus").json()
-            held = [x for x in slots if x["kind"] != "parked" and x["job_id"] is not None]
+            held = [x for x in slots if x["kind"] != "parked" and x["job_id"] == sid]
             return None if held else slots
 
         slots = wait_for("her slots to be free", free)

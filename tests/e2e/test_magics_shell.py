@@ -208,6 +208,42 @@ def test_output_streams_while_the_cell_runs(ip, tmp_path):
     assert rec.getvalue() == "first\nsecond\n"
 
 
+def test_every_output_arrives_and_each_reply_counts_them(ip):
+    # a rank is done at its reply once the outputs the reply announces came (not at IOPub's
+    # idle, later): a cell with many outputs on every rank must lose none
+    cell = (
+        "%%distributed --all\nfrom IPython.display import display\n"
+        "for i in range(40):\n    print('line', i, flush=True)\n"
+        "    if i % 10 == 9: display({'text/plain': f'shown {i}'}, raw=True)\n'end'"
+    )
+    result, cap = run(ip, cell)
+    assert result.success
+    for rank in (0, 1):
+        mine = [x for x in cap.stdout.splitlines() if x.startswith(f"[rank {rank}] ")]
+        assert mine == [f"[rank {rank}] line {i}" for i in range(40)]
+    shown = [o.data["text/plain"] for o in cap.outputs]
+    assert sorted(shown) == sorted([f"shown {i}" for i in (9, 19, 29, 39)] * 2 + ["'end'"] * 2)
+    # the count an engine puts in its reply is the number of outputs it published
+    import queue
+
+    from hora import magics
+    from hora.engines import _ipp, outputs
+
+    cluster = magics._MAGICS.cluster
+    got: queue.SimpleQueue = queue.SimpleQueue()
+    seen: list[str] = []
+
+    def hook(fut):
+        fut.iopub_callbacks.append(lambda m: seen.append(m["header"]["msg_type"]))
+        fut.output.add_done_callback(lambda _f: got.put(fut))  # idle: every output came
+
+    code = "print(1, flush=True); print(2, flush=True); display('x'); 3"
+    _ipp.send_cell(cluster.client, code, cluster.engines[0].ident, hook)
+    reply = got.get(timeout=60).result(timeout=60)
+    announced = outputs.expected(_ipp.reply_content(reply))
+    assert announced == sum(kind in outputs.TYPES for kind in seen) >= 4, seen
+
+
 def test_error_on_one_rank_shows_its_traceback(ip):
     result, cap = run(ip, "%%distributed\nif hvd.rank() == 1:\n    raise ValueError('only one')")
     assert not result.success

@@ -4,11 +4,12 @@ A real ``hora serve`` runs as root in multi-user mode with two fresh OS accounts
 fixtures of :mod:`test_service_isolation`). The attacks are the ones a hostile user ran:
 
 * another job (of another user, or of the same user) takes the rendezvous port of a
-  2-rank training whose rank 1 is late, opens the store as a ``TCPStore`` client, reads
-  hora's keys, and calls ``hvd.init()`` with that ``MASTER_PORT`` and ``RANK=1``: it must
-  neither read nor join, and the training's allreduce must stay 2. With the network
+  2-rank training whose rank 1 is late, opens the store as a ``TCPStore`` client, lists its
+  keys, calls ``add()`` on them, reads one, tries hora's own store client with a guessed
+  secret, and calls ``hvd.init()`` with that ``MASTER_PORT`` and ``RANK=1``: it must get no
+  answer at all and not join, and the training's allreduce must stay 2. With the network
   namespace the port is not even reachable; with it turned off (as on a shared network)
-  the attempt's sealed rendezvous alone must hold;
+  the attempt's rendezvous store, which answers only holders of its secret, must hold;
 * files a job leaves in ``/tmp`` and ``/dev/shm`` are invisible to another user's job while
   it runs and gone when it ends, and the other user's processes are not in its ``/proc``;
 * ``hora run``, ``torchrun`` and ``mpirun`` started inside a job still work.
@@ -76,17 +77,31 @@ try:
     store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=2))
 except Exception as e:
     print("store: refused", type(e).__name__, flush=True)
-else:
+else:  # what the red team did: list the keys, add to them, read one
     keys = store.list_keys()
+    print("LEAK store: listed", len(keys), "keys", flush=True)
     named = [k for k in keys if "arrived" in k or "/hb/" in k]
     print("LEAK store: named keys" if named else "store: keys opaque", named, flush=True)
     store.set_timeout(datetime.timedelta(seconds=1))
+    for k in keys:
+        try:
+            store.add(k, 1)
+            print("LEAK store: added to", k, flush=True)
+        except Exception as e:
+            print("store: cannot add", type(e).__name__, flush=True)
     try:
         got = store.get("hora/g1/hora/arrived/0")
     except Exception as e:
         print("store: cannot read", type(e).__name__, flush=True)
     else:
         print("LEAK store: read", got, flush=True)
+try:  # hora's own store client, with a secret of its own
+    from hora.torch._authstore import AuthStore
+    from hora.torch._sealed import store_key
+    AuthStore("127.0.0.1", port, store_key("a guess"), datetime.timedelta(seconds=2)).check(["x"])
+    print("LEAK store: hora's client in without the secret", flush=True)
+except Exception as e:
+    print("store: hora's client refused", type(e).__name__, flush=True)
 join = '''
 import torch, hora.torch as hvd
 hvd.init()
@@ -164,8 +179,10 @@ def test_another_job_cannot_read_or_join_a_training(
             assert "join: failed" in log, (name, log)
             if private == "true":  # nothing of the victim's can even be reached
                 assert "store: refused" in log and "victim listeners seen 0" in log, (name, log)
-            else:  # reachable, as on a shared network: the sealed store holds
-                assert "store: keys opaque" in log and "store: cannot read" in log, log
+            else:  # reachable, as on a shared network: the store answers no one without
+                # the secret (no listing, no add(), no read), whatever client asks
+                assert "store: refused" in log, log
+                assert "store: hora's client refused" in log, log
         job = wait_state(a, victim, ("succeeded", "failed"), timeout=300)
         got = _log(a, victim)
         assert job["state"] == "succeeded", got
@@ -177,7 +194,7 @@ def test_another_job_cannot_read_or_join_a_training(
 PLANT = """\
 import os, pathlib, sys, time
 work, tag = pathlib.Path(sys.argv[1]), sys.argv[2]
-for d in ("/tmp", "/dev/shm"):
+for d in ("/tmp", "/var/tmp", "/dev/shm"):
     pathlib.Path(d, f"planted-{tag}").write_bytes(b"x" * (8 << 20))
 print("own /tmp", sorted(os.listdir("/tmp")), flush=True)
 (work / "planted").write_text(str(os.getpid()))
@@ -189,7 +206,7 @@ while not (work / "looked").exists() and time.monotonic() < deadline:
 LOOK = """\
 import os, pathlib, sys
 work, tag, victim_uid = pathlib.Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-for d in ("/tmp", "/dev/shm"):
+for d in ("/tmp", "/var/tmp", "/dev/shm"):
     names = os.listdir(d)
     print(("LEAK" if f"planted-{tag}" in names else "hidden"), d, flush=True)
 pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
@@ -220,13 +237,48 @@ def test_tmp_shm_and_proc_are_private_and_gone_after_the_job(
         looker = _job(b, [iso.JOB_PY, str(work / "look.py"), str(work), tag, str(accounts[ann])])
         assert wait_state(b, looker, ("succeeded", "failed"))["state"] == "succeeded"
         seen = _log(b, looker)
-        assert "LEAK" not in seen and seen.count("hidden") == 2, seen
+        assert "LEAK" not in seen and seen.count("hidden") == 3, seen
         assert "victim processes 0" in seen and "own process True" in seen, seen
         assert "root processes 0" in seen, seen  # not even the rank's shim
         assert wait_state(a, planter, ("succeeded", "failed"))["state"] == "succeeded"
         assert f"planted-{tag}" in _log(a, planter)  # it did write into its own /tmp
-    for d in ("/tmp", "/dev/shm"):
+    for d in ("/tmp", "/var/tmp", "/dev/shm"):
         assert not Path(d, f"planted-{tag}").exists(), d
+
+
+FILL = """\
+import errno, os
+for d in ("/tmp", "/var/tmp", "/dev/shm"):
+    with open(os.path.join(d, "small"), "wb") as f:
+        f.write(b"x" * (2 << 20))
+    try:
+        with open(os.path.join(d, "big"), "wb") as f:
+            for _ in range(16):
+                f.write(b"x" * (1 << 20))
+                f.flush()
+        print("LEAK unlimited", d, flush=True)
+    except OSError as e:
+        print("full", d, errno.errorcode.get(e.errno), flush=True)
+"""
+
+
+def test_a_jobs_private_tmp_holds_at_most_job_disk_limit(
+    base: Path, accounts: dict[str, int]
+) -> None:
+    """The red team's concern, no disk limit per job: with job_disk_limit each of the job's
+    /tmp, /var/tmp and /dev/shm takes 2 MiB and refuses 16 more (8 MiB each)."""
+    ann, _ = accounts
+    work = iso.work_dir(base)
+    (work / "fill.py").write_text(FILL)
+    with _serve(base, accounts, HORA_JOB_DISK_LIMIT="8m") as srv, srv.client(ann) as a:
+        job = _job(a, [iso.JOB_PY, str(work / "fill.py")])
+        done = wait_state(a, job, ("succeeded", "failed"), timeout=120)
+        got = _log(a, job)
+    assert done["state"] == "succeeded", got
+    assert "LEAK" not in got, got
+    assert [line for line in got.splitlines() if line.startswith("full")] == [
+        f"full {d} ENOSPC" for d in ("/tmp", "/var/tmp", "/dev/shm")
+    ], got
 
 
 AR = """\

@@ -10,6 +10,7 @@
   ``/root``, mode 0700): a virtual environment of Debian's ``/usr/bin/python3`` (world-readable,
   outside ``/root``) whose ``.pth`` adds the test environment's packages (hora, JupyterLab,
   torch...), which every account can read.
+* :class:`Kernel`: a kernel of a user's server, through the hub's proxy (REST, websocket).
 * :class:`Hub`: ``jupyterhub`` with ``configurable-http-proxy`` on 127.0.0.1, its
   configuration written from :data:`CONFIG` (``hora_service.hub.configure`` adds hora to it);
   a service token for the test's own API calls. Stopping it stops the users' servers and the
@@ -20,6 +21,7 @@ Needs root (PAM reads ``/etc/shadow``; the spawner switches users).
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import re
@@ -30,13 +32,15 @@ import site
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import psutil
+import websocket
 
 from helpers.service_server import free_port
 
@@ -83,6 +87,78 @@ SCRIPTS = {
 }
 
 
+class Kernel:
+    """A kernel of a user's server, driven through the hub's proxy (REST and websocket).
+
+    Args:
+        server_url: the server's URL through the proxy (``.../user/NAME/``).
+        token: a hub token with ``access:servers!user=NAME``.
+        kernel_id: a running kernel of the server's; None: start a "hora" kernel.
+        timeout: how long a reply may take, in seconds.
+    """
+
+    def __init__(
+        self, server_url: str, token: str, kernel_id: str | None = None, timeout: float = 600
+    ) -> None:
+        self.url, self.token = server_url, token
+        if kernel_id is None:
+            made = httpx.post(f"{server_url}api/kernels", json={"name": "hora"},
+                              headers=self.auth(), timeout=120)  # fmt: skip
+            assert made.status_code == 201, made.text
+            kernel_id = str(made.json()["id"])
+        self.id = kernel_id
+        self.session = uuid.uuid4().hex
+        ws_url = server_url.replace("http://", "ws://") + f"api/kernels/{self.id}/channels"
+        self.ws = websocket.create_connection(
+            f"{ws_url}?session_id={self.session}", header=[f"Authorization: token {token}"],
+            timeout=timeout,
+        )  # fmt: skip
+
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"token {self.token}"}
+
+    def interrupt(self) -> None:
+        """Interrupt the kernel, as JupyterLab's button does (the server signals it)."""
+        done = httpx.post(f"{self.url}api/kernels/{self.id}/interrupt", headers=self.auth(),
+                          timeout=60)  # fmt: skip
+        assert done.status_code == 204, done.text
+
+    def run(self, code: str, on_output: Callable[[str], None] | None = None) -> str:
+        """Execute ``code``; the text it printed and displayed (errors: ``ename: evalue``).
+
+        ``on_output`` is called with the text so far each time more is printed.
+        """
+        msg_id = uuid.uuid4().hex
+        header = {"msg_id": msg_id, "msg_type": "execute_request", "session": self.session,
+                  "username": "test", "version": "5.3"}  # fmt: skip
+        content = {
+            "code": code, "silent": False, "store_history": True, "user_expressions": {},
+            "allow_stdin": False, "stop_on_error": True,
+        }  # fmt: skip
+        msg = {"header": header, "parent_header": {}, "metadata": {}, "content": content,
+               "channel": "shell", "buffers": []}  # fmt: skip
+        self.ws.send(json.dumps(msg))
+        out: list[str] = []
+        while True:
+            msg = json.loads(self.ws.recv())
+            if msg.get("parent_header", {}).get("msg_id") != msg_id:
+                continue
+            kind, body = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                out.append(body["text"])
+                if on_output:
+                    on_output("".join(out))
+            elif kind in ("display_data", "execute_result", "update_display_data"):
+                out.append(body["data"].get("text/plain", "") + "\n")
+            elif kind == "error":
+                out.append(f"{body['ename']}: {body['evalue']}\n" + "\n".join(body["traceback"]))
+            elif kind == "status" and body["execution_state"] == "idle":
+                return "".join(out)
+
+    def close(self) -> None:
+        self.ws.close()
+
+
 @dataclass(frozen=True)
 class Account:
     """An OS account a test made: its name, password and uid."""
@@ -122,8 +198,8 @@ def accounts(names: list[str]) -> Iterator[dict[str, Account]]:
             made[name] = Account(account, password, pwd.getpwnam(account).pw_uid)
         yield made
     finally:
-        for account in made.values():
-            _remove_account(account.name)
+        for who in made.values():
+            _remove_account(who.name)
 
 
 def user_python(where: Path) -> Path:

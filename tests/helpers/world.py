@@ -12,8 +12,10 @@ Usage in a test module::
         assert results == [0, 1]
 
 Each rank runs ``python tests/helpers/child.py FILE FUNC`` with the hora rank environment
-(RANK, WORLD_SIZE, MASTER_ADDR, a free MASTER_PORT, ...). The function's return value must be
-picklable. A rank that raises makes run_world raise WorldFailed with every rank's output.
+(RANK, WORLD_SIZE, MASTER_ADDR, a free MASTER_PORT, ...) and, as hora's launchers give it, one
+fresh ``HORA_RDZV_SECRET`` per world (``env`` may set its own, or ``""`` for none: a plain
+torchrun's world). The function's return value must be picklable. A rank that raises makes
+run_world raise WorldFailed with every rank's output.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from hora.env import rank_env
+from hora.env import RDZV_SECRET_VAR, new_rdzv_secret, rank_env
 
 CHILD = Path(__file__).with_name("child.py")
 
@@ -70,6 +72,7 @@ def run_world(
     raising, so error-path tests can assert on what each rank printed.
     """
     port = free_port()
+    env = {RDZV_SECRET_VAR: new_rdzv_secret(), **(env or {})}
     with tempfile.TemporaryDirectory(prefix="hora-world-") as tmp:
         argfile = Path(tmp, "args.pkl")
         argfile.write_bytes(pickle.dumps(args))

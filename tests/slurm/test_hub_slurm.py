@@ -16,20 +16,17 @@ docs/team.md. Needs root, ``sudo`` and the test cluster.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import websocket
-from helpers.hub import Account, Hub, accounts, user_python
+from helpers.hub import Account, Hub, Kernel, accounts, user_python
 from helpers.service_server import free_port, make_users
 from helpers.slurm_cluster import Cluster
 
@@ -62,56 +59,6 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float = 120.0) -> Any
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.5)
     return value
-
-
-class Kernel:
-    """A kernel of a user's server, driven through the hub's proxy (REST and websocket)."""
-
-    def __init__(self, server_url: str, token: str) -> None:
-        self.url, self.token = server_url, token
-        made = httpx.post(f"{server_url}api/kernels", json={"name": "hora"},
-                          headers=self.auth(), timeout=120)  # fmt: skip
-        assert made.status_code == 201, made.text
-        self.id = made.json()["id"]
-        self.session = uuid.uuid4().hex
-        ws_url = server_url.replace("http://", "ws://") + f"api/kernels/{self.id}/channels"
-        self.ws = websocket.create_connection(
-            f"{ws_url}?session_id={self.session}", header=[f"Authorization: token {token}"],
-            timeout=600,
-        )  # fmt: skip
-
-    def auth(self) -> dict[str, str]:
-        return {"Authorization": f"token {self.token}"}
-
-    def run(self, code: str) -> str:
-        """Execute ``code``; the text it printed and displayed (errors included)."""
-        msg_id = uuid.uuid4().hex
-        header = {"msg_id": msg_id, "msg_type": "execute_request", "session": self.session,
-                  "username": "test", "version": "5.3"}  # fmt: skip
-        content = {
-            "code": code, "silent": False, "store_history": True, "user_expressions": {},
-            "allow_stdin": False, "stop_on_error": True,
-        }  # fmt: skip
-        msg = {"header": header, "parent_header": {}, "metadata": {}, "content": content,
-               "channel": "shell", "buffers": []}  # fmt: skip
-        self.ws.send(json.dumps(msg))
-        out: list[str] = []
-        while True:
-            msg = json.loads(self.ws.recv())
-            if msg.get("parent_header", {}).get("msg_id") != msg_id:
-                continue
-            kind, body = msg["msg_type"], msg["content"]
-            if kind == "stream":
-                out.append(body["text"])
-            elif kind in ("display_data", "execute_result", "update_display_data"):
-                out.append(body["data"].get("text/plain", "") + "\n")
-            elif kind == "error":
-                out.append("\n".join(body["traceback"]))
-            elif kind == "status" and body["execution_state"] == "idle":
-                return "".join(out)
-
-    def close(self) -> None:
-        self.ws.close()
 
 
 @pytest.fixture

@@ -16,7 +16,9 @@ import pytest
 ROOT = Path(hora.__file__).parent
 # what each adapter owns: a pattern for its private names
 OWNED = {
-    "engines/_ipp.py": re.compile(r"\._engines\b|\._mux_stream\b|\._send_control_request\b"),
+    "engines/_ipp.py": re.compile(
+        r"\._engines\b|\._mux_stream\b|\._send_control_request\b|\b_content\b"
+    ),
     "torch/_dist.py": re.compile(r"distributed_c10d\._|\bdist\._[a-z]|torch\._C\._distributed"),
     "engines/_pickling.py": re.compile(r"\._dynamic_function_reduce\b|cloudpickle\.cloudpickle\b"),
 }

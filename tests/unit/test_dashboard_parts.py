@@ -67,6 +67,18 @@ def test_one_users_sign_ins_never_sign_another_user_out() -> None:
     assert sessions.count("alice-token") == auth.SESSIONS_PER_USER - 1
 
 
+def test_a_users_sign_ins_are_bounded_whatever_token_each_brings() -> None:
+    # behind JupyterHub each sign-in brings a new OAuth token: sessions count by the user
+    sessions = UiSessions()
+    bob, _ = sessions.open("bob-hub-token-0", owner="bob")
+    alice = [sessions.open(f"alice-hub-token-{i}", owner="alice")[0] for i in range(1_000)]
+    assert sessions.get(bob) is not None
+    live = [sid for sid in alice if sessions.get(sid) is not None]
+    assert live == alice[-auth.SESSIONS_PER_USER :]
+    assert sessions.count("alice") == auth.SESSIONS_PER_USER
+    assert sessions.count("bob") == 1
+
+
 def test_metrics_render_waits_slot_hours_reasons_and_preflight() -> None:
     usage = Usage()
     usage.started("ann", "high", 4.0)

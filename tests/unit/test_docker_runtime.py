@@ -7,6 +7,7 @@ GPU binding every rank gets (a fake GPU inventory: this machine has no GPU).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -70,6 +71,7 @@ def test_container_config_golden(tmp_path: Path) -> None:
         "network_mode": "host",
         "ipc_mode": "private",
         "shm_size": "4g",
+        "tmpfs": {},  # no job_disk_limit: /tmp is the container's own layer
         "ulimits": [parse_ulimit("memlock=-1"), parse_ulimit("stack=67108864")],
         "devices": ["/dev/infiniband:/dev/infiniband:rwm"],
         # one container holds all the job's GPUs on this host
@@ -87,6 +89,10 @@ def test_container_config_golden(tmp_path: Path) -> None:
     # a service that is not root cannot give the run directory away: all of it runs as WHO
     plain = container_config(p, config, WHO, root_init=False)
     assert (plain["user"], plain["working_dir"], plain["cap_add"]) == ("1234:1235", work, [])
+    sized = container_config(dataclasses.replace(p, tmp_bytes=8 << 20), config, WHO)
+    assert sized["tmpfs"] == {  # job_disk_limit: /tmp and /var/tmp hold at most 8 MiB each
+        d: f"rw,exec,nosuid,nodev,mode=1777,size={8 << 20}" for d in ("/tmp", "/var/tmp")
+    }
 
 
 def test_never_root_and_never_the_docker_socket(tmp_path: Path) -> None:

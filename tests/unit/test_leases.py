@@ -106,6 +106,27 @@ def test_without_a_lock_table_looking_tries_the_lock(
     assert isinstance(leases.take("cpu0", {}), Lease)  # the look did not keep it
 
 
+def test_looking_at_no_lease_reads_no_lock_table(
+    leases: LeaseDir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the service looks at its free slots at every scheduling pass; with none free it must
+    # not pay for the machine's lock table (milliseconds on some VMs, under its lock)
+    import hora.leases as module
+
+    reads: list[Path] = []
+    real = module._lock_table
+
+    def counted(path: Path = module.LOCKS) -> module.LockTable | None:
+        reads.append(path)
+        return real(path)
+
+    monkeypatch.setattr(module, "_lock_table", counted)
+    assert leases.held([]) == {} and leases.held(iter(())) == {}
+    assert reads == []
+    assert leases.held(["cpu0"]) == {}
+    assert len(reads) == 1
+
+
 def test_a_symlinked_lease_file_is_never_followed(leases: LeaseDir, tmp_path: Path) -> None:
     victim = tmp_path / "victim"
     victim.write_text("precious")

@@ -98,7 +98,11 @@ def test_namespaces_only_for_jobs_run_as_an_account(tmp_path: Path) -> None:
     assert not namespaces.wanted(_plan(tmp_path, private_network=True))  # single-user
     assert not namespaces.wanted(_plan(tmp_path, private_network=False, run_as=who))
     config = namespaces.holder_config(_plan(tmp_path), release="6.1.0")
-    assert config == {"cgroups": [], "keep": ["/tmp/work dir/$(x)"], "hidepid": True}
+    assert config == {
+        "cgroups": [], "keep": ["/tmp/work dir/$(x)"], "hidepid": True, "tmp_bytes": None
+    }  # fmt: skip
+    sized = namespaces.holder_config(_plan(tmp_path, tmp_bytes=8 << 20))
+    assert sized["tmp_bytes"] == 8 << 20  # job_disk_limit: each private tmpfs's size
     rooted = namespaces.holder_config(_plan(tmp_path, work_root=Path("/tmp/work dir")))
     assert rooted["keep"] == ["/tmp/work dir", "/tmp/work dir/$(x)"]  # the parent first
     assert namespaces.holder_config(_plan(tmp_path), release="5.4.0")["hidepid"] is False

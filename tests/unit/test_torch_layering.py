@@ -17,11 +17,14 @@ from pathlib import Path
 import hora.torch
 
 LAYERS: dict[str, tuple[str, ...]] = {
-    "state": ("_dist", "_sealed", "_rendezvous", "_heartbeat", "_state", "basics", "compression"),
+    "state": (
+        "_dist", "_sealed", "_authstore", "_rendezvous", "_heartbeat", "_state", "basics",
+        "compression",
+    ),
     "diagnosis": ("_stall", "timeline", "_preflight_figures"),
     "launch": (
-        "_handles", "_shm_ops", "_shm", "_arena", "_hier", "_comm", "_wire", "_negotiation",
-        "_engine", "_process_sets",
+        "_handles", "_shm_ops", "_lane", "_shm", "_arena", "_hier", "_comm", "_wire",
+        "_negotiation", "_engine", "_process_sets",
     ),
     "ops": ("_ops", "_gather", "_objects", "_grouped"),
     "api": (

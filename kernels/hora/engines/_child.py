@@ -63,6 +63,9 @@ def _engine(args: list[str]) -> None:
     from hora.engines import bootstrap
 
     bootstrap.start_background_init()
+    from hora.engines import outputs
+
+    outputs.count_outputs()  # each reply says how many outputs the cell published
     # engines are not debugged through the notebook's debugger; skipping debugpy saves startup
     sys.modules.setdefault("debugpy", None)  # type: ignore[arg-type]
     from ipyparallel.engine.app import main

@@ -33,6 +33,12 @@ def send_cell(client: Any, code: str, ident: bytes, hook: Callable[[Any], None])
     )
 
 
+def reply_content(reply: Any) -> dict[str, Any] | None:
+    """The content of an engine's ``execute_reply`` as ipyparallel kept it (None: not kept)."""
+    content = getattr(reply, "_content", None)
+    return content if isinstance(content, dict) else None
+
+
 def control_request(client: Any, engine_id: int, msg_type: str) -> Any:
     """Send ``msg_type`` on one engine's control channel (answered also while a cell runs).
 

@@ -26,7 +26,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
-from hora.engines import _ipp
+from hora.engines import _ipp, outputs
 from hora.engines.bootstrap import abort_group
 from hora.engines.errors import (
     CellFailedError,
@@ -287,6 +287,7 @@ class CellRun:
         self.q: queue.SimpleQueue[tuple[str, int, Any]] = queue.SimpleQueue()
         self.replied: dict[int, Any] = {}
         self.idle: set[int] = set()
+        self.tally = outputs.Tally()  # outputs each rank's reply says it published, and seen
         self.result = CellResult()
         self.first_done: float | None = None
         self.dead: dict[int, int | None] = {}
@@ -315,13 +316,24 @@ class CellRun:
         """Send the cell to one engine (a new one replacing a dead rank, too)."""
         _ipp.send_cell(self.client, self.code, e.ident, partial(self._hook, e.engine_id))
 
+    def done(self, rank: int) -> bool:
+        """Whether ``rank`` finished the cell: its reply came, and every output it published.
+
+        An engine tells in its reply how many outputs it published (:mod:`hora.engines.outputs`):
+        once they all came the rank is done, without waiting for the ``idle`` that ends the
+        request on IOPub (which comes later); an engine that does not tell is waited for.
+        """
+        return rank in self.replied and (rank in self.idle or self.tally.complete(rank))
+
+    def forget(self, rank: int) -> None:
+        """Forget what ``rank`` answered (a new engine runs the cell again in its place)."""
+        self.replied.pop(rank, None)
+        self.idle.discard(rank)
+        self.tally.forget(rank)
+
     def pending(self) -> list[int]:
         """Return the ranks that have not finished the cell (nor died)."""
-        return [
-            e.rank
-            for e in self.engines
-            if not (e.rank in self.replied and e.rank in self.idle) and e.rank not in self.dead
-        ]
+        return [e.rank for e in self.engines if not self.done(e.rank) and e.rank not in self.dead]
 
     def _handle(self, kind: str, engine_id: int, payload: Any) -> None:
         rank = self.by_id.get(engine_id)
@@ -329,18 +341,25 @@ class CellRun:
             return
         if kind == "iopub":
             self._on_iopub(rank, payload)
-            return
-        if kind == "reply":
-            self.replied[rank] = (
-                payload.result() if payload.exception() is None else payload.exception()
-            )
+        elif kind == "reply":
+            self._on_reply(rank, payload)
         else:
             self.idle.add(rank)
-        if rank in self.replied and rank in self.idle and self.first_done is None:
+        if self.first_done is None and self.done(rank):
             self.first_done = time.monotonic()
+
+    def _on_reply(self, rank: int, fut: Any) -> None:
+        reply = fut.result() if fut.exception() is None else fut.exception()
+        self.replied[rank] = reply
+        content = _ipp.reply_content(reply)
+        self.tally.replied(rank, content)
+        count = content.get("execution_count") if content else None
+        if isinstance(count, int) and self.cell_number is not None:
+            self.numbers.by_count.setdefault(rank, {})[count] = self.cell_number
 
     def _on_iopub(self, rank: int, msg: dict[str, Any]) -> None:
         kind, content = msg["header"]["msg_type"], msg["content"]
+        self.tally.seen(rank, kind)
         if kind == "execute_input":
             count = content.get("execution_count")
             if isinstance(count, int) and self.cell_number is not None:

@@ -92,8 +92,7 @@ class Rejoin:
         run.engines = [e if o is old else o for o in run.engines]
         del run.by_id[old.engine_id]
         run.by_id[e.engine_id] = e.rank
-        run.replied.pop(e.rank, None)
-        run.idle.discard(e.rank)
+        run.forget(e.rank)
         kept = rank_ranges([o.rank for o in run.engines if o.rank != e.rank])
         run.result.notes.append(
             f"rank {e.rank} (pid {old.pid}) died during the cell ({exit_status(code)}); a new "

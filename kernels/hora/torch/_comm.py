@@ -62,7 +62,8 @@ class Comm:
         counters: per-op counters for unnamed collectives ("allreduce.noname.3").
         joined: this rank called ``join()`` and serves the others until all joined.
         joined_before: members seen joined in the last round (to name the last joiner).
-        shm: the members' shared-memory segment (:mod:`hora.torch._shm`), when they have one.
+        shm: the members' shared-memory ring (:mod:`hora.torch._shm`), when they have one.
+        shm_lane: its second ring, run by a thread (:mod:`hora.torch._lane`): plain allreduces.
         shm_decided: whether the members decided on ``shm`` yet (they do it once, together).
         waiting: the name hash of the collective this rank blocks on (in ``synchronize``,
             ``barrier``, a blocking call), 0 while it does not; published in every round.
@@ -81,6 +82,7 @@ class Comm:
     joined_before: frozenset[int] = frozenset()
     last_joined: int = -1
     shm: Any = None
+    shm_lane: Any = None
     shm_decided: bool = False
     waiting: int = 0
 

@@ -139,7 +139,7 @@ def _across(comm: Any, op: str, hosts: list[Any]) -> Hier | None:
     mine = next(g for g in groups if me in g)
     n = len(mine)
     slot = _shm.slot_bytes(n)
-    size = _shm.segment_bytes(n)
+    size = _shm.segment_bytes(n, rings=1)  # the buckets' ring only: no lane over hosts
     want = _shm.enabled()
     path = _shm.create(size) if (want and n > 1 and me == mine[0]) else ""
     paths: list[Any] = [None] * comm.size

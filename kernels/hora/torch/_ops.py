@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hora.errors import UnsupportedError
-from hora.torch import _engine, _handles, _shm, _shm_ops, _state, timeline
+from hora.torch import _engine, _handles, _lane, _shm_ops, _state, timeline
 from hora.torch._engine import Comm, GroupHandle, begin, refusal, submit
 from hora.torch._handles import Handle, guarded, signature
 from hora.torch._process_sets import ProcessSet, comm_of, global_process_set
@@ -81,19 +81,19 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _shm_ring(comm: Comm, t: torch.Tensor, op: int) -> _shm.Ring | None:
-    """The members' shared-memory ring when it carries this allreduce (the same on every member).
+def _shm_lane(comm: Comm, t: torch.Tensor, op: int) -> _lane.Lane | None:
+    """The members' shared-memory lane when it carries this allreduce (the same on every member).
 
     A CPU tensor of a dtype the ring reduces, in a CPU world whose members share a host and
-    decided on the ring (at their first round): the data moves when the round launches it,
-    on every member right after the same round, so it keeps the negotiated order.
+    decided on the ring (at their first round): the lane's thread runs the data's moves in
+    launch order, which is the same on every member (:mod:`hora.torch._lane`).
     """
-    ring = comm.shm
-    if not isinstance(ring, _shm.Ring) or t.device.type != "cpu" or op not in _SHM_OPS:
+    lane = comm.shm_lane
+    if not isinstance(lane, _lane.Lane) or t.device.type != "cpu" or op not in _SHM_OPS:
         return None
     if t.dtype not in _shm_ops.DTYPES or _state.require_init("allreduce").device.type != "cpu":
         return None
-    return ring
+    return lane
 
 
 def _allreduce_buffer(
@@ -118,19 +118,21 @@ def _allreduce_buffer(
     key = key or signature(_OPC_ALLREDUCE, op, out.dtype, out.shape)
 
     def launch(_rows: Any) -> tuple[list[Any], Any]:
-        ring = _shm_ring(comm, out, op) if out.numel() and comm.size > 1 else None
-        if source is not None and (ring is None or pre != 1.0):
+        lane = _shm_lane(comm, out, op) if out.numel() and comm.size > 1 else None
+        if source is not None and (lane is None or pre != 1.0):
             out.copy_(source)
         _scale(out, pre)
-        wire = out if ring is not None else _handles.widen(out)
-        work = None
-        if ring is not None:
-            ring.allreduce_(out, op_name, name, _SHM_OPS[op], tag="allreduce",
-                            source=source if pre == 1.0 else None)
+        wire = out if lane is not None else _handles.widen(out)
+        work: Any = None
+        if lane is not None:
+            work = lane.allreduce(out, op_name, name, _SHM_OPS[op], tag="allreduce",
+                                  source=source if pre == 1.0 else None)
         elif out.numel() and comm.size > 1:
             work = dist.all_reduce(wire, op=_TORCH_OPS[op], group=comm.group, async_op=True)
 
         def finish() -> torch.Tensor:
+            if isinstance(work, _lane.LaneWork):
+                work.raise_error()
             if wire is not out:
                 out.copy_(wire)
             if op == Average:
@@ -149,10 +151,9 @@ def _allreduce_buffer(
 def _serve_allreduce(comm: Comm, key: Sequence[int], _rows: Any) -> list[Any]:
     """A joined rank's part of an allreduce: zeros (through the ring when the others use it)."""
     zeros = torch.zeros(_handles.key_shape(key), dtype=_handles.key_dtype(key))
-    ring = _shm_ring(comm, zeros, key[1]) if zeros.numel() else None
-    if ring is not None:
-        ring.allreduce_(zeros, "join", "", _SHM_OPS[key[1]], tag="allreduce")
-        return []
+    lane = _shm_lane(comm, zeros, key[1]) if zeros.numel() else None
+    if lane is not None:
+        return [lane.allreduce(zeros, "join", "", _SHM_OPS[key[1]], tag="allreduce")]
     zeros = _handles.widen(zeros)
     return [dist.all_reduce(zeros, op=_TORCH_OPS[key[1]], group=comm.group, async_op=True)]
 
@@ -211,7 +212,7 @@ def _allreduce(
     with refusal(comm, "allreduce", name):
         op = _resolve_op(op, average)
     t = tensor.detach()
-    if not inplace and t.is_contiguous() and _shm_ring(comm, t, op) is not None:
+    if not inplace and t.is_contiguous() and _shm_lane(comm, t, op) is not None:
         # the ring reads t as it copies in: no clone first
         buf = torch.empty_like(t, memory_format=torch.contiguous_format)
         return _allreduce_buffer(comm, buf, None, name, op, pre, post, source=t)

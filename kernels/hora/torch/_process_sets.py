@@ -191,6 +191,9 @@ def remove_process_set(process_set: ProcessSet) -> bool:
             except Exception:  # already gone with a failed world: nothing to free
                 pass
         target.group = target.side = None  # an optimizer may still hold the Comm
+        if target.shm_lane is not None:
+            target.shm_lane.close()
+            target.shm_lane = None
         if target.shm is not None:
             target.shm.close()
             target.shm = None

@@ -1,9 +1,12 @@
 """Rendezvous and the default process group: stores, timeouts, the backend (data plane).
 
-How ``hora.torch.init()`` meets the other ranks: rank 0 hosts a TCPStore at the launcher's
-``MASTER_ADDR:MASTER_PORT`` (or names it in a file keyed by the job, under mpirun), sealed with
-the launch's secret (:mod:`hora.torch._sealed`) when there is one; every rank waits there
-within the start timeout, then ``init_process_group`` creates the default group. Each
+How ``hora.torch.init()`` meets the other ranks: rank 0 hosts a store at the launcher's
+``MASTER_ADDR:MASTER_PORT`` (or names it in a file keyed by the job, under mpirun); every rank
+waits there within the start timeout, then ``init_process_group`` creates the default group.
+With the launch's secret (``HORA_RDZV_SECRET``, which hora's launchers give) the store is
+hora's own, answering only connections that prove they hold the secret
+(:mod:`hora.torch._authstore`), and its keys and values are sealed with it
+(:mod:`hora.torch._sealed`); without one (a plain torchrun), it is torch's ``TCPStore``. Each
 ``init()`` at an address is numbered, and its keys are prefixed by that number, so keys of an
 earlier world never answer a later one. The timeouts and the backend come from ``init()``'s
 arguments or ``HORA_TIMEOUT`` / ``HORA_START_TIMEOUT`` / ``HORA_BACKEND``.
@@ -103,7 +106,9 @@ def rendezvous_path(world: World) -> Path:
     return Path(tempfile.gettempdir(), f"hora-rdzv-{safe}")
 
 
-def file_rendezvous(world: World, timeout_s: float, generation: int) -> tuple[Any, Path | None]:
+def file_rendezvous(
+    world: World, timeout_s: float, generation: int, key: bytes | None
+) -> tuple[Any, Path | None]:
     """Rank 0 opens a store on a free port and names it in a file; the others wait for it.
 
     The file says ``host port pid generation``: the previous ``init()``'s file may still be
@@ -112,7 +117,7 @@ def file_rendezvous(world: World, timeout_s: float, generation: int) -> tuple[An
     path = rendezvous_path(world)
     td = datetime.timedelta(seconds=timeout_s)
     if world.rank == 0:
-        store = dist.TCPStore("0.0.0.0", 0, world.size, True, timeout=td, wait_for_workers=False)
+        store = open_store("0.0.0.0", 0, world.size, td, key, host=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(f"{socket.gethostname()} {store.port} {os.getpid()} {generation}\n")
         os.replace(tmp, path)
@@ -129,23 +134,53 @@ def file_rendezvous(world: World, timeout_s: float, generation: int) -> tuple[An
             raise CollectiveTimeout("init", [0], timeout_s, name=f"rendezvous file {path}")
         time.sleep(POLL_S)
     addr = "127.0.0.1" if host == socket.gethostname() else host
-    return dist.TCPStore(addr, int(port), world.size, False, timeout=td), None
+    return open_store(addr, int(port), world.size, td, key), None
 
 
-def make_store(world: World, timeout_s: float, generation: int) -> tuple[Any, Path | None]:
+def open_store(
+    addr: str, port: int, size: int, td: datetime.timedelta, key: bytes | None, host: bool = False
+) -> Any:
+    """Host (``host``) or reach the rendezvous store at ``addr:port``.
+
+    With a key (the launch's secret), hora's authenticated store; without, a ``TCPStore``.
+
+    Raises:
+        OSError: rank 0 cannot listen on the port (hora's store).
+        RuntimeError: the same, or the store cannot be reached (a ``TCPStore``).
+    """
+    if key is None:
+        return dist.TCPStore(addr, port, size, host, timeout=td, wait_for_workers=False)
+    from hora.torch._authstore import AuthStore, StoreServer
+
+    server = StoreServer(port, key) if host else None
+    at, port = ("127.0.0.1", server.port) if server is not None else (addr, port)
+    return AuthStore(at, port, key, td, server=server)
+
+
+def make_store(
+    world: World, timeout_s: float, generation: int, key: bytes | None = None
+) -> tuple[Any, Path | None]:
+    """The raw store of this rendezvous (rank 0 hosts it), and the file that names it, if any.
+
+    ``key``: the store key of the launch's secret (hora's authenticated store), or None.
+    Under torchrun's agent the store is the agent's ``TCPStore`` whatever the key: the ranks
+    join it as clients (and :func:`scoped_store` still seals what they write there).
+    """
     td = datetime.timedelta(seconds=timeout_s)
     if world.size == 1 and world.master_port is None:
-        return dist.TCPStore("127.0.0.1", 0, 1, True, timeout=td, wait_for_workers=False), None
+        return open_store("127.0.0.1", 0, 1, td, key, host=True), None
     if world.master_addr is None or world.master_port is None:
-        return file_rendezvous(world, timeout_s, generation)
-    if world.rank == 0 and not agent_store(os.environ):
+        return file_rendezvous(world, timeout_s, generation, key)
+    if agent_store(os.environ):
+        key = None  # the agent hosts a TCPStore: hora's handshake would find no one there
+    elif world.rank == 0:
         hosted_before = generation > 1
         return host_store(
-            world.master_addr, world.master_port, world.size, td, hosted_before
+            world.master_addr, world.master_port, world.size, td, hosted_before, key
         ), None
     await_listener(world.master_addr, world.master_port, timeout_s)
     try:
-        store = dist.TCPStore(world.master_addr, world.master_port, world.size, False, timeout=td)
+        store = open_store(world.master_addr, world.master_port, world.size, td, key)
     except (RuntimeError, dist.DistError) as e:
         raise CollectiveTimeout(
             "init",
@@ -162,15 +197,15 @@ def agent_store(environ: Mapping[str, str]) -> bool:
 
     torchrun sets ``TORCHELASTIC_USE_AGENT_STORE=True`` for its workers: rank 0 then joins
     the agent's store as a client, as ``init_process_group`` does, instead of trying to host
-    one on the agent's port (torch logs a bind error for that try). A launch with a
-    rendezvous secret keeps hora's own store.
+    one on the agent's port (torch logs a bind error for that try). That store is the
+    agent's ``TCPStore``, so a torchrun started inside a hora job (whose ranks inherit the
+    job's ``HORA_RDZV_SECRET``) meets there too, its keys and values sealed.
 
     Example:
         >>> agent_store({"TORCHELASTIC_USE_AGENT_STORE": "True"}), agent_store({})
         (True, False)
     """
-    asked = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    return asked and not environ.get(RDZV_SECRET_VAR)
+    return environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
 # A store this process hosted before shutdown() may hold the port a moment longer: the
@@ -204,7 +239,12 @@ def await_listener(addr: str, port: int, timeout_s: float) -> None:
 
 
 def host_store(
-    addr: str, port: int, size: int, td: datetime.timedelta, hosted_before: bool
+    addr: str,
+    port: int,
+    size: int,
+    td: datetime.timedelta,
+    hosted_before: bool,
+    key: bytes | None = None,
 ) -> Any:
     """Open the rendezvous store on rank 0; an address in use is said as such, not a timeout.
 
@@ -215,6 +255,7 @@ def host_store(
         td: the store's timeout.
         hosted_before: whether this process hosted the store of an earlier ``init()`` at this
             address (only then is it worth waiting for the port to be freed).
+        key: the store key of the launch's secret (hora's authenticated store), or None.
 
     Raises:
         RendezvousError: when the port stays in use (another process, or a Work of the
@@ -223,8 +264,8 @@ def host_store(
     deadline = time.monotonic() + (_PORT_FREE_WAIT_S if hosted_before else 0.0)
     while True:
         try:
-            return dist.TCPStore(addr, port, size, True, timeout=td, wait_for_workers=False)
-        except (RuntimeError, dist.DistError) as e:
+            return open_store(addr, port, size, td, key, host=True)
+        except (RuntimeError, dist.DistError, OSError) as e:
             if "EADDRINUSE" not in str(e) and "address already in use" not in str(e).lower():
                 raise RendezvousError(f"{addr}:{port}", f"rank 0 could not open it: {e}") from None
             if time.monotonic() > deadline:
@@ -292,6 +333,30 @@ def init_group(world: World, backend: str, store: Any, start_s: float, timeout_s
         raise CollectiveTimeout("init", missing, start_s, name=f"process group: {e}") from None
 
 
+def all_ready(store: Any, rank: int, size: int, start_s: float) -> None:
+    """Say this rank is done with the store's part of ``init()``; rank 0 waits for everyone.
+
+    Rank 0 hosts the store: if it left ``init()`` (and perhaps the process: a failing reset
+    callback of an elastic job) while another rank still had a store request of its own
+    ``init()`` to make (the side group's addresses, its heartbeat's first beat), that rank's
+    ``init()`` would fail with a reset connection.
+
+    Raises:
+        CollectiveTimeout: (rank 0) a rank did not say so within ``start_s``.
+    """
+    keys = [f"hora/ready/{r}" for r in range(size)]
+    try:
+        store.set(keys[rank], "1")
+        if rank == 0:
+            store.wait(keys, datetime.timedelta(seconds=start_s))
+    except (RuntimeError, dist.DistError) as e:
+        try:
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        except (RuntimeError, dist.DistError):  # the store's host (rank 0) is gone
+            missing = [0]
+        raise CollectiveTimeout("init", missing, start_s, name=f"rendezvous: {e}") from None
+
+
 def device_index(local_rank: int, local_size: int, count: int) -> int:
     """The CUDA device a rank pins: ``cuda:LOCAL_RANK`` over the GPUs the host's ranks share.
 
@@ -345,11 +410,12 @@ def create_group(
     # attempt before must not answer this one
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
     prefix = f"hora/r{restart}g{generation}" if restart else f"hora/g{generation}"
+    key = rendezvous_key(os.environ)
     deadline = time.monotonic() + start_s
     while True:
         try:
-            raw, rdzv = make_store(world, start_s, generation)
-            store = sealed_store(dist.PrefixStore(prefix, raw), os.environ)
+            raw, rdzv = make_store(world, start_s, generation, key)
+            store = scoped_store(raw, prefix, key)
             if backend == "nccl":
                 torch.cuda.set_device(world_device_index(world))
             init_group(world, backend, store, start_s, timeout_s)
@@ -361,20 +427,29 @@ def create_group(
             time.sleep(POLL_S)
 
 
-def sealed_store(store: Any, environ: Mapping[str, str]) -> Any:
-    """The rendezvous store sealed with the launch's secret, when the launcher gave one.
+def rendezvous_key(environ: Mapping[str, str]) -> bytes | None:
+    """The store key of the launch's secret, when the launcher gave one.
 
     hora's launchers (the service, ``hora run``, notebook engines) give every rank of a world
-    the same ``HORA_RDZV_SECRET``; a process without it cannot read, write or join the
-    store (:mod:`hora.torch._sealed`). Without one (a plain torchrun), the store is as torch
-    makes it.
+    the same ``HORA_RDZV_SECRET``; a process without it cannot read, write, list or join the
+    store (:mod:`hora.torch._authstore`, :mod:`hora.torch._sealed`). Without one (a plain
+    torchrun), the store is as torch makes it.
     """
     secret = environ.get(RDZV_SECRET_VAR, "")
     if not secret:
-        return store
-    from hora.torch._sealed import SealedStore, store_key
+        return None
+    from hora.torch._sealed import store_key
 
-    return SealedStore(store, store_key(secret))
+    return store_key(secret)
+
+
+def scoped_store(raw: Any, prefix: str, key: bytes | None) -> Any:
+    """``raw`` with every key under ``prefix``, and sealed with ``key`` when there is one."""
+    if key is None:
+        return dist.PrefixStore(prefix, raw)
+    from hora.torch._sealed import SealedStore
+
+    return SealedStore(raw, key, prefix)
 
 
 def store_closed(e: BaseException) -> bool:

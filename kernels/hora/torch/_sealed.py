@@ -15,9 +15,12 @@ that only a process holding the launch's secret (``HORA_RDZV_SECRET``, see
   never joins anyone.
 
 Counters (``add``) cannot be sealed (the server adds to them); their names still are.
-What a secret cannot stop on a shared network is a process that floods or deletes keys by
-their listed names, or races to gloo's listening port: that is a denial of service, not a
-join, and where hora's service runs the job, its network namespace keeps every other
+Sealing alone leaves the server answering anyone (a ``TCPStore`` lists its keys and adds to
+them for whoever connects): where hora's ``init()`` hosts the store, it is hora's own
+(:mod:`hora.torch._authstore`), which answers only a connection that proves it holds the
+secret. What a secret cannot stop on a shared network is a process that races to gloo's
+listening port or floods the store's port with connections: that is a denial of service, not
+a join, and where hora's service runs the job, its network namespace keeps every other
 process off these ports (see the security model in the docs).
 """
 
@@ -114,13 +117,15 @@ class SealedStore(dist.Store):
         False
     """
 
-    def __init__(self, inner: Any, key: bytes) -> None:
+    def __init__(self, inner: Any, key: bytes, prefix: str = "") -> None:
         super().__init__()
         self._inner = inner
         self._key = key
+        self._prefix = prefix
 
     def _name(self, name: str) -> str:
-        return seal_name(self._key, name)
+        scoped = f"{self._prefix}/{name}" if self._prefix else name  # a PrefixStore's, sealed
+        return seal_name(self._key, scoped)
 
     def set(self, key: str, value: Any) -> None:  # noqa: D102
         name = self._name(key)
@@ -165,4 +170,4 @@ class SealedStore(dist.Store):
 
     def clone(self) -> SealedStore:
         """A second connection to the same store, sealed alike (heartbeats use their own)."""
-        return SealedStore(self._inner.clone(), self._key)
+        return SealedStore(self._inner.clone(), self._key, self._prefix)

@@ -24,9 +24,11 @@ instead of reading each other's stale slots. A wait spins briefly, yields the CP
 sleeps in growing steps, within the group timeout: a member whose process exited is named at
 once (RankFailedError), one that never arrives is named at the timeout (CollectiveTimeout).
 
-Every operation runs in the calling thread, in program order, which is the same on every
-member: rounds pair with rounds, a plain allreduce runs when its round launches it (on every
-member, right after the same round), buckets are reduced in ``synchronize()``.
+The segment holds two rings. The first runs its operations in the calling thread, in program
+order, which is the same on every member: rounds pair with rounds, buckets are reduced in
+``synchronize()``. The second, a *lane* (:mod:`hora.torch._lane`), runs plain
+``hvd.allreduce`` data on a thread of its own, in launch order, so that it progresses in the
+background as gloo's would.
 
 Used only where it is safe: x86-64 (its store order, plus a locked instruction before each
 counter store, makes a rank's data visible before its counter), every member mapped the
@@ -55,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from hora.errors import CollectiveTimeout, HoraError, PeerFailedError, TensorMismatchError
-from hora.torch import _shm_ops, _state
+from hora.torch import _lane, _shm_ops, _state
 from hora.torch._stall import run_guarded
 
 log = logging.getLogger(__name__)
@@ -69,9 +71,10 @@ SPIN = 200  # counter checks before yielding the CPU
 YIELDS = 2000  # sched_yield()s before the first sleep
 SLEEP_MAX_S = 1e-3
 PID_CHECK_S = 0.5
-# Total segment: NBUF buffers x members x slot. A slot of 4 MiB for 2 ranks (24 MiB in all),
-# never over 32 MiB in all (Docker's default /dev/shm is 64 MiB), never under 256 KiB.
-SEGMENT_BUDGET = 32 * 1024 * 1024
+# One ring: NBUF buffers x members x slot. A slot of 4 MiB for 2 ranks (24 MiB a ring), a
+# ring never over 24 MiB, so a segment's two rings fit Docker's default /dev/shm (64 MiB);
+# a slot never under 256 KiB.
+SEGMENT_BUDGET = 24 * 1024 * 1024
 SLOT_MAX = 4 * 1024 * 1024
 SLOT_MIN = 256 * 1024
 
@@ -132,9 +135,14 @@ def header_bytes(members: int) -> int:
     return -(-raw // ALIGN) * ALIGN
 
 
-def segment_bytes(members: int) -> int:
-    """Bytes of a whole segment for ``members`` ranks."""
+def ring_bytes(members: int) -> int:
+    """Bytes of one ring (control part and buffers) for ``members`` ranks."""
     return header_bytes(members) + NBUF * members * slot_bytes(members)
+
+
+def segment_bytes(members: int, rings: int = 2) -> int:
+    """Bytes of a segment of ``rings`` rings (a set's ring and its lane) for ``members`` ranks."""
+    return rings * ring_bytes(members)
 
 
 def _start_time(pid: int) -> int:
@@ -158,19 +166,21 @@ class Ring:
         ranks: the members' global ranks (slot ``i`` belongs to ``ranks[i]``).
         index: this rank's position in ``ranks``.
         slot: bytes per slot.
+        base: where this ring starts in the segment (a lane follows the first ring).
     """
 
-    def __init__(self, mm: mmap.mmap, ranks: list[int], index: int, slot: int) -> None:
+    def __init__(self, mm: mmap.mmap, ranks: list[int], index: int, slot: int,
+                 base: int = 0) -> None:
         self.mm, self.ranks, self.index, self.slot = mm, ranks, index, slot
         n = len(ranks)
         self.size = n
         self.header = header_bytes(n)
-        self.ctl = memoryview(mm)[: self.header].cast("q")
+        self.ctl = memoryview(mm)[base : base + self.header].cast("q")
         step = LINE // 8
         self.counter = [step * (1 + i) for i in range(n)]
         self.pid_cell = [step * (1 + n + i) for i in range(n)]
         self.others = [self.counter[i] for i in range(n) if i != index]
-        self.data = torch.frombuffer(mm, dtype=torch.uint8, offset=self.header,
+        self.data = torch.frombuffer(mm, dtype=torch.uint8, offset=base + self.header,
                                      count=NBUF * n * slot)
         self.bufs = [[self.data[(b * n + i) * slot : (b * n + i + 1) * slot] for i in range(n)]
                      for b in range(NBUF)]
@@ -179,6 +189,7 @@ class Ring:
         self.closed = False
         self.broken = ""  # why this ring cannot be used any more ("" while it can)
         self.interrupted = False  # a SIGINT arrived during an operation (delivered at its end)
+        self.stopped = False  # set from another thread: a wait here ends at once
         self.peers: dict[int, tuple[int, int]] = {}  # member index -> (pid, start time)
 
     @property
@@ -312,6 +323,10 @@ class Ring:
     def _note_sigint(self, _sig: int, _frame: Any) -> None:
         self.interrupted = True
 
+    def stop(self) -> None:
+        """Make a wait in another thread (a lane's) end at once, with HoraError."""
+        self.stopped = True
+
     def abort(self, reason: str = "the process group was aborted") -> None:
         """Make the ring unusable here and tell the members (their waits fail at once)."""
         if not self.broken:
@@ -380,6 +395,8 @@ class Ring:
         while True:
             if self._arrived(e, op, name):
                 return
+            if self.stopped:
+                raise HoraError(f"{op} {name!r}: hora.torch was shut down during it")
             now = time.monotonic()
             if now >= next_check:
                 self._check_peers(op, name, state)
@@ -465,6 +482,8 @@ def ring_of(comm: Any, op: str) -> Ring | None:
     path = box[0] or ""
     mm = open_segment(path, size) if (want and path) else None
     ring = Ring(mm, comm.ranks, me, slot_bytes(n)) if mm is not None else None
+    lane = (Ring(mm, comm.ranks, me, slot_bytes(n), base=ring_bytes(n))
+            if mm is not None else None)
     if ring is not None:
         ring.publish_pid()
     flag = torch.tensor([1 if ring is not None else 0], dtype=torch.int64)
@@ -473,15 +492,17 @@ def ring_of(comm: Any, op: str) -> Ring | None:
         with contextlib.suppress(OSError):
             os.unlink(path)
     if int(flag.item()) == 0:
-        if ring is not None:
-            ring.close()
+        for r in (lane, ring):
+            if r is not None:
+                r.close()
         log.debug("%s: shared memory not usable by every member; gloo carries the buckets", op)
         return None
-    assert ring is not None  # noqa: S101  (flag is 1 only when every member mapped it)
+    assert ring is not None and lane is not None  # noqa: S101  (every member mapped it)
     ring.read_pids()
+    lane.peers = ring.peers
     # no member leaves set-up (and may exit) before every member has seen its process
     run_guarded(op, "shm", dist.all_reduce, flag, op=dist.ReduceOp.MIN, group=comm.side)
-    comm.shm = ring
+    comm.shm, comm.shm_lane = ring, _lane.Lane(lane)
     return ring
 
 

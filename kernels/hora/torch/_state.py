@@ -185,6 +185,13 @@ def require_init(op: str) -> RankState:
 def _start(world: World, backend: str, start_s: float, timeout_s: float) -> RankState:
     state = _connect(world, backend, start_s, timeout_s)
     state.heartbeat = StallHeartbeat(state, state.store)
+    if state.owns_group:  # rank 0 hosts the store: it leaves only once no rank needs it
+        try:
+            _rendezvous.all_ready(state.store, state.rank, state.size, start_s)
+        except CollectiveTimeout:
+            _stop_heartbeat(state)
+            _dist.abort_default_group()  # a later try must not adopt this half-made world
+            raise
     return state
 
 
@@ -337,6 +344,9 @@ def _drop_comm(comm: Any, abort: bool) -> list[weakref.ref[Any]]:
     """
     groups = [g for g in (comm.group, comm.side) if isinstance(g, dist.ProcessGroup)]
     comm.group = comm.side = None
+    if comm.shm_lane is not None:  # its thread leaves first (hora.torch._lane.Lane)
+        comm.shm_lane.close(abort=abort)
+        comm.shm_lane = None
     if comm.shm is not None:  # the shared-memory segment (hora.torch._shm.Ring)
         comm.shm.close(abort=abort)  # aborted: members waiting in it fail at once
         comm.shm = None
@@ -539,6 +549,7 @@ def rebuild(master_port: int, start_timeout_s: float | None = None) -> None:
     state.seq, state.last_op, state.last_sig = 0, "", 0
     state.comms = {}
     state.heartbeat = StallHeartbeat(state, state.store)
+    _rendezvous.all_ready(state.store, state.rank, state.size, start_timeout_s or state.timeout_s)
 
 
 def abort() -> None:

@@ -175,6 +175,7 @@ class Launch(ElasticSlots, Admission):
             private_network=self.settings.job_private_network and job.kind != "session",
             work_root=self.settings.work_root,
             tmp_paths=tuple(kept),
+            tmp_bytes=self.settings.job_tmp_bytes,
             driver=driver,
             # the rank shims hold the leases too: a restart of the service keeps them held
             # while the ranks run (an elastic job's slots change: the service alone holds them)

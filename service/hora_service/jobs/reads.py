@@ -78,7 +78,8 @@ class Reads(ManagerCore):
         if memo is not None and memo[0] == generation:
             ids, total = memo[1], memo[2]
         else:  # a page read is reused until the next write to any job
-            ids, total = self.open_store().list_ids(user, state, limit, offset)
+            hidden = list(self._dropped)  # deleted sessions whose rows are still there
+            ids, total = self.open_store().list_ids(user, state, limit, offset, hidden)
             with self._cache_lock:
                 if len(self._pages) > PAGES_MAX:
                     self._pages.clear()

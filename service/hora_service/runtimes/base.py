@@ -68,6 +68,9 @@ class AttemptPlan:
             setting ``job_tmp_paths`` and those the job was given (see
             :func:`hora_service.runtimes.namespaces.given_paths`), the ones its account
             reaches (the preflight finds them).
+        tmp_bytes: most bytes each of the attempt's private ``/tmp``, ``/var/tmp`` and
+            ``/dev/shm`` holds (setting ``job_disk_limit``; None: the kernel's tmpfs default,
+            half the machine's memory), where the runtime gives it its own.
         driver: an elastic job's one process (``hora run``'s elastic driver, which starts
             the workers itself, :mod:`hora_service.elastic`), run as rank 0 instead of
             ``spec.workers`` copies of ``spec.command``; empty for every other job.
@@ -95,6 +98,7 @@ class AttemptPlan:
     private_network: bool = False
     work_root: Path | None = None
     tmp_paths: tuple[Path, ...] = ()
+    tmp_bytes: int | None = None
     driver: tuple[str, ...] = ()
     leases: tuple[int, ...] = ()
 

@@ -50,7 +50,7 @@ from hora_service.runtimes.docker_images import (
     resolve_image,
 )
 from hora_service.runtimes.docker_images import short as _short
-from hora_service.runtimes.limits import Hits, counter, docker_limits, recorded_hits
+from hora_service.runtimes.limits import Hits, counter, docker_limits, recorded_hits, tmp_mounts
 from hora_service.runtimes.local import ALLOWED, ALLOWED_PREFIXES, rank_environment, read_exit
 from hora_service.settings import Settings
 
@@ -265,6 +265,7 @@ def container_config(
         "network_mode": network_mode(plan, config),
         "ipc_mode": config.ipc,
         "shm_size": config.shm_size,
+        "tmpfs": tmp_mounts(plan.tmp_bytes),
         "ulimits": [parse_ulimit(u) for u in config.ulimits],
         "devices": [f"{d}:{d}:rwm" for d in config.devices],
         "device_requests": [DeviceRequest(device_ids=gpus, capabilities=[["gpu"]])] if gpus else [],

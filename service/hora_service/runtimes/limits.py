@@ -368,3 +368,16 @@ def docker_limits(limits: JobLimits | None) -> dict[str, Any]:
     if limits.slots:
         out["cpu_shares"] = 1024 * limits.slots
     return out
+
+
+def tmp_mounts(size: int | None) -> dict[str, str]:
+    """``containers.create``'s ``tmpfs``: ``/tmp`` and ``/var/tmp`` of ``size`` bytes each.
+
+    The setting ``job_disk_limit``; None: none (the container's own layer, as before).
+
+    Example:
+        >>> tmp_mounts(1 << 20)["/tmp"]
+        'rw,exec,nosuid,nodev,mode=1777,size=1048576'
+    """
+    opts = f"rw,exec,nosuid,nodev,mode=1777,size={size}"
+    return {d: opts for d in ("/tmp", "/var/tmp")} if size else {}

@@ -8,8 +8,9 @@ job in multi-user mode gets, on its host:
   ``TCPStore`` has no authentication: before this, another user's job found the port in
   ``/proc/net/tcp`` and joined the world). ``torchrun``, ``mpirun`` and ``hora run`` started
   inside the job meet on that loopback as before;
-* a **mount namespace** with a fresh tmpfs on ``/tmp`` and ``/dev/shm`` (what a job leaves
-  there vanishes with it, and no other job sees it meanwhile) and a ``/proc`` mounted with
+* a **mount namespace** with a fresh tmpfs on ``/tmp``, ``/var/tmp`` and ``/dev/shm``, each
+  of at most ``job_disk_limit`` (what a job leaves there vanishes with it, no other job sees
+  it meanwhile, and it cannot fill the host's disk) and a ``/proc`` mounted with
   ``hidepid=invisible`` (a job sees only its own account's processes; kernel 5.8 or later,
   where each ``/proc`` mount has options of its own).
 
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 HOLDER = Path(__file__).with_name("nsholder.py")
 READY_WAIT_S = 10.0
 KINDS = ("net", "mnt")  # the order the shim enters them in
-PRIVATE_DIRS = ("/tmp", "/dev/shm")  # what the holder mounts afresh (nsholder.PRIVATE_DIRS)
+PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")  # what the holder mounts (nsholder.PRIVATE_DIRS)
 
 
 def hidepid_supported(release: str | None = None) -> bool:
@@ -68,7 +69,7 @@ def hidepid_supported(release: str | None = None) -> bool:
 
 
 def given_paths(env: Mapping[str, str], program: str | None) -> tuple[str, ...]:
-    """Directories under ``/tmp`` or ``/dev/shm`` a job was given, to keep visible there.
+    """Directories under the private ``/tmp``, ``/var/tmp`` or ``/dev/shm`` a job was given.
 
     The absolute entries of its ``PATH`` and ``PYTHONPATH``, its ``VIRTUAL_ENV`` and
     ``CONDA_PREFIX``, and the directory of an absolute program; a ``bin`` directory with its
@@ -93,18 +94,21 @@ def given_paths(env: Mapping[str, str], program: str | None) -> tuple[str, ...]:
 
 
 def _below_private(path: str) -> bool:
-    """Whether ``path`` lies strictly below ``/tmp`` or ``/dev/shm``."""
+    """Whether ``path`` lies strictly below ``/tmp``, ``/var/tmp`` or ``/dev/shm``."""
     return any(path.startswith(d + "/") for d in PRIVATE_DIRS)
 
 
 def holder_config(plan: AttemptPlan, release: str | None = None) -> dict[str, object]:
-    """What the holder reads on its stdin: cgroups to join, paths to keep, ``hidepid``.
+    """What the holder reads on its stdin: cgroups to join, paths to keep, ``hidepid``, size.
+
+    ``tmp_bytes`` is the size of each private ``/tmp``, ``/var/tmp`` and ``/dev/shm``
+    (None: the kernel's default).
 
     The work root, the working directory and ``plan.tmp_paths`` (what of ``job_tmp_paths``
     and of the directories the job was given its account reaches) stay visible at their
-    paths when they lie under ``/tmp`` or ``/dev/shm`` (their own modes keep users'
-    directories apart); nothing else of the host's ``/tmp`` does. The holder binds each
-    through real directories only, never through a symlink.
+    paths when they lie under ``/tmp``, ``/var/tmp`` or ``/dev/shm`` (their own modes keep
+    users' directories apart); nothing else of the host's ``/tmp`` does. The holder binds
+    each through real directories only, never through a symlink.
 
     Example:
         >>> holder_config(plan)["keep"]  # doctest: +SKIP
@@ -118,6 +122,7 @@ def holder_config(plan: AttemptPlan, release: str | None = None) -> dict[str, ob
         "cgroups": cgroups,
         "keep": sorted(keep, key=len),  # a parent first: its bind mount holds the child's path
         "hidepid": hidepid_supported(release),
+        "tmp_bytes": plan.tmp_bytes,
     }
 
 

@@ -4,19 +4,21 @@ Control plane helper, started by the local runtime (as root) as
 ``python -I -S nsholder.py`` with a JSON object on its stdin:
 
 ``cgroups`` (directories whose ``cgroup.procs`` it joins first, so the attempt's cgroup
-holds it and it dies with the attempt), ``keep`` (directories under ``/tmp`` or
-``/dev/shm`` the job needs, such as its working directory: they stay visible at the same
+holds it and it dies with the attempt), ``keep`` (directories under ``/tmp``, ``/var/tmp``
+or ``/dev/shm`` the job needs, such as its working directory: they stay visible at the same
 path; each is opened component by component with ``O_NOFOLLOW``, so a symlink planted on
-the way is never followed as root, and one that cannot be opened so is left out) and
-``hidepid`` (whether to mount ``/proc`` with ``hidepid=invisible``).
+the way is never followed as root, and one that cannot be opened so is left out),
+``hidepid`` (whether to mount ``/proc`` with ``hidepid=invisible``) and ``tmp_bytes`` (the
+size of each tmpfs; null: the kernel's default).
 
 It then unshares a network namespace (only a loopback, brought up here) and a mount
-namespace with private propagation, mounts a fresh tmpfs on ``/tmp`` and ``/dev/shm``
-(bind-mounting the ``keep`` directories back at their paths) and, with ``hidepid``, a
-``/proc`` of its own where an account sees only its own processes. It writes ``ready`` (or
-``error: ...``) on stdout and sleeps until it is killed. Each rank's shim enters both
-namespaces (``setns``) before it drops privileges; when the holder and the last rank are
-gone, the namespaces and their tmpfs vanish with them.
+namespace with private propagation, mounts a fresh tmpfs on ``/tmp``, ``/var/tmp`` and
+``/dev/shm`` (bind-mounting the ``keep`` directories back at their paths) and, with
+``hidepid``, a ``/proc`` of its own where an account sees only its own processes. It writes
+``ready`` (or ``error: ...``) on stdout and sleeps until it is killed, which the service
+does once every rank's shim holds descriptors of both namespaces (each shim enters them,
+``setns``, before it drops privileges); when the last rank is gone, the namespaces and their
+tmpfs vanish with it.
 
 Standard library and ctypes only, like the shim.
 """
@@ -34,7 +36,7 @@ CLONE_NEWNS = 0x00020000
 CLONE_NEWNET = 0x40000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
-PRIVATE_DIRS = ("/tmp", "/dev/shm")
+PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -94,13 +96,14 @@ def _open_real(path: str) -> "int | None":
     return fd
 
 
-def _private_mounts(keep: "list[str]") -> None:
-    """Fresh tmpfs on /tmp and /dev/shm; the ``keep`` directories bound back in place."""
+def _private_mounts(keep: "list[str]", size: "int | None") -> None:
+    """Fresh tmpfs on the private dirs (of ``size`` bytes each); ``keep`` bound back in place."""
     opened = [(p, _open_real(p)) for p in keep if _under_private(p)]
     held = [(p, fd) for p, fd in opened if fd is not None]
+    options = "mode=1777" + (f",size={int(size)}" if size else "")
     for d in PRIVATE_DIRS:
         if os.path.isdir(d):
-            _mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
+            _mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, options)
     kept = [path for path, _ in held]
     for path, fd in held:
         if not _bound_under(path, kept):
@@ -109,7 +112,7 @@ def _private_mounts(keep: "list[str]") -> None:
         os.close(fd)
 
 
-def setup(config: "dict[str, list[str] | bool]") -> None:
+def setup(config: "dict[str, list[str] | bool | int | None]") -> None:
     """Join the cgroups, unshare, and build the private network and mounts."""
     pid = str(os.getpid())
     cgroups, keep = config.get("cgroups"), config.get("keep")
@@ -119,7 +122,11 @@ def setup(config: "dict[str, list[str] | bool]") -> None:
     _check(_libc.unshare(CLONE_NEWNET | CLONE_NEWNS), "unshare")
     _mount("none", "/", None, MS_REC | MS_PRIVATE)  # nothing mounted here leaks out
     _loopback_up()
-    _private_mounts([str(p) for p in keep] if isinstance(keep, list) else [])
+    size = config.get("tmp_bytes")
+    _private_mounts(
+        [str(p) for p in keep] if isinstance(keep, list) else [],
+        size if isinstance(size, int) and not isinstance(size, bool) else None,
+    )
     if config.get("hidepid"):
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=invisible")
 

@@ -22,7 +22,7 @@ import os
 import stat
 import sys
 
-PRIVATE_DIRS = ("/tmp", "/dev/shm")
+PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 ENV_DIRS = ("VIRTUAL_ENV", "CONDA_PREFIX")
 
 
