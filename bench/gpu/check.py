@@ -17,7 +17,7 @@ Steps (in this order; each a program that ends with one JSON line ``{"step": ...
 
 Without a GPU (``nvidia-smi`` finds none, or torch sees none), and with ``--dry-run``, every
 step is listed and skipped with the reason "no GPU" (its program must exist and compile, else
-the step fails). ``--rehearse`` runs the steps that can on CPU instead (2, 3 and 4, with
+the step fails). ``--rehearse`` runs the steps that can on CPU instead (2, 3, 4 and 6, with
 ``--cpu``: gloo, a CPU model), so that they are known to work before a GPU comes. The report
 (Markdown) has a table of the steps (status, seconds, what each found) and the tail of each
 step's output; the last line printed is the benchmark JSON line. Exit status 1 when a step
@@ -99,7 +99,8 @@ def _park(ctx: Context) -> tuple[list[str] | None, str]:
     script = ctx.root / "bench" / "gpu" / "park_cuda.py"
     if not script.is_file():
         return None, "parking not built (bench/gpu/park_cuda.py does not exist yet)"
-    return [ctx.python, str(script)], ""
+    cpu = ["--cpu", "--mb", "32", "--pairs", "1"] if ctx.rehearse else []
+    return [ctx.python, str(script), *cpu], ""
 
 
 def _image(ctx: Context) -> tuple[list[str] | None, str]:
@@ -117,7 +118,7 @@ STEPS = [
     Step("optimizer_overhead", "DistributedOptimizer at 1 rank vs plain single-GPU training",
          _script("optimizer_overhead.py"), 90, True),
     Step("preflight_nccl", "the preflight's NCCL row", _script("preflight_nccl.py"), 60),
-    Step("park_cuda", "park/resume of CUDA tensors", _park, 90),
+    Step("park_cuda", "park/resume of CUDA tensors", _park, 120, True),
     Step("gpu_image", "hora image build --gpu, torch.cuda.is_available() inside", _image, 420),
 ]
 

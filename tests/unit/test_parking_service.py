@@ -220,7 +220,7 @@ def test_a_withdrawn_resume_is_parked_again_with_its_snapshot(
     sessions.parks.withdraw(queued)
     back = mgr.get(sid)
     assert back is not None and back.state == JobState.parked and back.park is not None
-    assert Path(back.park.directory).exists()
+    assert back.park.phase == "parked" and Path(back.park.directory).exists()
 
 
 def test_the_idle_timeout_asks_the_kernel_to_park_and_a_failed_park_stops_it(

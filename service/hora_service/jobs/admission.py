@@ -190,7 +190,8 @@ class Admission(ManagerCore):
             attempt = self._attempts.get(session_id)
             if session_id in self._pending:
                 del self._pending[session_id]
-                self._set_state(session_id, JobState.parked, now, reason, park=park)
+                parked = park.model_copy(update={"phase": "parked"})  # no engines to stop
+                self._set_state(session_id, JobState.parked, now, reason, park=parked)
             elif attempt is not None and attempt.kind == "session" and attempt.stop_state is None:
                 self._write(Write(session_id, None, now, None, {"park": park}))
                 attempt.stop(JobState.parked, reason, now, self.settings.kill_grace_s, False)
