@@ -34,19 +34,22 @@ def counted(kernel: Any) -> None:
     reply is sent) moves the request's count into the reply's content.
     """
     counts: dict[str, int] = {}
+    lock = threading.Lock()  # streams are sent from the IOPub thread, displays from the cell's
     session, send, finish = kernel.session, kernel.session.send, kernel.finish_metadata
 
     def send_counted(stream: Any, msg_or_type: Any, *args: Any, **kwargs: Any) -> Any:
         parent = _parent_id(msg_or_type, args, kwargs)
         if parent is not None:
-            counts[parent] = counts.get(parent, 0) + 1
-            if len(counts) > _KEPT:  # requests that never finished here (threads' late output)
-                counts.pop(next(iter(counts)))
+            with lock:
+                counts[parent] = counts.get(parent, 0) + 1
+                if len(counts) > _KEPT:  # requests that never finished here (late output)
+                    counts.pop(next(iter(counts)))
         return send(stream, msg_or_type, *args, **kwargs)
 
     def finish_counted(parent: Any, metadata: Any, reply_content: Any) -> Any:
         md = finish(parent, metadata, reply_content)
-        reply_content[KEY] = counts.pop(parent.get("header", {}).get("msg_id", ""), 0)
+        with lock:
+            reply_content[KEY] = counts.pop(parent.get("header", {}).get("msg_id", ""), 0)
         return md
 
     session.send = send_counted

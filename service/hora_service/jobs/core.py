@@ -85,6 +85,8 @@ class ManagerCore:
         self._pages: dict[tuple[object, ...], tuple[int, list[int], int]] = {}
         self.journal = Journal()  # state changes the store has not taken yet
         self._quota_memo: dict[str, int] = {}
+        # during a monitor pass: (its thread, the quotas read in it, once read)
+        self._pass_quotas: tuple[int, dict[str, int] | None] | None = None
         # called with the time at the end of every monitor pass (sessions' leases, idle culling)
         self.hooks: list[Callable[[float], None]] = []
         self.waits = ReasonBoard()  # reasons runtimes post for jobs they hold back
@@ -207,8 +209,13 @@ class ManagerCore:
     def _quotas(self) -> dict[str, int]:
         """User -> their own GPU quota, for the users that have one (one query a pass).
 
-        While the store cannot be read, the last answer stands.
+        While the store cannot be read, the last answer stands. Within one monitor pass the
+        users are read once (on the pass's own thread; a request reads them afresh).
         """
+        memo = self._pass_quotas
+        in_pass = memo is not None and memo[0] == threading.get_ident()
+        if memo is not None and in_pass and memo[1] is not None:
+            return memo[1]
         try:
             users = self.open_store().users()
         except Exception as e:
@@ -216,6 +223,8 @@ class ManagerCore:
                 raise
             return self._quota_memo
         self._quota_memo = {u.name: u.gpu_quota for u in users if u.gpu_quota is not None}
+        if in_pass:
+            self._pass_quotas = (threading.get_ident(), self._quota_memo)
         return self._quota_memo
 
     def _runtime(self, name: RuntimeName) -> Runtime:

@@ -49,6 +49,8 @@ class ElasticSlots(ManagerCore):
         """
         runs = [a for a in self._attempts.values()
                 if a.elastic is not None and a.stop_state is None]  # fmt: skip
+        if not runs:
+            return  # nothing to shrink: no need to look at the queue
         coming = free + sum(
             len(a.plan.slots) - a.elastic.target
             for a in runs if a.elastic is not None and a.elastic.target is not None

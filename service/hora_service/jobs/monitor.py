@@ -113,26 +113,36 @@ class Monitor(Recovery):
         return max(0.0, min(wait, 5.0))
 
     def tick(self, now: float | None = None) -> None:
-        """One pass of the monitor loop: poll ranks, stop, finish, retry, schedule."""
+        """One pass of the monitor loop: poll ranks, stop, finish, retry, schedule.
+
+        The users' quotas are read at most once a pass (the scheduling pass, the shrink and
+        preemption checks all ask), not once per question.
+        """
         with self._lock:
-            now = time.time() if now is None else now
-            if len(self.journal):
-                self._flush(RETRY_WRITE_S)
-            for attempt in list(self._attempts.values()):
-                self._poll(attempt, now)
-            # nothing new starts until the store has taken what already happened
-            due = any(t is not None and t <= now for _, t in self._pending.values())
-            if (self._dirty or due) and not len(self.journal):
-                self._dirty = False
-                self._schedule(now)
-            for hook in self.hooks:
-                hook(now)
-            # the machine-wide leases follow the slots the attempts hold now
-            owners = {s: (a.job_id, a.plan.attempt) for a in self._attempts.values()
-                      for s in a.plan.slots}  # fmt: skip
-            self.leases.sync(owners)
-            if self._dropped:
-                self._remove_dropped()
+            self._pass_quotas = (threading.get_ident(), None)
+            try:
+                self._tick(time.time() if now is None else now)
+            finally:
+                self._pass_quotas = None
+
+    def _tick(self, now: float) -> None:
+        if len(self.journal):
+            self._flush(RETRY_WRITE_S)
+        for attempt in list(self._attempts.values()):
+            self._poll(attempt, now)
+        # nothing new starts until the store has taken what already happened
+        due = any(t is not None and t <= now for _, t in self._pending.values())
+        if (self._dirty or due) and not len(self.journal):
+            self._dirty = False
+            self._schedule(now)
+        for hook in self.hooks:
+            hook(now)
+        # the machine-wide leases follow the slots the attempts hold now
+        owners = {s: (a.job_id, a.plan.attempt) for a in self._attempts.values()
+                  for s in a.plan.slots}  # fmt: skip
+        self.leases.sync(owners)
+        if self._dropped:
+            self._remove_dropped()
 
     def _poll(self, attempt: Attempt, now: float) -> None:
         grace = self.settings.kill_grace_s
