@@ -38,6 +38,7 @@ ADMIN = "admin"
 # of every 100 finished jobs copied: 85 succeeded, 10 failed, 3 cancelled running, 2 queued
 MIX = (("succeeded", 85), ("failed", 10), ("cancelled_running", 3), ("cancelled_queued", 2))
 STEP_S = 7.0  # the copied history: one job every STEP_S seconds, ending an hour ago
+LEASE_S = 300.0  # the sessions' lease: longer than setting 100 of them up takes under load
 
 SERVE = """
 import time, uvicorn
@@ -118,6 +119,7 @@ class ScaleServer:
                 "HORA_KILL_GRACE_S": "2",
                 "HORA_LEASE_DIR": str(self.data_dir / "leases"),
                 "HORA_SESSION_PYTHON": str(engine),
+                "HORA_SESSION_LEASE_S": str(LEASE_S),
                 "OMP_NUM_THREADS": "1",
             }
         )

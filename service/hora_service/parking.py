@@ -458,11 +458,13 @@ class ParkManager:
     def _preempt(self, now: float) -> None:
         """Ask idle lower-priority sessions to park for the first request that cannot start."""
         limit = self.settings.session_preempt_idle_s
-        head = self.manager.blocked_head(now) if limit is not None else None
+        holders = self.manager.session_holders() if limit is not None else []
+        if not holders:  # no session to park: the queue need not be looked at
+            return
+        head = self.manager.blocked_head(now)
         if head is None or limit is None:
             return
         want, free = head
-        holders = self.manager.session_holders()
         with self._lock:
             asked = set(self._asks)
         short = want.need - free - sum(n for i, _, _, n in holders if i in asked)

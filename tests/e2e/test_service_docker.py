@@ -322,3 +322,34 @@ def test_a_docker_jobs_ports_are_its_own(docker_engine: Engine, tmp_path: Path, 
         assert wait_state(c, job_id, ("succeeded", "failed"))["state"] == "succeeded"
         assert "connections 0" in log_of(c, job_id)
         wait_no_container(docker_engine, job_id)
+
+
+FILL = (
+    "import errno, os\n"
+    "for d in ('/tmp', '/var/tmp'):\n"
+    "    open(os.path.join(d, 'small'), 'wb').write(b'x' * (2 << 20))\n"
+    "    try:\n"
+    "        with open(os.path.join(d, 'big'), 'wb') as f:\n"
+    "            for _ in range(16):\n"
+    "                f.write(b'x' * (1 << 20)); f.flush()\n"
+    "        print('LEAK unlimited', d, flush=True)\n"
+    "    except OSError as e:\n"
+    "        print('full', d, errno.errorcode.get(e.errno), flush=True)\n"
+)
+
+
+def test_job_disk_limit_bounds_a_containers_tmp(
+    docker_engine: Engine, tmp_path: Path, work: Path
+) -> None:
+    """No disk limit per job (the red team): with job_disk_limit the container's /tmp (its
+    HOME) and /var/tmp are tmpfs of that size; 2 MiB fit, 16 more are ENOSPC."""
+    with server(tmp_path, docker_engine, HORA_JOB_DISK_LIMIT="8m") as srv, srv.client("ann") as c:
+        job_id = submit(c, ["python", "-c", FILL])
+        state = wait_state(c, job_id, ("succeeded", "failed"))["state"]
+        got = log_of(c, job_id)
+    assert state == "succeeded", got
+    assert [x for x in got.splitlines() if x.startswith(("full", "LEAK"))] == [
+        "full /tmp ENOSPC",
+        "full /var/tmp ENOSPC",
+    ], got
+    wait_no_container(docker_engine, job_id)

@@ -145,3 +145,17 @@ def test_a_session_body_the_schema_refuses_is_a_422_naming_the_field(
         assert fields <= {"image", "runtime"}, r.text  # the service names the field
         if not valid:
             assert "image" in fields, r.text
+
+
+def test_a_literal_path_beside_a_session_id_is_a_405_for_other_methods(
+    fuzz_server: ServiceServer,
+) -> None:
+    """schemathesis: ``GET /v1/sessions/park?user=`` was a 422 (read as the session "park"
+    with an unknown parameter) where the schema says the path has only ``POST``."""
+    with fuzz_server.client("fuzz") as c:
+        for method in ("GET", "DELETE", "PUT", "PATCH"):
+            for params in ({}, {"user": ""}):
+                r = c.request(method, "/v1/sessions/park", params=params)
+                assert (r.status_code, r.headers.get("allow")) == (405, "POST"), (method, r.text)
+        assert c.post("/v1/sessions/park").status_code == 200  # the route itself still answers
+        assert c.get("/v1/sessions/999999").status_code == 404  # ids are read as before

@@ -40,8 +40,11 @@ def _silent(sock: socket.socket) -> bytes:
     """What the server says before it closes the connection (b"" when it says nothing)."""
     sock.settimeout(5)
     data = b""
-    while chunk := sock.recv(4096):
-        data += chunk
+    try:
+        while chunk := sock.recv(4096):
+            data += chunk
+    except ConnectionResetError:  # closed before it was accepted (a listener's backlog): RST
+        pass
     return data
 
 

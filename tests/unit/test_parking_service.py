@@ -262,6 +262,23 @@ def test_a_higher_priority_waiting_job_asks_an_idle_lower_session_to_park(
     assert sessions.view(mgr.get(idle)).park_requested is None  # type: ignore[arg-type]
 
 
+def test_without_a_running_session_the_queue_is_not_looked_at_for_preemption(
+    tmp_path: Path, rt: ScriptedRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # every submission wakes a monitor pass; with no session to park, the pass must not sort
+    # the whole queue to find a head nobody could make room for
+    mgr = manager(tmp_path, rt, session_preempt_idle_s=60)
+    SessionManager(mgr, mgr.settings)
+    looked: list[float | None] = []
+    real = mgr.blocked_head
+    monkeypatch.setattr(mgr, "blocked_head", lambda now=None: looked.append(now) or real(now))
+    jobs = [mgr.submit("ann", job_spec(workers=2)) for _ in range(3)]
+    mgr.tick()
+    states = [got.state for j in jobs if (got := mgr.get(j.id)) is not None]
+    assert states[0] == JobState.running and JobState.queued in states
+    assert looked == []
+
+
 def test_a_parks_parts_are_flushed_without_following_a_link(tmp_path: Path) -> None:
     where = parkdirs.make(tmp_path, 4, "0123456789abcdef", None)
     (where / "rank0.pt").write_bytes(b"x")

@@ -24,7 +24,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from hora.errors import HoraError, SpecError
 from sqlalchemy.exc import DBAPIError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Match
+from starlette.routing import Match, Route
 
 from hora_service import ui
 from hora_service.api import jobs, logs, parking, queue, sessions, system
@@ -41,6 +41,7 @@ from hora_service.settings import Settings
 from hora_service.store import StoreUnavailable, is_unavailable
 
 log = logging.getLogger(__name__)
+_REFUSAL = "method_not_allowed"  # the routes of _post_only (their methods are not allowed)
 
 
 def create_app(settings: Settings | None = None, manager: JobManager | None = None) -> FastAPI:
@@ -101,6 +102,7 @@ def create_app(settings: Settings | None = None, manager: JobManager | None = No
     app.include_router(jobs.router)
     app.include_router(logs.router)
     app.include_router(parking.router)
+    _post_only(app, "/v1/sessions/park")  # before /v1/sessions/{job_id} takes "park" for an id
     app.include_router(sessions.router)
     app.include_router(sessions.address_router)
     app.include_router(system.router)
@@ -176,9 +178,27 @@ def allowed_methods(app: FastAPI, scope: dict[str, Any]) -> list[str]:
     methods: set[str] = set()
     for route in app.router.routes:
         match, _ = route.matches(scope)
-        if match != Match.NONE:
+        if match != Match.NONE and getattr(route, "name", "") != _REFUSAL:
             methods |= set(getattr(route, "methods", None) or ())
     return sorted(methods)
+
+
+def _post_only(app: FastAPI, path: str) -> None:
+    """Any other method on ``path`` is a 405 naming ``POST``.
+
+    A literal path beside a parameter one (``/v1/sessions/park`` beside
+    ``/v1/sessions/{job_id}``) would otherwise answer ``GET`` as a read of the session named
+    "park": a 422 for its id or an unknown query parameter, where the schema says the path
+    has no ``GET`` (schemathesis found it).
+    """
+
+    async def refuse(request: Request) -> Response:
+        return JSONResponse({"detail": "Method Not Allowed"}, 405, headers={"Allow": "POST"})
+
+    others = ["GET", "PUT", "PATCH", "DELETE", "OPTIONS"]
+    app.router.routes.append(
+        Route(path, refuse, methods=others, name=_REFUSAL, include_in_schema=False)
+    )
 
 
 def _add_handlers(app: FastAPI) -> None:
