@@ -21,7 +21,8 @@ module changes ``os.environ`` for the whole session, so every subprocess the tes
 * Every test gets a lease directory of its own (``HORA_LEASE_DIR``, a fresh sticky,
   world-writable directory, as the machine's default is): the services and kernel-local
   engines one test starts share it, and no two tests (nor other checkouts' tests on the same
-  machine) ever see each other's leases of ``cpu0``, ``gpu0``, ...
+  machine) ever see each other's leases of ``cpu0``, ``gpu0``, ...; a fixture of a wider scope
+  (a module's server, started before any test's own) gets the suite's own directory.
 * Kept as they are: ``PATH``, ``VIRTUAL_ENV``, ``DOCKER_HOST`` and every other variable. Caches
   that only save time point back at the real HOME's, since the private HOME starts empty:
   ``HORA_IMAGE_CACHE`` (the debootstrap base and wheels of ``hora image build``, which the
@@ -97,6 +98,13 @@ atexit.register(shutil.rmtree, _PRIVATE_ROOT, ignore_errors=True)
 _LEASES_ROOT = Path(tempfile.mkdtemp(prefix="hora-test-leases-"))
 _LEASES_ROOT.chmod(0o755)
 atexit.register(shutil.rmtree, _LEASES_ROOT, ignore_errors=True)
+# what a module- or session-scoped fixture (started before any test's own directory is set)
+# gets: the suite's own directory, never the machine's /run/lock/hora-leases, which other
+# checkouts' services and kernels on this machine use
+_SUITE_LEASES = _LEASES_ROOT / "suite"
+_SUITE_LEASES.mkdir()
+_SUITE_LEASES.chmod(0o1777)
+os.environ["HORA_LEASE_DIR"] = str(_SUITE_LEASES)
 
 
 @pytest.fixture(autouse=True)
