@@ -290,6 +290,17 @@ class HoraMagics(Magics):
         """
         self._stop_engines()
 
+    def _handed_off(self) -> None:
+        """The service stopped the session for a handoff: end only the kernel's side of it.
+
+        The session's record stays readable (stopped, naming the job that took its slots):
+        the kernel lets go of it instead of deleting it.
+        """
+        forget = getattr(self.cluster.launcher, "forget", None) if self.cluster else None
+        if forget is not None:
+            forget()
+        self._stop_engines()
+
     def _stop_engines(self) -> None:
         if self.cluster is not None:
             if self.cluster.starts != self._history_of:
@@ -498,7 +509,7 @@ class HoraMagics(Magics):
             self.history = []
         return submit_history(
             self.history, name=args.name, workers=workers, gpus=args.gpus, session=session,
-            wait=args.wait, stop_engines=self._stop_engines, export=args.export,
+            wait=args.wait, stop_engines=self._handed_off, export=args.export,
         )  # fmt: skip
 
     def _session_id(self) -> int:
