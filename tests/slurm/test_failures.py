@@ -203,11 +203,14 @@ def test_slurmctld_down_is_a_clear_error(slurm: Cluster, tmp_path: Path) -> None
     env = slurm_env(slurm, SLURM_CONF=str(down), HORA_SLURM_CONF=str(down))
     with ServiceServer(tmp_path, env=env) as srv:
         with srv.client("ann") as c:
-            job_id = submit(c, [PY, "-c", "pass"], workers=2)
-            job = wait_state(c, job_id, ("failed", "succeeded"), timeout=60)
-    assert job["state"] == "failed", job
-    assert "sbatch refused the job" in job["reason"], job
-    assert "Unable to contact slurm controller" in job["reason"], job
+            body = {"command": [PY, "-c", "pass"], "runtime": "slurm", "workers": 2}
+            r = c.post("/v1/jobs", json=body)
+    # refused at submission, naming the field and the setting, with Slurm's own words
+    assert r.status_code == 422, r.text
+    (err,) = r.json()["detail"]
+    assert err["loc"] == ["body", "runtime"], err
+    assert "Unable to contact slurm controller" in err["msg"], err
+    assert "HORA_SLURM_CONF" in err["msg"], err
 
 
 def test_a_controller_that_stops_answering_ends_no_job(
