@@ -196,12 +196,14 @@ def test_interrupt_restarts_engines_that_ignore_it(kernel):
         "print('started', flush=True)\ntime.sleep(120)"
     )
     msg_id = kernel.send(code)
-    sent = []
+    sent, seen = [], set()
 
     def on_msg(msg: dict) -> None:
-        # interrupt only once rank 1 has ignored SIGINT (it prints after doing so)
-        if msg["msg_type"] == "stream" and "[rank 1] started" in msg["content"]["text"]:
-            if not sent:
+        # interrupt only once both ranks run the cell (an interrupt that reaches rank 0 before
+        # its cell began is not the cell's) and rank 1 has ignored SIGINT (it prints after)
+        if msg["msg_type"] == "stream":
+            seen.update(r for r in (0, 1) if f"[rank {r}] started" in msg["content"]["text"])
+            if seen == {0, 1} and not sent:
                 sent.append(True)
                 kernel.km.interrupt_kernel()
 
