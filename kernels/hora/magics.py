@@ -17,7 +17,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from hora import magics_park
+from hora import magics_park, magics_submit
 from hora.export import DEFAULT_EXPORT
 from hora.magics_display import (
     DisplaySink,
@@ -291,14 +291,8 @@ class HoraMagics(Magics):
         self._stop_engines()
 
     def _handed_off(self) -> None:
-        """The service stopped the session for a handoff: end only the kernel's side of it.
-
-        The session's record stays readable (stopped, naming the job that took its slots):
-        the kernel lets go of it instead of deleting it.
-        """
-        forget = getattr(self.cluster.launcher, "forget", None) if self.cluster else None
-        if forget is not None:
-            forget()
+        """The service stopped the session for a handoff: the kernel lets go of its side."""
+        magics_submit.let_go(self.cluster)
         self._stop_engines()
 
     def _stop_engines(self) -> None:
@@ -504,22 +498,14 @@ class HoraMagics(Magics):
         workers = args.workers or (self.cluster.size if self._is_up() else self._last_size)
         if workers is None:
             raise UsageError("%dist_submit: no engines are running; pass --workers N")
-        session = self._session_id() if args.handoff else None
+        up = self.cluster if self._is_up() else None
+        session = magics_submit.handoff_session(up) if args.handoff else None
         if self.cluster is not None and self.cluster.starts != self._history_of:
             self.history = []
         return submit_history(
             self.history, name=args.name, workers=workers, gpus=args.gpus, session=session,
             wait=args.wait, stop_engines=self._handed_off, export=args.export,
         )  # fmt: skip
-
-    def _session_id(self) -> int:
-        session = getattr(self.cluster, "session", None) if self._is_up() else None
-        if session is None:
-            raise UsageError(
-                "%dist_submit --handoff: no session of the hora service is running here "
-                "(kernel-local engines hold no slots of the service)"
-            )
-        return int(session.id)
 
     def stop(self) -> None:
         """Stop this kernel's engines (unload or shutdown); a parked session stays parked."""

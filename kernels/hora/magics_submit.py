@@ -29,6 +29,27 @@ class JobEndedError(HoraError):
         return [f"{type(self).__name__}: {self}"]
 
 
+def handoff_session(cluster: Any) -> int:
+    """The id of the service session ``%dist_submit --handoff`` gives to its job."""
+    session = getattr(cluster, "session", None)
+    if session is None:
+        raise UsageError(
+            "%dist_submit --handoff: no session of the hora service is running here "
+            "(kernel-local engines hold no slots of the service)"
+        )
+    return int(session.id)
+
+
+def let_go(cluster: Any) -> None:
+    """After a handoff the kernel forgets its session instead of deleting it.
+
+    The session's record stays readable (stopped, naming the job that took its slots).
+    """
+    forget = getattr(cluster.launcher, "forget", None) if cluster is not None else None
+    if forget is not None:
+        forget()
+
+
 def submit_history(
     history: Sequence[Any],
     *,
