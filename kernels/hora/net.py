@@ -2,25 +2,53 @@
 
 from __future__ import annotations
 
+import random
 import socket
 
 __all__ = ["free_port", "is_local_address", "route_source"]
 
 
+_LISTEN_PORTS_LOW = 20000  # hora's rendezvous ports come from [20000, the OS's ephemeral range)
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port that is free on ``host`` right now.
+    """Return a TCP port that is free on ``host`` right now, outside the ephemeral range.
+
+    The port is drawn at random below the OS's ephemeral range (from 20000 up to
+    ``ip_local_port_range``'s first port), so the outgoing connections of other processes
+    and the random ports of ipyparallel's controller (49152 and up) never take it between
+    this choice and the bind that follows seconds later. With no such range (a machine
+    configured otherwise) the OS picks one.
 
     Args:
         host: the address to probe.
 
     Returns:
-        A port number the OS just handed out (another process may take it later; the
+        A port number free right now (another process may still take it later; the
         rendezvous then fails with a clear error instead of hanging).
 
     Example:
         >>> 0 < free_port() < 65536
         True
     """
+    low = _ephemeral_low()
+    if low - _LISTEN_PORTS_LOW >= 1000:
+        for _ in range(64):
+            port = random.randrange(_LISTEN_PORTS_LOW, low)
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
