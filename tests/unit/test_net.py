@@ -1,0 +1,41 @@
+"""hora.net.free_port: rendezvous ports come from below the OS's ephemeral range."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from hora import net
+
+
+def test_a_free_port_lies_below_the_ephemeral_range_and_binds() -> None:
+    low = net._ephemeral_low()
+    if low - net._LISTEN_PORTS_LOW < 1000:
+        pytest.fail(f"this machine's ephemeral range starts at {low}: the test needs >= 21000")
+    ports = {net.free_port() for _ in range(20)}
+    assert all(net._LISTEN_PORTS_LOW <= p < low for p in ports), ports
+    assert len(ports) > 1, "the ports are drawn at random, not one fixed port"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))  # free: it binds
+
+
+def test_a_taken_port_is_never_returned(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        taken.listen()
+        draws = iter([port, port])
+        real = net.random.randrange
+        monkeypatch.setattr(net.random, "randrange", lambda a, b: next(draws, None) or real(a, b))
+        monkeypatch.setattr(net, "_ephemeral_low", lambda: 65535)
+        monkeypatch.setattr(net, "_LISTEN_PORTS_LOW", 1024)
+        got = net.free_port()
+        assert got != port
+
+
+def test_without_room_below_the_ephemeral_range_the_os_picks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(net, "_ephemeral_low", lambda: net._LISTEN_PORTS_LOW + 10)
+    port = net.free_port()
+    assert 0 < port < 65536
