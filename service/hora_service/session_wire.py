@@ -200,7 +200,11 @@ def check_controller(settings: Settings, host: str) -> None:
 
 
 class Heartbeat(BaseModel):
-    """What the kernel says with each heartbeat: how long its engines have been idle."""
+    """What the kernel says with each heartbeat: how long its engines have been idle.
+
+    ``idle_s`` is 0 while a cell runs; the service takes that word until the next heartbeat
+    (and still counts engines idle whose CPU time does not grow).
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

@@ -82,7 +82,9 @@ class Lease:
     ``active`` is when the kernel says its engines last ran something; ``busy`` when the
     service last saw them compute (their CPU time grew, see :meth:`SessionManager.check`).
     The idle time is counted from the earlier of the two, so a kernel that always says
-    "not idle" keeps nothing: only engines that compute do.
+    "not idle" keeps nothing: only engines that compute do. A kernel that said "a cell runs"
+    (``idle_s`` 0) is taken at its word until its next heartbeat: between heartbeats only the
+    service's eye can make a running cell idle.
     """
 
     lease_s: float
@@ -93,14 +95,15 @@ class Lease:
     busy: float = -1.0
     cpu: float | None = None  # the engines' CPU seconds at ``cpu_at``
     cpu_at: float = 0.0
+    running: bool = False  # the kernel's last word: a cell runs now
 
     def __post_init__(self) -> None:
         if self.busy < 0:
             self.busy = self.heard
 
-    def idle_since(self) -> float:
+    def idle_since(self, now: float) -> float:
         """When the engines were last active, by the kernel's word and the service's eye."""
-        return min(self.active, self.busy)
+        return min(now if self.running else self.active, self.busy)
 
 
 def effective_idle_timeout(
@@ -266,6 +269,7 @@ class SessionManager:
                 # keep its slots can always say 0: the idle timeout is a courtesy, the lease
                 # is what frees a dead kernel's slots)
                 lease.active = now - beat.idle_s
+                lease.running = beat.idle_s == 0
         return self.view(self.manager.get(job.id) or job)
 
     def delete(self, job: JobRecord) -> SessionInfo:
@@ -346,7 +350,7 @@ class SessionManager:
             lease = self._leases.get(job.id)
         idle = idle_left = warning = None
         if lease is not None and job.state == JobState.running:
-            idle = max(0.0, now - lease.idle_since())
+            idle = max(0.0, now - lease.idle_since(now))
             if lease.idle_timeout_s is not None:
                 idle_left = max(0.0, lease.idle_timeout_s - idle)
                 if idle_left <= self.settings.session_idle_warn_s:
@@ -373,7 +377,7 @@ class SessionManager:
         now = time.time() if now is None else now
         with self._lock:
             lease = self._leases.get(job_id)
-        return max(0.0, now - lease.idle_since()) if lease is not None else None
+        return max(0.0, now - lease.idle_since(now)) if lease is not None else None
 
     def idle_seen_by(self, viewer: User | None, now: float | None = None) -> IdleOf:
         """:meth:`idle_of` as ``viewer`` may see it: not other users' sessions (but an admin).
@@ -408,7 +412,7 @@ def _due(lease: Lease, now: float) -> tuple[str, bool] | None:
             f"the kernel stopped heartbeating (no word for {fmt_s(silent)}; "
             f"lease {fmt_s(lease.lease_s)}): session ended, slots freed"
         ), False
-    idle = now - lease.idle_since()
+    idle = now - lease.idle_since(now)
     if lease.idle_timeout_s is not None and idle > lease.idle_timeout_s:
         return f"idle for {fmt_s(idle)}", True
     return None

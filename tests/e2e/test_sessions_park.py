@@ -267,14 +267,20 @@ def test_a_higher_priority_job_parks_idle_sessions_but_never_interrupts_a_cell(
     start(bob)
     ann.run("%%distributed\nx = 41")
     done: dict[str, str] = {}
+    # bob's cell computes, so the service sees his engine busy by its CPU time (a cell that
+    # only sleeps looks idle to the service, whatever the kernel says: his session would be
+    # asked to park too, and be parked once the cell ended)
+    busy = "import time\nt0 = time.time()\nwhile time.time() - t0 < 15:\n    sum(range(1000))\n"
     cell = threading.Thread(target=lambda: done.update(
-        out=bob.run("%%distributed\nimport time\ntime.sleep(15)\ny = 'finished'\nprint(y)")))
+        out=bob.run(f"%%distributed\n{busy}y = 'finished'\nprint(y)")))
     cell.start()
     gate = tmp_path / "gate"
     script = tmp_path / "gate.py"
     script.write_text(GATE)
     body = {"command": [sys.executable, str(script), str(gate)], "workers": 2, "priority": "high"}
     with server.client("root") as root, server.client("ann") as a, server.client("bob") as b:
+        # the kernel tells the service of the cell at once; the CPU sample follows
+        wait_for("the service to see bob's cell", lambda: session_of(b)["idle_s"] < 1.0, 30)
         job = root.post("/v1/jobs", json=body).json()
         time.sleep(8)  # ann idles past 3 s, but parking her alone would not be enough
         assert session_of(b)["state"] == "running" and session_of(a)["state"] == "running"

@@ -262,6 +262,25 @@ def test_a_higher_priority_waiting_job_asks_an_idle_lower_session_to_park(
     assert sessions.view(mgr.get(idle)).park_requested is None  # type: ignore[arg-type]
 
 
+def test_a_running_cell_counts_as_active_until_the_next_heartbeat(
+    mgr: JobManager, sessions: SessionManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the kernel beats every lease/3 seconds: a cell it said runs must not turn idle in the
+    # gap (only the service's eye, the engines' CPU time, may say so)
+    sid = running(mgr, sessions)
+    used = iter(range(0, 10**6, 100))  # the engines compute: 100 CPU seconds per sample
+    monkeypatch.setattr(mgr, "cpu_seconds", lambda job_id: float(next(used)))
+    t0 = time.time()
+    sessions.heartbeat(mgr.get(sid), Heartbeat(idle_s=0))  # type: ignore[arg-type]
+    sessions.check(t0 + 5)
+    sessions.check(t0 + 10)  # the service's eye: busy at t0 + 10
+    idle = sessions.idle_of(sid, t0 + 20)
+    assert idle is not None and idle < 11, idle
+    sessions.heartbeat(mgr.get(sid), Heartbeat(idle_s=0.5))  # the cell ended: idle counts
+    idle = sessions.idle_of(sid, time.time() + 20)
+    assert idle is not None and idle >= 20, idle
+
+
 def test_without_a_running_session_the_queue_is_not_looked_at_for_preemption(
     tmp_path: Path, rt: ScriptedRuntime, monkeypatch: pytest.MonkeyPatch
 ) -> None:

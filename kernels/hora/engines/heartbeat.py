@@ -95,6 +95,7 @@ class SessionHeartbeat:
         self.notices: list[str] = []
         self._warned: str | None = None
         self._stop = threading.Event()
+        self._nudged = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hora-heartbeat", daemon=True)
 
     def start(self) -> None:
@@ -104,9 +105,14 @@ class SessionHeartbeat:
     def stop(self) -> None:
         """Stop beating (the lease then runs out unless the session is deleted)."""
         self._stop.set()
+        self._nudged.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         self.service.close()
+
+    def nudge(self) -> None:
+        """Beat now, not at the next period: a cell started (the service learns it at once)."""
+        self._nudged.set()
 
     def beat(self) -> SessionInfo:
         """Send one heartbeat; note a new warning, a park (asked for, or done) or the end."""
@@ -139,7 +145,11 @@ class SessionHeartbeat:
         return out
 
     def _run(self) -> None:
-        while not self._stop.wait(self.period):
+        while True:
+            self._nudged.wait(self.period)
+            self._nudged.clear()
+            if self._stop.is_set():
+                return
             try:
                 info = self.beat()
                 if info.ended or info.state == JobState.parked:

@@ -364,6 +364,8 @@ class SessionLauncher(KernelProcesses):
     def cell(self) -> Iterator[None]:
         """A running cell is activity: the engines are not idle meanwhile."""
         self.busy = True
+        if self.heartbeat is not None:
+            self.heartbeat.nudge()  # the service hears of the cell now, not a period later
         try:
             yield
         finally:
