@@ -8,8 +8,8 @@ Control plane; the job manager asks it at submission and at each launch.
   (``WORK_ROOT/<user>``, see :mod:`hora_service.homes`), or the work root.
   :meth:`Bounds.submit_note` says so when a ``submit_dir`` outside the work root was passed
   over.
-* :meth:`Bounds.preflight`: the job's account can enter the working directory and execute
-  the program (:mod:`hora_service.runtimes.preflight`): a 422 naming the field at submission,
+* :meth:`Bounds.start_check`: the job's account can enter the working directory and execute
+  the program (:mod:`hora_service.runtimes.startcheck`): a 422 naming the field at submission,
   and a job failed at once with the same reason at launch (the directory may have changed).
 * :meth:`Bounds.limits`: the attempt's memory, pids and CPU limits (the user's own, else the
   service's settings; see :mod:`hora_service.runtimes.limits`), and :meth:`Bounds.explain`,
@@ -27,7 +27,7 @@ from hora.errors import SpecError
 from hora.spec import JobSpec, RuntimeName
 
 from hora_service.identity import RunAs
-from hora_service.runtimes import namespaces, preflight
+from hora_service.runtimes import namespaces, startcheck
 from hora_service.runtimes.base import AttemptPlan, Runtime
 from hora_service.runtimes.limits import JobLimits, LimitError, Machine, note, resolve
 from hora_service.settings import Settings
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 
 class Bounds:
-    """Working directories, preflight checks and limits of jobs (see the module docstring).
+    """Working directories, start checks and limits of jobs (see the module docstring).
 
     Args:
         settings: the service's settings.
@@ -120,7 +120,7 @@ class Bounds:
             raise SpecError(field, f"{given!r} is not an existing directory")
         return path
 
-    def preflight(
+    def start_check(
         self,
         spec: JobSpec,
         workdir: Path,
@@ -153,20 +153,20 @@ class Bounds:
         # job_tmp_paths too only where the account reaches them: a bind mount never widens
         # what it can reach (a checkout in a mktemp -d directory stays out of its jobs)
         given = (*map(str, self.settings.job_tmp_paths), *namespaces.given_paths(env, program))
-        sight = preflight.Sight(
+        sight = startcheck.Sight(
             private_tmp=private,
             visible=(str(workdir), str(self.settings.work_root)),
             given=given if private else (),
         )
-        kept = preflight.check(
+        kept = startcheck.check(
             who, workdir, program, path,
             writable=self.uses_default(spec) and who is not None,
-            env={k: env[k] for k in preflight.ENV_DIRS if k in env} if local else None,
+            env={k: env[k] for k in startcheck.ENV_DIRS if k in env} if local else None,
             sight=sight,
         )  # fmt: skip
         if driver is not None and who is not None:
             try:
-                preflight.check(who, workdir, driver, path)
+                startcheck.check(who, workdir, driver, path)
             except SpecError as e:
                 raise SpecError(
                     "elastic", f"the elastic driver's Python (setting session_python): {e.message}"

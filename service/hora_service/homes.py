@@ -30,7 +30,7 @@ from hora.errors import HoraError, SpecError
 
 from hora_service import disks
 from hora_service.identity import ACCOUNT_PREFIX, RunAs
-from hora_service.runtimes import preflight
+from hora_service.runtimes import startcheck
 
 ACCOUNT_COMMENT = "hora job account"  # what useradd_argv writes in the account's GECOS field
 PRIVATE = 0o700
@@ -195,7 +195,7 @@ def check_work_root(root: Path, accounts: Sequence[RunAs]) -> None:
 
 def _can_enter(who: RunAs, root: Path) -> bool:
     try:
-        preflight.check(who, root, None, "")
+        startcheck.check(who, root, None, "")
     except SpecError:
         return False
     return True

@@ -23,7 +23,7 @@ from hora.export import DEFAULT_EXPORT, parse_export, with_export
 from hora.spec import JobSpec
 from hora_service.bounds import Bounds
 from hora_service.homes import closed_part
-from hora_service.runtimes import namespaces, nsholder, preflight
+from hora_service.runtimes import namespaces, nsholder, startcheck
 from hora_service.settings import Settings
 from hora_service.users import Users
 
@@ -148,8 +148,8 @@ def test_given_directories_under_tmp_keep_their_prefix() -> None:
     )  # fmt: skip  (never /tmp itself, though /tmp/bin's parent is /tmp)
 
 
-def _sight(given: tuple[str, ...], visible: tuple[str, ...] = ()) -> preflight.Sight:
-    return preflight.Sight(private_tmp=True, visible=visible, given=given)
+def _sight(given: tuple[str, ...], visible: tuple[str, ...] = ()) -> startcheck.Sight:
+    return startcheck.Sight(private_tmp=True, visible=visible, given=given)
 
 
 @pytest.fixture
@@ -166,7 +166,7 @@ def venv_in_tmp(tmp_path: Path) -> Path:
 def test_a_private_tmp_keeps_what_the_job_was_given_and_reaches(venv_in_tmp: Path) -> None:
     path = f"{venv_in_tmp}/bin:/usr/bin:/bin"
     given = namespaces.given_paths({"PATH": path}, None)
-    kept = preflight.check(None, Path("/"), "prog", path, sight=_sight(given))
+    kept = startcheck.check(None, Path("/"), "prog", path, sight=_sight(given))
     assert set(map(str, kept)) == {str(venv_in_tmp), str(venv_in_tmp / "bin")}
 
 
@@ -178,28 +178,28 @@ def test_through_a_symlink_the_program_is_hidden_and_the_check_says_so(
     path = f"{link}/bin:/usr/bin:/bin"
     sight = _sight(namespaces.given_paths({"PATH": path}, None))
     with pytest.raises(SpecError) as e:
-        preflight.check(None, Path("/"), "prog", path, sight=sight)
+        startcheck.check(None, Path("/"), "prog", path, sight=sight)
     assert e.value.field == "command" and str(link / "bin" / "prog") in e.value.message
     assert "hidden from the job" in e.value.message and "/tmp is its own" in e.value.message
     with pytest.raises(SpecError) as e:  # an absolute program: the same, naming it
-        preflight.check(None, Path("/"), str(link / "bin" / "prog"), "/usr/bin", sight=sight)
+        startcheck.check(None, Path("/"), str(link / "bin" / "prog"), "/usr/bin", sight=sight)
     assert "hidden from the job" in e.value.message, e.value.message
     # without a private /tmp (single-user mode, sessions) the same program is found
-    assert preflight.check(None, Path("/"), "prog", path) == ()
+    assert startcheck.check(None, Path("/"), "prog", path) == ()
 
 
 def test_a_virtual_env_the_job_cannot_use_is_refused_naming_it(venv_in_tmp: Path) -> None:
     missing = str(venv_in_tmp.parent / "nope")
     with pytest.raises(SpecError) as e:
-        preflight.check(None, Path("/"), "sh", "/bin", env={"VIRTUAL_ENV": missing})
+        startcheck.check(None, Path("/"), "sh", "/bin", env={"VIRTUAL_ENV": missing})
     assert e.value.field == "env.VIRTUAL_ENV" and missing in e.value.message
     assert "--export NONE" in e.value.message
     hidden = _sight(())
     with pytest.raises(SpecError) as e:
-        preflight.check(None, Path("/"), "sh", "/bin", env={"CONDA_PREFIX": str(venv_in_tmp)},
+        startcheck.check(None, Path("/"), "sh", "/bin", env={"CONDA_PREFIX": str(venv_in_tmp)},
                         sight=hidden)  # fmt: skip
     assert e.value.field == "env.CONDA_PREFIX" and "hidden from the job" in e.value.message
-    assert preflight.check(None, Path("/"), "sh", "/bin", env={"VIRTUAL_ENV": sys.prefix}) == ()
+    assert startcheck.check(None, Path("/"), "sh", "/bin", env={"VIRTUAL_ENV": sys.prefix}) == ()
 
 
 def test_the_holder_opens_kept_directories_only_through_real_ones(venv_in_tmp: Path) -> None:

@@ -119,7 +119,7 @@ class Admission(ManagerCore):
             raise SpecError("image", "an image is used only by the docker runtime")
         self._runtime(spec.runtime).check(spec)
         driver = self._driver_python(spec)
-        self.bounds.preflight(spec, self.workdir(spec, user), who, driver, kind)
+        self.bounds.start_check(spec, self.workdir(spec, user), who, driver, kind)
 
     def _driver_python(self, spec: JobSpec) -> str | None:
         """The Python an elastic job's driver runs with (None for other jobs)."""

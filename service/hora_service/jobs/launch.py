@@ -115,10 +115,10 @@ class Launch(ElasticSlots, Admission):
         """The launch's check as the job's account; what of ``/tmp`` its attempt keeps.
 
         Raises:
-            SpecError: see :meth:`hora_service.bounds.Bounds.preflight`.
+            SpecError: see :meth:`hora_service.bounds.Bounds.start_check`.
         """
         driver = self._driver_python(job.spec)
-        return self.bounds.preflight(job.spec, workdir, who, driver, job.kind)
+        return self.bounds.start_check(job.spec, workdir, who, driver, job.kind)
 
     def _running(self, attempt: Attempt) -> None:
         """Record ``attempt`` running from now: its time limit starts, its queue wait ends."""

@@ -67,7 +67,7 @@ class AttemptPlan:
         tmp_paths: more host directories under ``/tmp`` that stay visible there: of the
             setting ``job_tmp_paths`` and those the job was given (see
             :func:`hora_service.runtimes.namespaces.given_paths`), the ones its account
-            reaches (the preflight finds them).
+            reaches (the start check finds them).
         tmp_bytes: most bytes each of the attempt's private ``/tmp``, ``/var/tmp`` and
             ``/dev/shm`` holds (setting ``job_disk_limit``; None: the kernel's tmpfs default,
             half the machine's memory), where the runtime gives it its own.

@@ -74,8 +74,8 @@ def given_paths(env: Mapping[str, str], program: str | None) -> tuple[str, ...]:
     The absolute entries of its ``PATH`` and ``PYTHONPATH``, its ``VIRTUAL_ENV`` and
     ``CONDA_PREFIX``, and the directory of an absolute program; a ``bin`` directory with its
     parent (the prefix of a venv or conda environment, where its ``lib`` and
-    ``pyvenv.cfg`` are). Never ``/tmp`` or ``/dev/shm`` themselves. The preflight keeps those
-    the job's account reaches (:mod:`hora_service.runtimes.preflight`).
+    ``pyvenv.cfg`` are). Never ``/tmp`` or ``/dev/shm`` themselves. The start check keeps those
+    the job's account reaches (:mod:`hora_service.runtimes.startcheck`).
 
     Example:
         >>> given_paths({"PATH": "/tmp/v/bin:/usr/bin", "PYTHONPATH": "/tmp/src"}, None)

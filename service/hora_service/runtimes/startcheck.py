@@ -2,7 +2,7 @@
 
 Control plane. The service runs as root in multi-user mode, so its own view of a path (and
 ``os.access``, which asks with its real uid) says nothing of what a job's account may do.
-:func:`check` runs a short-lived child (:mod:`~hora_service.runtimes.preflight_child`, this
+:func:`check` runs a short-lived child (:mod:`~hora_service.runtimes.startcheck_child`, this
 interpreter with ``-I -S``, standard library only) that clears its supplementary groups and
 sets its gid and uid to the account's exactly as the rank shim does, then checks that it can
 enter the working directory and resolves the program on the job's ``PATH`` as ``execvp``
@@ -33,12 +33,12 @@ from pathlib import Path
 from hora.errors import SpecError
 
 from hora_service.identity import RunAs
-from hora_service.runtimes.preflight_child import ENV_DIRS, inspect
+from hora_service.runtimes.startcheck_child import ENV_DIRS, inspect
 
 __all__ = ["ENV_DIRS", "Sight", "check"]
 
 CHECK_TIMEOUT_S = 10.0
-CHILD = Path(__file__).with_name("preflight_child.py")
+CHILD = Path(__file__).with_name("startcheck_child.py")
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ def check(
 
 
 def _as_account(who: RunAs, args: dict[str, object], timeout_s: float) -> dict[str, object]:
-    """:func:`~hora_service.runtimes.preflight_child.inspect` in a child dropped to ``who``."""
+    """:func:`~hora_service.runtimes.startcheck_child.inspect` in a child dropped to ``who``."""
     args = {**args, "uid": who.uid, "gid": who.gid}
     what = f"cannot check {args['workdir']} as {args['who']}"
     try:

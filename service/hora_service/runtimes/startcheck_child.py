@@ -1,7 +1,7 @@
-"""What :mod:`hora_service.runtimes.preflight` checks, as whoever runs it (control plane helper).
+"""What :mod:`hora_service.runtimes.startcheck` checks, as whoever runs it (control plane helper).
 
 Standard library only: in multi-user mode the service runs this file by its path as
-``python -I -S preflight_child.py JSON`` (as root); it drops to the job's account (the
+``python -I -S startcheck_child.py JSON`` (as root); it drops to the job's account (the
 supplementary groups cleared, then the gid, then the uid, as the rank shim does) and prints
 what :func:`inspect` found. In the other modes the service calls :func:`inspect` itself (the
 job runs as the service's own account). Every path is checked absolute (nothing changes the
