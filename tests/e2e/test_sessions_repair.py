@@ -103,6 +103,9 @@ def test_engine_killed_between_cells_is_replaced_in_its_slot(
         said = events(c, sid)
         assert any("engine rank 1 was killed by SIGKILL; its slot is kept" in e for e in said)
         assert any(e.startswith("rank 1: new engine started (asked by the notebook") for e in said)
+        # the replacement is the session's event, never a line in the rank's log
+        log = c.get(f"/v1/jobs/{sid}/logs", params={"rank": 1})
+        assert log.status_code == 200 and "[hora]" not in log.text, log.text
         # a running engine is not replaced twice, and a rank that does not exist is named
         body = {"rank": 0, "master_port": 40000}
         r = c.post(f"/v1/sessions/{sid}/replace", json=body)

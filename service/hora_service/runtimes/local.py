@@ -286,7 +286,10 @@ class LocalRuntime(Runtime):
         tmp: Path | None,
         again: bool = False,
     ) -> ChildRank:
-        """Start the shim of ``rank``; ``again``: a replacement, whose log goes on the old one."""
+        """Start the shim of ``rank``; ``again``: a replacement, whose log goes on the old one.
+
+        The log holds only what the rank printed: the replacement is an event of the job's.
+        """
         gid = plan.run_as.gid if plan.run_as is not None else os.getegid()
         launch = launch_file(plan, rank, base_env).with_namespaces(namespaces.fds_of(holder))
         if tmp is not None and scratch.VAR not in plan.spec.env:
@@ -295,9 +298,6 @@ class LocalRuntime(Runtime):
         if not again:
             private_file(plan.paths.log(rank), gid, 0o640)
         with plan.paths.log(rank).open("ab") as log:
-            if again:
-                log.write(f"[hora] rank {rank} started again (a replacement)\n".encode())
-                log.flush()
             proc = subprocess.Popen(
                 rank_argv(plan, rank),
                 env={},
