@@ -44,6 +44,7 @@ from hora.engines.park import part_name
 from hora.env import RankEnv
 from hora.errors import HoraError, SpecError
 from hora.scaling import fmt_bytes
+from hora.session_wire import ParkAbort, ParkBegin, ResumeRequest, check_interface, host_of
 from hora.spec import (
     PRIORITY_RANK,
     JobSpec,
@@ -60,15 +61,7 @@ from hora_service import parkdirs
 from hora_service.manager import JobManager
 from hora_service.models import JobRecord
 from hora_service.quotas import OverLimit
-from hora_service.session_wire import (
-    CONNECTION_VAR,
-    ParkAbort,
-    ParkBegin,
-    ResumeRequest,
-    check_controller,
-    check_interface,
-    host_of,
-)
+from hora_service.session_spec import CONNECTION_VAR, check_controller
 from hora_service.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -38,6 +38,15 @@ from typing import TYPE_CHECKING
 
 from hora.errors import HoraError, SpecError
 from hora.net import is_local_address
+from hora.session_wire import (
+    EngineConnection,
+    EngineReplacement,
+    Heartbeat,
+    SessionAddress,
+    SessionRequest,
+    check_interface,
+    host_of,
+)
 from hora.spec import JobState, RuntimeName, SessionInfo
 from sqlalchemy import Connection
 
@@ -45,17 +54,10 @@ from hora_service.manager import JobManager
 from hora_service.models import JobRecord, User
 from hora_service.parking import ParkManager
 from hora_service.queueview import IdleOf, job_queue
-from hora_service.session_wire import (
+from hora_service.session_spec import (
     CONNECTION_VAR,
-    EngineConnection,
-    EngineReplacement,
-    Heartbeat,
-    SessionAddress,
     SessionRecord,
-    SessionRequest,
     check_controller,
-    check_interface,
-    host_of,
     session_spec,
 )
 from hora_service.settings import Settings

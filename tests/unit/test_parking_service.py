@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 from hora.errors import SpecError
+from hora.session_wire import ParkAbort, ParkBegin, ResumeRequest
 from hora.spec import JobState, ParkCommit, ParkedRank
 from hora_service import parkdirs
 from hora_service.manager import JobManager
 from hora_service.parking import ParkConflict
 from hora_service.quotas import OverLimit
-from hora_service.session_wire import ParkAbort, ParkBegin, ResumeRequest
 from hora_service.sessions import Heartbeat, SessionManager
 from hora_service.settings import Settings
 from test_service_core import ScriptedRuntime

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from datetime import datetime
 
 from hora.client import Client
+from hora.session_wire import Heartbeat, body, wire
 from hora.spec import JobState, SessionInfo
 
 log = logging.getLogger("hora.engines")
@@ -117,9 +118,8 @@ class SessionHeartbeat:
     def beat(self) -> SessionInfo:
         """Send one heartbeat; note a new warning, a park (asked for, or done) or the end."""
         path = f"/v1/sessions/{self.session_id}/heartbeat"
-        info = SessionInfo.model_validate(
-            self.service.request("POST", path, json={"idle_s": self.idle()}).json()
-        )
+        said = wire(body(Heartbeat, idle_s=self.idle()))
+        info = SessionInfo.model_validate(self.service.request("POST", path, json=said).json())
         if info.state == JobState.parked:
             self.parked = info
         elif info.park_requested and info.state == JobState.running and self.on_park:

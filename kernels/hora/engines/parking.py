@@ -31,6 +31,7 @@ from hora.engines.errors import EngineError
 from hora.engines.state import ClusterState
 from hora.errors import HoraError
 from hora.scaling import fmt_bytes
+from hora.session_wire import ABORT_WHY_MAX, ParkAbort, ParkBegin, body, wire
 from hora.spec import JobState, ParkCommit, ParkedRank, ParkInfo, ParkTicket, SessionInfo
 
 if TYPE_CHECKING:
@@ -199,9 +200,9 @@ class Parker:
             )
 
     def _ticket(self, sid: int, estimate: int, cause: str) -> ParkTicket:
-        body = {"bytes": estimate, "cause": cause}
         try:
-            resp = self._service("POST", f"/v1/sessions/{sid}/park", body)
+            ask = wire(body(ParkBegin, bytes=estimate, cause=cause))
+            resp = self._service("POST", f"/v1/sessions/{sid}/park", ask)
         except HoraError as e:  # refused (over quota), or the service does not answer
             raise ParkError(f"the hora service did not park session {sid}: {e}") from None
         return ParkTicket.model_validate(resp)
@@ -217,13 +218,13 @@ class Parker:
             raise
 
     def _commit(self, sid: int, ticket: ParkTicket, written: list[dict[str, Any]]) -> None:
-        body = ParkCommit(
+        commit = ParkCommit(
             ticket=ticket.ticket,
             ranks=[ParkedRank.model_validate(w) for w in written],
             elastic=any(w["elastic"] for w in written),
         )
         try:
-            self._service("POST", f"/v1/sessions/{sid}/park/commit", body.model_dump(mode="json"))
+            self._service("POST", f"/v1/sessions/{sid}/park/commit", wire(commit))
         except ServiceError as e:
             if e.status < 500:  # refused (over quota): nothing parked, it says why
                 raise ParkError(f"the hora service did not park session {sid}: {e}") from None
@@ -239,7 +240,9 @@ class Parker:
 
     def _abort(self, sid: int, ticket: str | None, why: str) -> None:
         try:
-            self._service("POST", f"/v1/sessions/{sid}/park/abort", {"ticket": ticket, "why": why})
+            # a longer reason than the service keeps would make it refuse the abort
+            give_up = body(ParkAbort, ticket=ticket, why=why[:ABORT_WHY_MAX])
+            self._service("POST", f"/v1/sessions/{sid}/park/abort", wire(give_up))
         except HoraError:
             pass  # the service forgets an unfinished park's parts by itself
 
@@ -388,8 +391,8 @@ class Parker:
         return self._on_all(park.restore_install, [], c.options.timeout_s)
 
     # --- plumbing -----------------------------------------------------------------------------
-    def _service(self, method: str, path: str, body: Any = None) -> Any:
-        resp = self.cluster.launcher.service.request(method, path, json=body)
+    def _service(self, method: str, path: str, data: dict[str, Any] | None = None) -> Any:
+        resp = self.cluster.launcher.service.request(method, path, json=data)
         return resp.json()
 
     def _on_all(self, func: Callable[..., Any], args: list[Any], timeout: float) -> list[Any]:

@@ -27,6 +27,8 @@ from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlsplit
 
+from pydantic import BaseModel
+
 from hora.client import Client, ServiceError
 from hora.client_config import config_path
 from hora.engines import plan
@@ -45,6 +47,15 @@ from hora.engines.parking import Parker, ParkReport, ResumeReport
 from hora.engines.state import ClusterState
 from hora.errors import EngineRunning, HoraError, SpecError
 from hora.net import free_port, is_local_address, route_source
+from hora.session_wire import (
+    EngineConnection,
+    EngineReplacement,
+    ResumeRequest,
+    SessionAddress,
+    SessionRequest,
+    body,
+    wire,
+)
 from hora.spec import SessionInfo
 
 log = logging.getLogger("hora.engines")
@@ -191,7 +202,7 @@ class SessionLauncher(KernelProcesses):
         if self.ip is not None:
             return self.ip
         resp = self.service.request("GET", "/v1/session-address", params={"runtime": "slurm"})
-        named = str(resp.json()["address"])
+        named = SessionAddress.model_validate(resp.json()).address
         if is_local_address(named):
             return named
         host = urlsplit(self.service.url).hostname or named
@@ -204,22 +215,29 @@ class SessionLauncher(KernelProcesses):
             ) from None
 
     def _ask(self, n: int, connection: dict[str, Any]) -> None:
-        """Ask for a new session, or to resume the parked one (:attr:`resuming`)."""
-        body: dict[str, Any] = {"connection": connection}
+        """Ask for a new session, or to resume the parked one (:attr:`resuming`).
+
+        Raises:
+            SpecError: the request is not one the service takes (naming the field).
+        """
+        conn = body(EngineConnection, **connection)
+        where: dict[str, Any] = {}
         if self.runtime == "local" and self._dir is not None:  # where re-formed worlds meet
-            body["world_file"] = str(world_file(self._dir))
+            where["world_file"] = str(world_file(self._dir))
+        req: BaseModel
         if self.resuming is not None:
-            body["workers"] = self.options.n
+            req = body(ResumeRequest, connection=conn, workers=self.options.n, **where)
             path = f"/v1/sessions/{self.resuming}/resume"
         else:
-            body.update(
-                workers=n, backend=self.options.backend, timeout_s=self.options.timeout_s,
-                start_timeout_s=self.options.start_timeout_s, threads=self.options.threads,
-                idle_timeout_s=self.idle_timeout_s, runtime=self.runtime, image=self.image,
+            req = body(
+                SessionRequest, connection=conn, workers=n, backend=self.options.backend,
+                timeout_s=self.options.timeout_s, start_timeout_s=self.options.start_timeout_s,
+                threads=self.options.threads, idle_timeout_s=self.idle_timeout_s,
+                runtime=self.runtime, image=self.image, **where,
             )  # fmt: skip
             path = "/v1/sessions"
         self.session = SessionInfo.model_validate(
-            self.service.request("POST", path, json=body).json()
+            self.service.request("POST", path, json=wire(req)).json()
         )
         self.asked = self.session.id
         beat = Client(self.service.url, self.service.token)
@@ -296,11 +314,14 @@ class SessionLauncher(KernelProcesses):
         """
         if self.session is None:
             raise EngineStartError("no session to start an engine in")
-        body = {"rank": rank, "master_port": port}
+        try:
+            ask = wire(body(EngineReplacement, rank=rank, master_port=port))
+        except SpecError as e:
+            raise EngineStartError(f"the service did not start a new engine: {e}") from None
         until = time.monotonic() + ASK_S
         while True:
             try:
-                self.service.request("POST", f"/v1/sessions/{self.session.id}/replace", json=body)
+                self.service.request("POST", f"/v1/sessions/{self.session.id}/replace", json=ask)
                 return AskedEngine()
             except ServiceError as e:
                 if e.code != EngineRunning.code or time.monotonic() > until:

@@ -16,6 +16,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query
 from hora.errors import HoraError, SpecError
+from hora.session_wire import ParkAbort, ParkBegin, ResumeRequest
 from hora.spec import ParkCommit, ParkTicket, SessionInfo
 from pydantic import BaseModel
 
@@ -26,7 +27,6 @@ from hora_service.models import JobRecord
 from hora_service.parkdirs import ParkDirError
 from hora_service.parking import ParkConflict
 from hora_service.quotas import OverLimit
-from hora_service.session_wire import ParkAbort, ParkBegin, ResumeRequest
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 

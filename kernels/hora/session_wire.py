@@ -1,28 +1,55 @@
-"""The bodies of ``/v1/sessions`` and a session's job spec (control plane).
+"""The bodies the kernel and the service exchange about a notebook session (data plane).
 
 :class:`SessionRequest` (what ``POST /v1/sessions`` carries, with the controller's
-:class:`EngineConnection`), :class:`ResumeRequest` (``POST /v1/sessions/{id}/resume``), the
-heartbeat's and an engine replacement's bodies, and :func:`session_spec`, the job spec of N
-engines that connect to the kernel's controller. :mod:`hora_service.sessions` re-exports them.
+:class:`EngineConnection`), :class:`ResumeRequest` (``POST /v1/sessions/{id}/resume``),
+:class:`ParkBegin` and :class:`ParkAbort` (a park's start and its abandon), the
+:class:`Heartbeat` and an :class:`EngineReplacement`. The kernel builds and sends them, the
+service validates what it receives with the same classes (a bad body: a 422 naming the field).
 """
 
 from __future__ import annotations
 
 import ipaddress
-import sys
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from hora.env import RankEnv
-from hora.errors import HoraError, SpecError
-from hora.net import is_local_address
-from hora.spec import IMAGE_PATTERN, JobSpec, Priority, RuntimeName, SessionInfo
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from hora_service.settings import Settings
+from hora.errors import SpecError
+from hora.spec import IMAGE_PATTERN, Priority, RuntimeName, error_message
 
-CONNECTION_VAR = RankEnv.var("engine_connection")
 Port = Annotated[int, Field(ge=1, le=65535)]
-INLINE_MPL = "module://matplotlib_inline.backend_inline"
+Body = TypeVar("Body", bound=BaseModel)
+ABORT_WHY_MAX = 2000  # the longest reason a park's abort carries
+
+
+def body(model: type[Body], **fields: Any) -> Body:
+    """``model`` made from ``fields``, checked as the service checks what it receives.
+
+    Raises:
+        SpecError: a field is invalid; ``field`` names it (as the service's 422 would).
+
+    Example:
+        >>> body(Heartbeat, idle_s=-1)
+        Traceback (most recent call last):
+        ...
+        hora.errors.SpecError: idle_s: Input should be greater than or equal to 0
+    """
+    try:
+        return model.model_validate(fields)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "request"
+        raise SpecError(field, error_message(err)) from None
+
+
+def wire(model: BaseModel) -> dict[str, Any]:
+    """The JSON body of ``model``: the fields it was given (the service fills in the rest).
+
+    Example:
+        >>> wire(body(Heartbeat, idle_s=2))
+        {'idle_s': 2.0}
+    """
+    return model.model_dump(mode="json", exclude_unset=True)
 
 
 class EngineConnection(BaseModel):
@@ -126,7 +153,7 @@ class ParkAbort(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     ticket: Annotated[str | None, Field(pattern=r"^[0-9a-f]{16}$")] = None
-    why: Annotated[str, Field(max_length=2000)] = ""
+    why: Annotated[str, Field(max_length=ABORT_WHY_MAX)] = ""
 
 
 class SessionAddress(BaseModel):
@@ -148,7 +175,7 @@ def check_interface(runtime: RuntimeName, interface: str) -> None:
     Engines of a ``local`` or ``docker`` session run on this machine: their controller must
     listen on the loopback. Engines of a ``slurm`` session run on other nodes, which cannot
     reach 127.0.0.1 (ipyparallel's default, the engines would wait in vain): their controller
-    listens on an address of this machine (checked by :meth:`SessionManager.create`).
+    listens on an address of this machine (the service checks that it is one).
 
     Raises:
         ValueError: the address does not fit the runtime (the message names the field).
@@ -175,30 +202,6 @@ def check_interface(runtime: RuntimeName, interface: str) -> None:
         )
 
 
-def check_controller(settings: Settings, host: str) -> None:
-    """A Slurm session's controller runs on this machine or on a node of the cluster.
-
-    On a node: the kernel of a user's server that runs as a Slurm job (batchspawner).
-
-    Raises:
-        SpecError: ``host`` is neither (field ``connection.interface``).
-    """
-    if is_local_address(host):
-        return
-    from hora_service.runtimes.slurm import SlurmRuntime  # only where Slurm is used
-
-    try:
-        nodes = SlurmRuntime.from_settings(settings).node_addresses()
-    except (HoraError, OSError):
-        nodes = set()
-    if host not in nodes:
-        raise SpecError(
-            "connection.interface",
-            f"{host} is not an address of the service's machine or of a Slurm node, "
-            "where the kernel's controller must run",
-        )
-
-
 class Heartbeat(BaseModel):
     """What the kernel says with each heartbeat: how long its engines have been idle.
 
@@ -222,40 +225,3 @@ class EngineReplacement(BaseModel):
 
     rank: Annotated[int, Field(ge=0, le=1023)]
     master_port: Annotated[int, Field(ge=1024, le=65535)]
-
-
-# the wire model lives in hora.spec, shared with the kernel; its old name here stays
-SessionRecord = SessionInfo
-
-
-def session_spec(req: SessionRequest, backend: str, python: str = sys.executable) -> JobSpec:
-    """The job spec of a session: N engines that connect to the kernel's controller.
-
-    Example:
-        >>> session_spec(req, "gloo").command[-1]  # doctest: +SKIP
-        'session-engine'
-    """
-    own = RankEnv(
-        engine_connection=req.connection.model_dump_json(),
-        backend=req.backend or backend,
-        timeout=req.timeout_s,
-        start_timeout=req.start_timeout_s,
-        engine_world=req.world_file,
-    )
-    env = {
-        **own.to_environ(),
-        "OMP_NUM_THREADS": str(req.threads),
-        "MPLBACKEND": INLINE_MPL,
-    }
-    # in a container the image's own python runs the engine (the image must have hora)
-    exe = "python" if req.runtime == RuntimeName.docker else python
-    return JobSpec(
-        name=req.name,
-        command=[exe, "-m", "hora.engines._child", "session-engine"],
-        workers=req.workers,
-        gpus_per_worker=req.gpus_per_worker,
-        env=env,
-        priority=req.priority,
-        runtime=req.runtime,
-        image=req.image,
-    )
