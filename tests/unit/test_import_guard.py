@@ -1,4 +1,5 @@
-"""Import-time dependencies point one way (STYLE.md): checked in a fresh interpreter."""
+"""Import-time dependencies point one way (docs/dev/architecture.md, "Conventions the tests
+hold"): checked in a fresh interpreter."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Guards on size: no product file over 600 lines, no function over 60, unless written below.
+"""Guards on size: no product file over 600 lines, no function over 60, unless written below
+(docs/dev/architecture.md, "Conventions the tests hold").
 
 Product code is everything under kernels/ and service/. A function's length runs from its
 ``def`` line to its last line (docstring included, decorators not); nested functions and

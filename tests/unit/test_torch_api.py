@@ -1,4 +1,5 @@
-"""hora.torch's public names and signatures mirror horovod.torch (STYLE.md, convention 9)."""
+"""hora.torch's public names and signatures mirror horovod.torch (docs/dev/architecture.md,
+"Conventions the tests hold")."""
 
 from __future__ import annotations
 

@@ -214,8 +214,9 @@ class Runtime(ABC):
     ) -> RankProcess:
         """Start rank ``rank`` of a running attempt again, its peers untouched.
 
-        For a notebook session whose engine died (:mod:`hora_service.engine_repair`): the new
-        engine meets the surviving ones at the store on ``master_port``, which they host.
+        For a notebook session whose engine died (``POST /v1/sessions/{id}/replace``,
+        :func:`hora_service.api.sessions.replace_engine`): the new engine meets the surviving
+        ones at the store on ``master_port``, which they host.
 
         Raises:
             SpecError: this runtime cannot start one rank alone (field ``runtime``).
