@@ -159,3 +159,27 @@ def test_a_literal_path_beside_a_session_id_is_a_405_for_other_methods(
                 assert (r.status_code, r.headers.get("allow")) == (405, "POST"), (method, r.text)
         assert c.post("/v1/sessions/park").status_code == 200  # the route itself still answers
         assert c.get("/v1/sessions/999999").status_code == 404  # ids are read as before
+
+
+def test_a_405_names_every_method_the_path_has_and_a_token_is_still_needed(
+    fuzz_server: ServiceServer,
+) -> None:
+    """``TRACE /v1/sessions/1`` was a 405 with an empty ``Allow`` (FastAPI keeps an included
+    router as one route, so the methods were looked for where they no longer are)."""
+    cases = {
+        ("TRACE", "/v1/sessions/1"): "GET, DELETE",
+        ("PUT", "/v1/sessions/1"): "GET, DELETE",
+        ("PATCH", "/v1/jobs"): "GET, POST",
+        ("TRACE", "/v1/sessions/park"): "POST",
+        ("DELETE", "/healthz"): "GET",
+    }
+    with fuzz_server.client("fuzz") as c:
+        for (method, path), allow in cases.items():
+            r = c.request(method, path)
+            assert (r.status_code, r.headers.get("allow")) == (405, allow), (method, path)
+    with httpx.Client(base_url=fuzz_server.url, timeout=30) as anon:
+        for path in ("/v1/sessions/1", "/v1/jobs"):  # a method the path has: 401 first
+            assert anon.get(path).status_code == 401, path
+        r = anon.request("TRACE", "/v1/sessions/1")  # none: 405, as before the token check
+        assert (r.status_code, r.headers.get("allow")) == (405, "GET, DELETE")
+        assert "Method Not Allowed" in r.text and "session" not in r.text

@@ -31,7 +31,7 @@ import httpx
 import ipyparallel as ipp
 import psutil
 import pytest
-from helpers.docker_engine import Engine, EngineUnavailable, cpu_image, engine
+from helpers.docker_engine import Engine
 from helpers.service_server import ServiceServer, free_port
 from hora.engines import plan
 
@@ -166,16 +166,6 @@ def test_a_lying_kernel_loses_its_idle_session_and_others_see_no_idle_time(
         assert ended["state"] == "cancelled", ended
         assert ended["reason"].startswith("idle for") and "slots freed" in ended["reason"]
         wait_for(lambda: not any(os.path.exists(d) for d in dirs), f"{dirs} left in /tmp", 30)
-
-
-@pytest.fixture(scope="module")
-def docker_engine() -> Iterator[Engine]:
-    try:
-        with engine() as eng:
-            cpu_image(eng)
-            yield eng
-    except EngineUnavailable as e:
-        pytest.fail(f"no Docker engine for the docker session test: {e}")
 
 
 def test_a_docker_session_on_the_cpu_image_runs_cells(

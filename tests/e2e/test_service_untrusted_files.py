@@ -33,7 +33,7 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers.docker_engine import Engine, EngineUnavailable, cpu_image, engine
+from helpers.docker_engine import Engine
 from helpers.service_server import ServiceServer, wait_state
 from hora_service import identity
 from hora_service.runtimes.containment import instance_id
@@ -108,16 +108,6 @@ def accounts(root: None) -> Iterator[dict[str, int]]:
             subprocess.run(
                 ["userdel", "--remove", "--force", identity.account_name(name)], capture_output=True
             )
-
-
-@pytest.fixture(scope="module")
-def docker_engine() -> Iterator[Engine]:
-    try:
-        with engine() as eng:
-            cpu_image(eng)
-            yield eng
-    except EngineUnavailable as e:
-        pytest.fail(f"no Docker engine for the docker e2e tests: {e}")
 
 
 def serve(base: Path, accounts: dict[str, int] | None, **env: str) -> ServiceServer:

@@ -11,26 +11,15 @@ both; the tests fail, saying why, without them).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from e2e._notebooks_procs import describe, kill_tagged, new_tag, tagged_env, wait_gone
 from e2e.test_sessions_notebooks import Notebook
-from helpers.docker_engine import Engine, EngineUnavailable, cpu_image, engine
+from helpers.docker_engine import Engine
 from helpers.service_server import ServiceServer
 
 pytestmark = pytest.mark.timeout(900)
-
-
-@pytest.fixture(scope="module")
-def docker_engine() -> Iterator[Engine]:
-    try:
-        with engine() as eng:
-            cpu_image(eng)
-            yield eng
-    except EngineUnavailable as e:
-        pytest.fail(f"no Docker engine for the docker park test: {e}")
 
 
 def test_a_docker_session_parks_and_resumes_in_a_new_container(

@@ -11,7 +11,7 @@ Outside dev mode the service refuses unsafe settings at startup (see
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -173,18 +173,36 @@ def store_unavailable(exc: BaseException) -> JSONResponse:
     )
 
 
-def allowed_methods(app: FastAPI, scope: dict[str, Any]) -> list[str]:
-    """Every method some route serves at this request's path (for a correct ``Allow``)."""
-    methods: set[str] = set()
-    for route in app.router.routes:
-        match, _ = route.matches(scope)
-        if match != Match.NONE and getattr(route, "name", "") != _REFUSAL:
-            methods |= set(getattr(route, "methods", None) or ())
-    return sorted(methods)
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def allowed_methods(app: FastAPI, scope: Mapping[str, Any]) -> list[str]:
+    """Every method the app serves at this request's path (for a correct ``Allow``).
+
+    Each method is routed as the router routes it: the first route that matches the path
+    and that method in full serves it, unless it is a refusal of :func:`_post_only`. Asked
+    of the router, not of its route list: FastAPI keeps an included router as one entry.
+    """
+    allowed = []
+    for method in _METHODS:
+        probe = {
+            "type": "http",
+            "method": method,
+            "path": scope["path"],
+            "root_path": scope.get("root_path", ""),
+            "headers": [],
+            "query_string": b"",
+        }
+        for route in app.router.routes:
+            if route.matches(probe)[0] == Match.FULL:
+                if getattr(route, "name", "") != _REFUSAL:
+                    allowed.append(method)
+                break
+    return allowed
 
 
 def _post_only(app: FastAPI, path: str) -> None:
-    """Any other method on ``path`` is a 405 naming ``POST``.
+    """Any other method on ``path`` is a 405 naming the methods it has (``POST``).
 
     A literal path beside a parameter one (``/v1/sessions/park`` beside
     ``/v1/sessions/{job_id}``) would otherwise answer ``GET`` as a read of the session named
@@ -193,7 +211,8 @@ def _post_only(app: FastAPI, path: str) -> None:
     """
 
     async def refuse(request: Request) -> Response:
-        return JSONResponse({"detail": "Method Not Allowed"}, 405, headers={"Allow": "POST"})
+        allow = ", ".join(allowed_methods(app, request.scope))
+        return JSONResponse({"detail": "Method Not Allowed"}, 405, headers={"Allow": allow})
 
     others = ["GET", "PUT", "PATCH", "DELETE", "OPTIONS"]
     app.router.routes.append(
@@ -205,9 +224,9 @@ def _add_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         if exc.status_code == 405:
-            # Starlette lists only the first matching route's methods; FastAPI has one route
-            # per method, so collect them all
-            allow = ", ".join(allowed_methods(app, dict(request.scope)))
+            # the route that refused lists only its own method(s), or none (an included
+            # router, the dashboard's files): name every method the path has
+            allow = ", ".join(allowed_methods(app, request.scope))
             exc = StarletteHTTPException(405, exc.detail, headers={"Allow": allow})
         return await http_exception_handler(request, exc)
 
