@@ -1,11 +1,18 @@
-"""Fixtures of the slurm tests: one real two-node Slurm cluster for the whole session."""
+"""Fixtures of the slurm tests: one real two-node Slurm cluster for the whole session.
+
+``notebook``: a real kernel (nbclient) with hora loaded, talking to the module's own
+``server`` fixture as ann; at its end no process of its is left.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
+from e2e._notebooks_procs import describe, kill_tagged, new_tag, tagged_env, wait_gone
+from e2e.test_sessions_notebooks import Notebook
 from helpers.service_server import ServiceServer
 from helpers.slurm_cluster import Cluster, cluster, slurm_env
 
@@ -29,3 +36,21 @@ def service(slurm: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 def ann(service: ServiceServer) -> Iterator[httpx.Client]:
     with service.client("ann") as c:
         yield c
+
+
+@pytest.fixture
+def notebook(server: ServiceServer, tmp_path: Path) -> Iterator[Notebook]:
+    tag = new_tag()
+    env = tagged_env(tag)
+    env.update(
+        HORA_URL=server.url, HORA_TOKEN=server.tokens["ann"], HORA_CONFIG=str(tmp_path / "none")
+    )
+    nb = Notebook(env, tmp_path)
+    try:
+        nb.run("%load_ext hora")
+        yield nb
+    finally:
+        nb.close()
+        left = wait_gone(tag, timeout=30)
+        kill_tagged(tag)
+        assert left == [], "processes left behind:\n" + describe(left)

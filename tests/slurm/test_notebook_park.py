@@ -12,11 +12,9 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
-from e2e._notebooks_procs import describe, kill_tagged, new_tag, tagged_env, wait_gone
 from e2e.test_sessions_notebooks import Notebook
 from helpers.service_server import ServiceServer
 from helpers.slurm_cluster import Cluster, slurm_env
@@ -34,25 +32,6 @@ def server(slurm: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     slurm.wait_idle()
 
 
-@pytest.fixture
-def notebook(server: ServiceServer, tmp_path: Path) -> Iterator[Notebook]:
-    tag = new_tag()
-    env = tagged_env(tag)
-    env.update(
-        HORA_URL=server.url, HORA_TOKEN=server.tokens["ann"], HORA_CONFIG=str(tmp_path / "none")
-    )
-    nb = Notebook(env, tmp_path)
-    nb.client.timeout = 300
-    try:
-        nb.run("%load_ext hora")
-        yield nb
-    finally:
-        nb.close()
-        left = wait_gone(tag, timeout=30)
-        kill_tagged(tag)
-        assert left == [], "processes left behind:\n" + describe(left)
-
-
 def slurm_job(c: httpx.Client, sid: int) -> str:
     return str(c.get(f"/v1/jobs/{sid}").json()["container_id"])
 
@@ -60,6 +39,7 @@ def slurm_job(c: httpx.Client, sid: int) -> str:
 def test_a_slurm_session_parks_its_allocation_away_and_resumes_in_a_new_job(
     server: ServiceServer, slurm: Cluster, notebook: Notebook
 ) -> None:
+    notebook.client.timeout = 300  # a cell that parks or resumes across two nodes
     out = notebook.run("%dist_start -n 4 --runtime slurm --no-preflight --timeout 30 "
                        "--start-timeout 180")  # fmt: skip
     assert "4 engines ready" in out, out

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2e._notebooks_procs import describe, kill_tagged, new_tag, tagged_env, wait_gone
 from e2e.test_sessions_notebooks import Notebook
 from helpers.service_server import ServiceServer
 from helpers.slurm_cluster import Cluster, slurm_env
@@ -51,24 +50,6 @@ def server(slurm: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     with ServiceServer(tmp, {"ann": False, "root": True}, 2, env) as srv:
         yield srv
     slurm.wait_idle()
-
-
-@pytest.fixture
-def notebook(server: ServiceServer, tmp_path: Path) -> Iterator[Notebook]:
-    tag = new_tag()
-    env = tagged_env(tag)
-    env.update(
-        HORA_URL=server.url, HORA_TOKEN=server.tokens["ann"], HORA_CONFIG=str(tmp_path / "none")
-    )
-    nb = Notebook(env, tmp_path)
-    try:
-        nb.run("%load_ext hora")
-        yield nb
-    finally:
-        nb.close()
-        left = wait_gone(tag, timeout=30)
-        kill_tagged(tag)
-        assert left == [], "processes left behind:\n" + describe(left)
 
 
 def sessions(c: httpx.Client) -> list[dict]:
