@@ -9,11 +9,14 @@ kernel adopting one of them (its options read back from the session's job).
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from IPython.core.error import UsageError
 
 from hora.magics_display import QueueDisplay, Table, notify
+
+if TYPE_CHECKING:
+    from hora.spec import SessionInfo
 
 
 def session_cluster(cluster: Any, what: str) -> Any:
@@ -47,14 +50,14 @@ def resume(cluster: Any, n: int | None = None) -> None:
     sys.stdout.write(f"{report.why()}\n{report.line()}\n")
 
 
-def parked_sessions(cluster: Any = None) -> list[Any]:
+def parked_sessions(cluster: Any = None) -> list[SessionInfo]:
     """The user's parked sessions, newest first."""
     from hora.client import Client
-    from hora.spec import SessionInfo
+    from hora.session_wire import SessionList
 
     service = cluster.launcher.service if cluster is not None else Client()
     found = service.request("GET", "/v1/sessions", params={"state": "parked", "limit": 500})
-    return [SessionInfo.model_validate(s) for s in found.json()["items"]]
+    return SessionList.model_validate(found.json()).items
 
 
 def show_parked(cluster: Any = None) -> None:

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from hora.errors import SpecError
-from hora.spec import IMAGE_PATTERN, Priority, RuntimeName, error_message
+from hora.spec import IMAGE_PATTERN, Priority, RuntimeName, SessionInfo, error_message
 
 Port = Annotated[int, Field(ge=1, le=65535)]
 Body = TypeVar("Body", bound=BaseModel)
@@ -225,3 +225,10 @@ class EngineReplacement(BaseModel):
 
     rank: Annotated[int, Field(ge=0, le=1023)]
     master_port: Annotated[int, Field(ge=1024, le=65535)]
+
+
+class SessionList(BaseModel):
+    """What ``GET /v1/sessions`` answers: the user's sessions, newest first."""
+
+    items: list[SessionInfo]
+    total: int

@@ -101,3 +101,13 @@ def test_the_kernel_sends_no_session_body_as_a_hand_made_dict() -> None:
     files = [root / "engines" / n for n in ("session.py", "heartbeat.py", "parking.py")]
     files += [root / "magics_park.py", root / "client.py"]
     assert [f for p in files for f in _dict_bodies(p)] == []
+
+
+def test_the_kernel_reads_the_session_list_and_address_with_the_services_models() -> None:
+    answers = {
+        (r.path, m): r.response_model
+        for r in [*sessions_api.router.routes, *sessions_api.address_router.routes]
+        for m in getattr(r, "methods", ())
+    }
+    assert answers[("/v1/sessions", "GET")] is sw.SessionList
+    assert answers[("/v1/session-address", "GET")] is sw.SessionAddress

@@ -11,20 +11,20 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from hora.errors import SpecError
+from hora.session_wire import (
+    EngineReplacement,
+    Heartbeat,
+    SessionAddress,
+    SessionList,
+    SessionRequest,
+)
 from hora.spec import JobSpec, JobState, RuntimeName, SessionInfo
-from pydantic import BaseModel
 
 from hora_service.api.deps import CurrentUser, ManagerDep, OwnedJob
 from hora_service.api.errors import AUTH_RESPONSES, unprocessable
 from hora_service.jobpreflight import job_preflight
 from hora_service.models import JobRecord
-from hora_service.sessions import (
-    EngineReplacement,
-    Heartbeat,
-    SessionAddress,
-    SessionManager,
-    SessionRequest,
-)
+from hora_service.sessions import SessionManager
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 # beside /v1/sessions/{id}, not under it: an id route must not answer other methods there
@@ -37,13 +37,6 @@ SESSION_RESPONSES: Responses = {
     **AUTH_RESPONSES,
     404: {"description": "No such session, it belongs to another user, or the id is a job's"},
 }
-
-
-class SessionList(BaseModel):
-    """Sessions, newest first."""
-
-    items: list[SessionInfo]
-    total: int
 
 
 async def get_sessions(request: Request) -> SessionManager:
