@@ -18,6 +18,11 @@ def docker_engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
     try:
         with engine() as eng:
             cpu_image(eng)
+            # an engine that outlived an earlier run (a developer's, or a rehearsal's) may hold
+            # its exited containers, labelled with the same job ids this module's service uses
+            stale = eng.remove_stopped_hora_containers()
+            if stale:
+                print(f"removed containers left on the engine by an earlier run: {stale}")
             yield eng
             if getattr(request.module, "DOCKER_NONE_LEFT", False):
                 left = eng.hora_containers()

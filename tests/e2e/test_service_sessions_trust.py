@@ -197,6 +197,11 @@ def test_a_docker_session_on_the_cpu_image_runs_cells(
             job = ann.get(f"/v1/jobs/{sid}").json()
             assert job["state"] == "running" and job["container_id"], job
         assert ann.delete(f"/v1/sessions/{sid}").status_code == 200
+        # its container goes before the service does (a service stopped mid-removal leaves it
+        # to its own next start, and this service's data directory has no next start)
+        label = {"label": f"hora.job={sid}"}
+        wait_for(lambda: not docker_engine.client().containers.list(all=True, filters=label),
+                 "the deleted session's container outlived it", 60)  # fmt: skip
 
 
 def _engine_pids(srv: ServiceServer) -> list[int]:

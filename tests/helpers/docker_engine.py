@@ -61,6 +61,15 @@ class Engine:
             raise EngineUnavailable("the engine's state directory is unknown: cannot start it")
         _dockerd("start", self.state_dir)
 
+    def remove_stopped_hora_containers(self) -> list[str]:
+        """Remove hora's containers that are not running (left by an earlier run on this engine)."""
+        found = self.client().containers.list(
+            all=True, filters={"label": "hora.instance", "status": "exited"}
+        )
+        for c in found:
+            c.remove(force=True)
+        return [c.name for c in found]
+
     def hora_containers(self) -> list[str]:
         found = self.client().containers.list(all=True, filters={"label": "hora.instance"})
         return [f"{c.name} ({c.status})" for c in found]
