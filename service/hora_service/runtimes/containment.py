@@ -105,13 +105,20 @@ class Container:
             finally:
                 self._freeze(False)
 
-    def clear(self) -> bool:
-        """Kill what is left; True (and the cgroup removed) once no process is left."""
+    def clear(self, wait_s: float = 0.0) -> bool:
+        """Kill what is left; True (and the cgroup removed) once no process is left.
+
+        A killed process takes a moment to exit: ``wait_s`` bounds how long to wait for it
+        (the monitor, which asks again on its next pass, waits not at all).
+        """
         if self.pids():
             self.kill()
-            if self.pids():
+        deadline = time.monotonic() + wait_s
+        while self.pids() or not self.remove():
+            if time.monotonic() >= deadline:
                 return False
-        return self.remove()
+            time.sleep(0.02)
+        return True
 
     def remove(self) -> bool:
         """Remove the cgroup directories; False while a process is still in one."""

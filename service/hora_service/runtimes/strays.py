@@ -32,6 +32,7 @@ from hora_service.runtimes.containment import TAG_VAR, Containment
 log = logging.getLogger(__name__)
 
 Key = tuple[int, int]  # (job, attempt)
+REAP_WAIT_S = 5.0  # how long a start waits for a stray's killed processes to exit
 _LEAF = re.compile(r"^(\d+)-(\d+)$")
 
 
@@ -65,7 +66,7 @@ def reap(containment: Containment, known: set[Key], tmp: str | None = None) -> l
     for job, attempt in sorted(found(containment, tmp) - known):
         box = containment.container(job, attempt)
         try:
-            cleared = box.clear()
+            cleared = box.clear(wait_s=REAP_WAIT_S)
         except OSError as e:
             cleared = False
             log.warning("job %d attempt %d: cannot clear what it left: %s", job, attempt, e)
