@@ -10,10 +10,12 @@ precedence rules, spelled out case by case below.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from hora.engines.plan import INLINE_MPL, engine_env
-from hora.launch.config import LaunchConfig, build_rank_envs
+from hora.launch.config import ElasticConfig, LaunchConfig, build_rank_envs
+from hora.launch.elastic import ElasticDriver
 from hora.spec import JobSpec
 from hora_service.identity import RunAs
 from hora_service.runtimes import AttemptPlan
@@ -167,3 +169,26 @@ def test_the_ranks_of_hora_run() -> None:
     (env,) = build_rank_envs(LaunchConfig(np=1, command=("true",)), {"OMP_NUM_THREADS": "4"}, 1)
     assert list(env.items())[:2] == [("OMP_NUM_THREADS", "4"), ("PYTHONUNBUFFERED", "1")]
     assert list(env.items())[2:] == [*world(0, 1, 1), ("HORA_RDZV_SECRET", env["HORA_RDZV_SECRET"])]
+
+
+def test_the_workers_of_an_elastic_hora_run() -> None:
+    cfg = LaunchConfig(
+        np=2, command=("true",), start_timeout=30.0, backend="gloo",
+        elastic=ElasticConfig(min_np=1, max_np=2, timeout=60.0),
+    )  # fmt: skip
+    parent = {"PATH": "/bin", "RANK": "5", "HORA_RDZV_SECRET": "job", "OMP_NUM_THREADS": "2"}
+    driver = ElasticDriver(cfg, parent)
+    try:
+        env = driver.worker_env("w0", "localhost")
+        secret = env["HORA_RDZV_SECRET"]
+        assert secret != "job"
+        # the defaults come after the world, OMP_NUM_THREADS the parent's
+        assert list(env.items()) == [
+            ("PATH", "/bin"), ("OMP_NUM_THREADS", "2"), *world(0, 2, 29500),
+            ("HOROVOD_ELASTIC", "1"), ("HOROVOD_HOSTNAME", "localhost"),
+            ("HORA_BACKEND", "gloo"), ("HORA_TIMEOUT", "30"), ("HORA_RDZV_SECRET", secret),
+            ("HORA_ELASTIC_DIR", str(driver.root)), ("HORA_ELASTIC_WORKER", "w0"),
+            ("HORA_ELASTIC_TIMEOUT", "60"), ("PYTHONUNBUFFERED", "1"),
+        ]  # fmt: skip
+    finally:
+        shutil.rmtree(driver.root)
