@@ -1,9 +1,12 @@
 """Launcher environment contract (data plane).
 
-Two pure functions define how a process learns its place in a data-parallel world:
+Pure functions define how a process learns its place in a data-parallel world:
 
-* :func:`rank_env` builds the environment a launcher gives rank ``r`` (``hora run``, the
-  notebook engines and the service's local runtime all use it, so they agree by construction).
+* :func:`rank_env` builds the variables that place rank ``r`` in its world, and
+  :func:`layered_env` the whole environment of a rank from its layers (what it starts from,
+  its account, its job's own variables, then what hora sets): every launcher uses both
+  (``hora run`` and its elastic driver, the notebook engines, the service's runtimes), so
+  they agree by construction.
 * :func:`detect_world` reads whichever launcher started this process: hora / torchrun,
   Open MPI, MPICH / Intel MPI, Slurm's srun, or none (a world of one).
 
@@ -17,18 +20,23 @@ Neither touches ``os.environ``: callers pass the mapping in and hand the result 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from hora.contract import LAUNCHER_VARS, RDZV_SECRET_VAR, RankEnv, new_rdzv_secret
 from hora.errors import LauncherEnvError
 
 __all__ = [
-    "DEFAULT_MASTER_PORT", "LAUNCHER_VARS", "RDZV_SECRET_VAR", "RankEnv", "World",
-    "detect_world", "new_rdzv_secret", "rank_env",
+    "DEFAULT_MASTER_PORT", "LAUNCHER_VARS", "RDZV_SECRET_VAR", "TORCHRUN_DEFAULTS", "Account",
+    "RankEnv", "World", "detect_world", "layered_env", "new_rdzv_secret", "rank_env",
 ]  # fmt: skip
 
 DEFAULT_MASTER_PORT = 29500
+# What ``hora run`` gives its ranks unless their environment says otherwise, as torchrun does:
+# unbuffered output (lines stream live through the rank prefixer) and one OpenMP thread.
+TORCHRUN_DEFAULTS = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
 @dataclass(frozen=True)
 class World:
     """Where this process sits in the job.
@@ -119,6 +127,71 @@ def rank_env(
     ).to_environ()
     if extra:
         env.update(extra)
+    return env
+
+
+@dataclass(frozen=True)
+class Account:
+    """The OS account a rank runs as, as its environment names it.
+
+    Example:
+        >>> Account(user="ann", home="/home/ann").to_environ()
+        {'HOME': '/home/ann', 'USER': 'ann', 'LOGNAME': 'ann'}
+    """
+
+    user: str
+    home: str
+
+    def to_environ(self) -> dict[str, str]:
+        """``HOME``, ``USER`` and ``LOGNAME``."""
+        return {"HOME": self.home, "USER": self.user, "LOGNAME": self.user}
+
+
+def layered_env(
+    base: Mapping[str, str],
+    *,
+    strip: Collection[str] = (),
+    account: Account | None = None,
+    job: Mapping[str, str] | None = None,
+    rank: Mapping[str, str] | None = None,
+    defaults: Collection[str] = (),
+) -> dict[str, str]:
+    """Build one rank's environment from its layers, each over the ones before it.
+
+    1. ``base``, less the names in ``strip`` (what the rank starts from: the service's
+       allow-list, the notebook kernel's or ``hora run``'s own environment);
+    2. ``account``'s ``HOME``, ``USER`` and ``LOGNAME`` (a rank run as another account);
+    3. ``job``, the job's own variables;
+    4. ``rank``, what hora sets, in order: the rank contract (:func:`rank_env` and
+       :meth:`RankEnv.to_environ`) and hora's own values. They win over every layer above,
+       except the names in ``defaults``: such a value only fills a gap, an earlier layer's
+       value stays.
+
+    A name keeps the place of the first layer that set it (the launch file keeps the order).
+
+    Args:
+        base: the environment the rank starts from (not modified).
+        strip: names of ``base`` the rank must not inherit (e.g. :data:`LAUNCHER_VARS`).
+        account: the account the rank runs as, or None (the caller's own, as in ``base``).
+        job: the job's own variables, or None.
+        rank: what hora sets for this rank, or None.
+        defaults: the names of ``rank`` whose values are defaults only.
+
+    Returns:
+        A new dict.
+
+    Example:
+        >>> layered_env({"PATH": "/bin", "RANK": "9", "OMP_NUM_THREADS": "4"}, strip={"RANK"},
+        ...             job={"SEED": "1"}, rank={"RANK": "0", **TORCHRUN_DEFAULTS},
+        ...             defaults=TORCHRUN_DEFAULTS)
+        {'PATH': '/bin', 'OMP_NUM_THREADS': '4', 'SEED': '1', 'RANK': '0', 'PYTHONUNBUFFERED': '1'}
+    """
+    env = {k: v for k, v in base.items() if k not in strip}
+    if account is not None:
+        env.update(account.to_environ())
+    env.update(job or {})
+    for key, value in (rank or {}).items():
+        env[key] = env.get(key, value) if key in defaults else value
     return env
 
 

@@ -11,9 +11,13 @@ __all__ = ["free_port", "is_local_address", "route_source"]
 _LISTEN_PORTS_LOW = 20000  # hora's rendezvous ports come from [20000, the OS's ephemeral range)
 
 
-def _ephemeral_low() -> int:
+_PORT_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def _ephemeral_low(path: str = _PORT_RANGE) -> int:
+    """The first port of the OS's ephemeral range; Linux's default where it cannot be read."""
     try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        with open(path) as f:
             return int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         return 32768

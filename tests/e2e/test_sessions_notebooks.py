@@ -8,7 +8,6 @@ them. The lease and the idle timeout are seconds long here so that the tests tak
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import sys
@@ -16,14 +15,12 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
-import nbformat
 import pytest
+from e2e._notebook import Notebook, wait_for
 from e2e._notebooks_procs import describe, kill_tagged, new_tag, tagged_env, wait_gone
 from helpers.service_server import ServiceServer, write_scripts
-from nbclient import NotebookClient
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -33,66 +30,6 @@ print('job holds its slot', flush=True)
 while not gate.exists():
     time.sleep(0.1)
 """
-
-
-class Notebook:
-    """One live notebook: a kernel started by nbclient, cells added and run one at a time.
-
-    Everything runs on the notebook's own event loop (whichever thread calls), so its
-    kernel client's sockets are always driven by the loop they were made on: a suite's
-    shared per-thread loop, or a first cell run from another thread, once left a cell
-    waiting for a send that never went out.
-    """
-
-    def __init__(self, env: dict[str, str], workdir: Path) -> None:
-        self.nb = nbformat.v4.new_notebook()
-        self.loop = asyncio.new_event_loop()
-        self.lock = threading.Lock()
-        self.client = NotebookClient(
-            self.nb,
-            timeout=120,
-            startup_timeout=60,
-            kernel_name="python3",
-            allow_errors=True,
-            resources={"metadata": {"path": str(workdir)}},
-        )
-        self.client.km = self.client.create_kernel_manager()
-        self._sync(self.client.async_start_new_kernel(env=env))
-        self._sync(self.client.async_start_new_kernel_client())
-
-    def _sync(self, coro: Any) -> Any:
-        with self.lock:
-            return self.loop.run_until_complete(coro)
-
-    @property
-    def pid(self) -> int:
-        return int(self.client.km.provisioner.process.pid)  # type: ignore[union-attr]
-
-    def run(self, source: str) -> str:
-        cell = nbformat.v4.new_code_cell(source)
-        self.nb.cells.append(cell)
-        self._sync(self.client.async_execute_cell(cell, len(self.nb.cells) - 1))
-        return text_of(cell)
-
-    def close(self) -> None:
-        try:
-            self._sync(self.client._async_cleanup_kernel())
-        except Exception:  # a kernel killed by the test is already gone
-            pass
-        finally:
-            self.loop.close()
-
-
-def text_of(cell: nbformat.NotebookNode) -> str:
-    parts = []
-    for out in cell.outputs:
-        if out.output_type == "stream":
-            parts.append(out.text)
-        elif out.output_type == "error":
-            parts.append(f"{out.ename}: {out.evalue}\n" + "\n".join(out.traceback))
-        else:
-            parts.append(str(out.get("data", {}).get("text/plain", "")) + "\n")
-    return "".join(parts)
 
 
 @pytest.fixture(scope="module")
@@ -145,17 +82,6 @@ def notebooks(server: ServiceServer, tmp_path: Path) -> Iterator[dict[str, Noteb
 
 def slots(c: httpx.Client) -> list[tuple[str | None, int | None, str | None]]:
     return [(s["holder_kind"], s["job_id"], s["user"]) for s in c.get("/v1/gpus").json()]
-
-
-def wait_for(what: str, check, timeout: float = 30.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def test_two_notebooks_and_a_job_share_two_slots(

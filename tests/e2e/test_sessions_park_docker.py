@@ -14,8 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from e2e._notebook import Notebook
 from e2e._notebooks_procs import describe, kill_tagged, new_tag, tagged_env, wait_gone
-from e2e.test_sessions_notebooks import Notebook
 from helpers.docker_engine import Engine
 from helpers.service_server import ServiceServer
 

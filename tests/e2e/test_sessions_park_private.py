@@ -20,8 +20,8 @@ import hora
 import pytest
 import test_service_isolation as iso
 import torch
+from e2e._notebook import Notebook
 from e2e._notebooks_procs import describe, kill_tagged, new_tag, tagged_env, wait_gone
-from e2e.test_sessions_notebooks import Notebook
 from helpers.service_server import ServiceServer, wait_state
 
 pytestmark = pytest.mark.timeout(900)

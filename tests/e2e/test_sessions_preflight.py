@@ -31,9 +31,9 @@ from typing import Any
 
 import httpx
 import pytest
+from e2e._notebook import Notebook
 from e2e._notebooks_procs import describe, kill_tagged, new_tag, tagged_env, wait_gone
 from e2e.test_dashboard import CHROMIUM, CHROMIUM_ARGS, SCREENSHOT_DIR_VAR, sign_in
-from e2e.test_sessions_notebooks import Notebook
 from helpers.known_share import baseline_env
 from helpers.service_server import ServiceServer
 from playwright.sync_api import Page, expect, sync_playwright

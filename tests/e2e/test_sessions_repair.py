@@ -17,8 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2e._notebooks_procs import describe, kill_tagged, new_tag, tagged_env, wait_gone
-from e2e.test_sessions_notebooks import Notebook, wait_for
+from e2e._notebook import Notebook, hora_notebook, wait_for
 from helpers.service_server import ServiceServer
 
 pytestmark = pytest.mark.timeout(240)
@@ -36,23 +35,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceServer]:
 
 @pytest.fixture
 def notebook(server: ServiceServer, tmp_path: Path) -> Iterator[Notebook]:
-    tag = new_tag()
-    env = tagged_env(tag)
-    env.update(
-        HORA_URL=server.url, HORA_TOKEN=server.tokens["ann"], HORA_CONFIG=str(tmp_path / "none")
-    )
-    nb = Notebook(env, tmp_path)
-    try:
-        nb.run("%load_ext hora")
-        out = nb.run("%dist_start -n 2 --timeout 30")
-        assert "2 engines ready" in out and "from the hora service" in out, out
+    with hora_notebook(server, tmp_path, start="%dist_start -n 2 --timeout 30") as nb:
         yield nb
-        nb.run("%dist_stop")
-    finally:
-        nb.close()
-        left = wait_gone(tag, timeout=30)
-        kill_tagged(tag)
-        assert left == [], "processes left behind:\n" + describe(left)
 
 
 def engine_pids(nb: Notebook) -> dict[int, int]:

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2e._notebooks_procs import describe, kill_tagged, new_tag, tagged_env, wait_gone
-from e2e.test_sessions_notebooks import Notebook
+from e2e._notebook import Notebook, hora_notebook
 from helpers.service_server import ServiceServer
 from helpers.slurm_cluster import Cluster, cluster, slurm_env
 
@@ -40,17 +39,5 @@ def ann(service: ServiceServer) -> Iterator[httpx.Client]:
 
 @pytest.fixture
 def notebook(server: ServiceServer, tmp_path: Path) -> Iterator[Notebook]:
-    tag = new_tag()
-    env = tagged_env(tag)
-    env.update(
-        HORA_URL=server.url, HORA_TOKEN=server.tokens["ann"], HORA_CONFIG=str(tmp_path / "none")
-    )
-    nb = Notebook(env, tmp_path)
-    try:
-        nb.run("%load_ext hora")
+    with hora_notebook(server, tmp_path) as nb:
         yield nb
-    finally:
-        nb.close()
-        left = wait_gone(tag, timeout=30)
-        kill_tagged(tag)
-        assert left == [], "processes left behind:\n" + describe(left)

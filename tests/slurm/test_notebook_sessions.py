@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2e.test_sessions_notebooks import Notebook
+from e2e._notebook import Notebook
 from helpers.service_server import ServiceServer
 from helpers.slurm_cluster import Cluster, slurm_env
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pytest
 from hora import net
@@ -39,3 +40,15 @@ def test_without_room_below_the_ephemeral_range_the_os_picks(
     monkeypatch.setattr(net, "_ephemeral_low", lambda: net._LISTEN_PORTS_LOW + 10)
     port = net.free_port()
     assert 0 < port < 65536
+
+
+@pytest.mark.parametrize("content", [None, "", "not a number\n"])
+def test_an_unreadable_range_falls_back_to_linuxs_default(
+    tmp_path: Path, content: str | None
+) -> None:
+    where = tmp_path / "ip_local_port_range"
+    if content is not None:
+        where.write_text(content)
+    assert net._ephemeral_low(str(where)) == 32768
+    where.write_text("40000\t60999\n")
+    assert net._ephemeral_low(str(where)) == 40000

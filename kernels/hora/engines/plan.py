@@ -4,8 +4,9 @@ Everything that becomes a process is built here without side effects, so it can 
 line by line: which GPU each rank gets (:func:`plan_devices`), each engine's environment
 (:func:`engine_env`: ``CUDA_VISIBLE_DEVICES`` of every engine's GPU, set before CUDA can
 initialise in it, each engine pinning its own as ``cuda:LOCAL_RANK``, plus the
-rank environment of :func:`hora.env.rank_env`), and the argument lists of the controller and
-engine processes. The notebook kernel's own ``os.environ`` is only ever read, never changed.
+rank environment of :func:`hora.env.rank_env`, layered by :func:`hora.env.layered_env`), and
+the argument lists of the controller and engine processes. The notebook kernel's own
+``os.environ`` is only ever read, never changed.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hora.engines.errors import CudaInitializedError, NotEnoughGpusError
-from hora.env import LAUNCHER_VARS, RankEnv, rank_env
+from hora.env import LAUNCHER_VARS, RankEnv, layered_env, rank_env
 from hora.errors import SpecError
 from hora.inventory import GpuInfo
 
@@ -209,19 +210,20 @@ def engine_env(
         >>> env["CUDA_VISIBLE_DEVICES"], env["HORA_GPU"], env["RANK"], env["LOCAL_RANK"]
         ('1,3', '3', '1', '1')
     """
-    env = {k: v for k, v in base.items() if k not in _STRIP}
     # Every engine sees all the engines' GPUs and is local rank r of this host, so that
     # hora.torch (and Horovod code doing torch.cuda.set_device(hvd.local_rank())) picks
     # cuda:r, its own; NCCL's CUDA IPC / NVLink paths need GPUs the ranks share.
-    env.update(rank_env(rank, size, master_port=master_port))
     own = RankEnv(backend=backend, timeout=timeout_s, rdzv_secret=rdzv_secret or None, gpu=device)
-    env.update(own.to_environ())
-    env.update({"PYTHONUNBUFFERED": "1", "MPLBACKEND": INLINE_MPL})
-    if device is not None:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus) if gpus else device
-    else:
-        env.setdefault("OMP_NUM_THREADS", str(threads))
-    return env
+    placed = (
+        {"CUDA_VISIBLE_DEVICES": ",".join(gpus) if gpus else device}
+        if device is not None
+        else {"OMP_NUM_THREADS": str(threads)}  # a default: the kernel's own stays
+    )
+    hora = {
+        **rank_env(rank, size, master_port=master_port), **own.to_environ(),
+        "PYTHONUNBUFFERED": "1", "MPLBACKEND": INLINE_MPL, **placed,
+    }  # fmt: skip
+    return layered_env(base, strip=_STRIP, rank=hora, defaults=("OMP_NUM_THREADS",))
 
 
 ENGINE_CHANNELS = ("control", "mux", "task", "iopub", "hb_ping", "hb_pong")

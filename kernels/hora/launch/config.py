@@ -16,7 +16,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from hora.env import LAUNCHER_VARS, RankEnv, new_rdzv_secret, rank_env
+from hora.env import (
+    LAUNCHER_VARS,
+    TORCHRUN_DEFAULTS,
+    RankEnv,
+    layered_env,
+    new_rdzv_secret,
+    rank_env,
+)
 from hora.errors import SpecError
 
 PROG = "hora run"
@@ -337,9 +344,10 @@ def build_rank_envs(
     """Return the full environment of every rank, in rank order.
 
     Each is ``base_env`` without a parent launcher's world variables, plus
-    :func:`hora.env.rank_env` for that rank, plus :func:`launch_extra`. Python output is made
-    unbuffered (so lines stream live through the rank prefixer) and ``OMP_NUM_THREADS`` set to 1,
-    as torchrun does, unless the base environment already sets them.
+    :func:`hora.env.rank_env` for that rank, plus :func:`launch_extra` (layered by
+    :func:`hora.env.layered_env`). Python output is made unbuffered (so lines stream live
+    through the rank prefixer) and ``OMP_NUM_THREADS`` set to 1, as torchrun does, unless the
+    base environment already sets them (:data:`hora.env.TORCHRUN_DEFAULTS`).
 
     Args:
         config: the launch description.
@@ -356,13 +364,14 @@ def build_rank_envs(
         >>> [e["RANK"] for e in envs]
         ['0', '1']
     """
-    base = {k: v for k, v in base_env.items() if k not in LAUNCHER_VARS}
-    base.setdefault("PYTHONUNBUFFERED", "1")
-    base.setdefault("OMP_NUM_THREADS", "1")
     secret = RankEnv(rdzv_secret=rdzv_secret or new_rdzv_secret())
     extra = {**launch_extra(config), **secret.to_environ()}
-    return [
-        {**base, **rank_env(r, config.np, master_addr=config.master_addr,
-                            master_port=master_port, extra=extra)}
+    worlds = (
+        rank_env(r, config.np, master_addr=config.master_addr, master_port=master_port, extra=extra)
         for r in range(config.np)
-    ]
+    )
+    return [
+        layered_env(base_env, strip=LAUNCHER_VARS, rank={**TORCHRUN_DEFAULTS, **world},
+                    defaults=TORCHRUN_DEFAULTS)
+        for world in worlds
+    ]  # fmt: skip

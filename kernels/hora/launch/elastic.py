@@ -35,7 +35,14 @@ from pathlib import Path
 from typing import IO, Any, cast
 
 from hora.contract import preflight_pipe
-from hora.env import LAUNCHER_VARS, RankEnv, new_rdzv_secret, rank_env
+from hora.env import (
+    LAUNCHER_VARS,
+    TORCHRUN_DEFAULTS,
+    RankEnv,
+    layered_env,
+    new_rdzv_secret,
+    rank_env,
+)
 from hora.errors import SpecError
 from hora.launch import elastic_rdzv as rdzv
 from hora.launch import procs
@@ -213,9 +220,7 @@ class ElasticDriver:
     def _spawn(self, host: str, why: str) -> None:
         number = len(self.workers)
         wid = f"w{number}"
-        env = {**self.base, **self._worker_env(wid, host)}
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        env.setdefault("OMP_NUM_THREADS", "1")
+        env = self.worker_env(wid, host)
         pipe = preflight_pipe(env)  # the service's pipe for rank 0's preflight figures
         proc = subprocess.Popen(list(self.config.command), env=env, cwd=self.cwd,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -233,7 +238,12 @@ class ElasticDriver:
         self.workers[wid] = w
         log.info("started worker %s (pid %d) on %s: %s", wid, proc.pid, host, why)
 
-    def _worker_env(self, wid: str, host: str) -> dict[str, str]:
+    def worker_env(self, wid: str, host: str) -> dict[str, str]:
+        """The environment of worker ``wid`` on ``host`` (its rank is the generation's)."""
+        hora = {**self._worker_world(wid, host), **TORCHRUN_DEFAULTS}
+        return layered_env(self.base, rank=hora, defaults=TORCHRUN_DEFAULTS)
+
+    def _worker_world(self, wid: str, host: str) -> dict[str, str]:
         n = self.config.np
         rank = min(len(self.workers), n - 1)  # replaced at hvd.init() by the generation's
         extra = {"HOROVOD_ELASTIC": "1", "HOROVOD_HOSTNAME": host}

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import psutil
-from hora.env import RankEnv, rank_env
+from hora.env import Account, RankEnv, layered_env, rank_env
 from hora.procs import signal_group
 
 from hora_service.elastic import hosts_arg
@@ -76,34 +76,25 @@ def allowed_env(service_env: Mapping[str, str], passthrough: Sequence[str] = ())
 def rank_environment(plan: AttemptPlan, rank: int, base: Mapping[str, str]) -> dict[str, str]:
     """The environment of rank ``rank``.
 
-    ``base`` (the service's :func:`allowed_env`), then the job account's ``HOME``, ``USER``
-    and ``LOGNAME`` in multi-user mode, then the job's ``env``, then what hora sets (which
-    wins): the rank contract (:class:`hora.env.RankEnv`), ``CUDA_VISIBLE_DEVICES`` of
-    **all** the job's GPUs on this host (empty on CPU slots; every rank sees every GPU of
-    the job, so NCCL can use CUDA IPC / NVLink between them, and ``hora.torch.init()``
-    pins each rank to ``cuda:LOCAL_RANK``), ``HORA_SLOTS`` (this rank's own; ``HORA_GPU`` too on
-    GPU slots), ``HORA_JOB_ID``,
+    Layered by :func:`hora.env.layered_env`: ``base`` (the service's :func:`allowed_env`),
+    then the job account's ``HOME``, ``USER`` and ``LOGNAME`` in multi-user mode, then the
+    job's ``env``, then what hora sets (which wins): the rank contract
+    (:class:`hora.env.RankEnv`), ``CUDA_VISIBLE_DEVICES`` of **all** the job's GPUs on this
+    host (empty on CPU slots; every rank sees every GPU of the job, so NCCL can use CUDA IPC
+    / NVLink between them, and ``hora.torch.init()`` pins each rank to ``cuda:LOCAL_RANK``),
+    ``HORA_SLOTS`` (this rank's own; ``HORA_GPU`` too on GPU slots), ``HORA_JOB_ID``,
     ``HORA_RESTART_COUNT`` (0 on the first attempt), ``HORA_ATTEMPT`` (the attempt's
     containment tag), ``HORA_RDZV_SECRET`` (the attempt's rendezvous secret, which seals
-    its store) and ``PYTHONUNBUFFERED=1`` so that logs stream as they are written.
+    its store), ``PYTHONUNBUFFERED=1`` so that logs stream as they are written, and the
+    service's ``HORA_PREFLIGHT*`` settings (``plan.preflight_env``; the job's own
+    ``HORA_PREFLIGHT`` wins, so it may turn its preflight off).
     """
-    env = dict(base)
-    if plan.run_as is not None:
-        env.update(HOME=str(plan.run_as.home), USER=plan.run_as.user, LOGNAME=plan.run_as.user)
-    env.update(plan.spec.env)
     n = plan.ranks
-    env.update(
-        rank_env(
-            rank,
-            n,
-            local_rank=rank,
-            local_size=n,
-            master_addr="127.0.0.1",
-            master_port=plan.master_port,
-        )
-    )
+    world = rank_env(
+        rank, n, local_rank=rank, local_size=n, master_addr="127.0.0.1",
+        master_port=plan.master_port,
+    )  # fmt: skip
     gpus = ",".join(map(str, plan.slots)) if plan.slot_kind == "gpu" else ""
-    env["CUDA_VISIBLE_DEVICES"] = gpus
     slots = ",".join(map(str, plan.rank_slots(rank)))
     own = RankEnv(
         slots=slots,
@@ -113,11 +104,18 @@ def rank_environment(plan: AttemptPlan, rank: int, base: Mapping[str, str]) -> d
         attempt=plan.container.tag if plan.container is not None else None,
         rdzv_secret=plan.rdzv_secret or None,
     )
-    env.update(own.to_environ())
-    env["PYTHONUNBUFFERED"] = "1"
-    for key, value in plan.preflight_env:  # the job may turn its own preflight off
-        env[key] = env.get(key, value) if key == RankEnv.var("preflight") else value
-    return env
+    hora = {
+        **world, "CUDA_VISIBLE_DEVICES": gpus, **own.to_environ(), "PYTHONUNBUFFERED": "1",
+        **dict(plan.preflight_env),
+    }  # fmt: skip
+    who = plan.run_as
+    return layered_env(
+        base,
+        account=Account(user=who.user, home=str(who.home)) if who is not None else None,
+        job=plan.spec.env,
+        rank=hora,
+        defaults=(RankEnv.var("preflight"),),  # the job may turn its own preflight off
+    )
 
 
 def launch_file(plan: AttemptPlan, rank: int, base: Mapping[str, str]) -> LaunchFile:
