@@ -25,10 +25,9 @@ from pydantic import ValidationError
 from hora.client_config import ClientConfig, config_path, load_config, save_config
 from hora.errors import HoraError, SpecError
 from hora.export import DEFAULT_EXPORT, Export, client_python, with_export
+from hora.service_wire import Health, JobList, JobScaling
 from hora.spec import JobInfo, JobSpec, JobState, QueueEntry, SlotInfo, error_message
-
-_LOG_EVENT = "message"
-
+from hora.sse import SseEvent, parse_sse
 
 __all__ = [
     "Client",
@@ -253,7 +252,8 @@ class Client:
         if state:
             params["state"] = JobState(state).value
         data = self.request("GET", "/v1/jobs", params=params).json()
-        return [JobInfo.model_validate(j) for j in data["items"]], int(data["total"])
+        page = JobList[JobInfo].model_validate(data)
+        return page.items, page.total
 
     def handoff(self, session_id: int, spec: JobSpec) -> Job:
         """Submit ``spec`` and hand it the running session's slots (the session stops)."""
@@ -276,22 +276,21 @@ class Client:
             raise
         return [QueueEntry.model_validate(e) for e in data]
 
-    def scaling(self, job_id: int) -> dict[str, Any]:
+    def scaling(self, job_id: int) -> JobScaling:
         """A job's scaling report from its timeline (``GET /v1/jobs/{id}/scaling``).
 
         Raises:
             ServiceError: 404 when the job is not yours or has no timeline.
         """
-        return dict(self.request("GET", f"/v1/jobs/{job_id}/scaling").json())
+        return JobScaling.model_validate(self.request("GET", f"/v1/jobs/{job_id}/scaling").json())
 
     def gpus(self) -> list[SlotInfo]:
         """Every GPU / CPU slot and who holds it; then the parked sessions (holding none)."""
-        rows = self.request("GET", "/v1/gpus").json()
-        return [SlotInfo.model_validate(row) for row in rows]
+        return [SlotInfo.model_validate(row) for row in self.request("GET", "/v1/gpus").json()]
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> Health:
         """The service's ``/healthz`` answer (no token needed)."""
-        return dict(self.request("GET", "/healthz").json())
+        return Health.model_validate(self.request("GET", "/healthz").json())
 
     def read_logs(
         self, job_id: int, rank: int = 0, offset: int = 0, attempt: int | None = None
@@ -357,7 +356,7 @@ class Client:
                     raise
                 time.sleep(min(0.2 * 2**failures, 3.0))
 
-    def _sse(self, path: str, params: dict[str, Any]) -> Iterator[_Event]:
+    def _sse(self, path: str, params: dict[str, Any]) -> Iterator[SseEvent]:
         full = f"{self.url}{path}"
         timeout = httpx.Timeout(self._http.timeout.connect or 30.0, read=None)
         try:
@@ -518,51 +517,6 @@ def parse_spec(data: Mapping[str, Any]) -> JobSpec:
         err = e.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or "spec"
         raise SpecError(field, error_message(err)) from None
-
-
-@dataclass
-class _Event:
-    event: str = _LOG_EVENT
-    data: str = ""
-    id: str | None = None
-
-
-def parse_sse(lines: Iterator[str]) -> Iterator[_Event]:
-    """Parse Server-Sent Events from text lines (``event:``, ``data:``, ``id:``, comments).
-
-    Args:
-        lines: the stream's lines without line terminators.
-
-    Yields:
-        One event per blank-line-terminated block that carried data or an event name.
-
-    Example:
-        >>> [e.data for e in parse_sse(iter(["id: 3", 'data: "abc"', ""]))]
-        ['"abc"']
-    """
-    ev, seen = _Event(), False
-    data: list[str] = []
-    for line in lines:
-        if not line:
-            if seen:
-                ev.data = "\n".join(data)
-                yield ev
-            ev, data, seen = _Event(), [], False
-            continue
-        if line.startswith(":"):
-            continue
-        key, _, value = line.partition(":")
-        value = value[1:] if value.startswith(" ") else value
-        if key == "data":
-            data.append(value)
-            seen = True
-        elif key == "event":
-            ev.event, seen = value, True
-        elif key == "id":
-            ev.id = value
-    if seen:
-        ev.data = "\n".join(data)
-        yield ev
 
 
 def _raise_for_status(resp: httpx.Response) -> None:

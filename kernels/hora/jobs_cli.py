@@ -401,7 +401,8 @@ def cmd_scaling(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """``hora scaling ID``: the job's scaling report, from its timeline."""
     with _client(args) as client:
         report = client.scaling(args.job_id)
-    _out(out, (json.dumps(report, indent=2) if args.json else scaling_text(report)) + "\n")
+    data = report.model_dump(mode="json")
+    _out(out, (json.dumps(data, indent=2) if args.json else scaling_text(report)) + "\n")
     return 0
 
 

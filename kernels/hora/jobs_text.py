@@ -12,6 +12,7 @@ from typing import Any
 
 from hora.client import JobInfo
 from hora.scaling import fmt_bytes
+from hora.service_wire import JobScaling
 from hora.spec import ElasticInfo, JobState, SlotInfo
 
 
@@ -209,20 +210,21 @@ def gpus_table(slots: Sequence[SlotInfo]) -> str:
     return format_table(["SLOT", "KIND", "NAME", "JOB", "USER", "HOLDER"], rows)
 
 
-def scaling_text(report: dict[str, Any]) -> str:
+def scaling_text(report: JobScaling) -> str:
     """The ``hora scaling`` view: one row per rank, then the verdict line.
 
     Example:
-        >>> print(scaling_text({"rows": [{"rank": 0, "wall s": "1.000"}],
-        ...                     "verdict": "slowest rank 0 (balanced)"}))
+        >>> print(scaling_text(JobScaling(
+        ...     timeline="t.json", ranks=[], slowest=0, why="balanced", efficiency=1.0,
+        ...     rows=[{"rank": 0, "wall s": "1.000"}], verdict="slowest rank 0 (balanced)")))
         RANK  WALL S
         0     1.000
         slowest rank 0 (balanced)
     """
-    rows = report.get("rows") or []
+    rows = report.rows
     headers = list(rows[0]) if rows else []
     table = format_table([h.upper() for h in headers], [[r[h] for h in headers] for r in rows])
-    return f"{table}\n{report.get('verdict', '')}"
+    return f"{table}\n{report.verdict}"
 
 
 def _short(text: str, width: int = 60) -> str:

@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from hora.errors import SpecError
-from hora.scaling import RankProfile, from_trace, preflight_busbw
+from hora.scaling import from_trace, preflight_busbw
+from hora.service_wire import JobScaling
 from hora.spec import RuntimeName
 from hora.timeline_merge import part_path
-from pydantic import BaseModel, Field
 
 from hora_service.jobfiles import Account, UntrustedJobFile, open_dir, read_at, relative_to_root
 from hora_service.jobpreflight import job_preflight
@@ -34,20 +34,6 @@ from hora_service.models import JobRecord
 
 MAX_BYTES = 32 << 20  # the merged trace and its parts together
 VAR = "HOROVOD_TIMELINE"
-
-
-class JobScaling(BaseModel):
-    """A job's scaling report from its timeline (:mod:`hora.scaling` defines each figure)."""
-
-    timeline: str = Field(description="the merged trace file it was computed from")
-    ranks: list[RankProfile]
-    slowest: int = Field(description="the rank with the most compute + transfer")
-    why: str = Field(description="compute or communication, and by how much")
-    efficiency: float = Field(description="the median rank's compute / the slowest wall time")
-    preflight_busbw_gbps: float | None = None
-    notes: list[str] = []
-    rows: list[dict[str, Any]] = Field(description="the table as %%distributed --profile shows it")
-    verdict: str
 
 
 def _lines(data: bytes) -> list[dict[str, Any]]:

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import hora
+import httpx
 import pytest
 from helpers.service_server import ServiceServer, free_port, write_scripts
 from hora.client import Client, JobWaitTimeout, ServiceError, ServiceUnavailable
@@ -281,6 +282,23 @@ def test_client_errors_are_hora_errors(server: ServiceServer, client: Client) ->
         client.submit(["python"], workers=0)
     with Client(f"http://127.0.0.1:{free_port()}", "t") as down, pytest.raises(ServiceUnavailable):
         down.health()
+
+
+def test_the_client_answers_with_the_service_s_models(
+    server: ServiceServer, client: Client, scripts: dict[str, Path]
+) -> None:
+    from hora.service_wire import Health, JobList
+    from hora.spec import JobInfo
+
+    done = [client.submit([PY, str(scripts["hello"])]).wait(timeout=60) for _ in range(2)]
+    health = client.health()
+    assert isinstance(health, Health) and health == Health(status="ok", version=hora.__version__)
+    jobs, total = client.jobs(limit=1)
+    raw = httpx.get(f"{server.url}/v1/jobs", params={"limit": 1}, headers=server.auth("ann"))
+    page = JobList[JobInfo].model_validate(raw.json())
+    assert (jobs, total) == (page.items, page.total) and total >= 2 and page.next_offset == 1
+    assert all(type(j) is JobInfo for j in jobs) and jobs[0].id == done[-1].id
+    assert jobs[0].model_dump(mode="json") == raw.json()["items"][0]  # every field kept
 
 
 def test_client_reads_env_and_config(

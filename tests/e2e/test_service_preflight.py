@@ -26,17 +26,20 @@ efficiency is about 0.6 (0.3..0.8), and the bandwidth is compared with the prefl
 from __future__ import annotations
 
 import io
+import json
 import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import hora
 import httpx
 import pytest
 from helpers.known_share import REDUCED, SCRIPT, baseline_env
 from helpers.service_server import ServiceServer, wait_state
 from hora import jobs_cli
+from hora.service_wire import JobScaling
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -122,6 +125,12 @@ def test_a_job_s_scaling_report_from_its_timeline(
     lines = out.getvalue().splitlines()
     assert lines[0].split()[:3] == ["RANK", "WALL", "S"] and lines[1].split()[0] == "0"
     assert lines[-1] == report["verdict"]
+    with hora.Client(srv.url, srv.tokens["ann"]) as client:
+        typed = client.scaling(jid)  # the same answer as the service's own model
+    assert typed == JobScaling.model_validate(report) and typed.model_dump(mode="json") == report
+    out = io.StringIO()
+    assert jobs_cli.main([*argv, "--json"], out, err) == 0, err.getvalue()
+    assert json.loads(out.getvalue()) == report
 
 
 def test_an_admin_threshold_fails_the_job_naming_the_rank(tmp_path: Path) -> None:

@@ -21,7 +21,6 @@ from hora.client import (
     _raise_for_status,
     load_config,
     parse_spec,
-    parse_sse,
     render_detail,
     save_config,
 )
@@ -29,6 +28,7 @@ from hora.errors import EngineRunning, SpecError
 from hora.jobs_cli import build_parser, main, parse_env, spec_from_args
 from hora.jobs_text import age, format_table, status_text
 from hora.spec import JobState
+from hora.sse import parse_sse
 
 
 def _closed_port() -> int:

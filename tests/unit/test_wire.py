@@ -108,3 +108,66 @@ def test_a_session_has_ended_exactly_when_its_state_is_terminal(state: JobState)
         "created_at": "2026-01-01T00:00:00Z", "lease_s": 30, "added_later": 1,
     }  # fmt: skip
     assert SessionInfo.model_validate(data).ended is state.terminal
+
+
+def test_the_client_s_bodies_are_the_service_s_classes() -> None:
+    import hora.service_wire as w
+    import hora_service.api.jobs
+    import hora_service.api.system
+    import hora_service.jobtrace
+
+    assert hora_service.api.system.Health is w.Health
+    assert hora_service.jobtrace.JobScaling is w.JobScaling
+    assert issubclass(hora_service.api.jobs.JobList, w.JobList)
+    fields = hora_service.api.jobs.JobList.model_fields
+    assert list(fields) == list(w.JobList.model_fields)  # the page's fields are declared once
+    assert fields["items"].annotation == list[JobRecord]
+
+
+def test_a_page_of_jobs_the_service_emits_reads_back(mgr: JobManager) -> None:
+    from hora.service_wire import JobList
+
+    for _ in range(3):
+        mgr.submit("ann", JobSpec(command=["python", "train.py"], workers=1))
+    mgr.tick()
+    body = mgr.list_json(None, None, 2, 0)  # GET /v1/jobs's body, as the service sends it
+    page = JobList[JobInfo].model_validate_json(body)
+    assert (page.total, page.limit, page.offset, page.next_offset) == (3, 2, 0, 2)
+    assert [j.id for j in page.items] == [3, 2]  # newest first
+    records = [mgr.get(j.id) for j in page.items]
+    assert [j.model_dump(mode="json") for j in page.items] == [wire(r) for r in records]
+    last = JobList[JobInfo].model_validate_json(mgr.list_json(None, None, 2, 2))
+    assert [j.id for j in last.items] == [1] and last.next_offset is None
+
+
+def test_a_scaling_report_the_service_emits_reads_back(mgr: JobManager, tmp_path: Path) -> None:
+    from hora.jobs_text import scaling_text
+    from hora.service_wire import JobScaling
+    from hora_service.jobtrace import job_scaling
+    from test_scaling import S, ev
+
+    trace = [ev(0, "ALLREDUCE", 0.2 * S, 0.9 * S), ev(1, "ALLREDUCE", 1.0 * S, 0.1 * S)]
+    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": trace}))
+    env = {"HOROVOD_TIMELINE": "trace.json"}  # under the work root, the job's working dir
+    spec = JobSpec(command=["python", "train.py"], workers=2, env=env)
+    job = mgr.submit("ann", spec)
+    record = mgr.get(job.id)
+    assert record is not None
+    report = job_scaling(mgr, record)  # what GET /v1/jobs/{id}/scaling answers
+    assert report is not None
+    data = wire(report)
+    back = JobScaling.model_validate(data)
+    assert back == report and back.model_dump(mode="json") == data
+    assert back.rows[1]["rank"] == 1 and back.rows[1]["reduced"] == "1.0 MiB"
+    assert [r.rank for r in back.ranks] == [0, 1] and back.slowest == 1
+    assert scaling_text(back).splitlines()[-1] == back.verdict.strip()
+
+
+@pytest.mark.parametrize("reason", [None, "the store is not writable"])
+def test_a_health_answer_reads_back(reason: str | None) -> None:
+    import hora
+    from hora.service_wire import Health
+
+    sent = Health(status="degraded" if reason else "ok", version=hora.__version__, reason=reason)
+    data = sent.model_dump(exclude_none=True)  # as /healthz sends it
+    assert Health.model_validate(json.loads(json.dumps(data))) == sent

@@ -12,15 +12,16 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, Response
+from hora import service_wire
 from hora.errors import HoraError, SpecError
+from hora.service_wire import JobScaling
 from hora.spec import JobSpec, JobState
-from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from hora_service.api.deps import CurrentUser, ManagerDep, OwnedJob
 from hora_service.api.errors import AUTH_RESPONSES, JOB_RESPONSES, unprocessable
 from hora_service.jobpreflight import job_preflight
-from hora_service.jobtrace import JobScaling, job_scaling
+from hora_service.jobtrace import job_scaling
 from hora_service.models import JobRecord
 from hora_service.queueview import job_queue
 from hora_service.store import StoreUnavailable
@@ -31,18 +32,13 @@ MAX_OFFSET = 10**9
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 
-class JobList(BaseModel):
-    """One page of jobs, newest first."""
+class JobList(service_wire.JobList[JobRecord]):
+    """One page of jobs, newest first.
 
-    items: list[JobRecord]
-    total: int
-    limit: int
-    offset: int
-    next_offset: int | None = Field(
-        default=None,
-        description="where the next page starts (null after the last); a page may hold "
-        "fewer than limit jobs when it reaches the service's max_page_bytes",
-    )
+    :class:`hora.service_wire.JobList` of the service's records, named so that the API's
+    schema calls it ``JobList`` as before (a parametrized model's name would be
+    ``JobList_JobRecord_``).
+    """
 
 
 @router.post(

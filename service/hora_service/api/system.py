@@ -13,8 +13,8 @@ from __future__ import annotations
 import hora
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
+from hora.service_wire import Health
 from prometheus_client.registry import CollectorRegistry
-from pydantic import BaseModel, Field
 
 from hora_service.api.deps import CurrentUser, ManagerDep
 from hora_service.api.errors import AUTH_RESPONSES
@@ -25,14 +25,6 @@ from hora_service.models import MetricsSnapshot, SlotInfo
 from hora_service.queueview import waiting_metrics
 
 router = APIRouter()
-
-
-class Health(BaseModel):
-    """The answer of ``/healthz``."""
-
-    status: str = Field(description="ok or degraded")
-    version: str
-    reason: str | None = Field(default=None, description="why it is degraded")
 
 
 @router.get(
