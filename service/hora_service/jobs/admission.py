@@ -17,7 +17,7 @@ from hora.spec import JobKind, JobSpec, JobState, ParkInfo, RuntimeName, SlotKin
 from sqlalchemy import Connection
 
 from hora_service.elastic import python
-from hora_service.jobs.attempt import _outside
+from hora_service.jobs.attempt import runs_outside
 from hora_service.jobs.core import ManagerCore
 from hora_service.journal import Write
 from hora_service.models import JobRecord
@@ -104,7 +104,7 @@ class Admission(ManagerCore):
         total, need = len(self.inventory), spec.total_gpus
         unit = "GPUs" if self._kind == SlotKind.gpu else "slots"
         field = "workers" if spec.gpus_per_worker == 1 else "gpus_per_worker"
-        if need > total and not _outside(spec):
+        if need > total and not runs_outside(spec):
             raise SpecError(
                 field,
                 f"asks for {need} {unit} ({spec.workers} workers x {spec.gpus_per_worker}); "

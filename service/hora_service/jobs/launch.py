@@ -23,7 +23,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from hora_service import identity
 from hora_service.elastic import driver_argv
 from hora_service.jobs.admission import Admission
-from hora_service.jobs.attempt import Attempt, _box_of, held_reason
+from hora_service.jobs.attempt import Attempt, container_of, held_reason
 from hora_service.jobs.elastic_slots import ElasticSlots
 from hora_service.journal import Write
 from hora_service.models import JobRecord
@@ -105,7 +105,7 @@ class Launch(ElasticSlots, Admission):
         why = held_reason(ranks, queue) if queue is not None else None
         if why is not None:  # `queued`, with the runtime's reason, until its queue runs it
             attempt.held, attempt.held_why = True, why
-            self._write(Write(job.id, JobState.queued, started, why, _box_of(ranks)))
+            self._write(Write(job.id, JobState.queued, started, why, container_of(ranks)))
         else:
             self._running(attempt)
 
@@ -129,7 +129,7 @@ class Launch(ElasticSlots, Admission):
         more = {"elastic": attempt.elastic.info} if attempt.elastic is not None else {}
         self._set_state(
             attempt.job_id, JobState.running, running, None,
-            started_at=running, **_box_of(attempt.ranks), **more,
+            started_at=running, **container_of(attempt.ranks), **more,
         )  # fmt: skip
         if attempt.plan.attempt == 1:
             latency = running - attempt.created
