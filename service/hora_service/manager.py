@@ -17,7 +17,7 @@ A slot is held until every process of the attempt holding it is gone: when an at
 ends (success, failure, cancel, timeout), the runtime kills whatever is left in its process
 container (:meth:`Runtime.clear`), and the slots are freed only once it reports the container
 empty. Jobs run as their user's OS account in multi-user mode (:mod:`hora_service.identity`),
-with an environment built from an allow-list (:func:`~hora_service.runtimes.local.allowed_env`).
+with an environment built from an allow-list (:func:`~hora_service.runtimes.core.allowed_env`).
 
 The code is cut by role into :mod:`hora_service.jobs` (admission, reads, slots, the monitor
 loop, elastic slots, launching, recovery, and the core with the journaled writes), each a
@@ -27,7 +27,7 @@ rest of the service imports the manager and its types from.
 
 from __future__ import annotations
 
-from hora_service.jobs.attempt import Attempt, Holder, QueueView, _box_of, _outside, describe
+from hora_service.jobs.attempt import Attempt, Holder, QueueView, describe
 from hora_service.jobs.core import (
     CACHE_MAX,
     LATENCY_WINDOW,
@@ -51,8 +51,6 @@ __all__ = [
     "JobManager",
     "ManagerCore",
     "QueueView",
-    "_box_of",
-    "_outside",
     "describe",
 ]
 

@@ -38,17 +38,21 @@ class OverLimit(HoraError):
 
 
 def within_running_limit(
-    ready: Sequence[Pending], running: Mapping[str, int], limit: int | None
+    ready: Sequence[Pending],
+    running: Mapping[str, int],
+    limit: int | None,
+    ordered: bool = False,
 ) -> list[Pending]:
     """The ready jobs that may start without any user passing ``limit`` running jobs.
 
     Each user keeps their first ``limit - running`` jobs in queue order; the rest wait.
+    ``ordered``: ``ready`` is already in :func:`queue_order` (the answer keeps the order).
     """
     if limit is None:
         return list(ready)
     room = {user: limit - n for user, n in running.items()}
     out = []
-    for job in sorted(ready, key=queue_order):
+    for job in ready if ordered else sorted(ready, key=queue_order):
         left = room.get(job.user, limit)
         if left > 0:
             room[job.user] = left - 1

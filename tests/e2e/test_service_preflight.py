@@ -159,7 +159,7 @@ def test_an_admin_threshold_fails_the_job_naming_the_rank(tmp_path: Path) -> Non
 def test_the_ranks_are_asked_unless_the_job_says_no(tmp_path: Path) -> None:
     from hora.spec import JobSpec
     from hora_service.runtimes.base import AttemptPlan
-    from hora_service.runtimes.local import rank_environment
+    from hora_service.runtimes.core import rank_environment
 
     asked = (("HORA_PREFLIGHT", "1"), ("HORA_PREFLIGHT_FAIL_BELOW", "0.3"))
 

@@ -15,7 +15,8 @@ import pytest
 from hora.spec import JobSpec, JobState
 from hora_service.manager import JobManager
 from hora_service.runtimes import AttemptPlan, Exit, RankProcess
-from hora_service.runtimes.local import AdoptedRank, LocalRuntime, read_pid
+from hora_service.runtimes.core import read_pid
+from hora_service.runtimes.local import AdoptedRank, LocalRuntime
 from hora_service.runtimes.paths import JobPaths
 from hora_service.settings import Settings
 

@@ -7,6 +7,7 @@ between passes is seen by the next one.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -44,3 +45,43 @@ def test_a_pass_reads_the_users_once_and_the_next_pass_afresh(mgr: JobManager) -
         conn.execute(text("UPDATE users SET gpu_quota = 2 WHERE name = 'ann'"))
     mgr.tick()
     assert seen[3:] == [2, 2, 2] and len(reads) == 4
+
+
+def test_a_pass_with_no_free_slot_reads_no_user(tmp_path: Path) -> None:
+    # every slot is held by another holder on the machine (real forked lease holders): nothing
+    # can start, so the pass does not pay for the users' quotas under the manager's lock
+    from helpers.lease_holder import Holder
+    from hora.leases import LeaseDir
+    from hora.spec import JobSpec
+
+    settings = Settings(
+        data_dir=tmp_path / "data", work_root=tmp_path, gpus="0,1", lease_dir=tmp_path / "l"
+    )
+    m = JobManager(settings)
+    store = m.open_store()
+    m.users.create("ann")
+    machine = LeaseDir(tmp_path / "l")
+    machine.ready()
+    holders = [Holder(machine, m.leases.name(s.index)) for s in m.inventory]
+    try:
+        assert all(h.took for h in holders)
+        job = m.submit("ann", JobSpec(command=["true"], workers=2))
+        reads: list[int] = []
+        real = store.users
+
+        def counted() -> list:  # type: ignore[type-arg]
+            reads.append(1)
+            return real()
+
+        store.users = counted  # type: ignore[method-assign]
+        with m._lock:
+            m._schedule(time.time())
+        assert reads == [] and job.id in m._pending
+        holders.pop().kill()  # one slot frees: the job (2 workers) still cannot start
+        with m._lock:
+            m._schedule(time.time())
+        assert reads == [1] and job.id in m._pending
+    finally:
+        for h in holders:
+            h.kill()
+        m.close_store()

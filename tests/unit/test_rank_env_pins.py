@@ -20,8 +20,8 @@ from hora.spec import JobSpec
 from hora_service.identity import RunAs
 from hora_service.runtimes import AttemptPlan
 from hora_service.runtimes.containment import Container
+from hora_service.runtimes.core import rank_environment
 from hora_service.runtimes.docker import container_env
-from hora_service.runtimes.local import rank_environment
 
 Items = list[tuple[str, str]]
 PREFLIGHT = (("HORA_PREFLIGHT", "1"), ("HORA_PREFLIGHT_FAIL_BELOW", "0.5"))

@@ -22,8 +22,8 @@ from hora.torch._sealed import RendezvousForgery, SealedStore, seal_name, store_
 from hora_service.identity import RunAs
 from hora_service.runtimes import namespaces
 from hora_service.runtimes.base import AttemptPlan
+from hora_service.runtimes.core import rank_environment
 from hora_service.runtimes.docker import DockerConfig, network_mode
-from hora_service.runtimes.local import rank_environment
 
 
 def test_a_sealed_store_hides_names_and_values() -> None:

@@ -24,13 +24,8 @@ from hora_service.inventory import detect_gpus, inventory, parse_nvidia_smi, tor
 from hora_service.manager import JobManager
 from hora_service.runtimes import AttemptPlan, Exit, RankProcess, Runtime, shim
 from hora_service.runtimes.base import RankStatus
-from hora_service.runtimes.local import (
-    SHIM,
-    allowed_env,
-    launch_file,
-    rank_argv,
-    rank_environment,
-)
+from hora_service.runtimes.core import allowed_env, rank_environment
+from hora_service.runtimes.local import SHIM, launch_file, rank_argv
 from hora_service.settings import Settings
 from hora_service.store import MIGRATIONS, SCHEMA_VERSION, Store, StoreError, token_hash
 

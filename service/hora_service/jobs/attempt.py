@@ -83,7 +83,7 @@ def held_reason(ranks: list[RankProcess], runtime: str) -> str | None:
     return f"{runtime}: {why if why not in ('', 'None') else 'pending'}"
 
 
-def _box_of(ranks: list[RankProcess]) -> dict[str, object]:
+def container_of(ranks: list[RankProcess]) -> dict[str, object]:
     """The ``container_id`` field of a job record: its ranks' container (or Slurm job)."""
     boxes = {r.container_id for r in ranks if r.container_id is not None}
     return {"container_id": next(iter(sorted(boxes)), None)}
@@ -130,7 +130,7 @@ class QueueView:
     over_quota: bool
 
 
-def _outside(spec: JobSpec) -> bool:
+def runs_outside(spec: JobSpec) -> bool:
     """The job runs on resources its runtime owns (Slurm's nodes), not the service's slots."""
     return spec.runtime == RuntimeName.slurm
 

@@ -21,14 +21,14 @@ from hora_service import identity, runtimes
 from hora_service.bounds import Bounds
 from hora_service.inventory import Slot, inventory
 from hora_service.jobpreflight import PreflightBook
-from hora_service.jobs.attempt import Attempt, _outside
+from hora_service.jobs.attempt import Attempt, runs_outside
 from hora_service.jobs.leases import DataDirLock, SlotLeases
 from hora_service.journal import Journal, Write
 from hora_service.models import JobRecord
 from hora_service.reasons import ReasonBoard
 from hora_service.runtimes import Runtime
 from hora_service.runtimes.containment import Containment, instance_id
-from hora_service.runtimes.local import allowed_env
+from hora_service.runtimes.core import allowed_env
 from hora_service.scheduler import Pending
 from hora_service.settings import Settings
 from hora_service.store import Store, is_unavailable
@@ -143,7 +143,7 @@ class ManagerCore:
             self._cache.pop(job_id, None)
 
     def _enqueue(self, job_id: int, user: str, spec: JobSpec, due: float | None) -> None:
-        need = 0 if _outside(spec) else spec.total_gpus
+        need = 0 if runs_outside(spec) else spec.total_gpus
         pending = Pending(job_id, user, need, PRIORITY_RANK[spec.priority], spec.timeout_s)
         with self._lock:
             self._pending[job_id] = (pending, due)

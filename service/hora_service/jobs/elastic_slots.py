@@ -26,7 +26,7 @@ from hora_service.journal import Write
 from hora_service.models import JobRecord
 from hora_service.runtimes import AttemptPlan
 from hora_service.runtimes.base import prepare_run_dir
-from hora_service.runtimes.local import read_pid
+from hora_service.runtimes.core import read_pid
 from hora_service.runtimes.runfiles import UntrustedRunFile
 from hora_service.scheduler import Pending
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 
 from hora.errors import EngineRunning, HoraError, SpecError
-from hora.spec import JobState
+from hora.spec import JobKind, JobState
 
 from hora_service.jobpreflight import PreflightFigures
 from hora_service.jobs.attempt import Attempt, describe, held_reason
@@ -28,7 +28,7 @@ from hora_service.models import JobRecord
 from hora_service.quotas import within_running_limit
 from hora_service.runtimes import Exit
 from hora_service.runtimes.base import RankStatus, first_failure, rank_status
-from hora_service.scheduler import INF, Holding, queue_order, schedule
+from hora_service.scheduler import INF, Holding, Placement, queue_order, schedule
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ class Monitor(Recovery):
         (:meth:`replace_engine`); the lease and the idle timeout still end it. Once no
         engine is left, or on another runtime, a death ends the session as it ends a job.
         """
-        if attempt.kind != "session":
+        if attempt.kind != JobKind.session:
             return attempt.codes
         if not self._runtime(attempt.plan.spec.runtime).replaces_ranks:
             return attempt.codes
@@ -225,7 +225,7 @@ class Monitor(Recovery):
         """
         with self._lock:
             attempt = self._attempts.get(session_id)
-            if attempt is None or attempt.kind != "session" or attempt.stop_state is not None:
+            if attempt is None or attempt.kind != JobKind.session or attempt.stop_state is not None:
                 raise HoraError(f"session {session_id} is not running")
             if not 0 <= rank < len(attempt.ranks):
                 last = len(attempt.ranks) - 1
@@ -257,7 +257,7 @@ class Monitor(Recovery):
         A job's rank 0 hands them over at ``hvd.init()`` when asked (``preflight_env``); a
         session's rank 0 engine when ``%dist_start`` measures (unless ``--no-preflight``).
         """
-        if not attempt.plan.preflight_env and attempt.kind != "session":
+        if not attempt.plan.preflight_env and attempt.kind != JobKind.session:
             return None
         plan = attempt.plan
         ended = [c for r, c in enumerate(attempt.codes) if r not in attempt.lost]
@@ -358,9 +358,12 @@ class Monitor(Recovery):
 
     def _schedule(self, now: float) -> None:
         t0 = time.perf_counter()
-        ready = [p for p, due in self._pending.values() if due is None or due <= now]
+        ready = sorted(
+            (p for p, due in self._pending.values() if due is None or due <= now), key=queue_order
+        )  # sorted once: the running limit, the pass and the shrink check keep this order
         running = collections.Counter(a.user for a in self._attempts.values())
-        ready = within_running_limit(ready, running, self.settings.max_running_jobs_per_user)
+        limit_running = self.settings.max_running_jobs_per_user
+        ready = within_running_limit(ready, running, limit_running, ordered=True)
         # jobs whose runtime owns its resources (slurm) take none of the service's slots
         outside = [p for p in ready if p.need == 0]
         ready = [p for p in ready if p.need > 0]
@@ -376,10 +379,12 @@ class Monitor(Recovery):
         used: dict[str, int] = {}
         for a in self._attempts.values():
             used[a.user] = used.get(a.user, 0) + len(a.plan.slots)
-        quotas = self._quotas()
-        default = self.settings.user_gpu_quota
-        limit = None if default is None and not quotas else lambda u: quotas.get(u, default)
-        placements = schedule(ready, free, holding, now, limit, used)
+        placements: list[Placement] = []
+        if free and ready:  # else nothing can start: the users' quotas are not read
+            quotas = self._quotas()
+            default = self.settings.user_gpu_quota
+            limit = None if default is None and not quotas else lambda u: quotas.get(u, default)
+            placements = schedule(ready, free, holding, now, limit, used, ordered=True)
         self._last_pass_s = time.perf_counter() - t0
         placed = {s for p in placements for s in p.slots}
         # slots nobody waits for: elastic jobs grow into them (up to their max_workers)
@@ -394,6 +399,6 @@ class Monitor(Recovery):
         if spare:
             self._grow(spare, now)
         elif len(placements) < len(ready):
-            waiting = sorted((p for p in ready if p.id not in {x.job_id for x in placements}),
-                             key=queue_order)  # fmt: skip
+            started = {x.job_id for x in placements}
+            waiting = [p for p in ready if p.id not in started]  # in queue order
             self._shrink_for(waiting, len(free) - len(placed), now)

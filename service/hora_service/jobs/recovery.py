@@ -17,7 +17,7 @@ from hora.errors import HoraError
 from hora.spec import JobSpec, JobState, RuntimeName
 
 from hora_service.elastic import ElasticRun
-from hora_service.jobs.attempt import Attempt, _outside
+from hora_service.jobs.attempt import Attempt, runs_outside
 from hora_service.jobs.launch import Launch
 from hora_service.runtimes import RankProcess, strays
 from hora_service.scheduler import Pending
@@ -66,7 +66,7 @@ class Recovery(Launch):
                 continue
             spec = JobSpec.model_validate_json(spec_json)
             self._pending[job_id] = (
-                Pending(job_id, user, 0 if _outside(spec) else need, priority, spec.timeout_s),
+                Pending(job_id, user, 0 if runs_outside(spec) else need, priority, spec.timeout_s),
                 retry_at,
             )
         self._dirty = True

@@ -14,7 +14,7 @@ socket); with a service running as root, the container's init and the rank shims
 container's root with only ``CAP_SETUID``, ``CAP_SETGID`` and ``CAP_KILL``, so the run
 directory stays the service's and no rank can rewrite its log or exit file. The ranks run within
 the attempt's memory, pids and CPU limits (:func:`~hora_service.runtimes.limits.docker_limits`)
-and get the rank environment of :func:`~hora_service.runtimes.local.rank_environment`
+and get the rank environment of :func:`~hora_service.runtimes.core.rank_environment`
 over the image's own. Containers carry the labels ``hora.instance``, ``hora.job`` and
 ``hora.attempt``: a restarted service finds its running containers again and removes the ones
 whose attempt has ended. The Engine API is reached through the ``docker`` SDK; what the
@@ -43,6 +43,7 @@ from hora_service.imageref import IMAGE_ID, ImageRef
 from hora_service.reasons import image_reason
 from hora_service.runtimes.base import AttemptPlan, Exit, RankProcess, RankStatus, Runtime
 from hora_service.runtimes.containment import CGROUP_FS, instance_id, tree_cpu_seconds
+from hora_service.runtimes.core import allowed_env, rank_environment, read_exit
 from hora_service.runtimes.docker_images import (
     UNREACHABLE,
     DockerEngineError,
@@ -51,7 +52,6 @@ from hora_service.runtimes.docker_images import (
 )
 from hora_service.runtimes.docker_images import short as _short
 from hora_service.runtimes.limits import Hits, counter, docker_limits, recorded_hits, tmp_mounts
-from hora_service.runtimes.local import ALLOWED, ALLOWED_PREFIXES, rank_environment, read_exit
 from hora_service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -203,13 +203,7 @@ def container_env(
     """
     base = dict(e.split("=", 1) for e in image_env if "=" in e)
     host_only = {"PATH", "HOME", "USER", "LOGNAME"}
-    base.update(
-        {
-            k: v
-            for k, v in service_env.items()
-            if k not in host_only and (k in ALLOWED or k.startswith(ALLOWED_PREFIXES))
-        }
-    )
+    base.update({k: v for k, v in allowed_env(service_env).items() if k not in host_only})
     base.update({k: service_env[k] for k in passthrough if k in service_env and k != "PATH"})
     env = rank_environment(plan, rank, base)
     env["HOME"] = CONTAINER_HOME

@@ -5,9 +5,9 @@ own, so signals reach its whole process group and it outlives a crash of the ser
 shim starts with an empty environment and reads the rank's from a launch file; the rank's
 command runs in the attempt's cgroup (with its limits, :mod:`hora_service.runtimes.limits`)
 as the job's account (``plan.run_as``), and enters its working directory and sets its umask
-only once it runs as that account. The argument
-list and the environment are built by pure functions (:func:`rank_argv`,
-:func:`allowed_env`, :func:`rank_environment`); nothing passes through a shell.
+only once it runs as that account. The argument list (:func:`rank_argv`) and the launch file
+(:func:`launch_file`, with the environment of :func:`~hora_service.runtimes.core.rank_environment`)
+are built by pure functions; nothing passes through a shell.
 """
 
 from __future__ import annotations
@@ -19,28 +19,25 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 
 import psutil
-from hora.env import Account, RankEnv, layered_env, rank_env
 from hora.procs import signal_group
 
 from hora_service.elastic import hosts_arg
 from hora_service.runtimes import namespaces, scratch
 from hora_service.runtimes.base import AttemptPlan, Exit, RankProcess, RankStatus, Runtime
+from hora_service.runtimes.core import rank_environment, read_exit, read_pid, write_pid
 from hora_service.runtimes.launchfile import LaunchFile, private_file
 from hora_service.runtimes.limits import apply_cgroup
 from hora_service.runtimes.paths import JobPaths
-from hora_service.runtimes.runfiles import UntrustedRunFile, read_int
+from hora_service.runtimes.runfiles import UntrustedRunFile
 
 logger = logging.getLogger(__name__)
 
 SHIM = Path(__file__).with_name("shim.py")
 PID_WAIT_S = 5.0
-# what a job inherits from the service's environment (besides what the admin adds)
-ALLOWED = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ")
-ALLOWED_PREFIXES = ("LC_",)
 
 
 def rank_argv(plan: AttemptPlan, rank: int, python: str = sys.executable) -> list[str]:
@@ -56,100 +53,12 @@ def rank_argv(plan: AttemptPlan, rank: int, python: str = sys.executable) -> lis
     return [python, "-I", "-S", str(SHIM), str(plan.run_dir), str(rank)]
 
 
-def allowed_env(service_env: Mapping[str, str], passthrough: Sequence[str] = ()) -> dict[str, str]:
-    """What a job inherits from the service's environment: an allow-list, never the rest.
-
-    ``PATH``, ``HOME``, ``USER``, ``LOGNAME``, ``LANG``, ``LANGUAGE``, ``LC_*`` and ``TZ``,
-    plus the names the admin lists in ``job_env_passthrough``.
-
-    Example:
-        >>> allowed_env({"PATH": "/bin", "AWS_SECRET_ACCESS_KEY": "s", "LC_ALL": "C"})
-        {'PATH': '/bin', 'LC_ALL': 'C'}
-    """
-    return {
-        k: v
-        for k, v in service_env.items()
-        if k in ALLOWED or k.startswith(ALLOWED_PREFIXES) or k in passthrough
-    }
-
-
-def rank_environment(plan: AttemptPlan, rank: int, base: Mapping[str, str]) -> dict[str, str]:
-    """The environment of rank ``rank``.
-
-    Layered by :func:`hora.env.layered_env`: ``base`` (the service's :func:`allowed_env`),
-    then the job account's ``HOME``, ``USER`` and ``LOGNAME`` in multi-user mode, then the
-    job's ``env``, then what hora sets (which wins): the rank contract
-    (:class:`hora.env.RankEnv`), ``CUDA_VISIBLE_DEVICES`` of **all** the job's GPUs on this
-    host (empty on CPU slots; every rank sees every GPU of the job, so NCCL can use CUDA IPC
-    / NVLink between them, and ``hora.torch.init()`` pins each rank to ``cuda:LOCAL_RANK``),
-    ``HORA_SLOTS`` (this rank's own; ``HORA_GPU`` too on GPU slots), ``HORA_JOB_ID``,
-    ``HORA_RESTART_COUNT`` (0 on the first attempt), ``HORA_ATTEMPT`` (the attempt's
-    containment tag), ``HORA_RDZV_SECRET`` (the attempt's rendezvous secret, which seals
-    its store), ``PYTHONUNBUFFERED=1`` so that logs stream as they are written, and the
-    service's ``HORA_PREFLIGHT*`` settings (``plan.preflight_env``; the job's own
-    ``HORA_PREFLIGHT`` wins, so it may turn its preflight off).
-    """
-    n = plan.ranks
-    world = rank_env(
-        rank, n, local_rank=rank, local_size=n, master_addr="127.0.0.1",
-        master_port=plan.master_port,
-    )  # fmt: skip
-    gpus = ",".join(map(str, plan.slots)) if plan.slot_kind == "gpu" else ""
-    slots = ",".join(map(str, plan.rank_slots(rank)))
-    own = RankEnv(
-        slots=slots,
-        gpu=slots if plan.slot_kind == "gpu" else None,  # this rank's own, as for engines
-        job_id=plan.job_id,
-        restart_count=plan.attempt - 1,
-        attempt=plan.container.tag if plan.container is not None else None,
-        rdzv_secret=plan.rdzv_secret or None,
-    )
-    hora = {
-        **world, "CUDA_VISIBLE_DEVICES": gpus, **own.to_environ(), "PYTHONUNBUFFERED": "1",
-        **dict(plan.preflight_env),
-    }  # fmt: skip
-    who = plan.run_as
-    return layered_env(
-        base,
-        account=Account(user=who.user, home=str(who.home)) if who is not None else None,
-        job=plan.spec.env,
-        rank=hora,
-        defaults=(RankEnv.var("preflight"),),  # the job may turn its own preflight off
-    )
-
-
 def launch_file(plan: AttemptPlan, rank: int, base: Mapping[str, str]) -> LaunchFile:
     """What the shim reads from ``rank<R>.launch`` (see :mod:`hora_service.runtimes.shim`)."""
     launch = LaunchFile.of_plan(plan, rank_environment(plan, rank, base))
     if plan.driver:  # the slot file, read through the shim's descriptor of the run directory
         launch = dataclasses.replace(launch, run_dir_arg=hosts_arg(plan.driver))
     return launch
-
-
-def read_exit(paths: JobPaths, rank: int) -> int | None:
-    """The exit code the shim recorded for ``rank``, or None if it recorded none.
-
-    Raises:
-        UntrustedRunFile: the file is not one the shim wrote (a symlink, a FIFO, ...).
-    """
-    return read_int(paths.exit(rank))
-
-
-def read_pid(paths: JobPaths, rank: int) -> int | None:
-    """The shim's pid for ``rank``, or None if it never started.
-
-    Raises:
-        UntrustedRunFile: the file is not one the shim wrote (a symlink, a FIFO, ...).
-    """
-    return read_int(paths.pid(rank))
-
-
-def write_pid(paths: JobPaths, rank: int, pid: int) -> None:
-    """Record the shim's pid (atomically, as the shim itself does)."""
-    path = paths.pid(rank)
-    tmp = path.with_suffix(".pid.tmp-service")
-    tmp.write_text(str(pid))
-    os.replace(tmp, path)
 
 
 class ChildRank(RankProcess):

@@ -41,8 +41,8 @@ from hora.words import count
 from hora_service.models import SlotInfo
 from hora_service.reasons import runtime_reason
 from hora_service.runtimes.base import AttemptPlan, Exit, RankProcess, RankStatus, Runtime
+from hora_service.runtimes.core import rank_environment, read_exit, read_pid
 from hora_service.runtimes.launchfile import LaunchFile, private_file
-from hora_service.runtimes.local import rank_environment, read_exit, read_pid
 from hora_service.runtimes.sbatch import (
     Layout,
     SlurmOptions,
