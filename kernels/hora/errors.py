@@ -38,7 +38,7 @@ class NotInitializedError(HoraError):
         super().__init__(
             f"hora.torch.{op}() called before hora.torch.init(); call hvd.init() first"
         )
-        self.op = op
+        self.op = str(op)  # a plain str, also when given a hora.torch Kind
 
 
 class SpecError(HoraError, ValueError):
@@ -100,7 +100,7 @@ class CollectiveTimeout(HoraError):
         super().__init__(
             f"{op}{tensor} timed out after {timeout_s:g}s waiting for missing ranks: {missing}"
         )
-        self.op = op
+        self.op = str(op)  # a plain str, also when given a hora.torch Kind
         self.missing_ranks = list(missing_ranks)
         self.timeout_s = timeout_s
         self.name = name
@@ -128,7 +128,7 @@ class CollectiveDeadlock(CollectiveTimeout):
             "An exception skipped a collective on some ranks, or they call collectives in "
             "different orders; call hvd.init() on every rank to start a new world",
         )
-        self.op = op
+        self.op = str(op)  # a plain str, also when given a hora.torch Kind
         self.missing_ranks = list(missing_ranks)
         self.timeout_s = waited_s
         self.name = name
@@ -145,7 +145,7 @@ class TensorMismatchError(HoraError, ValueError, RuntimeError):
         super().__init__(
             f"{op} on tensor {name!r}: {detail} (ranks {', '.join(map(str, ranks))} disagree)"
         )
-        self.op = op
+        self.op = str(op)  # a plain str, also when given a hora.torch Kind
         self.name = name
         self.detail = detail
         self.ranks = list(ranks)

@@ -115,5 +115,7 @@ def _first_on_path(interpreter: str, path: str) -> str:
 
 
 def _is_docker(data: Mapping[str, Any]) -> bool:
+    from hora.spec import RuntimeName  # pydantic: not at import (see the module docstring)
+
     runtime = data.get("runtime")
-    return str(runtime) == "docker" or (runtime is None and data.get("image") is not None)
+    return str(runtime) == RuntimeName.docker or (runtime is None and data.get("image") is not None)

@@ -13,7 +13,7 @@ from typing import Any
 from hora.client import JobInfo
 from hora.scaling import fmt_bytes
 from hora.service_wire import JobScaling
-from hora.spec import ElasticInfo, JobState, SlotInfo
+from hora.spec import ElasticInfo, JobState, SlotInfo, SlotKind
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -176,7 +176,7 @@ def slot_unit(slots: Sequence[SlotInfo]) -> str:
         >>> slot_unit([SlotInfo(index=0, kind="cpu", name="cpu0")])
         'slot'
     """
-    return "GPU" if any(s.kind == "gpu" for s in slots) else "slot"
+    return "GPU" if any(s.kind == SlotKind.gpu for s in slots) else "slot"
 
 
 def gpus_table(slots: Sequence[SlotInfo]) -> str:
@@ -200,7 +200,7 @@ def gpus_table(slots: Sequence[SlotInfo]) -> str:
     rows = []
     for s in slots:
         holder = s.holder or s.holder_kind or "-"
-        if s.kind == "parked":
+        if s.kind == SlotKind.parked:
             since = _iso(s.parked_at) if s.parked_at else "-"
             holder += f", {fmt_bytes(s.snapshot_bytes or 0)} since {since}"
         rows.append([

@@ -85,14 +85,14 @@ def adopt(session_id: int) -> Any:
     from hora.engines import ClusterOptions
     from hora.engines.session import ServiceCluster
     from hora.env import RankEnv
-    from hora.spec import JobInfo
+    from hora.spec import JobInfo, JobKind
 
     service = Client()
     try:
         job = JobInfo.model_validate(service.request("GET", f"/v1/jobs/{session_id}").json())
     except ServiceError as e:
         raise UsageError(f"%dist_resume {session_id}: {e}") from None
-    if job.kind != "session":
+    if job.kind != JobKind.session:
         raise UsageError(f"%dist_resume {session_id}: job {session_id} is not a session")
     env = RankEnv.from_environ(job.spec.env, only=("backend", "timeout", "start_timeout"))
     options = ClusterOptions(

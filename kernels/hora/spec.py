@@ -72,6 +72,21 @@ class RuntimeName(StrEnum):
     slurm = "slurm"
 
 
+class SlotKind(StrEnum):
+    """What a schedulable slot is (``SlotInfo.kind``); ``parked`` lists a parked session."""
+
+    gpu = "gpu"
+    cpu = "cpu"
+    parked = "parked"
+
+
+class JobKind(StrEnum):
+    """What the scheduler runs: a submitted job, or a notebook's session of engines."""
+
+    job = "job"
+    session = "session"
+
+
 # what an image reference may contain (Docker's grammar is checked by the service); the schema
 # says so too, so a NUL or a space is refused by the schema and the service alike
 IMAGE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]*$"

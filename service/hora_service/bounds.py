@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from hora.errors import SpecError
-from hora.spec import JobSpec, RuntimeName
+from hora.spec import JobKind, JobSpec, RuntimeName
 
 from hora_service.identity import RunAs
 from hora_service.runtimes import namespaces, startcheck
@@ -149,7 +149,7 @@ class Bounds:
         program = spec.command[0] if local else None
         # as namespaces.wanted() decides it: a job (not a session) run as its account
         private = local and who is not None and self.settings.job_private_network
-        private = private and kind == "job"
+        private = private and kind == JobKind.job
         # job_tmp_paths too only where the account reaches them: a bind mount never widens
         # what it can reach (a checkout in a mktemp -d directory stays out of its jobs)
         given = (*map(str, self.settings.job_tmp_paths), *namespaces.given_paths(env, program))

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 
-from hora.spec import HolderInfo, JobState, QueueEntry, QueueInfo, WaitReason
+from hora.spec import HolderInfo, JobKind, JobState, QueueEntry, QueueInfo, WaitReason
 from pydantic import TypeAdapter
 
 from hora_service.manager import Holder, JobManager
@@ -35,7 +35,7 @@ def holder_info(h: Holder, idle_of: IdleOf | None = None) -> HolderInfo:
     """A holder as the API shows it (``idle_of``: a session's idle seconds, if known)."""
     return HolderInfo(
         kind=h.kind, id=h.id, user=h.user, slots=list(h.slots), since=_at(h.since),
-        idle_s=idle_of(h.id) if idle_of is not None and h.kind == "session" else None,
+        idle_s=idle_of(h.id) if idle_of is not None and h.kind == JobKind.session else None,
         ends_at=_at(h.ends_at) if h.ends_at is not None else None, what=h.what,
     )  # fmt: skip
 

@@ -47,7 +47,7 @@ from hora.session_wire import (
     check_interface,
     host_of,
 )
-from hora.spec import JobState, RuntimeName, SessionInfo
+from hora.spec import JobState, RuntimeName, SessionInfo, SlotKind
 from sqlalchemy import Connection
 
 from hora_service.manager import JobManager
@@ -225,7 +225,7 @@ class SessionManager:
             s.session_idle_timeout_s,
             s.session_idle_timeout_max_s,
         )
-        backend = "nccl" if self.manager.inventory[0].kind == "gpu" else "gloo"
+        backend = "nccl" if self.manager.inventory[0].kind == SlotKind.gpu else "gloo"
         spec = session_spec(req, backend, str(s.session_python or sys.executable))
         lease = s.session_lease_s
 

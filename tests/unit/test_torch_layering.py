@@ -19,14 +19,14 @@ import hora.torch
 LAYERS: dict[str, tuple[str, ...]] = {
     "state": (
         "_dist", "_sealed", "_authstore", "_rendezvous", "_heartbeat", "_state", "basics",
-        "compression",
+        "compression", "_kinds",
     ),
     "diagnosis": ("_stall", "timeline", "_preflight_figures"),
     "launch": (
         "_handles", "_shm_ops", "_lane", "_shm", "_arena", "_hier", "_comm", "_wire",
         "_negotiation", "_engine", "_process_sets",
     ),
-    "ops": ("_ops", "_gather", "_objects", "_grouped"),
+    "ops": ("_collective", "_ops", "_gather", "_objects", "_grouped"),
     "api": (
         "_autograd", "mpi_ops", "functions", "_reducer", "optimizer", "sync_batch_norm",
         "preflight", "__init__",

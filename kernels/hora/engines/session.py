@@ -56,7 +56,7 @@ from hora.session_wire import (
     body,
     wire,
 )
-from hora.spec import SessionInfo
+from hora.spec import RuntimeName, SessionInfo
 
 log = logging.getLogger("hora.engines")
 __all__ = [
@@ -118,7 +118,7 @@ class SessionLauncher(KernelProcesses):
         super().__init__(options)
         if options.gpus is not None:
             raise SpecError("gpus", "the service chooses a session's GPUs; leave out --gpus")
-        if ip is not None and runtime != "slurm":
+        if ip is not None and runtime != RuntimeName.slurm:
             raise SpecError("ip", "only engines on Slurm nodes need another address than 127.0.0.1")
         self.runtime, self.ip, self.image = runtime, ip, image
         self.address = "127.0.0.1"  # where the controller listens (set at start)
@@ -140,7 +140,7 @@ class SessionLauncher(KernelProcesses):
     def where(self) -> str:
         """Where the engines come from, for the magics' output."""
         sid = f"session {self.session.id}" if self.session else "a session"
-        if self.runtime == "slurm":
+        if self.runtime == RuntimeName.slurm:
             sid += f", on Slurm nodes; the controller listens on {self.address} for them"
         return f"the hora service at {self.service.url} ({sid})"
 
@@ -197,7 +197,7 @@ class SessionLauncher(KernelProcesses):
         another machine (a user's server that runs as a Slurm job on a node), this
         machine's address towards the service's.
         """
-        if self.runtime != "slurm":
+        if self.runtime != RuntimeName.slurm:
             return "127.0.0.1"
         if self.ip is not None:
             return self.ip
@@ -222,7 +222,7 @@ class SessionLauncher(KernelProcesses):
         """
         conn = body(EngineConnection, **connection)
         where: dict[str, Any] = {}
-        if self.runtime == "local" and self._dir is not None:  # where re-formed worlds meet
+        if self.runtime == RuntimeName.local and self._dir:  # where re-formed worlds meet
             where["world_file"] = str(world_file(self._dir))
         req: BaseModel
         if self.resuming is not None:
@@ -267,7 +267,8 @@ class SessionLauncher(KernelProcesses):
         t0 = time.perf_counter()
         while True:
             info = self._get()
-            if info.state == "running" or (info.state == "starting" and self.runtime != "slurm"):
+            slurm = self.runtime == RuntimeName.slurm
+            if info.state == "running" or (info.state == "starting" and not slurm):
                 break
             if info.ended:
                 raise EngineStartError(f"session {info.id} {info.state}: {info.reason}")
@@ -289,7 +290,7 @@ class SessionLauncher(KernelProcesses):
 
     def placed(self, info: Mapping[str, Any]) -> tuple[int, EngineProcess]:
         """The rank the engine reports, and its process watched by its pid."""
-        if info.get("host") == socket.gethostname() and self.runtime == "local":
+        if info.get("host") == socket.gethostname() and self.runtime == RuntimeName.local:
             return int(info.get("rank", -1)), RemoteProcess(int(info["pid"]))
         # on a Slurm node or in a container (its own pid namespace, the host's name): its pid
         # means nothing here, and is never signalled; the service says when it is gone
@@ -359,7 +360,7 @@ class SessionLauncher(KernelProcesses):
         it ends the session: say why.
         """
         over = self._session_over(procs)
-        if over is None and self.runtime == "local":
+        if over is None and self.runtime == RuntimeName.local:
             return None
         if over is not None:
             return _ended_reason(over)

@@ -26,16 +26,11 @@ from typing import Any
 import torch
 
 from hora.torch import basics
-from hora.torch._gather import allgather_async, alltoall_async, reducescatter_async
-from hora.torch._grouped import grouped_allgather_async, grouped_reducescatter_async
-from hora.torch._ops import (
-    Average,
-    Sum,
-    _allreduce,
-    broadcast_async,
-    grouped_allreduce_async,
-    synchronize,
-)
+from hora.torch._collective import Collective
+from hora.torch._gather import allgather_async, alltoall_async, scatter_async
+from hora.torch._grouped import grouped_allgather_async, grouped_scatter_async
+from hora.torch._kinds import Average, Kind, Sum
+from hora.torch._ops import broadcast_async, grouped_reduce_async, reduce_async, synchronize
 from hora.torch._process_sets import ProcessSet, comm_of, global_process_set
 from hora.torch.compression import Compression
 
@@ -60,76 +55,65 @@ def _rows(tensor: torch.Tensor) -> int:
     return tensor.shape[0] if tensor.dim() else 1
 
 
-def _factor(op: int | None, process_set: ProcessSet, pre: float, post: float) -> float:
+def _factor(coll: Collective) -> float:
     """What a reducescatter's gathered gradient is multiplied by: the set's size for Sum.
 
     Raises:
         ValueError: for Min, Max and Product (raised before the backward communicates).
     """
-    op = Average if op is None else op
+    op = Average if coll.op is None else coll.op
     if op not in (Average, Sum):
         raise ValueError(
             f"reducescatter: gradients are defined for op=Average and op=Sum only, not op={op!r}"
             "; detach() the input or reduce with Average or Sum"
         )
-    return (process_set.size() if op == Sum else 1) * pre * post
+    return (coll.process_set.size() if op == Sum else 1) * coll.prescale * coll.postscale
 
 
 def _scaled(tensor: torch.Tensor, factor: float) -> torch.Tensor:
     return tensor if factor == 1 else tensor * factor
 
 
+def _reduce(tensor: torch.Tensor, coll: Collective) -> torch.Tensor:
+    """The allreduce ``coll`` describes, through :class:`AllreduceFn` when grads flow."""
+    if tensor.requires_grad and torch.is_grad_enabled():
+        comm_of(coll.process_set, Kind.ALLREDUCE)
+        return AllreduceFn.apply(tensor, coll)  # type: ignore[no-any-return]
+    return reduce_async(tensor, coll, inplace=False).wait()  # type: ignore[no-any-return]
+
+
+def _grouped_reduce(tensors: list[torch.Tensor], coll: Collective) -> list[torch.Tensor]:
+    """The grouped allreduce ``coll`` describes (through :class:`GroupedAllreduceFn` for grads)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        comm_of(coll.process_set, Kind.GROUPED_ALLREDUCE)
+        return list(GroupedAllreduceFn.apply(coll, *tensors))
+    return synchronize(grouped_reduce_async(tensors, coll, inplace=False))  # type: ignore[no-any-return]
+
+
 class AllreduceFn(torch.autograd.Function):
-    """Differentiable allreduce."""
+    """Differentiable allreduce: the gradient's allreduce, with the same op and scale factors."""
 
     @staticmethod
-    def forward(
-        ctx: Any,
-        tensor: torch.Tensor,
-        average: Any,
-        name: Any,
-        op: Any,
-        pre: float,
-        post: float,
-        process_set: ProcessSet,
-    ) -> torch.Tensor:
-        ctx.args = (average, op, pre, post, process_set)
-        return allreduce(tensor, average, name, Compression.none, op, pre, post, process_set)
+    def forward(ctx: Any, tensor: torch.Tensor, coll: Collective) -> torch.Tensor:
+        ctx.coll = coll
+        return _reduce(tensor, coll)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Grads:
-        average, op, pre, post, process_set = ctx.args
-        out = allreduce(grad, average, None, Compression.none, op, pre, post, process_set)
-        return out, None, None, None, None, None, None
+        return _reduce(grad, ctx.coll.unnamed()), None
 
 
 class GroupedAllreduceFn(torch.autograd.Function):
     """Differentiable grouped allreduce: one grouped allreduce of the gradients."""
 
     @staticmethod
-    def forward(
-        ctx: Any,
-        average: Any,
-        name: Any,
-        op: Any,
-        pre: float,
-        post: float,
-        process_set: ProcessSet,
-        *tensors: torch.Tensor,
-    ) -> tuple[torch.Tensor, ...]:
-        ctx.args = (average, op, pre, post, process_set)
-        out = grouped_allreduce(
-            list(tensors), average, name, Compression.none, op, pre, post, process_set
-        )
-        return tuple(out)
+    def forward(ctx: Any, coll: Collective, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.coll = coll
+        return tuple(_grouped_reduce(list(tensors), coll))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Grads:
-        average, op, pre, post, process_set = ctx.args
-        out = grouped_allreduce(
-            list(grads), average, None, Compression.none, op, pre, post, process_set
-        )
-        return (None,) * 6 + tuple(out)
+        return (None, *_grouped_reduce(list(grads), ctx.coll.unnamed()))
 
 
 class AllgatherFn(torch.autograd.Function):
@@ -221,48 +205,31 @@ class ReducescatterFn(torch.autograd.Function):
     """Differentiable reducescatter (op Average or Sum)."""
 
     @staticmethod
-    def forward(
-        ctx: Any,
-        tensor: torch.Tensor,
-        name: Any,
-        op: int,
-        process_set: ProcessSet,
-        pre: float,
-        post: float,
-    ) -> torch.Tensor:
-        ctx.args = (op, process_set, pre, post)
-        return synchronize(reducescatter_async(tensor, name, op, process_set, pre, post))  # type: ignore[no-any-return]
+    def forward(ctx: Any, tensor: torch.Tensor, coll: Collective) -> torch.Tensor:
+        ctx.coll = coll
+        return synchronize(scatter_async(tensor, coll))  # type: ignore[no-any-return]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Grads:
-        op, ps, pre, post = ctx.args
-        factor = _factor(op, ps, pre, post)
-        return _scaled(allgather(grad, process_set=ps), factor), *(None,) * 5
+        coll = ctx.coll
+        factor = _factor(coll)
+        return _scaled(allgather(grad, process_set=coll.process_set), factor), None
 
 
 class GroupedReducescatterFn(torch.autograd.Function):
     """Differentiable grouped reducescatter: one grouped allgather of the gradients."""
 
     @staticmethod
-    def forward(
-        ctx: Any,
-        name: Any,
-        op: int,
-        process_set: ProcessSet,
-        pre: float,
-        post: float,
-        *tensors: torch.Tensor,
-    ) -> tuple[torch.Tensor, ...]:
-        ctx.args = (op, process_set, pre, post)
-        handle = grouped_reducescatter_async(list(tensors), name, op, process_set, pre, post)
-        return tuple(synchronize(handle))
+    def forward(ctx: Any, coll: Collective, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.coll = coll
+        return tuple(synchronize(grouped_scatter_async(list(tensors), coll)))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Grads:
-        op, ps, pre, post = ctx.args
-        factor = _factor(op, ps, pre, post)
-        gathered = grouped_allgather(list(grads), process_set=ps)
-        return (None,) * 5 + tuple(_scaled(g, factor) for g in gathered)
+        coll = ctx.coll
+        factor = _factor(coll)
+        gathered = grouped_allgather(list(grads), process_set=coll.process_set)
+        return (None, *(_scaled(g, factor) for g in gathered))
 
 
 # The public out-of-place collectives: through the Functions above when an input requires grad.
@@ -305,18 +272,11 @@ def allreduce(
     Example:
         >>> avg = hvd.allreduce(torch.tensor([float(hvd.rank())]), name="r")
     """
-    plain = compression is None or compression is Compression.none
-    wire, ctx = (tensor, None) if plain else compression.compress(tensor)
-    if wire.requires_grad and torch.is_grad_enabled():
-        comm_of(process_set, "allreduce")
-        out = AllreduceFn.apply(
-            wire, average, name, op, prescale_factor, postscale_factor, process_set
-        )
-        return out if plain else compression.decompress(out, ctx)  # type: ignore[no-any-return]
-    h = _allreduce(
-        wire, False, average, name, op, prescale_factor, postscale_factor, process_set, sync=True
-    )
-    return h.wait() if plain else compression.decompress(h.wait(), ctx)  # type: ignore[no-any-return]
+    coll = Collective(op, average, name, prescale_factor, postscale_factor, process_set)
+    if compression is None or compression is Compression.none:
+        return _reduce(tensor, coll)
+    wire, ctx = compression.compress(tensor)
+    return compression.decompress(_reduce(wire, coll), ctx)  # type: ignore[no-any-return]
 
 
 def grouped_allreduce(
@@ -347,22 +307,10 @@ def grouped_allreduce(
     Example:
         >>> a, b = hvd.grouped_allreduce([torch.ones(2), torch.zeros(3)], op=hvd.Sum)
     """
+    coll = Collective(op, average, name, prescale_factor, postscale_factor, process_set)
     plain = compression is None or compression is Compression.none
     packed = [(t, None) if plain else compression.compress(t) for t in tensors]
-    wires = [p[0] for p in packed]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in wires):
-        comm_of(process_set, "grouped_allreduce")
-        out = list(
-            GroupedAllreduceFn.apply(
-                average, name, op, prescale_factor, postscale_factor, process_set, *wires
-            )
-        )
-    else:
-        out = synchronize(
-            grouped_allreduce_async(
-                wires, average, name, op, prescale_factor, postscale_factor, process_set
-            )
-        )
+    out = _grouped_reduce([p[0] for p in packed], coll)
     if plain:
         return out
     return [compression.decompress(o, p[1]) for o, p in zip(out, packed, strict=True)]
@@ -393,7 +341,7 @@ def broadcast(
         >>> w = hvd.broadcast(torch.randn(3), root_rank=0, name="w")
     """
     if tensor.requires_grad and torch.is_grad_enabled():
-        comm_of(process_set, "broadcast")
+        comm_of(process_set, Kind.BROADCAST)
         return BroadcastFn.apply(tensor, root_rank, name, process_set)  # type: ignore[no-any-return]
     return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
@@ -418,7 +366,7 @@ def allgather(
         >>> everyone = hvd.allgather(torch.full((hvd.rank() + 1, 2), hvd.rank()))
     """
     if tensor.requires_grad and torch.is_grad_enabled():
-        comm_of(process_set, "allgather")
+        comm_of(process_set, Kind.ALLGATHER)
         return AllgatherFn.apply(tensor, name, process_set)  # type: ignore[no-any-return]
     return synchronize(allgather_async(tensor, name, process_set))
 
@@ -488,14 +436,13 @@ def reducescatter(
     Example:
         >>> block = hvd.reducescatter(torch.ones(4, 2), op=hvd.Sum)
     """
+    coll = Collective(op, None, name, prescale_factor, postscale_factor, process_set)
     plain = compression is None or compression is Compression.none
     wire, ctx = (tensor, None) if plain else compression.compress(tensor)
     if wire.requires_grad and torch.is_grad_enabled():
-        out = ReducescatterFn.apply(wire, name, op, process_set, prescale_factor, postscale_factor)
+        out = ReducescatterFn.apply(wire, coll)
     else:
-        out = synchronize(
-            reducescatter_async(wire, name, op, process_set, prescale_factor, postscale_factor)
-        )
+        out = synchronize(scatter_async(wire, coll))
     return out if plain else compression.decompress(out, ctx)
 
 
@@ -549,13 +496,7 @@ def grouped_reducescatter(
     Example:
         >>> blocks = hvd.grouped_reducescatter([torch.ones(4, 2), torch.ones(6)], op=hvd.Sum)
     """
+    coll = Collective(op, None, name, prescale_factor, postscale_factor, process_set)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return list(
-            GroupedReducescatterFn.apply(
-                name, op, process_set, prescale_factor, postscale_factor, *tensors
-            )
-        )
-    handle = grouped_reducescatter_async(
-        tensors, name, op, process_set, prescale_factor, postscale_factor
-    )
-    return synchronize(handle)  # type: ignore[no-any-return]
+        return list(GroupedReducescatterFn.apply(coll, *tensors))
+    return synchronize(grouped_scatter_async(tensors, coll))  # type: ignore[no-any-return]

@@ -51,10 +51,10 @@ from hora.errors import HoraError
 from hora.torch import _negotiation, _stall, _state, timeline
 from hora.torch._comm import Comm, Entry, Launch, name_hash
 from hora.torch._handles import SIG_LEN, Handle
+from hora.torch._kinds import Kind
 from hora.torch._negotiation import OPC_REFUSED, REFUSED_KEY, SERVERS, run_round
 
 __all__ = [
-    "OPC_BARRIER",
     "SERVERS",
     "Comm",
     "GroupHandle",
@@ -69,7 +69,6 @@ __all__ = [
     "wait_launched",
 ]
 
-OPC_BARRIER = 9
 _BACKOFF_S = (0.0, 0.0002, 0.001, 0.003, 0.01)
 
 
@@ -273,24 +272,24 @@ def check_in_step(state: _state.RankState, op: str, name: str) -> None:
 
 def join(comm: Comm) -> int:
     """Serve the other members' collectives until every member joined; return the last joiner."""
-    state = _state.require_init("join")
-    check_in_step(state, "join", "")
+    state = _state.require_init(Kind.JOIN)
+    check_in_step(state, Kind.JOIN, "")
     if comm.size == 1:
         return state.rank
     if not negotiate():  # no serving: wait for every member, name the last to arrive
         mine = torch.tensor([int(time.time() * 1e6), comm.index], dtype=torch.int64)
         rows = [torch.empty_like(mine) for _ in range(comm.size)]
-        _stall.run_guarded("join", "", dist.all_gather, rows, mine, group=comm.side)
+        _stall.run_guarded(Kind.JOIN, "", dist.all_gather, rows, mine, group=comm.side)
         return comm.ranks[int(max(rows, key=lambda r: (int(r[0]), int(r[1])))[1])]
     comm.joined = True
     comm.joined_at = int(time.time() * 1e6)
     comm.last_joined = -1
     backoff = 0
     while comm.joined:
-        progressed = run_round(comm, "join", "")
+        progressed = run_round(comm, Kind.JOIN, "")
         backoff = 0 if progressed else min(backoff + 1, len(_BACKOFF_S) - 1)
         if _BACKOFF_S[backoff] and comm.joined:
             time.sleep(_BACKOFF_S[backoff])
-    check_in_step(state, "join", "")  # the members still in collectives deadlocked meanwhile
+    check_in_step(state, Kind.JOIN, "")  # the members still in collectives deadlocked meanwhile
     return comm.last_joined
 

@@ -14,18 +14,11 @@ import torch
 import torch.distributed as dist
 
 from hora.torch import _handles
+from hora.torch._collective import Collective
 from hora.torch._engine import Comm, begin, refusal, submit
 from hora.torch._handles import Handle, guarded, signature
-from hora.torch._ops import (
-    _OPC_ALLGATHER,
-    _OPC_ALLTOALL,
-    _OPC_RSCATTER,
-    _TORCH_OPS,
-    Average,
-    _average,
-    _resolve_op,
-    _scale,
-)
+from hora.torch._kinds import Average, Kind
+from hora.torch._ops import _TORCH_OPS, _average, _scale
 from hora.torch._process_sets import ProcessSet, comm_of, global_process_set
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns)
@@ -48,13 +41,13 @@ def _gather_into(
         return [], empty, lambda: empty
     if all(d == top for d in dims):
         out = src.new_empty((top * comm.size, *rest))
-        work = guarded("allgather", name, _ALL_GATHER, out, src,
+        work = guarded(Kind.ALLGATHER, name, _ALL_GATHER, out, src,
                        group=comm.group, async_op=True)  # fmt: skip
         return [work], out, lambda: out
     padded = src.new_zeros((top, *rest))
     padded[: src.shape[0]] = src
     big = src.new_empty((top * comm.size, *rest))
-    work = guarded("allgather", name, _ALL_GATHER, big, padded,
+    work = guarded(Kind.ALLGATHER, name, _ALL_GATHER, big, padded,
                    group=comm.group, async_op=True)  # fmt: skip
 
     def finish() -> torch.Tensor:
@@ -71,11 +64,11 @@ def allgather_async(
     tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> Handle:
     """Start an allgather; see :func:`allgather`."""
-    comm = comm_of(process_set, "allgather")
-    state, name = begin(comm, "allgather", name)
+    comm = comm_of(process_set, Kind.ALLGATHER)
+    state, name = begin(comm, Kind.ALLGATHER, name)
     src = _as_rows(tensor)
     rest = tuple(src.shape[1:])
-    key = signature(_OPC_ALLGATHER, 0, src.dtype, rest)
+    key = signature(Kind.ALLGATHER.code, 0, src.dtype, rest)
     nbytes = src.numel() * src.element_size() * comm.size
 
     def launch(rows: list[list[int] | None]) -> tuple[Any, ...]:
@@ -88,7 +81,7 @@ def allgather_async(
             return works, lambda: finish().to(torch.int16), nbytes
         return works, finish, nbytes
 
-    return submit(comm, "allgather", name, key, [src.shape[0]], launch, nbytes)
+    return submit(comm, Kind.ALLGATHER, name, key, [src.shape[0]], launch, nbytes)
 
 
 
@@ -114,13 +107,13 @@ def alltoall_async(
     process_set: ProcessSet = global_process_set,
 ) -> Handle:
     """Start an alltoall; see :func:`alltoall`."""
-    comm = comm_of(process_set, "alltoall")
-    state, name = begin(comm, "alltoall", name)
+    comm = comm_of(process_set, Kind.ALLTOALL)
+    state, name = begin(comm, Kind.ALLTOALL, name)
     src = _as_rows(tensor)
-    with refusal(comm, "alltoall", name):
+    with refusal(comm, Kind.ALLTOALL, name):
         send = _check_splits(splits, src.shape[0], comm.size)
     rest = tuple(src.shape[1:])
-    key = signature(_OPC_ALLTOALL, 0, src.dtype, rest)
+    key = signature(Kind.ALLTOALL.code, 0, src.dtype, rest)
 
     def launch(rows: list[list[int] | None]) -> tuple[list[Any], Any]:
         if comm.size == 1:
@@ -131,13 +124,13 @@ def alltoall_async(
         out = wire.new_empty((sum(recv), *rest))
         work = None
         if any(sum(row) for row in rows if row is not None):
-            work = guarded("alltoall", name, dist.all_to_all_single, out, wire,
+            work = guarded(Kind.ALLTOALL, name, dist.all_to_all_single, out, wire,
                            output_split_sizes=recv, input_split_sizes=send,
                            group=comm.group, async_op=True)  # fmt: skip
         narrow = src.dtype != wire.dtype
         return [work], lambda: (out.to(src.dtype) if narrow else out, got)
 
-    return submit(comm, "alltoall", name, key, send, launch, src.numel() * src.element_size())
+    return submit(comm, Kind.ALLTOALL, name, key, send, launch, src.numel() * src.element_size())
 
 
 
@@ -150,24 +143,32 @@ def reducescatter_async(
     postscale_factor: float = 1.0,
 ) -> Handle:
     """Start a reducescatter; see :func:`reducescatter`."""
+    coll = Collective(op, None, name, prescale_factor, postscale_factor, process_set)
+    return scatter_async(tensor, coll)
+
+
+def scatter_async(tensor: torch.Tensor, coll: Collective) -> Handle:
+    """Start the reducescatter ``coll`` describes of ``tensor``."""
     if tensor.dim() == 0:  # Horovod refuses it too: a scalar has no rows to scatter
         raise ValueError("reducescatter() needs a tensor of at least one dimension, got a scalar")
-    comm = comm_of(process_set, "reducescatter")
-    state, name = begin(comm, "reducescatter", name)
-    with refusal(comm, "reducescatter", name):
-        op = _resolve_op(op, None)
+    kind = Kind.REDUCESCATTER
+    comm = comm_of(coll.process_set, kind)
+    state, name = begin(comm, kind, coll.name)
+    with refusal(comm, kind, name):
+        op = coll.reduce_op()
+    pre, post = coll.prescale, coll.postscale
     buf = _as_rows(tensor).clone()
     n, size, index = buf.shape[0], comm.size, max(comm.index, 0)
     counts = [n // size + (1 if r < n % size else 0) for r in range(size)]
     lo = sum(counts[:index])
-    key = signature(_OPC_RSCATTER, op, buf.dtype, buf.shape)
+    key = signature(kind.code, op, buf.dtype, buf.shape)
 
     def launch(_rows: Any) -> tuple[list[Any], Any]:
-        _scale(buf, prescale_factor)
+        _scale(buf, pre)
         wire = _handles.widen(buf)
         work = None
         if size > 1 and buf.numel():
-            work = guarded("reducescatter", name, dist.all_reduce, wire, op=_TORCH_OPS[op],
+            work = guarded(kind, name, dist.all_reduce, wire, op=_TORCH_OPS[op],
                            group=comm.group, async_op=True)  # fmt: skip
 
         def finish() -> torch.Tensor:
@@ -175,12 +176,12 @@ def reducescatter_async(
                 buf.copy_(wire)
             mine = buf[lo : lo + counts[index]].clone()
             if op == Average:
-                _average(mine, size, postscale_factor)
+                _average(mine, size, post)
             else:
-                _scale(mine, postscale_factor)
+                _scale(mine, post)
             return mine
 
         return [work], finish
 
-    return submit(comm, "reducescatter", name, key, [], launch, buf.numel() * buf.element_size())
+    return submit(comm, kind, name, key, [], launch, buf.numel() * buf.element_size())
 

@@ -8,14 +8,17 @@ checked and counted like a single call) and returns one handle for all of them, 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
+from hora.torch._collective import Collective
 from hora.torch._engine import GroupHandle
-from hora.torch._gather import allgather_async, reducescatter_async
+from hora.torch._gather import allgather_async, scatter_async
 from hora.torch._handles import Handle
-from hora.torch._ops import Average, Sum, synchronize
+from hora.torch._kinds import Average, Kind, Sum
+from hora.torch._ops import synchronize
 from hora.torch._process_sets import ProcessSet, global_process_set
 
 
@@ -40,7 +43,7 @@ def grouped_allgather_async(
         allgather_async(t, n, process_set)
         for t, n in zip(tensors, _names(name, len(tensors)), strict=True)
     ]
-    return _group("grouped_allgather", name, handles)
+    return _group(Kind.GROUPED_ALLGATHER, name, handles)
 
 
 
@@ -53,11 +56,17 @@ def grouped_reducescatter_async(
     postscale_factor: float = 1.0,
 ) -> Handle:
     """Start a reducescatter of each tensor; see :func:`grouped_reducescatter`."""
+    coll = Collective(op, None, name, prescale_factor, postscale_factor, process_set)
+    return grouped_scatter_async(tensors, coll)
+
+
+def grouped_scatter_async(tensors: Sequence[torch.Tensor], coll: Collective) -> Handle:
+    """Start the reducescatter ``coll`` describes of each tensor (member i named ``name.i``)."""
     handles = [
-        reducescatter_async(t, n, op, process_set, prescale_factor, postscale_factor)
-        for t, n in zip(tensors, _names(name, len(tensors)), strict=True)
+        scatter_async(t, replace(coll, name=n))
+        for t, n in zip(tensors, _names(coll.name, len(tensors)), strict=True)
     ]
-    return _group("grouped_reducescatter", name, handles)
+    return _group(Kind.GROUPED_REDUCESCATTER, coll.name, handles)
 
 
 

@@ -28,6 +28,7 @@ from hora.errors import (
 from hora.torch import _stall, _state, timeline
 from hora.torch._comm import Comm, Entry, Launch, Serve
 from hora.torch._handles import MAXDIM, Handle, describe
+from hora.torch._kinds import Kind
 from hora.torch._wire import DEADLOCK_GRACE_S, Row, decode, encode, exchange
 
 OPC_REFUSED = -7
@@ -278,5 +279,5 @@ def _serve(comm: Comm, rows: list[Published | None]) -> None:
     works = SERVERS[key[0]](comm, key, [None if r is None else r[2] for r in rows])
     for w in works:
         if w is not None:
-            _stall.wait_work(w, "join", "")
+            _stall.wait_work(w, Kind.JOIN, "")
 

@@ -13,10 +13,8 @@ import torch.distributed as dist
 from hora.torch import _engine, _stall
 from hora.torch._engine import begin, refusal, submit
 from hora.torch._handles import SIG_LEN
+from hora.torch._kinds import Kind
 from hora.torch._process_sets import ProcessSet, comm_of, global_process_set
-
-OPC_BCAST_OBJ = 12
-OPC_GATHER_OBJ = 13
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
@@ -29,10 +27,10 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
     Example:
         >>> hvd.barrier()
     """
-    comm = comm_of(process_set, "barrier")
-    state, name = begin(comm, "barrier", None)
-    key = (_engine.OPC_BARRIER, *([0] * (SIG_LEN - 1)))
-    submit(comm, "barrier", name, key, [], lambda _rows: ([], lambda: None)).wait()
+    comm = comm_of(process_set, Kind.BARRIER)
+    state, name = begin(comm, Kind.BARRIER, None)
+    key = (Kind.BARRIER.code, *([0] * (SIG_LEN - 1)))
+    submit(comm, Kind.BARRIER, name, key, [], lambda _rows: ([], lambda: None)).wait()
 
 
 def join(device: int = -1) -> int:
@@ -56,8 +54,8 @@ def join(device: int = -1) -> int:
     Example:
         >>> last = hvd.join()
     """
-    comm = comm_of(None, "join")
-    begin(comm, "join", None)
+    comm = comm_of(None, Kind.JOIN)
+    begin(comm, Kind.JOIN, None)
     return _engine.join(comm)
 
 
@@ -81,21 +79,21 @@ def broadcast_object(
     Example:
         >>> cfg = hvd.broadcast_object({"lr": 0.1} if hvd.rank() == 0 else None)
     """
-    comm = comm_of(process_set, "broadcast_object")
-    state, name = begin(comm, "broadcast_object", name)
-    with refusal(comm, "broadcast_object", name):
+    comm = comm_of(process_set, Kind.BROADCAST_OBJECT)
+    state, name = begin(comm, Kind.BROADCAST_OBJECT, name)
+    with refusal(comm, Kind.BROADCAST_OBJECT, name):
         if not isinstance(root_rank, int) or root_rank not in comm.ranks:
             raise ValueError(f"root_rank={root_rank!r} is outside the ranks {comm.ranks}")
-    key = (OPC_BCAST_OBJ, root_rank, *([0] * (SIG_LEN - 2)))
+    key = (Kind.BROADCAST_OBJECT.code, root_rank, *([0] * (SIG_LEN - 2)))
 
     def launch(_rows: Any) -> tuple[list[Any], Any]:
         box = [obj]
         if comm.size > 1:
-            _stall.run_guarded("broadcast_object", name, dist.broadcast_object_list, box,
+            _stall.run_guarded(Kind.BROADCAST_OBJECT, name, dist.broadcast_object_list, box,
                                src=root_rank, group=comm.side)  # fmt: skip
         return [], lambda: box[0]
 
-    return submit(comm, "broadcast_object", name, key, [], launch).wait()
+    return submit(comm, Kind.BROADCAST_OBJECT, name, key, [], launch).wait()
 
 
 def allgather_object(
@@ -106,16 +104,16 @@ def allgather_object(
     Example:
         >>> losses = hvd.allgather_object(float(loss))
     """
-    comm = comm_of(process_set, "allgather_object")
-    state, name = begin(comm, "allgather_object", name)
-    key = (OPC_GATHER_OBJ, *([0] * (SIG_LEN - 1)))
+    comm = comm_of(process_set, Kind.ALLGATHER_OBJECT)
+    state, name = begin(comm, Kind.ALLGATHER_OBJECT, name)
+    key = (Kind.ALLGATHER_OBJECT.code, *([0] * (SIG_LEN - 1)))
 
     def launch(_rows: Any) -> tuple[list[Any], Any]:
         out: list[Any] = [None] * comm.size
         if comm.size == 1:
             return [], lambda: [obj]
-        _stall.run_guarded("allgather_object", name, dist.all_gather_object, out, obj,
+        _stall.run_guarded(Kind.ALLGATHER_OBJECT, name, dist.all_gather_object, out, obj,
                            group=comm.side)  # fmt: skip
         return [], lambda: out
 
-    return submit(comm, "allgather_object", name, key, [], launch).wait()  # type: ignore[no-any-return]
+    return submit(comm, Kind.ALLGATHER_OBJECT, name, key, [], launch).wait()  # type: ignore[no-any-return]

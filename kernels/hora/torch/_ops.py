@@ -1,9 +1,11 @@
-"""The reduce ops, the shared helpers and allreduce / broadcast without autograd (data plane).
+"""The shared helpers and allreduce / broadcast without autograd (data plane).
 
-Horovod's reduce-op values, :func:`synchronize` and :func:`poll`, and the allreduce and
-broadcast forms that need no autograd: ``_async`` forms return a handle, ``_`` forms work in
-place. The differentiable out-of-place forms are in :mod:`hora.torch._autograd`; every public
-name is re-exported by :mod:`hora.torch.mpi_ops`. Each collective runs on its process set's
+The reduce ops (Horovod's values) and the operations' names are in
+:mod:`hora.torch._collective`; here are :func:`synchronize` and :func:`poll`, and the
+allreduce and broadcast forms that need no autograd: ``_async`` forms return a handle, ``_``
+forms work in place; every allreduce form passes one :class:`Collective` down. The
+differentiable out-of-place forms are in :mod:`hora.torch._autograd`; every public name is
+re-exported by :mod:`hora.torch.mpi_ops`. Each collective runs on its process set's
 group once every member submitted its name: the ranks negotiate on a gloo side group first
 (:mod:`hora.torch._engine`), so ranks passing different tensors get
 :class:`~hora.errors.TensorMismatchError` instead of garbage, a hang or a gloo abort.
@@ -13,24 +15,18 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from hora.errors import UnsupportedError
 from hora.torch import _engine, _handles, _lane, _shm_ops, _state, timeline
+from hora.torch._collective import Collective
 from hora.torch._engine import Comm, GroupHandle, begin, refusal, submit
 from hora.torch._handles import Handle, guarded, signature
+from hora.torch._kinds import Average, Kind, Max, Min, Product, Sum
 from hora.torch._process_sets import ProcessSet, comm_of, global_process_set
-
-# Horovod's reduce-op values.
-Average = 0
-Sum = 1
-Adasum = 2
-Min = 3
-Max = 4
-Product = 5
 
 _TORCH_OPS = {
     Average: dist.ReduceOp.SUM,
@@ -41,19 +37,6 @@ _TORCH_OPS = {
 }
 # how the shared-memory ring reduces each op (Average: a sum, divided afterwards as on gloo)
 _SHM_OPS = {Average: "sum", Sum: "sum", Min: "min", Max: "max", Product: "product"}
-_OPC_ALLREDUCE, _OPC_BROADCAST, _OPC_ALLGATHER, _OPC_ALLTOALL, _OPC_RSCATTER = 1, 2, 3, 4, 5
-
-
-def _resolve_op(op: int | None, average: bool | None) -> int:
-    if op is not None and average is not None:
-        raise ValueError("pass either op= or the deprecated average=, not both")
-    if op is None:
-        op = Sum if average is False else Average
-    if op == Adasum:
-        raise UnsupportedError("op=Adasum is not supported by hora.torch; use Average or Sum")
-    if op not in _TORCH_OPS:
-        raise ValueError(f"op={op!r} is not one of Average, Sum, Min, Max, Product")
-    return op
 
 
 def _scale(t: torch.Tensor, factor: float) -> None:
@@ -98,24 +81,26 @@ def _shm_lane(comm: Comm, t: torch.Tensor, op: int) -> _lane.Lane | None:
 
 def _allreduce_buffer(
     comm: Comm,
-    out: torch.Tensor,
-    src: torch.Tensor | None,
+    kind: Kind,
     name: str,
     op: int,
-    pre: float,
-    post: float,
-    op_name: str = "allreduce",
+    coll: Collective,
+    out: torch.Tensor,
+    src: torch.Tensor | None = None,
+    *,
     ret: torch.Tensor | None = None,
     key: tuple[int, ...] | None = None,
     source: torch.Tensor | None = None,
 ) -> Handle:
     """Reduce ``out`` in place (contiguous); copy into ``src`` at the end when it is a view.
 
-    With ``source``, ``out`` is empty and the values come from ``source`` (out of place),
-    read when the collective launches. The handle's result is ``ret`` when given (the
-    caller's tensor for in-place forms).
+    ``name`` and ``op`` are ``coll``'s, resolved (:meth:`Collective.reduce_op`); ``coll``
+    gives the scale factors. With ``source``, ``out`` is empty and the values come from
+    ``source`` (out of place), read when the collective launches. The handle's result is
+    ``ret`` when given (the caller's tensor for in-place forms).
     """
-    key = key or signature(_OPC_ALLREDUCE, op, out.dtype, out.shape)
+    key = key or signature(Kind.ALLREDUCE.code, op, out.dtype, out.shape)
+    pre, post = coll.prescale, coll.postscale
 
     def launch(_rows: Any) -> tuple[list[Any], Any]:
         lane = _shm_lane(comm, out, op) if out.numel() and comm.size > 1 else None
@@ -125,7 +110,7 @@ def _allreduce_buffer(
         wire = out if lane is not None else _handles.widen(out)
         work: Any = None
         if lane is not None:
-            work = lane.allreduce(out, op_name, name, _SHM_OPS[op], tag="allreduce",
+            work = lane.allreduce(out, kind, name, _SHM_OPS[op], tag=Kind.ALLREDUCE,
                                   source=source if pre == 1.0 else None)
         elif out.numel() and comm.size > 1:
             work = dist.all_reduce(wire, op=_TORCH_OPS[op], group=comm.group, async_op=True)
@@ -145,7 +130,7 @@ def _allreduce_buffer(
 
         return [work], finish
 
-    return submit(comm, op_name, name, key, [], launch, _nbytes(out))
+    return submit(comm, kind, name, key, [], launch, _nbytes(out))
 
 
 def _serve_allreduce(comm: Comm, key: Sequence[int], _rows: Any) -> list[Any]:
@@ -153,7 +138,7 @@ def _serve_allreduce(comm: Comm, key: Sequence[int], _rows: Any) -> list[Any]:
     zeros = torch.zeros(_handles.key_shape(key), dtype=_handles.key_dtype(key))
     lane = _shm_lane(comm, zeros, key[1]) if zeros.numel() else None
     if lane is not None:
-        return [lane.allreduce(zeros, "join", "", _SHM_OPS[key[1]], tag="allreduce")]
+        return [lane.allreduce(zeros, Kind.JOIN, "", _SHM_OPS[key[1]], tag=Kind.ALLREDUCE)]
     zeros = _handles.widen(zeros)
     return [dist.all_reduce(zeros, op=_TORCH_OPS[key[1]], group=comm.group, async_op=True)]
 
@@ -172,9 +157,8 @@ def allreduce_async(
     Returns:
         A handle for :func:`synchronize` (which returns the reduced tensor) or :func:`poll`.
     """
-    return _allreduce(
-        tensor, False, average, name, op, prescale_factor, postscale_factor, process_set, sync=False
-    )
+    coll = Collective(op, average, name, prescale_factor, postscale_factor, process_set)
+    return reduce_async(tensor, coll, inplace=False)
 
 
 def allreduce_async_(
@@ -191,38 +175,28 @@ def allreduce_async_(
     Returns:
         A handle; :func:`synchronize` returns ``tensor`` holding the result.
     """
-    return _allreduce(
-        tensor, True, average, name, op, prescale_factor, postscale_factor, process_set, sync=False
-    )
+    coll = Collective(op, average, name, prescale_factor, postscale_factor, process_set)
+    return reduce_async(tensor, coll, inplace=True)
 
 
-def _allreduce(
-    tensor: torch.Tensor,
-    inplace: bool,
-    average: bool | None,
-    name: str | None,
-    op: int | None,
-    pre: float,
-    post: float,
-    process_set: ProcessSet,
-    sync: bool = False,
-) -> Handle:
-    comm = comm_of(process_set, "allreduce")
-    state, name = begin(comm, "allreduce", name)
-    with refusal(comm, "allreduce", name):
-        op = _resolve_op(op, average)
+def reduce_async(tensor: torch.Tensor, coll: Collective, inplace: bool) -> Handle:
+    """Start the allreduce ``coll`` describes of ``tensor`` (in place or into a new tensor)."""
+    comm = comm_of(coll.process_set, Kind.ALLREDUCE)
+    state, name = begin(comm, Kind.ALLREDUCE, coll.name)
+    with refusal(comm, Kind.ALLREDUCE, name):
+        op = coll.reduce_op()
     t = tensor.detach()
+    run = _allreduce_buffer
     if not inplace and t.is_contiguous() and _shm_lane(comm, t, op) is not None:
         # the ring reads t as it copies in: no clone first
         buf = torch.empty_like(t, memory_format=torch.contiguous_format)
-        return _allreduce_buffer(comm, buf, None, name, op, pre, post, source=t)
+        return run(comm, Kind.ALLREDUCE, name, op, coll, buf, source=t)
     if not inplace:
         buf = t.clone(memory_format=torch.contiguous_format)
-        return _allreduce_buffer(comm, buf, None, name, op, pre, post)
+        return run(comm, Kind.ALLREDUCE, name, op, coll, buf)
     if t.is_contiguous():
-        return _allreduce_buffer(comm, t, None, name, op, pre, post, ret=tensor)
-    return _allreduce_buffer(comm, t.contiguous(), t, name, op, pre, post, ret=tensor)
-
+        return run(comm, Kind.ALLREDUCE, name, op, coll, t, ret=tensor)
+    return run(comm, Kind.ALLREDUCE, name, op, coll, t.contiguous(), t, ret=tensor)
 
 
 def allreduce_(
@@ -244,39 +218,32 @@ def allreduce_(
         >>> hvd.allreduce_(t, op=hvd.Sum) is t
         True
     """
-    h = _allreduce(
-        tensor, True, average, name, op, prescale_factor, postscale_factor, process_set, sync=True
-    )
-    return h.wait()  # type: ignore[no-any-return]
+    coll = Collective(op, average, name, prescale_factor, postscale_factor, process_set)
+    return reduce_async(tensor, coll, inplace=True).wait()  # type: ignore[no-any-return]
 
 
-def _grouped(
-    tensors: Sequence[torch.Tensor],
-    inplace: bool,
-    average: bool | None,
-    name: str | None,
-    op: int | None,
-    pre: float,
-    post: float,
-    process_set: ProcessSet,
+def grouped_reduce_async(
+    tensors: Sequence[torch.Tensor], coll: Collective, inplace: bool
 ) -> Handle:
-    comm = comm_of(process_set, "grouped_allreduce")
-    state, name = begin(comm, "grouped_allreduce", name)
-    with refusal(comm, "grouped_allreduce", name):
-        op = _resolve_op(op, average)
+    """Start the allreduce ``coll`` describes of a list of tensors, as one fused collective."""
+    kind = Kind.GROUPED_ALLREDUCE
+    comm = comm_of(coll.process_set, kind)
+    state, name = begin(comm, kind, coll.name)
+    with refusal(comm, kind, name):
+        op = coll.reduce_op()
     tensors = list(tensors)
     if not tensors:
-        return Handle("grouped_allreduce", name, [], list)
+        return Handle(kind, name, [], list)
     t0 = timeline.now_ns() if timeline.enabled() else 0
     if len({t.dtype for t in tensors}) != 1:
-        return _grouped_per_tensor(tensors, inplace, name, op, pre, post, process_set)
+        return _grouped_per_tensor(tensors, inplace, name, op, coll)
     flat = torch.cat([t.detach().reshape(-1) for t in tensors])
     if t0:
         timeline.record(name, "MEMCPY_IN_FUSION_BUFFER", t0, timeline.now_ns(), _nbytes(flat))
     shapes = [t.shape for t in tensors]
     crc = zlib.crc32(repr([list(s) for s in shapes]).encode())
-    key = (*signature(_OPC_ALLREDUCE, op, flat.dtype, flat.shape)[:-1], crc)
-    inner = _allreduce_buffer(comm, flat, None, name, op, pre, post, "grouped_allreduce", key=key)
+    key = (*signature(kind.code, op, flat.dtype, flat.shape)[:-1], crc)
+    inner = _allreduce_buffer(comm, kind, name, op, coll, flat, key=key)
 
     def split(out: torch.Tensor) -> list[torch.Tensor]:
         pieces = [
@@ -288,23 +255,20 @@ def _grouped(
             return tensors
         return pieces
 
-    return GroupHandle("grouped_allreduce", name, [inner], lambda: split(inner.wait()))
+    return GroupHandle(kind, name, [inner], lambda: split(inner.wait()))
 
 
 def _grouped_per_tensor(
-    tensors: list[torch.Tensor],
-    inplace: bool,
-    name: str,
-    op: int,
-    pre: float,
-    post: float,
-    process_set: ProcessSet,
+    tensors: list[torch.Tensor], inplace: bool, name: str, op: int, coll: Collective
 ) -> Handle:
-    fn = allreduce_async_ if inplace else allreduce_async
+    """Tensors of several dtypes: one allreduce each, named ``name.i``, one handle for all."""
     handles = [
-        fn(t, None, f"{name}.{i}", op, pre, post, process_set) for i, t in enumerate(tensors)
+        reduce_async(t, replace(coll, op=op, average=None, name=f"{name}.{i}"), inplace)
+        for i, t in enumerate(tensors)
     ]
-    return GroupHandle("grouped_allreduce", name, handles, lambda: [h.wait() for h in handles])
+    return GroupHandle(
+        Kind.GROUPED_ALLREDUCE, name, handles, lambda: [h.wait() for h in handles]
+    )
 
 
 def grouped_allreduce_async(
@@ -317,9 +281,8 @@ def grouped_allreduce_async(
     process_set: ProcessSet = global_process_set,
 ) -> Handle:
     """Start reducing a list of tensors as one fused collective; see :func:`grouped_allreduce`."""
-    return _grouped(
-        tensors, False, average, name, op, prescale_factor, postscale_factor, process_set
-    )
+    coll = Collective(op, average, name, prescale_factor, postscale_factor, process_set)
+    return grouped_reduce_async(tensors, coll, inplace=False)
 
 
 def grouped_allreduce_async_(
@@ -332,10 +295,8 @@ def grouped_allreduce_async_(
     process_set: ProcessSet = global_process_set,
 ) -> Handle:
     """Start reducing a list of tensors in place as one fused collective."""
-    return _grouped(
-        tensors, True, average, name, op, prescale_factor, postscale_factor, process_set
-    )
-
+    coll = Collective(op, average, name, prescale_factor, postscale_factor, process_set)
+    return grouped_reduce_async(tensors, coll, inplace=True)
 
 
 def grouped_allreduce_(
@@ -348,19 +309,16 @@ def grouped_allreduce_(
     process_set: ProcessSet = global_process_set,
 ) -> list[torch.Tensor]:
     """Reduce a list of tensors in place in one fused collective; returns the same tensors."""
-    return synchronize(
-        grouped_allreduce_async_(
-            tensors, average, name, op, prescale_factor, postscale_factor, process_set
-        )
-    )
+    coll = Collective(op, average, name, prescale_factor, postscale_factor, process_set)
+    return synchronize(grouped_reduce_async(tensors, coll, inplace=True))  # type: ignore[no-any-return]
 
 
 def _broadcast(
     tensor: torch.Tensor, root_rank: int, name: str | None, inplace: bool, process_set: ProcessSet
 ) -> Handle:
-    comm = comm_of(process_set, "broadcast")
-    state, name = begin(comm, "broadcast", name)
-    with refusal(comm, "broadcast", name):
+    comm = comm_of(process_set, Kind.BROADCAST)
+    state, name = begin(comm, Kind.BROADCAST, name)
+    with refusal(comm, Kind.BROADCAST, name):
         if not isinstance(root_rank, int) or root_rank not in comm.ranks:
             where = (
                 f"the world of size {state.size}"
@@ -371,12 +329,12 @@ def _broadcast(
     src = tensor.detach()
     direct = inplace and src.is_contiguous()
     buf = src if direct else src.clone(memory_format=torch.contiguous_format)
-    key = signature(_OPC_BROADCAST, root_rank, buf.dtype, buf.shape)
+    key = signature(Kind.BROADCAST.code, root_rank, buf.dtype, buf.shape)
 
     def launch(_rows: Any) -> tuple[list[Any], Any]:
         work = None
         if buf.numel() and comm.size > 1:
-            work = guarded("broadcast", name, dist.broadcast, buf, src=root_rank,
+            work = guarded(Kind.BROADCAST, name, dist.broadcast, buf, src=root_rank,
                            group=comm.group, async_op=True)  # fmt: skip
 
         def finish() -> torch.Tensor:
@@ -387,7 +345,7 @@ def _broadcast(
 
         return [work], finish
 
-    return submit(comm, "broadcast", name, key, [], launch, _nbytes(buf))
+    return submit(comm, Kind.BROADCAST, name, key, [], launch, _nbytes(buf))
 
 
 def broadcast_async(
@@ -456,4 +414,4 @@ def poll(handle: Handle) -> bool:
     return handle.poll()
 
 
-_engine.SERVERS[_OPC_ALLREDUCE] = _serve_allreduce
+_engine.SERVERS[Kind.ALLREDUCE.code] = _serve_allreduce

@@ -21,9 +21,7 @@ import torch.distributed as dist
 from hora.torch import _engine, _state, basics
 from hora.torch._engine import Comm
 from hora.torch._handles import SIG_LEN
-
-OPC_ADD_SET = 10
-OPC_REMOVE_SET = 11
+from hora.torch._kinds import Kind
 
 
 class ProcessSet:
@@ -130,9 +128,9 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         >>> odd = hvd.add_process_set([1, 3])  # in a world of 4 or more  # doctest: +SKIP
     """
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
-    comm = comm_of(None, "add_process_set")
-    state, name = _engine.begin(comm, "add_process_set", None)
-    with _engine.refusal(comm, "add_process_set", name):
+    comm = comm_of(None, Kind.ADD_PROCESS_SET)
+    state, name = _engine.begin(comm, Kind.ADD_PROCESS_SET, None)
+    with _engine.refusal(comm, Kind.ADD_PROCESS_SET, name):
         if ps.ranks is None:
             raise ValueError("add_process_set: the global set exists already")
         if ps.process_set_id not in (None,):
@@ -160,8 +158,8 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         return [], lambda: ps
 
     _global(state)
-    return _engine.submit(comm, "add_process_set", name, _ranks_key(OPC_ADD_SET, ranks), [],
-                          launch).wait()  # fmt: skip
+    key = _ranks_key(Kind.ADD_PROCESS_SET.code, ranks)
+    return _engine.submit(comm, Kind.ADD_PROCESS_SET, name, key, [], launch).wait()
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:
@@ -173,8 +171,8 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     Example:
         >>> hvd.remove_process_set(odd)  # doctest: +SKIP
     """
-    comm = comm_of(None, "remove_process_set")
-    state, name = _engine.begin(comm, "remove_process_set", None)
+    comm = comm_of(None, Kind.REMOVE_PROCESS_SET)
+    state, name = _engine.begin(comm, Kind.REMOVE_PROCESS_SET, None)
     set_id = getattr(process_set, "process_set_id", None)
     target = state.comms.get(set_id) if set_id else None
     ranks = target.ranks if target is not None else []
@@ -200,11 +198,8 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         process_set.process_set_id = None
         return [], lambda: True
 
-    return bool(
-        _engine.submit(
-            comm, "remove_process_set", name, _ranks_key(OPC_REMOVE_SET, ranks), [], launch
-        ).wait()  # fmt: skip
-    )
+    key = _ranks_key(Kind.REMOVE_PROCESS_SET.code, ranks)
+    return bool(_engine.submit(comm, Kind.REMOVE_PROCESS_SET, name, key, [], launch).wait())
 
 
 def add_initial(sets: Sequence[ProcessSet | Sequence[int]]) -> None:

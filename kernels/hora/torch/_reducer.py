@@ -38,7 +38,7 @@ from hora.torch import _arena, _hier, _shm, _state, timeline
 from hora.torch._engine import launch_planned
 from hora.torch._grouped import sparse_allreduce_async
 from hora.torch._handles import hold_works
-from hora.torch._ops import Average, Sum
+from hora.torch._kinds import Average, Sum
 from hora.torch._process_sets import comm_of
 from hora.torch._stall import wait_work
 from hora.torch.compression import NoneCompressor, cast_dtype

@@ -20,8 +20,9 @@ import torch.distributed as dist
 from hora.errors import TensorMismatchError
 from hora.torch import _state
 from hora.torch._engine import launch_planned
+from hora.torch._kinds import Average, Max, Min, Sum
 from hora.torch._objects import allgather_object, broadcast_object
-from hora.torch._ops import Average, Max, Min, Sum, allreduce_
+from hora.torch._ops import allreduce_
 from hora.torch._process_sets import comm_of, global_process_set
 from hora.torch._stall import wait_work
 from hora.torch.optimizer import local_step

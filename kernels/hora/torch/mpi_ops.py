@@ -24,14 +24,9 @@ from hora.torch._autograd import (
     reducescatter,
 )
 from hora.torch._gather import allgather_async, alltoall_async, reducescatter_async
+from hora.torch._kinds import Adasum, Average, Max, Min, Product, Sum
 from hora.torch._objects import allgather_object, barrier, broadcast_object, join
 from hora.torch._ops import (
-    Adasum,
-    Average,
-    Max,
-    Min,
-    Product,
-    Sum,
     allreduce_,
     allreduce_async,
     allreduce_async_,

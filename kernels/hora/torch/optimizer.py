@@ -21,7 +21,7 @@ import torch
 
 from hora.errors import HoraError
 from hora.torch import _state
-from hora.torch._ops import Adasum, Average, Sum
+from hora.torch._kinds import Adasum, Average, Sum
 from hora.torch._process_sets import comm_of, global_process_set
 from hora.torch._reducer import GradientCountError, Reducer, ReducerConfig
 from hora.torch.compression import Compression

@@ -17,7 +17,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Query
 from hora.errors import HoraError, SpecError
 from hora.session_wire import ParkAbort, ParkBegin, ResumeRequest
-from hora.spec import ParkCommit, ParkTicket, SessionInfo
+from hora.spec import JobState, ParkCommit, ParkTicket, SessionInfo
 from pydantic import BaseModel
 
 from hora_service.api.deps import CurrentUser
@@ -148,7 +148,7 @@ def delete_snapshot(job: OwnedSession, sessions: SessionsDep) -> SessionInfo:
     """The kernel restored the snapshot (or gave it up): delete it."""
 
     def act() -> None:
-        if job.state.value == "parked":
+        if job.state == JobState.parked:
             raise ParkConflict(f"session {job.id} is parked: end it with DELETE instead")
         sessions.parks.restored(job)
 

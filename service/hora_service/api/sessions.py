@@ -18,7 +18,7 @@ from hora.session_wire import (
     SessionList,
     SessionRequest,
 )
-from hora.spec import JobSpec, JobState, RuntimeName, SessionInfo
+from hora.spec import JobKind, JobSpec, JobState, RuntimeName, SessionInfo
 
 from hora_service.api.deps import CurrentUser, ManagerDep, OwnedJob
 from hora_service.api.errors import AUTH_RESPONSES, unprocessable
@@ -50,7 +50,7 @@ SessionsDep = Annotated[SessionManager, Depends(get_sessions)]
 
 async def owned_session(job: OwnedJob) -> JobRecord:
     """The session ``job_id`` if the current user may see it (404 otherwise, or for a job)."""
-    if job.kind != "session":
+    if job.kind != JobKind.session:
         raise HTTPException(status_code=404, detail=f"session {job.id} not found")
     return job
 
@@ -93,7 +93,7 @@ def list_sessions(
 ) -> SessionList:
     """Your sessions (an admin sees everyone's), newest first."""
     jobs, _ = manager.list_jobs(None if user.is_admin else user.name, state, 10_000, 0)
-    mine = [j for j in jobs if j.kind == "session"]
+    mine = [j for j in jobs if j.kind == JobKind.session]
     items = [sessions.view(j, viewer=user) for j in mine[:limit]]
     return SessionList(items=items, total=len(mine))
 

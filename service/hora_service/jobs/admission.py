@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hora.errors import HoraError, SpecError
-from hora.spec import JobSpec, JobState, ParkInfo, RuntimeName
+from hora.spec import JobKind, JobSpec, JobState, ParkInfo, RuntimeName, SlotKind
 from sqlalchemy import Connection
 
 from hora_service.elastic import python
@@ -102,7 +102,7 @@ class Admission(ManagerCore):
     def check(self, user: str, spec: JobSpec, kind: str = "job") -> None:
         """Refuse a spec that can never run on this service (see :meth:`submit`)."""
         total, need = len(self.inventory), spec.total_gpus
-        unit = "GPUs" if self._kind == "gpu" else "slots"
+        unit = "GPUs" if self._kind == SlotKind.gpu else "slots"
         field = "workers" if spec.gpus_per_worker == 1 else "gpus_per_worker"
         if need > total and not runs_outside(spec):
             raise SpecError(
@@ -134,7 +134,7 @@ class Admission(ManagerCore):
             return
         if spec.runtime != RuntimeName.local:
             raise SpecError("elastic", "elastic jobs run on the local runtime only for now")
-        if self._kind == "gpu":
+        if self._kind == SlotKind.gpu:
             raise SpecError("elastic", "elastic jobs run on CPU slots only for now")
         most = e.max_workers * spec.gpus_per_worker
         if most > total:
@@ -192,7 +192,7 @@ class Admission(ManagerCore):
                 del self._pending[session_id]
                 parked = park.model_copy(update={"phase": "parked"})  # no engines to stop
                 self._set_state(session_id, JobState.parked, now, reason, park=parked)
-            elif attempt is not None and attempt.kind == "session" and attempt.stop_state is None:
+            elif attempt and attempt.kind == JobKind.session and attempt.stop_state is None:
                 self._write(Write(session_id, None, now, None, {"park": park}))
                 attempt.stop(JobState.parked, reason, now, self.settings.kill_grace_s, False)
             else:
@@ -227,7 +227,7 @@ class Admission(ManagerCore):
         """
         with self._lock:
             attempt = self._attempts.get(session_id)
-            if attempt is None or attempt.kind != "session" or attempt.stop_state is not None:
+            if attempt is None or attempt.kind != JobKind.session or attempt.stop_state is not None:
                 raise HoraError(f"session {session_id} is not running; submit the job instead")
             have, field = len(attempt.plan.slots), "workers"
             if spec.total_gpus > have:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from hora.env import RankEnv, new_rdzv_secret
 from hora.errors import HoraError, SpecError
 from hora.net import free_port
-from hora.spec import JobState
+from hora.spec import JobKind, JobState
 from sqlalchemy.exc import SQLAlchemyError
 
 from hora_service import identity
@@ -172,7 +172,7 @@ class Launch(ElasticSlots, Admission):
             umask=int(self.settings.job_umask, 8),
             preflight_env=self._preflight_env(job.kind),
             rdzv_secret=new_rdzv_secret(),
-            private_network=self.settings.job_private_network and job.kind != "session",
+            private_network=self.settings.job_private_network and job.kind != JobKind.session,
             work_root=self.settings.work_root,
             tmp_paths=tuple(kept),
             tmp_bytes=self.settings.job_tmp_bytes,
@@ -191,12 +191,12 @@ class Launch(ElasticSlots, Admission):
 
     def _preflight_env(self, kind: str) -> tuple[tuple[str, str], ...]:
         s = self.settings
-        if kind == "job" and not s.job_preflight:
+        if kind == JobKind.job and not s.job_preflight:
             return ()
         base = s.job_preflight_baseline_dir
         asked = RankEnv(
             # a session's engines are measured by %dist_start, not at init: no HORA_PREFLIGHT
-            preflight="1" if kind == "job" else None,
+            preflight="1" if kind == JobKind.job else None,
             preflight_fail_below=s.job_preflight_fail_below,
             preflight_baseline=str(base) if base is not None else None,
         )

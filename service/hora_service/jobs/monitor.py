@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 
 from hora.errors import EngineRunning, HoraError, SpecError
-from hora.spec import JobState
+from hora.spec import JobKind, JobState
 
 from hora_service.jobpreflight import PreflightFigures
 from hora_service.jobs.attempt import Attempt, describe, held_reason
@@ -197,7 +197,7 @@ class Monitor(Recovery):
         (:meth:`replace_engine`); the lease and the idle timeout still end it. Once no
         engine is left, or on another runtime, a death ends the session as it ends a job.
         """
-        if attempt.kind != "session":
+        if attempt.kind != JobKind.session:
             return attempt.codes
         if not self._runtime(attempt.plan.spec.runtime).replaces_ranks:
             return attempt.codes
@@ -225,7 +225,7 @@ class Monitor(Recovery):
         """
         with self._lock:
             attempt = self._attempts.get(session_id)
-            if attempt is None or attempt.kind != "session" or attempt.stop_state is not None:
+            if attempt is None or attempt.kind != JobKind.session or attempt.stop_state is not None:
                 raise HoraError(f"session {session_id} is not running")
             if not 0 <= rank < len(attempt.ranks):
                 last = len(attempt.ranks) - 1
@@ -257,7 +257,7 @@ class Monitor(Recovery):
         A job's rank 0 hands them over at ``hvd.init()`` when asked (``preflight_env``); a
         session's rank 0 engine when ``%dist_start`` measures (unless ``--no-preflight``).
         """
-        if not attempt.plan.preflight_env and attempt.kind != "session":
+        if not attempt.plan.preflight_env and attempt.kind != JobKind.session:
             return None
         plan = attempt.plan
         ended = [c for r, c in enumerate(attempt.codes) if r not in attempt.lost]

@@ -11,7 +11,7 @@ import time
 
 from hora.errors import HoraError
 from hora.leases import LeaseHolder
-from hora.spec import PRIORITY_RANK, RuntimeName
+from hora.spec import PRIORITY_RANK, JobKind, RuntimeName
 
 from hora_service.inventory import Slot
 from hora_service.jobs.attempt import Attempt, Holder, QueueView
@@ -139,13 +139,13 @@ class SlotViews(ManagerCore):
             return [
                 (a.job_id, a.user, PRIORITY_RANK[a.plan.spec.priority], len(a.plan.slots))
                 for a in self._attempts.values()
-                if a.kind == "session" and a.stop_state is None and not a.held
+                if a.kind == JobKind.session and a.stop_state is None and not a.held
             ]
 
     def session_jobs(self) -> list[JobRecord]:
         """The sessions queued, starting or running now (their records)."""
         with self._lock:
-            ids = [a.job_id for a in self._attempts.values() if a.kind == "session"]
+            ids = [a.job_id for a in self._attempts.values() if a.kind == JobKind.session]
         return [j for j in (self._record(i) for i in ids) if j is not None]
 
     def queue_snapshot(self) -> tuple[list[tuple[Pending, float | None]], tuple[Holder, ...]]:

@@ -7,6 +7,7 @@ and JavaScript under ``static/`` (shipped in the package; no build step, no libr
 from __future__ import annotations
 
 from fastapi import FastAPI
+from hora.spec import SlotKind
 
 from hora_service.ui.auth import UiSessions
 from hora_service.ui.gpustats import GpuProbe
@@ -17,5 +18,5 @@ def install(app: FastAPI) -> None:
     from hora_service.ui.routes import router
 
     app.state.ui_sessions = UiSessions()
-    app.state.gpu_probe = GpuProbe(app.state.manager.inventory[0].kind == "gpu")
+    app.state.gpu_probe = GpuProbe(app.state.manager.inventory[0].kind == SlotKind.gpu)
     app.include_router(router)

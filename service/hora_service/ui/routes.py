@@ -20,7 +20,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Query, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
 from hora.errors import SpecError
-from hora.spec import JobState
+from hora.spec import JobKind, JobState, SlotKind
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
@@ -141,7 +141,7 @@ def pool(request: Request, who: ViewerDep) -> dict[str, Any]:
     slots = []
     for slot in manager.inventory:
         h = by_slot.get(slot.index)
-        gpu = stats.get(slot.index) if slot.kind == "gpu" else None
+        gpu = stats.get(slot.index) if slot.kind == SlotKind.gpu else None
         slots.append({
             "index": slot.index, "kind": slot.kind, "name": slot.name,
             "state": "free" if h is None else "draining" if h.stopping else "held",
@@ -214,10 +214,10 @@ async def job(job_id: int, request: Request, who: ViewerDep) -> dict[str, Any]:
     idle_of = sessions.idle_seen_by(who.user)
     queue = await run_in_threadpool(job_queue, _mgr(request), record, idle_of)
     data = record.model_copy(update={"queue": queue}).model_dump(mode="json")
-    if record.kind == "session":
+    if record.kind == JobKind.session:
         view = await run_in_threadpool(sessions.view, record, None, who.user)
         data["session"] = view.model_dump(mode="json", include={"idle_s", "stop_in_s", "warning"})
-    data["can_resubmit"] = record.kind == "job" and record.user_id == who.user.id
+    data["can_resubmit"] = record.kind == JobKind.job and record.user_id == who.user.id
     data["preflight"] = await run_in_threadpool(job_preflight, _mgr(request), record)
     return data
 
@@ -266,7 +266,7 @@ async def scaling(job_id: int, request: Request, who: ViewerDep) -> dict[str, An
 async def cancel(job_id: int, request: Request, who: PosterDep) -> dict[str, Any]:
     """Cancel a job, or stop a session."""
     record = await _visible(request, job_id, who.user)
-    why = "stopped by the user" if record.kind == "session" else "cancelled by the user"
+    why = "stopped by the user" if record.kind == JobKind.session else "cancelled by the user"
     done = await run_in_threadpool(_mgr(request).cancel, record.id, why)
     return _row(done)
 
@@ -275,7 +275,7 @@ async def cancel(job_id: int, request: Request, who: PosterDep) -> dict[str, Any
 async def resubmit(job_id: int, request: Request, who: PosterDep) -> dict[str, Any]:
     """Submit the same spec again as a new job (only its owner may: it runs as them)."""
     record = await _visible(request, job_id, who.user)
-    if record.kind != "job" or record.user_id != who.user.id:
+    if record.kind != JobKind.job or record.user_id != who.user.id:
         raise HTTPException(403, "only the job's owner can resubmit it")
     spec = record.spec.model_copy(update={"submission_id": None})
     try:
@@ -290,7 +290,7 @@ def sessions(request: Request, who: ViewerDep) -> list[dict[str, Any]]:
     """The viewer's sessions (an admin's: everyone's) with idle time and culling countdown."""
     manager, views = _mgr(request), request.app.state.sessions
     found, _ = manager.list_jobs(None if who.user.is_admin else who.user.name, None, 2000, 0)
-    keep = [j for j in found if j.kind == "session"][:200]
+    keep = [j for j in found if j.kind == JobKind.session][:200]
     return [views.view(j).model_dump(mode="json", exclude={"queue"}) for j in keep]
 
 
