@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
@@ -23,17 +23,29 @@ from hora.magics_display import (
     DisplaySink,
     QueueDisplay,
     Table,
+    engines_table,
     notify,
     short_errors,
     show_profile,
 )
+from hora.magics_start import StartMode, cluster_options, start_mode
 from hora.magics_submit import JobEndedError, submit_history, write_job_files
+
+if TYPE_CHECKING:  # the engines load ipyparallel: only when a magic first starts them
+    from IPython.core.interactiveshell import ExecutionInfo, InteractiveShell
+
+    from hora.client import Job
+    from hora.engines import Cluster, ClusterOptions
+    from hora.engines.cluster import EngineRow
+    from hora.engines.script import Record
+    from hora.engines.session import ServiceCluster
 
 __all__ = [
     "DisplaySink",
     "HoraMagics",
     "JobEndedError",
     "QueueDisplay",
+    "StartMode",
     "Table",
     "load_ipython_extension",
     "unload_ipython_extension",
@@ -50,32 +62,23 @@ def _names(names: Sequence[str], flag: str) -> list[str]:
     return list(names)
 
 
-def _csv(value: str) -> tuple[str, ...]:
-    items = tuple(v.strip() for v in value.split(",") if v.strip())
-    if not items:
-        raise UsageError(f"--gpus expects a comma-separated list such as 0,1; got {value!r}")
-    return items
-
-
 @magics_class
 class HoraMagics(Magics):
     """The ``%dist_*`` magics and ``%%distributed``; holds this kernel's one cluster."""
 
-    def __init__(self, shell: Any) -> None:
+    def __init__(self, shell: InteractiveShell) -> None:
         super().__init__(shell)
-        self.cluster: Any = None
+        self.cluster: Cluster | None = None
         self.cell_number: int | None = None
         # what the engines ran since they started, for %dist_submit (the cluster's start
         # count tells when they were restarted, by %dist_restart or after a stuck interrupt)
-        self.history: list[Any] = []
+        self.history: list[Record] = []
         self._history_of = 0
         self._last_size: int | None = None  # ranks of the engines %dist_stop stopped
-        # how engines are started: (kernel-local forced, idle timeout, runtime, controller address)
-        self._mode: tuple[bool, float | None, str, str | None, str | None] = (
-            False, None, "local", None, None)  # fmt: skip
+        self._mode = StartMode()
         self._preflight = True  # %dist_start --no-preflight turns it off
 
-    def pre_run_cell(self, info: Any) -> None:
+    def pre_run_cell(self, info: ExecutionInfo) -> None:
         """Note the number the notebook shows for the cell that starts (engines count apart).
 
         IPython has already counted the cell when this event fires if it stores history.
@@ -90,98 +93,77 @@ class HoraMagics(Magics):
             sys.stderr.write("hora: the hora service parked this notebook's session\n")
 
     # --- helpers ---------------------------------------------------------------------------
-    def _ns(self) -> dict[str, Any]:
-        shell: Any = self.shell
-        return shell.user_ns  # type: ignore[no-any-return]
+    def _ns(self) -> dict[str, object]:
+        assert self.shell is not None  # registered by load_ipython_extension with its shell
+        return self.shell.user_ns  # type: ignore[no-any-return]
 
-    def _options(self, args: Any) -> Any:
-        from hora.engines import ClusterOptions
-        from hora.errors import SpecError
-
-        try:
-            return ClusterOptions(
-                n=args.n,
-                gpus=_csv(args.gpus) if args.gpus else None,
-                backend=args.backend,
-                timeout_s=args.timeout if args.timeout is not None else 60.0,
-                start_timeout_s=args.start_timeout,
-            )
-        except SpecError as e:
-            raise UsageError(str(e)) from None
-
-    def _start(self, options: Any) -> None:
+    def _start(self, options: ClusterOptions) -> None:
         from IPython.display import display
 
         from hora.client import ServiceUnavailable
         from hora.engines import Cluster
         from hora.engines.session import ServiceCluster, service_configured
 
-        local, idle, runtime, ip, image = self._mode
-        queue = QueueDisplay()
-        why = "--local" if local else "no hora service configured"
+        mode, queue = self._mode, QueueDisplay()
+        why = "--local" if mode.local else "no hora service configured"
         self.history, self._history_of = [], 0
-        rows = None
-        if runtime != "local" and (local or not service_configured()):
-            raise UsageError(f"--runtime {runtime} needs a hora service (HORA_URL), not --local")
-        if not local and service_configured():
-            self.cluster = ServiceCluster(
-                options, progress=queue.update, notify=notify, idle_timeout_s=idle,
-                runtime=runtime, ip=ip, image=image,
+        started: tuple[Cluster, list[EngineRow]] | None = None
+        if mode.runtime != "local" and (mode.local or not service_configured()):
+            raise UsageError(
+                f"--runtime {mode.runtime} needs a hora service (HORA_URL), not --local"
+            )
+        if not mode.local and service_configured():
+            self.cluster = session = ServiceCluster(
+                options, progress=queue.update, notify=notify, idle_timeout_s=mode.idle_timeout_s,
+                runtime=mode.runtime, ip=mode.ip, image=mode.image,
             )  # fmt: skip
             try:
-                rows = self.cluster.start()
+                started = session, session.start()
             except ServiceUnavailable as e:
-                if self.cluster.asked is not None or runtime != "local":  # say so
+                if session.asked is not None or mode.runtime != "local":  # say so
                     raise
                 # configured but not running (hora up stopped): the notebook still works, and
                 # kernel-local engines still leave alone the GPUs other processes use
                 why = f"the configured hora service did not answer: {e.cause}"
-        if rows is None:
-            self.cluster = Cluster(options)
-            rows = self.cluster.start()
-        queue.done(self.cluster)
-        if isinstance(self.cluster, ServiceCluster):
-            where = f"from {self.cluster.where}"
-        else:
-            where = f"kernel-local engines ({why})"
-        took = f"{self.cluster.start_s:.1f}s"
-        title = f"{len(rows)} engines ready in {took} ({self.cluster.backend}); {where}"
-        display(
-            Table(
-                [
-                    {k: r[k] for k in ("rank", "host", "pid", "device", "gpu", "engine_id")}
-                    for r in rows
-                ],
-                title,
-            )
-        )
+        if started is None:
+            self.cluster = local = Cluster(options)
+            started = local, local.start()
+        cluster, rows = started
+        queue.done(cluster)
+        where = f"from {cluster.where}" if isinstance(cluster, ServiceCluster) else None
+        took = f"{cluster.start_s:.1f}s"
+        title = f"{len(rows)} engines ready in {took} ({cluster.backend}); "
+        display(engines_table(rows, title + (where or f"kernel-local engines ({why})")))
         if self._preflight:
             from hora.engines.profile import run_preflight
 
-            run_preflight(self.cluster)
+            run_preflight(cluster)
 
-    def _record(self, record: Any) -> None:
-        if self.cluster.starts != self._history_of:  # fresh engines: earlier cells are gone
-            self.history, self._history_of = [], self.cluster.starts
+    def _record(self, cluster: Cluster, record: Record) -> None:
+        if cluster.starts != self._history_of:  # fresh engines: earlier cells are gone
+            self.history, self._history_of = [], cluster.starts
         self.history.append(record)
 
-    def _running(self) -> Any:
+    def _running(self) -> Cluster:
         """The cluster, a parked session resumed first (its engines are needed)."""
         from hora.engines import ClusterNotRunningError
 
         if self.cluster is None:
             raise ClusterNotRunningError("no engines are running; run %dist_start first")
-        if self._parked():
-            magics_park.resume(self.cluster)
+        if (parked := self._parked()) is not None:
+            magics_park.resume(parked)
             self._history_of = self.cluster.starts  # the cells that ran are the engines' again
         return self.cluster
 
-    def _parked(self) -> bool:
+    def _parked(self) -> ServiceCluster | None:
+        """This notebook's session when it is parked (only a session parks), else None."""
         from hora.engines import ClusterState
+        from hora.engines.session import ServiceCluster
 
-        return self.cluster is not None and self.cluster.state is ClusterState.PARKED
+        c = self.cluster
+        return c if isinstance(c, ServiceCluster) and c.state is ClusterState.PARKED else None
 
-    def _repaired(self) -> Any:
+    def _repaired(self) -> Cluster:
         """The running cluster, its engines that died since the last cell replaced (said so)."""
         cluster = self._running()
         repaired = cluster.repair()
@@ -194,10 +176,12 @@ class HoraMagics(Magics):
         if rank is not None and not 0 <= rank < size:
             raise UsageError(f"--rank {rank} is outside 0..{size - 1}")
 
-    def _is_up(self) -> bool:
+    def _up(self) -> Cluster | None:
+        """The cluster unless there is none or it is stopped."""
         from hora.engines import ClusterState
 
-        return self.cluster is not None and self.cluster.state is not ClusterState.STOPPED
+        c = self.cluster
+        return c if c is not None and c.state is not ClusterState.STOPPED else None
 
     # --- magics ----------------------------------------------------------------------------
     @magic_arguments()
@@ -258,26 +242,22 @@ class HoraMagics(Magics):
         Example: ``%dist_start -n 2 --backend gloo``, ``%dist_start -n 4 --runtime slurm``
         """
         args = parse_argstring(self.dist_start, line)
-        options = self._options(args)
+        options = cluster_options(args)
         if args.idle_timeout is not None and args.idle_timeout <= 0:
             raise UsageError(f"--idle-timeout must be > 0 seconds, got {args.idle_timeout:g}")
-        if self._parked():
+        if (parked := self._parked()) is not None:
             sys.stderr.write(
-                f"session {self.cluster.launcher.resuming} is parked: the next %%distributed "
+                f"session {parked.launcher.resuming} is parked: the next %%distributed "
                 "cell (or %dist_resume) resumes it; %dist_stop ends it\n"
             )
             return
-        if self._is_up():
+        if (up := self._up()) is not None:
             sys.stderr.write(
-                f"engines already running ({self.cluster.size} ranks); "
+                f"engines already running ({up.size} ranks); "
                 "use %dist_restart or %dist_stop first\n"
             )
             return
-        if args.ip is not None and args.runtime != "slurm":
-            raise UsageError("--ip is for --runtime slurm (local engines use 127.0.0.1)")
-        if (args.image is not None) != (args.runtime == "docker"):
-            raise UsageError("--image goes with --runtime docker, which needs one (with hora)")
-        self._mode = (args.local, args.idle_timeout, args.runtime, args.ip, args.image)
+        self._mode = start_mode(args)
         self._preflight = not args.no_preflight
         self._start(options)
 
@@ -313,12 +293,12 @@ class HoraMagics(Magics):
 
     @line_magic
     @short_errors
-    def dist_status(self, line: str) -> Any:
+    def dist_status(self, line: str) -> None:
         """Show each rank's liveness, pid, device and memory. Example: ``%dist_status``."""
         from IPython.display import display
 
-        if self._parked():
-            magics_park.show_parked(self.cluster)
+        if (parked := self._parked()) is not None:
+            magics_park.show_parked(parked)
             return
         cluster = self._running()
         note = f" ({cluster.broken_reason})" if cluster.broken_reason else ""
@@ -346,7 +326,7 @@ class HoraMagics(Magics):
         cluster.push(values, ranks)
         from hora.engines.script import record_push
 
-        self._record(record_push(self.cell_number, values, ranks))
+        self._record(cluster, record_push(self.cell_number, values, ranks))
 
     @magic_arguments()
     @argument("names", nargs="+", help="engine variables to fetch")
@@ -422,7 +402,7 @@ class HoraMagics(Magics):
         n: int | None,
         profile: bool,
     ) -> None:
-        if not self._is_up():
+        if self._up() is None:
             from hora.engines import ClusterOptions
 
             self._start(ClusterOptions(n=n))
@@ -462,7 +442,7 @@ class HoraMagics(Magics):
             show_profile(prof.finish_profile(cluster))
         from hora.engines.script import CellRecord
 
-        self._record(CellRecord(self.cell_number, code))
+        self._record(cluster, CellRecord(self.cell_number, code))
         if out:
             self._ns()[out] = cluster.pull(out)
 
@@ -485,7 +465,7 @@ class HoraMagics(Magics):
     )
     @line_magic
     @short_errors
-    def dist_submit(self, line: str) -> Any:
+    def dist_submit(self, line: str) -> Job:
         """Submit the %%distributed cells that ran, in order, as a job of the hora service.
 
         The pushed values go with them; it works after ``%dist_stop`` too. With
@@ -495,10 +475,10 @@ class HoraMagics(Magics):
         Example: ``job = %dist_submit --workers 2 --name digits --wait``
         """
         args = parse_argstring(self.dist_submit, line)
-        workers = args.workers or (self.cluster.size if self._is_up() else self._last_size)
+        up = self._up()
+        workers = args.workers or (up.size if up is not None else self._last_size)
         if workers is None:
             raise UsageError("%dist_submit: no engines are running; pass --workers N")
-        up = self.cluster if self._is_up() else None
         session = magics_submit.handoff_session(up) if args.handoff else None
         if self.cluster is not None and self.cluster.starts != self._history_of:
             self.history = []
@@ -544,23 +524,24 @@ class HoraMagics(Magics):
         Example: ``%dist_resume``, ``%dist_resume 12``
         """
         args = parse_argstring(self.dist_resume, line)
-        if self._parked():
-            mine = self.cluster.launcher.resuming
+        cluster = self._parked()
+        if cluster is not None:
+            mine = cluster.launcher.resuming
             if args.session not in (None, mine):
                 raise UsageError(f"this notebook's session {mine} is parked; %dist_stop it first")
         elif args.session is None:
-            magics_park.show_parked(self.cluster if self._is_up() else None)
+            magics_park.show_parked(self._up())
             return
-        elif self._is_up():
+        elif self._up() is not None:
             raise UsageError("engines are running here; %dist_stop them first")
         else:
-            self.cluster = magics_park.adopt(args.session)
+            self.cluster = cluster = magics_park.adopt(args.session)
             self.history, self._history_of = [], 0
-        magics_park.resume(self.cluster, args.n)
-        self._history_of = self.cluster.starts
+        magics_park.resume(cluster, args.n)
+        self._history_of = cluster.starts
 
 
-def load_ipython_extension(ipython: Any) -> None:
+def load_ipython_extension(ipython: InteractiveShell) -> None:
     """Register hora's magics (``%load_ext hora``); cheap: no torch, no ipyparallel yet.
 
     Args:
@@ -577,7 +558,7 @@ def load_ipython_extension(ipython: Any) -> None:
     ipython.events.register("pre_run_cell", _MAGICS.pre_run_cell)
 
 
-def unload_ipython_extension(ipython: Any) -> None:
+def unload_ipython_extension(ipython: InteractiveShell) -> None:
     """Stop the engines this kernel started (``%unload_ext hora``).
 
     Args:

@@ -12,7 +12,12 @@ import re
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from hora.engines.cluster import EngineRow
+    from hora.scaling import ProfileReport
+    from hora.spec import SessionInfo
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -90,6 +95,18 @@ class Table:
         return f"<table>{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def engines_table(rows: Sequence[EngineRow], title: str) -> Table:
+    """``%dist_start``'s table: per rank its host, pid, device, GPU and engine id."""
+    return Table(
+        [
+            {"rank": r["rank"], "host": r["host"], "pid": r["pid"], "device": r["device"],
+             "gpu": r["gpu"], "engine_id": r["engine_id"]}
+            for r in rows
+        ],
+        title,
+    )  # fmt: skip
+
+
 _LINE_END = re.compile(r"(\r\n|\r|\n)")
 
 
@@ -164,7 +181,7 @@ class QueueDisplay:
         self.handle: Any = None
         self.t0 = time.monotonic()
 
-    def update(self, info: Any) -> None:
+    def update(self, info: SessionInfo) -> None:
         """Show the session's place in the queue (called while it waits)."""
         from datetime import UTC, datetime
 
@@ -192,7 +209,7 @@ class _Text:
         return self.text
 
 
-def show_profile(report: Any) -> None:
+def show_profile(report: ProfileReport | None) -> None:
     """Display ``%%distributed --profile``'s table, chart and verdict."""
     from IPython.display import display
 

@@ -9,17 +9,19 @@ kernel adopting one of them (its options read back from the session's job).
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from IPython.core.error import UsageError
 
 from hora.magics_display import QueueDisplay, Table, notify
 
 if TYPE_CHECKING:
+    from hora.engines import Cluster
+    from hora.engines.session import ServiceCluster
     from hora.spec import SessionInfo
 
 
-def session_cluster(cluster: Any, what: str) -> Any:
+def session_cluster(cluster: Cluster | None, what: str) -> ServiceCluster:
     """The running session cluster, or a usage error saying why there is none."""
     from hora.engines.session import ServiceCluster
     from hora.engines.state import ClusterState
@@ -35,13 +37,13 @@ def session_cluster(cluster: Any, what: str) -> Any:
     return cluster
 
 
-def park(cluster: Any, drop: list[str], force: bool) -> None:
+def park(cluster: ServiceCluster, drop: list[str], force: bool) -> None:
     """Park the session; print what was saved (and left out)."""
     report = cluster.park(drop, force)
     sys.stdout.write(report.line() + "\n")
 
 
-def resume(cluster: Any, n: int | None = None) -> None:
+def resume(cluster: ServiceCluster, n: int | None = None) -> None:
     """Resume the parked session (queued like a start); print why it was parked and the times."""
     queue = QueueDisplay()
     cluster.launcher.progress = queue.update
@@ -50,17 +52,18 @@ def resume(cluster: Any, n: int | None = None) -> None:
     sys.stdout.write(f"{report.why()}\n{report.line()}\n")
 
 
-def parked_sessions(cluster: Any = None) -> list[SessionInfo]:
-    """The user's parked sessions, newest first."""
+def parked_sessions(cluster: Cluster | None = None) -> list[SessionInfo]:
+    """The user's parked sessions, newest first (asked with a session's own client, if any)."""
     from hora.client import Client
+    from hora.engines.session import ServiceCluster
     from hora.session_wire import SessionList
 
-    service = cluster.launcher.service if cluster is not None else Client()
+    service = cluster.launcher.service if isinstance(cluster, ServiceCluster) else Client()
     found = service.request("GET", "/v1/sessions", params={"state": "parked", "limit": 500})
     return SessionList.model_validate(found.json()).items
 
 
-def show_parked(cluster: Any = None) -> None:
+def show_parked(cluster: Cluster | None = None) -> None:
     """Display the user's parked sessions (``%dist_resume`` without an id)."""
     from IPython.display import display
 
@@ -73,7 +76,7 @@ def show_parked(cluster: Any = None) -> None:
     display(Table(rows, "your parked sessions: %dist_resume ID takes one"))
 
 
-def adopt(session_id: int) -> Any:
+def adopt(session_id: int) -> ServiceCluster:
     """A cluster that resumes parked session ``session_id`` (started by another kernel).
 
     Its options (engines, backend, timeouts, runtime) are the session's own.

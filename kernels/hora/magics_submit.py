@@ -14,12 +14,17 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from IPython.core.error import UsageError
 
 from hora.errors import HoraError
 from hora.export import DEFAULT_EXPORT
+
+if TYPE_CHECKING:
+    from hora.client import Job
+    from hora.engines import Cluster
+    from hora.engines.script import Record
 
 
 class JobEndedError(HoraError):
@@ -29,7 +34,7 @@ class JobEndedError(HoraError):
         return [f"{type(self).__name__}: {self}"]
 
 
-def handoff_session(cluster: Any) -> int:
+def handoff_session(cluster: Cluster | None) -> int:
     """The id of the service session ``%dist_submit --handoff`` gives to its job."""
     session = getattr(cluster, "session", None)
     if session is None:
@@ -40,7 +45,7 @@ def handoff_session(cluster: Any) -> int:
     return int(session.id)
 
 
-def let_go(cluster: Any) -> None:
+def let_go(cluster: Cluster | None) -> None:
     """After a handoff the kernel forgets its session instead of deleting it.
 
     The session's record stays readable (stopped, naming the job that took its slots).
@@ -51,7 +56,7 @@ def let_go(cluster: Any) -> None:
 
 
 def submit_history(
-    history: Sequence[Any],
+    history: Sequence[Record],
     *,
     name: str,
     workers: int,
@@ -60,7 +65,7 @@ def submit_history(
     wait: bool,
     stop_engines: Callable[[], None],
     export: str = ",".join(DEFAULT_EXPORT),
-) -> Any:
+) -> Job:
     """Submit the recorded cells as a job; with ``session``, hand that session's slots to it.
 
     Args:
@@ -123,7 +128,7 @@ def write_job_files(folder: Path, name: str, text: str, blobs: list[bytes]) -> t
     return script, values
 
 
-def _wait_for_job(job: Any) -> None:
+def _wait_for_job(job: Job) -> None:
     for text in job.follow(0):
         sys.stdout.write(text)
         sys.stdout.flush()

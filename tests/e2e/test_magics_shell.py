@@ -72,9 +72,13 @@ def test_load_ext_registers_magics_without_heavy_imports():
 
 def test_start_table_lists_rank_pid_device(ip):
     from hora import magics
+    from hora.engines.cluster import EngineRow
 
     table = magics._MAGICS.cluster.table()
     assert [r["rank"] for r in table] == [0, 1]
+    assert all(list(r) == list(EngineRow.__annotations__) for r in table)
+    # each engine's init answer (bootstrap.EngineInfo) named its main thread and its host
+    assert all(e.main_thread > 0 and e.local for e in magics._MAGICS.cluster.engines)
     assert all(r["device"] == "cpu" for r in table)
     # what %dist_start displayed: the table (a title, then one row per rank; text and HTML),
     # then the preflight's one line

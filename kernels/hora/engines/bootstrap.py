@@ -15,7 +15,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, TypedDict, final
 
 from hora.engines import world
 from hora.env import RankEnv
@@ -25,6 +25,36 @@ _BG_ERROR: list[BaseException] = []
 _BG_STARTED = False
 # where an engine started by the service writes its stack on SIGUSR1 (the kernel reads it)
 STACK_FILE: list[str] = []
+
+
+@final
+class EngineInfo(TypedDict):
+    """What an engine answers :func:`init_engine` with once ``hora.torch`` is initialised.
+
+    A plain dict on the wire (pickled by ipyparallel); :class:`hora.engines.Cluster` reads it
+    into its :class:`~hora.engines.execute.Engine`.
+    """
+
+    rank: int
+    size: int
+    host: str
+    pid: int
+    device: str  # torch device ("cuda:0", "cpu")
+    gpu: str  # the GPU bound through CUDA_VISIBLE_DEVICES ("" on CPU)
+    main_thread: int  # ident of the engine's main thread (to pick its stack from a dump)
+    stack_file: str | None  # where it writes its stack on SIGUSR1 (None: the kernel's choice)
+
+
+@final
+class EngineFailure(TypedDict):
+    """What an engine answers :func:`init_engine` with when the initialisation failed."""
+
+    pid: int
+    rank: int  # -1 when RANK is not set
+    error: str  # the formatted traceback
+
+
+InitAnswer = EngineInfo | EngineFailure  # what init_engine returns
 
 
 def _background_init() -> None:
@@ -136,7 +166,7 @@ def _device() -> Any:
 
 def init_engine(
     backend: str, timeout_s: float, threads: int, start_s: float | None = None
-) -> dict[str, Any]:
+) -> InitAnswer:
     """Initialise hora.torch in this engine and describe it; failures are returned, not raised.
 
     Args:
@@ -147,9 +177,8 @@ def init_engine(
             waits for engines that start late); default ``timeout_s``.
 
     Returns:
-        ``{"rank", "size", "host", "pid", "device", "gpu", "main_thread"}`` of this engine, or
-        ``{"pid", "error"}`` with the formatted traceback when init failed (so the kernel can
-        name the failing rank by its pid).
+        This engine's :class:`EngineInfo`, or an :class:`EngineFailure` with the formatted
+        traceback when init failed (so the kernel can name the failing rank by its pid).
 
     Example:
         >>> info = view.apply_sync(init_engine, "gloo", 60.0, 1)  # doctest: +SKIP
@@ -159,14 +188,14 @@ def init_engine(
     except Exception as e:
         import traceback
 
-        return {
-            "pid": os.getpid(),
-            "rank": int(os.environ.get("RANK", "-1")),
-            "error": "".join(traceback.format_exception(e)).rstrip(),
-        }
+        return EngineFailure(
+            pid=os.getpid(),
+            rank=int(os.environ.get("RANK", "-1")),
+            error="".join(traceback.format_exception(e)).rstrip(),
+        )
 
 
-def _init_engine(backend: str, timeout_s: float, threads: int, start_s: float) -> dict[str, Any]:
+def _init_engine(backend: str, timeout_s: float, threads: int, start_s: float) -> EngineInfo:
     import torch
 
     import hora.torch as hvd
@@ -182,16 +211,16 @@ def _init_engine(backend: str, timeout_s: float, threads: int, start_s: float) -
     ns = _user_ns()
     ns.setdefault("hvd", hvd)
     ns.setdefault("torch", torch)
-    return {
-        "rank": hvd.rank(),
-        "size": hvd.size(),
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "device": str(_device()),
-        "gpu": RankEnv.from_environ(only=("gpu",)).gpu or "",
-        "main_thread": threading.main_thread().ident,
-        "stack_file": STACK_FILE[0] if STACK_FILE else None,
-    }
+    return EngineInfo(
+        rank=hvd.rank(),
+        size=hvd.size(),
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        device=str(_device()),
+        gpu=RankEnv.from_environ(only=("gpu",)).gpu or "",
+        main_thread=threading.main_thread().ident or 0,  # the main thread has started
+        stack_file=STACK_FILE[0] if STACK_FILE else None,
+    )
 
 
 def abort_group() -> None:

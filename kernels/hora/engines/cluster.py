@@ -26,9 +26,10 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from hora.engines import _ipp, bootstrap, plan
+from hora.engines.bootstrap import EngineInfo, InitAnswer
 from hora.engines.errors import (
     CellFailedError,
     ClusterBrokenError,
@@ -48,6 +49,17 @@ log = logging.getLogger("hora.engines")
 # started clusters, held strongly so that a dropped Cluster object is still stopped at exit
 _LIVE: set[Cluster] = set()
 _ATEXIT: list[bool] = []
+
+
+class EngineRow(TypedDict):
+    """One rank of :meth:`Cluster.table` (what ``%dist_start`` shows)."""
+
+    rank: int
+    engine_id: int
+    host: str
+    pid: int
+    device: str
+    gpu: str  # "-" on CPU
 
 
 def kernel_cuda_initialized() -> bool:
@@ -125,7 +137,7 @@ class Cluster:
         """Mark the cluster BROKEN: ``reason`` is shown until a restart."""
         self.state, self.broken_reason = ClusterState.BROKEN, reason
 
-    def start(self) -> list[dict[str, Any]]:
+    def start(self) -> list[EngineRow]:
         """Start the controller and engines and initialise the process group.
 
         Returns:
@@ -220,17 +232,18 @@ class Cluster:
             deadline,
             lambda: all(ar.ready() for ar in ars.values()) or any(map(failed, ars.values())),
         )
-        infos = {eid: ar.get(0) for eid, ar in ars.items() if ar.ready() and ar.successful()}
+        infos: dict[int, InitAnswer] = {
+            eid: ar.get(0) for eid, ar in ars.items() if ar.ready() and ar.successful()
+        }
         placed = self.launcher.placed
         errors = {placed(i)[0]: i["error"] for i in infos.values() if "error" in i}
-        if errors or len(infos) < len(ars):
+        ready = {eid: i for eid, i in infos.items() if "error" not in i}
+        if errors or len(ready) < len(ars):
             raise _init_error(errors)
-        engines = [self._engine(eid, info, placed(info)) for eid, info in infos.items()]
+        engines = [self._engine(eid, info, placed(info)) for eid, info in ready.items()]
         return sorted(engines, key=lambda e: e.rank)
 
-    def _engine(
-        self, eid: int, info: dict[str, Any], placed: tuple[int, EngineProcess]
-    ) -> Engine:
+    def _engine(self, eid: int, info: EngineInfo, placed: tuple[int, EngineProcess]) -> Engine:
         rank, proc = placed
         if rank != info["rank"]:
             raise EngineStartError(
@@ -275,7 +288,7 @@ class Cluster:
                 log.debug("closing the client: %s", e)
             self.client = None
 
-    def restart(self) -> list[dict[str, Any]]:
+    def restart(self) -> list[EngineRow]:
         """Stop and start again with the same options.
 
         Returns:
@@ -459,19 +472,15 @@ class Cluster:
         """An ipyparallel view of the engines of ``ranks`` (all when None), in rank order."""
         return self.client[[self.engines[r].engine_id for r in self._ranks(ranks)]]
 
-    def table(self) -> list[dict[str, Any]]:
+    def table(self) -> list[EngineRow]:
         """Return one row per rank: rank, engine id, host, pid, device, GPU."""
         return [
-            {
-                "rank": e.rank,
-                "engine_id": e.engine_id,
-                "host": e.host,
-                "pid": e.pid,
-                "device": e.device,
-                "gpu": e.gpu or "-",
-            }
+            EngineRow(
+                rank=e.rank, engine_id=e.engine_id, host=e.host, pid=e.pid, device=e.device,
+                gpu=e.gpu or "-",
+            )
             for e in self.engines
-        ]
+        ]  # fmt: skip
 
     def status(self, timeout: float = 3.0) -> list[dict[str, Any]]:
         """Report each rank's liveness, pid, device and memory in use.

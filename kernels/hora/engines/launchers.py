@@ -23,12 +23,13 @@ import shutil
 import signal
 import subprocess
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import IO, Any, NamedTuple, Protocol
+from typing import IO, NamedTuple, Protocol
 
 from hora.engines import plan, world
+from hora.engines.bootstrap import InitAnswer
 from hora.engines.errors import UNSEEN_EXIT, EngineError, EngineStartError, NotEnoughGpusError
 from hora.engines.report import log_tail
 from hora.env import new_rdzv_secret
@@ -83,7 +84,7 @@ class EngineLauncher(Protocol):
     def spawn_engines(self, ranks: Sequence[int], port: int) -> list[EngineProcess]:
         """Start engines for ``ranks`` that meet at the store on ``port``; they are awaited now."""
 
-    def placed(self, info: Mapping[str, Any]) -> tuple[int, EngineProcess]:
+    def placed(self, info: InitAnswer) -> tuple[int, EngineProcess]:
         """The rank and process of an engine that answered ``bootstrap.init_engine``."""
 
     def log_file(self, rank: int) -> Path:
@@ -338,7 +339,7 @@ class LocalLauncher(KernelProcesses):
         fds = [self._leases[rank].fileno()] if rank < len(self._leases) else []
         return self._spawn(plan.engine_argv(directory, stack), env, name, fds)  # holds it too
 
-    def placed(self, info: Mapping[str, Any]) -> tuple[int, EngineProcess]:
+    def placed(self, info: InitAnswer) -> tuple[int, EngineProcess]:
         """The rank and process of an engine that answered, found by its pid."""
         by_pid = {proc.pid: (rank, proc) for rank, proc in self._pending}
         return by_pid[info["pid"]]

@@ -31,7 +31,7 @@ from pydantic import BaseModel
 
 from hora.client import Client, ServiceError
 from hora.client_config import config_path
-from hora.engines import plan
+from hora.engines import bootstrap, plan
 from hora.engines.cluster import Cluster, kernel_cuda_initialized
 from hora.engines.errors import EngineError, EngineStartError, rank_ranges
 from hora.engines.heartbeat import SessionHeartbeat, render_queue
@@ -288,9 +288,10 @@ class SessionLauncher(KernelProcesses):
         if info.ended:
             raise EngineStartError(f"session {info.id} {info.state} while {what}: {info.reason}")
 
-    def placed(self, info: Mapping[str, Any]) -> tuple[int, EngineProcess]:
+    def placed(self, info: bootstrap.InitAnswer) -> tuple[int, EngineProcess]:
         """The rank the engine reports, and its process watched by its pid."""
-        if info.get("host") == socket.gethostname() and self.runtime == RuntimeName.local:
+        here = "error" not in info and info["host"] == socket.gethostname()
+        if here and self.runtime == RuntimeName.local:
             return int(info.get("rank", -1)), RemoteProcess(int(info["pid"]))
         # on a Slurm node or in a container (its own pid namespace, the host's name): its pid
         # means nothing here, and is never signalled; the service says when it is gone
