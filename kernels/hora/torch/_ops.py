@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from hora.torch import _engine, _handles, _lane, _shm_ops, _state, timeline
 from hora.torch._collective import Collective
-from hora.torch._engine import Comm, GroupHandle, begin, refusal, submit
+from hora.torch._engine import Comm, GroupHandle, begin, refusal, refuse, submit
 from hora.torch._handles import Handle, guarded, signature
 from hora.torch._kinds import Average, Kind, Max, Min, Product, Sum
 from hora.torch._process_sets import ProcessSet, comm_of, global_process_set
@@ -185,8 +185,11 @@ def reduce_async(tensor: torch.Tensor, coll: Collective, inplace: bool) -> Handl
     """Start the allreduce ``coll`` describes of ``tensor`` (in place or into a new tensor)."""
     comm = comm_of(coll.process_set, _ALLREDUCE)
     state, name = begin(comm, _ALLREDUCE, coll.name)
-    with refusal(comm, _ALLREDUCE, name):
+    try:  # what refusal() does, without a context manager's cost on this per-call path
         op = coll.reduce_op()
+    except Exception as e:
+        refuse(comm, _ALLREDUCE, name, e)
+        raise
     t = tensor.detach()
     run = _allreduce_buffer
     if not inplace and t.is_contiguous() and _shm_lane(comm, t, op) is not None:
