@@ -234,8 +234,11 @@ def grouped_reduce_async(
     kind = Kind.GROUPED_ALLREDUCE
     comm = comm_of(coll.process_set, kind)
     state, name = begin(comm, kind, coll.name)
-    with refusal(comm, kind, name):
+    try:  # refusal(), inline (see reduce_async)
         op = coll.reduce_op()
+    except Exception as e:
+        refuse(comm, kind, name, e)
+        raise
     tensors = list(tensors)
     if not tensors:
         return Handle(kind, name, [], list)
