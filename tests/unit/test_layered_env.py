@@ -1,8 +1,11 @@
 """hora.env.layered_env, the one builder of a rank's environment: its layers' precedence
 (base < account < job < rank, defaults only fill gaps), the strip set, the order of the names,
-and that it changes nothing it is given."""
+that it changes nothing it is given, and that every launcher uses it."""
 
 from __future__ import annotations
+
+import ast
+from pathlib import Path
 
 import pytest
 from hora.env import LAUNCHER_VARS, TORCHRUN_DEFAULTS, Account, layered_env
@@ -58,3 +61,25 @@ def test_the_inputs_are_left_as_they_were() -> None:
     env = layered_env(base, strip={"RANK"}, job=job, rank=rank)
     env["A"] = "4"
     assert (base, job, rank) == ({"A": "1", "RANK": "2"}, {"A": "2"}, {"A": "3"})
+
+
+def _calls(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    return {
+        n.func.id if isinstance(n.func, ast.Name) else n.func.attr
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name | ast.Attribute)
+    }
+
+
+def test_every_module_that_places_a_rank_builds_its_environment_with_layered_env() -> None:
+    # a launcher that writes the world's variables (rank_env) layers the rest with the one
+    # builder, never by hand
+    root = Path(__file__).resolve().parents[2]
+    product = [*(root / "kernels" / "hora").rglob("*.py"), *(root / "service").rglob("*.py")]
+    placing = {p.relative_to(root).as_posix() for p in product if "rank_env" in _calls(p)}
+    assert placing == {
+        "kernels/hora/engines/plan.py", "kernels/hora/launch/config.py",
+        "kernels/hora/launch/elastic.py", "service/hora_service/runtimes/core.py",
+    }  # fmt: skip
+    assert all("layered_env" in _calls(root / p) for p in placing)

@@ -9,6 +9,7 @@ configured service even while kernel-local engines (which hold no service client
 from __future__ import annotations
 
 from argparse import Namespace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -93,3 +94,14 @@ def test_listing_parked_sessions_beside_kernel_local_engines_asks_the_configured
     with pytest.raises(ServiceUnavailable) as e:
         magics_park.parked_sessions(local)
     assert e.value.url == f"{url}/v1/sessions"
+
+
+def test_the_magics_type_their_boundary_without_any() -> None:
+    import ast
+
+    import hora.magics
+
+    tree = ast.parse(Path(hora.magics.__file__).read_text())
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert "Any" not in names  # the shell, cluster, options, mode and records have real types

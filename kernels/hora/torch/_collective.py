@@ -10,14 +10,14 @@ whole. The operations' names and the reduce ops are in :mod:`hora.torch._kinds`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from hora.errors import UnsupportedError
 from hora.torch._kinds import REDUCE_OPS, Adasum, Average, Sum
 from hora.torch._process_sets import ProcessSet
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Collective:
     """A reduction as the caller described it (Horovod's keyword arguments, unchecked).
 
@@ -36,6 +36,24 @@ class Collective:
     prescale: float
     postscale: float
     process_set: ProcessSet
+
+    def __init__(
+        self,
+        op: int | None,
+        average: bool | None,
+        name: str | None,
+        prescale: float,
+        postscale: float,
+        process_set: ProcessSet,
+    ) -> None:
+        # built once per collective call: the slots' own setters cost about half of the
+        # object.__setattr__ calls a frozen dataclass's generated __init__ makes
+        _SET_OP(self, op)
+        _SET_AVERAGE(self, average)
+        _SET_NAME(self, name)
+        _SET_PRESCALE(self, prescale)
+        _SET_POSTSCALE(self, postscale)
+        _SET_PROCESS_SET(self, process_set)
 
     def reduce_op(self) -> int:
         """The reduce op to run: ``op``, else Sum when ``average`` is False, else Average.
@@ -58,3 +76,8 @@ class Collective:
     def unnamed(self) -> Collective:
         """The same reduction with an automatic name (the backward of a named forward)."""
         return replace(self, name=None)
+
+
+_SET_OP, _SET_AVERAGE, _SET_NAME, _SET_PRESCALE, _SET_POSTSCALE, _SET_PROCESS_SET = (
+    Collective.__dict__[f.name].__set__ for f in fields(Collective)
+)

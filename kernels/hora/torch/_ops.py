@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from hora.torch import _engine, _handles, _lane, _shm_ops, _state, timeline
 from hora.torch._collective import Collective
-from hora.torch._engine import Comm, GroupHandle, begin, refusal, submit
+from hora.torch._engine import Comm, GroupHandle, begin, refusal, refuse, submit
 from hora.torch._handles import Handle, guarded, signature
 from hora.torch._kinds import Average, Kind, Max, Min, Product, Sum
 from hora.torch._process_sets import ProcessSet, comm_of, global_process_set
@@ -37,6 +37,8 @@ _TORCH_OPS = {
 }
 # how the shared-memory ring reduces each op (Average: a sum, divided afterwards as on gloo)
 _SHM_OPS = {Average: "sum", Sum: "sum", Min: "min", Max: "max", Product: "product"}
+# read once: the allreduce path runs per call, where an Enum attribute costs a lookup each time
+_ALLREDUCE, _ALLREDUCE_CODE = Kind.ALLREDUCE, Kind.ALLREDUCE.code
 
 
 def _scale(t: torch.Tensor, factor: float) -> None:
@@ -99,7 +101,7 @@ def _allreduce_buffer(
     ``source`` (out of place), read when the collective launches. The handle's result is
     ``ret`` when given (the caller's tensor for in-place forms).
     """
-    key = key or signature(Kind.ALLREDUCE.code, op, out.dtype, out.shape)
+    key = key or signature(_ALLREDUCE_CODE, op, out.dtype, out.shape)
     pre, post = coll.prescale, coll.postscale
 
     def launch(_rows: Any) -> tuple[list[Any], Any]:
@@ -110,7 +112,7 @@ def _allreduce_buffer(
         wire = out if lane is not None else _handles.widen(out)
         work: Any = None
         if lane is not None:
-            work = lane.allreduce(out, kind, name, _SHM_OPS[op], tag=Kind.ALLREDUCE,
+            work = lane.allreduce(out, kind, name, _SHM_OPS[op], tag=_ALLREDUCE,
                                   source=source if pre == 1.0 else None)
         elif out.numel() and comm.size > 1:
             work = dist.all_reduce(wire, op=_TORCH_OPS[op], group=comm.group, async_op=True)
@@ -181,22 +183,25 @@ def allreduce_async_(
 
 def reduce_async(tensor: torch.Tensor, coll: Collective, inplace: bool) -> Handle:
     """Start the allreduce ``coll`` describes of ``tensor`` (in place or into a new tensor)."""
-    comm = comm_of(coll.process_set, Kind.ALLREDUCE)
-    state, name = begin(comm, Kind.ALLREDUCE, coll.name)
-    with refusal(comm, Kind.ALLREDUCE, name):
+    comm = comm_of(coll.process_set, _ALLREDUCE)
+    state, name = begin(comm, _ALLREDUCE, coll.name)
+    try:  # what refusal() does, without a context manager's cost on this per-call path
         op = coll.reduce_op()
+    except Exception as e:
+        refuse(comm, _ALLREDUCE, name, e)
+        raise
     t = tensor.detach()
     run = _allreduce_buffer
     if not inplace and t.is_contiguous() and _shm_lane(comm, t, op) is not None:
         # the ring reads t as it copies in: no clone first
         buf = torch.empty_like(t, memory_format=torch.contiguous_format)
-        return run(comm, Kind.ALLREDUCE, name, op, coll, buf, source=t)
+        return run(comm, _ALLREDUCE, name, op, coll, buf, source=t)
     if not inplace:
         buf = t.clone(memory_format=torch.contiguous_format)
-        return run(comm, Kind.ALLREDUCE, name, op, coll, buf)
+        return run(comm, _ALLREDUCE, name, op, coll, buf)
     if t.is_contiguous():
-        return run(comm, Kind.ALLREDUCE, name, op, coll, t, ret=tensor)
-    return run(comm, Kind.ALLREDUCE, name, op, coll, t.contiguous(), t, ret=tensor)
+        return run(comm, _ALLREDUCE, name, op, coll, t, ret=tensor)
+    return run(comm, _ALLREDUCE, name, op, coll, t.contiguous(), t, ret=tensor)
 
 
 def allreduce_(
@@ -229,8 +234,11 @@ def grouped_reduce_async(
     kind = Kind.GROUPED_ALLREDUCE
     comm = comm_of(coll.process_set, kind)
     state, name = begin(comm, kind, coll.name)
-    with refusal(comm, kind, name):
+    try:  # refusal(), inline (see reduce_async)
         op = coll.reduce_op()
+    except Exception as e:
+        refuse(comm, kind, name, e)
+        raise
     tensors = list(tensors)
     if not tensors:
         return Handle(kind, name, [], list)
