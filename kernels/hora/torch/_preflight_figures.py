@@ -221,12 +221,24 @@ def judge(p: PathFigures, bases: dict[str, dict[str, Any]], below: float) -> lis
 
 
 def _merge_links(found: list[Finding], p: PathFigures) -> list[Finding]:
-    """Name a rank instead of its links when every link it is in is slow (3+ ranks)."""
+    """Name a rank instead of its links when every link it is in is slow (3+ ranks).
+
+    The rank whose links are slowest is named first: when a loaded machine also slows a
+    link between two sound ranks, the rank every slowest link goes through is the one named.
+    """
     if len(p.ranks) < 3:
         return found
     slow = {f.who for f in found if f.kind == "link" and f.path == p.path}
-    for r in p.ranks:
-        mine = {f"link {k.a}<->{k.b}" for k in p.links if r.rank in (k.a, k.b)}
+    fraction = {f.who: f.fraction for f in found if f.who in slow}
+    links_of = {
+        r.rank: {f"link {k.a}<->{k.b}" for k in p.links if r.rank in (k.a, k.b)} for r in p.ranks
+    }
+
+    def worst_first(r: RankFigures) -> float:
+        return max((fraction.get(w, 1.0) for w in links_of[r.rank]), default=1.0)
+
+    for r in sorted(p.ranks, key=worst_first):
+        mine = links_of[r.rank]
         if not mine or not mine <= slow:
             continue
         worst = min((f for f in found if f.who in mine), key=lambda f: f.fraction)
