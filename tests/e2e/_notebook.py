@@ -94,12 +94,16 @@ def wait_for(what: str, check, timeout: float = 30.0):  # type: ignore[no-untype
 
 @contextmanager
 def hora_notebook(
-    server: ServiceServer, workdir: Path, user: str = "ann", start: str | None = None
+    server: ServiceServer,
+    workdir: Path,
+    user: str = "ann",
+    start: str | None = None,
+    ready: str = "engines ready",
 ) -> Iterator[Notebook]:
     """A notebook of ``user`` with hora loaded, on ``server``; nothing of it left at its end.
 
-    ``start``: a first cell run after loading (``%dist_start ...``); ``%dist_stop`` is then
-    run at the end.
+    ``start``: a first cell run after loading (``%dist_start ...``), whose output must say
+    ``ready``; ``%dist_stop`` is then run at the end.
     """
     tag = new_tag()
     env = tagged_env(tag)
@@ -111,12 +115,17 @@ def hora_notebook(
         nb.run("%load_ext hora")
         if start is not None:
             out = nb.run(start)
-            assert "engines ready" in out and "from the hora service" in out, out
+            assert ready in out and "from the hora service" in out, out
         yield nb
         if start is not None:
             nb.run("%dist_stop")
     finally:
-        nb.close()
-        left = wait_gone(tag, timeout=30)
-        kill_tagged(tag)
-        assert left == [], "processes left behind:\n" + describe(left)
+        close_checked(nb, tag)
+
+
+def close_checked(nb: Notebook, tag: str) -> None:
+    """Close ``nb`` and check that no process of its (tagged ``tag``) is left."""
+    nb.close()
+    left = wait_gone(tag, timeout=30)
+    kill_tagged(tag)
+    assert left == [], "processes left behind:\n" + describe(left)

@@ -14,8 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from e2e._notebook import Notebook
-from e2e._notebooks_procs import describe, kill_tagged, new_tag, tagged_env, wait_gone
+from e2e._notebook import Notebook, close_checked
+from e2e._notebooks_procs import new_tag, tagged_env
 from helpers.docker_engine import Engine
 from helpers.service_server import ServiceServer
 
@@ -59,7 +59,4 @@ def test_a_docker_session_parks_and_resumes_in_a_new_container(
                 assert again["container_id"] and again["container_id"] != first
             nb.run("%dist_stop")
         finally:
-            nb.close()
-            left = wait_gone(tag, timeout=30)
-            kill_tagged(tag)
-            assert left == [], "processes left behind:\n" + describe(left)
+            close_checked(nb, tag)

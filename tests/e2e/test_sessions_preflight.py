@@ -31,8 +31,8 @@ from typing import Any
 
 import httpx
 import pytest
-from e2e._notebook import Notebook
-from e2e._notebooks_procs import describe, kill_tagged, new_tag, tagged_env, wait_gone
+from e2e._notebook import Notebook, close_checked
+from e2e._notebooks_procs import new_tag, tagged_env
 from e2e.test_dashboard import CHROMIUM, CHROMIUM_ARGS, SCREENSHOT_DIR_VAR, sign_in
 from helpers.known_share import baseline_env
 from helpers.service_server import ServiceServer
@@ -102,10 +102,7 @@ def two_engines(server: ServiceServer, work: Path) -> Iterator[dict[str, Any]]:
         yield {"id": sid, "out": out}
         nb.run("%dist_stop")
     finally:
-        nb.close()
-        left = wait_gone(tag, timeout=30)
-        kill_tagged(tag)
-        assert left == [], "processes left behind:\n" + describe(left)
+        close_checked(nb, tag)
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceServer]:
 
 @pytest.fixture
 def notebook(server: ServiceServer, tmp_path: Path) -> Iterator[Notebook]:
-    with hora_notebook(server, tmp_path, start="%dist_start -n 2 --timeout 30") as nb:
+    with hora_notebook(
+        server, tmp_path, start="%dist_start -n 2 --timeout 30", ready="2 engines ready"
+    ) as nb:
         yield nb
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from hora_service.manager import JobManager
 from hora_service.settings import Settings
+from hora_service.store import Store
 from sqlalchemy import text
 
 
@@ -24,9 +25,8 @@ def mgr(tmp_path: Path) -> JobManager:
     return m
 
 
-def test_a_pass_reads_the_users_once_and_the_next_pass_afresh(mgr: JobManager) -> None:
-    mgr.users.create("ann", quota=1)
-    store = mgr.open_store()
+def _counted_user_reads(store: Store) -> list[int]:
+    """One entry appended for each read of the users that ``store`` serves from now on."""
     reads: list[int] = []
     real = store.users
 
@@ -35,6 +35,13 @@ def test_a_pass_reads_the_users_once_and_the_next_pass_afresh(mgr: JobManager) -
         return real()
 
     store.users = counted  # type: ignore[method-assign]
+    return reads
+
+
+def test_a_pass_reads_the_users_once_and_the_next_pass_afresh(mgr: JobManager) -> None:
+    mgr.users.create("ann", quota=1)
+    store = mgr.open_store()
+    reads = _counted_user_reads(store)
     seen: list[int | None] = []
     mgr.hooks.append(lambda now: seen.extend(mgr.quota_of("ann") for _ in range(3)))
     mgr.tick()
@@ -66,14 +73,7 @@ def test_a_pass_with_no_free_slot_reads_no_user(tmp_path: Path) -> None:
     try:
         assert all(h.took for h in holders)
         job = m.submit("ann", JobSpec(command=["true"], workers=2))
-        reads: list[int] = []
-        real = store.users
-
-        def counted() -> list:  # type: ignore[type-arg]
-            reads.append(1)
-            return real()
-
-        store.users = counted  # type: ignore[method-assign]
+        reads = _counted_user_reads(store)
         with m._lock:
             m._schedule(time.time())
         assert reads == [] and job.id in m._pending
