@@ -33,6 +33,7 @@ from hora.engines.bootstrap import InitAnswer
 from hora.engines.errors import UNSEEN_EXIT, EngineError, EngineStartError, NotEnoughGpusError
 from hora.engines.report import log_tail
 from hora.env import new_rdzv_secret
+from hora.kinds import HolderKind
 from hora.leases import Lease, LeaseDir
 from hora.net import free_port
 from hora.procs import signal_group
@@ -352,7 +353,7 @@ class LocalLauncher(KernelProcesses):
 def _claims() -> dict[str, object]:
     """What a kernel's lease says about it: a notebook kernel, and its notebook's name."""
     notebook = os.environ.get("JPY_SESSION_NAME", "")  # set by Jupyter for a notebook's kernel
-    return {"kind": "kernel", **({"what": Path(notebook).name} if notebook else {})}
+    return {"kind": HolderKind.kernel.value, **({"what": Path(notebook).name} if notebook else {})}
 
 
 def _take(leases: LeaseDir, name: str, visible: Sequence[plan.GpuInfo]) -> Lease:
