@@ -11,7 +11,7 @@ service.
 
 :class:`ScaleServer` is a real uvicorn serving the real app on 127.0.0.1, with two routes of
 the benchmark's own (``POST /bench/passes``): they run the manager's scheduling pass
-(``JobManager._schedule``, under the manager's lock, as a monitor pass does when the queue
+(``Monitor.schedule``, under the manager's lock, as a monitor pass does when the queue
 changed) and its monitor pass (``JobManager.tick``) in the served process and time them.
 """
 
@@ -54,9 +54,9 @@ def passes(user: CurrentUser, n: int = 10, gap_s: float = 0.0) -> dict:
     m = app.state.manager
     out = {'pass': [], 'tick': []}
     for _ in range(n):
-        with m._lock:
+        with m.state.lock:
             t0 = time.perf_counter()
-            m._schedule(time.time())
+            m.monitor.schedule(time.time())
             out['pass'].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         m.tick()

@@ -8,7 +8,7 @@ worker processes, one importing this checkout's hora and one the sources of ``--
 slot held by another holder on the machine (real forked processes holding the slots' leases,
 as a notebook's engines or another service would), and ``N`` jobs queued. The workers are
 asked in interleaved pairs (A B, then B A; one warm-up pair) for the median of ``--passes``
-passes (``JobManager._schedule`` under the manager's lock, as the monitor runs it).
+passes (``Monitor.schedule`` under the manager's lock, as the monitor runs it).
 
 Correct first: in both, every job is still queued after the passes and none was placed.
 Ratio of a pair: the baseline's median over this checkout's (above 1: faster now).
@@ -67,12 +67,16 @@ try:
     for line in sys.stdin:
         n, passes = (int(x) for x in line.split())
         m, got = managers[n], []
+        if hasattr(m, "monitor"):  # the manager composed around its state
+            lock, schedule, pending = m.state.lock, m.monitor.schedule, m.state.pending
+        else:  # an older tree's manager of mixins
+            lock, schedule, pending = m._lock, m._schedule, m._pending
         for _ in range(passes):
-            with m._lock:
+            with lock:
                 t0 = time.perf_counter()
-                m._schedule(time.time())
+                schedule(time.time())
                 got.append(time.perf_counter() - t0)
-        print(json.dumps({"ms": statistics.median(got) * 1000, "queued": len(m._pending)}),
+        print(json.dumps({"ms": statistics.median(got) * 1000, "queued": len(pending)}),
               flush=True)
 finally:
     for h in holders:

@@ -17,7 +17,7 @@ phases). In each phase the sizes are measured in interleaved rounds (A B C D, th
 * ``get_queued``: ``GET /v1/jobs/{id}`` of the last job in the queue (its place and reason);
 * ``metrics``: ``GET /metrics`` (as an admin);
 * ``heartbeat``: ``POST /v1/sessions/{id}/heartbeat`` (the heartbeat process's own timings);
-* ``pass``: one scheduling pass (``JobManager._schedule``, under the manager's lock, with
+* ``pass``: one scheduling pass (``Monitor.schedule``, under the manager's lock, with
   every queued job examined and none placed), timed inside the served process;
 * ``tick``: one monitor pass (``JobManager.tick``: polls every attempt, the sessions' leases
   and CPU time, the slot leases), timed inside the served process.

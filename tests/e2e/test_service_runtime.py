@@ -132,7 +132,7 @@ def test_crash_while_starting_is_failed_then_retried(tmp_path: Path) -> None:
     first.close_store()  # the first service is gone; its rank lives on
     second = JobManager(settings)
     second.open_store()
-    second._recover()  # what start() does before its loop
+    second.recovery.recover()  # what start() does before its loop
     deadline = time.monotonic() + 30
     while second.get(job.id).attempt < 2:  # type: ignore[union-attr]
         assert time.monotonic() < deadline, second.get(job.id)

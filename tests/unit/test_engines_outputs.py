@@ -43,3 +43,43 @@ def test_only_output_messages_answering_a_request_are_counted() -> None:
     assert outputs._parent_id("status", (), {"parent": parent}) is None
     msg = {"header": {"msg_type": "display_data"}, "parent_header": {"msg_id": "m1"}}
     assert outputs._parent_id(msg, (), {}) == "m1"
+
+
+class _Kernel:
+    """The two attributes of an ipykernel kernel that counted() wraps, recording what is sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+        self.session = self
+
+    def send(self, stream: object, msg_or_type: str, *args: object, **kwargs: object) -> str:
+        self.sent.append(msg_or_type)
+        return msg_or_type
+
+    def finish_metadata(self, parent: object, metadata: dict, reply: dict) -> dict:
+        return metadata
+
+
+def test_an_engine_counts_its_outputs_and_does_not_echo_the_code() -> None:
+    kernel = _Kernel()
+    outputs.counted(kernel)
+    request = {"header": {"msg_id": "r1"}}
+    for kind in ("status", "execute_input", "stream", "execute_result", "status"):
+        kernel.session.send(None, kind, {}, request)
+    reply: dict = {"status": "ok"}
+    kernel.finish_metadata(request, {}, reply)
+    assert kernel.sent == ["status", "stream", "execute_result", "status"]
+    assert reply[outputs.KEY] == 2
+
+
+def test_a_failed_cell_keeps_its_execution_count_where_the_kernel_reads_it() -> None:
+    from hora.engines import _ipp
+    from ipyparallel.error import unwrap_exception
+
+    kernel = _Kernel()
+    outputs.counted(kernel)
+    reply: dict = {"status": "error", "execution_count": 7, "ename": "KeyError",
+                   "evalue": "'k'", "traceback": [], "engine_info": {"engine_id": 0}}
+    kernel.finish_metadata({"header": {"msg_id": "r2"}}, {}, reply)
+    assert _ipp.reply_count(unwrap_exception(reply)) == 7
+    assert _ipp.reply_count(object()) is None

@@ -74,13 +74,13 @@ def test_a_pass_with_no_free_slot_reads_no_user(tmp_path: Path) -> None:
         assert all(h.took for h in holders)
         job = m.submit("ann", JobSpec(command=["true"], workers=2))
         reads = _counted_user_reads(store)
-        with m._lock:
-            m._schedule(time.time())
-        assert reads == [] and job.id in m._pending
+        with m.state.lock:
+            m.monitor.schedule(time.time())
+        assert reads == [] and job.id in m.state.pending
         holders.pop().kill()  # one slot frees: the job (2 workers) still cannot start
-        with m._lock:
-            m._schedule(time.time())
-        assert reads == [1] and job.id in m._pending
+        with m.state.lock:
+            m.monitor.schedule(time.time())
+        assert reads == [1] and job.id in m.state.pending
     finally:
         for h in holders:
             h.kill()

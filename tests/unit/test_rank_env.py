@@ -135,11 +135,11 @@ def test_the_service_asks_for_the_preflight_in_the_contract_s_names(
     from pathlib import Path
     from types import SimpleNamespace
 
-    from hora_service.jobs.launch import Launch
+    from hora_service.jobs.launch import preflight_env
 
     settings = SimpleNamespace(job_preflight=True, job_preflight_fail_below=0.3,
                                job_preflight_baseline_dir=Path("/srv/base"))  # fmt: skip
-    asked = Launch._preflight_env(SimpleNamespace(settings=settings), kind)  # type: ignore[arg-type]
+    asked = preflight_env(settings, kind)  # type: ignore[arg-type]
     assert asked == want
     got = RankEnv.from_environ(dict(asked))
     assert (got.preflight_fail_below, got.preflight_baseline) == (0.3, "/srv/base")

@@ -249,7 +249,7 @@ def test_submission_checks_name_the_field(
     assert e.value.field == "image"
     (tmp_path / "no-slurm").mkdir()
     no_slurm = mgr.settings.model_copy(update={"slurm_bin_dir": tmp_path / "no-slurm"})
-    monkeypatch.setattr(mgr, "settings", no_slurm)  # a service where Slurm is not installed
+    monkeypatch.setattr(mgr.state, "settings", no_slurm)  # a service where Slurm is not installed
     with pytest.raises(SpecError, match="sbatch not found") as e:
         mgr.submit("ann", spec(runtime="slurm"))
     assert e.value.field == "runtime"
@@ -520,19 +520,19 @@ def test_job_cache_never_serves_a_stale_job(mgr: JobManager, rt: ScriptedRuntime
     expected = JobList(items=items, total=total, limit=10, offset=0).model_dump_json()
     assert mgr.list_json(None, None, 10, 0).decode() == expected
     # a read that raced a write must not put what it read into the cache
-    mgr._forget(job.id)
+    mgr.state.forget(job.id)
     store = mgr.open_store()
     read = store.records
 
     def read_then_write(ids: list[int]) -> dict[int, object]:
         found = read(ids)
-        mgr._forget(job.id)  # the monitor wrote the job after this read
+        mgr.state.forget(job.id)  # the monitor wrote the job after this read
         return found  # type: ignore[return-value]
 
     store.records = read_then_write  # type: ignore[method-assign]
-    assert mgr.get(job.id) is not None and job.id not in mgr._cache
+    assert mgr.get(job.id) is not None and job.id not in mgr.state.cache
     store.records = read  # type: ignore[method-assign]
-    assert mgr.get(job.id) is not None and job.id in mgr._cache
+    assert mgr.get(job.id) is not None and job.id in mgr.state.cache
     for r in rt.started[0][1]:
         r.status = 0
     mgr.tick()
@@ -582,7 +582,7 @@ def test_a_runtime_gone_at_launch_fails_the_attempt_and_frees_slots(
     mgr: JobManager, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     job = mgr.submit("ann", spec(workers=2))
-    monkeypatch.setattr(mgr, "_runtimes", {})
+    monkeypatch.setattr(mgr.state, "runtimes", {})
     monkeypatch.setattr(runtimes, "REGISTRY", {})  # e.g. a runtime removed by an upgrade
     mgr.tick()
     done = mgr.get(job.id)
@@ -607,7 +607,7 @@ def test_restart_finishes_a_cancel_that_was_under_way(tmp_path: Path) -> None:
     after = ScriptedRuntime()
     second = JobManager(settings, runtimes={"local": after})
     second.open_store()
-    second._recover()
+    second.recovery.recover()
     _, ranks = after.started[0]
     assert [r.signals for r in ranks] == [[signal.SIGTERM], [signal.SIGTERM]]
     second.tick()

@@ -176,7 +176,7 @@ def test_an_event_adds_a_transition_and_keeps_the_state(mgr: JobManager) -> None
     ])  # fmt: skip
     assert (seen.state, seen.reason) == (JobState.running, "went")
     assert [t.reason for t in seen.transitions][-2:] == ["went", "preflight (2 ranks ...)"]
-    mgr._write(Write(job.id, JobState.running, 3.0, "preflight (2 ranks ...)", event=True))
+    mgr.state.write(Write(job.id, JobState.running, 3.0, "preflight (2 ranks ...)", event=True))
     stored = mgr.get(job.id)
     assert stored is not None and stored.state == JobState.queued and stored.reason is None
     assert stored.transitions[-1].reason == "preflight (2 ranks ...)"

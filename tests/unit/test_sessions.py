@@ -481,7 +481,7 @@ def test_a_dead_engine_keeps_its_slot_until_the_kernel_asks_for_a_new_one(
         ranks[r].status = 3
     mgr.tick()
     assert state(mgr, s.id) == JobState.running  # rank 1's new engine still runs
-    new = mgr._attempts[s.id].ranks[1]  # noqa: SLF001 - the runtime's rank, as the monitor sees it
+    new = mgr.state.attempts[s.id].ranks[1]  # the runtime's rank, as the monitor sees it
     new.status = 1  # type: ignore[attr-defined]
     for _ in range(3):
         mgr.tick()

@@ -39,6 +39,20 @@ def reply_content(reply: Any) -> dict[str, Any] | None:
     return content if isinstance(content, dict) else None
 
 
+def reply_count(reply: Any) -> int | None:
+    """The execution count an engine's reply (an ``ExecuteReply`` or a ``RemoteError``) gives.
+
+    A failed cell's count is in the error's ``engine_info``, where the engine put it
+    (:func:`hora.engines.outputs.counted`).
+    """
+    content = reply_content(reply)
+    if content is None:
+        info = getattr(reply, "engine_info", None)
+        content = info if isinstance(info, dict) else {}
+    count = content.get("execution_count")
+    return count if isinstance(count, int) and not isinstance(count, bool) else None
+
+
 def control_request(client: Any, engine_id: int, msg_type: str) -> Any:
     """Send ``msg_type`` on one engine's control channel (answered also while a cell runs).
 

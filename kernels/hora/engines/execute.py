@@ -315,18 +315,14 @@ class CellRun:
         self.replied[rank] = reply
         content = _ipp.reply_content(reply)
         self.tally.replied(rank, content)
-        count = content.get("execution_count") if content else None
-        if isinstance(count, int) and self.cell_number is not None:
+        count = _ipp.reply_count(reply)
+        if count is not None and self.cell_number is not None:
             self.numbers.by_count.setdefault(rank, {})[count] = self.cell_number
 
     def _on_iopub(self, rank: int, msg: dict[str, Any]) -> None:
         kind, content = msg["header"]["msg_type"], msg["content"]
         self.tally.seen(rank, kind)
-        if kind == "execute_input":
-            count = content.get("execution_count")
-            if isinstance(count, int) and self.cell_number is not None:
-                self.numbers.by_count.setdefault(rank, {})[count] = self.cell_number
-        elif kind == "stream":
+        if kind == "stream":
             name = content.get("name", "stdout")
             text = content.get("text", "")
             store = self.result.stdout if name == "stdout" else self.result.stderr

@@ -18,7 +18,7 @@ from sqlalchemy import Connection
 
 from hora_service.elastic import python
 from hora_service.jobs.attempt import runs_outside
-from hora_service.jobs.core import ManagerCore
+from hora_service.jobs.state import ManagerState
 from hora_service.journal import Write
 from hora_service.models import JobRecord
 from hora_service.quotas import OverLimit, spec_bytes
@@ -26,8 +26,15 @@ from hora_service.runtimes.paths import JobPaths
 from hora_service.store import Store, StoreUnavailable
 
 
-class Admission(ManagerCore):
-    """Submitting, checking, cancelling, handing off and deleting jobs."""
+class Admission:
+    """Submitting, checking, cancelling, handing off and deleting jobs.
+
+    Args:
+        state: the manager's state (the store, the queue, the attempts).
+    """
+
+    def __init__(self, state: ManagerState) -> None:
+        self.state = state
 
     def submit(self, user: str, spec: JobSpec) -> JobRecord:
         """Queue a job (or return the one this user submitted with the same submission id).
@@ -61,13 +68,13 @@ class Admission(ManagerCore):
             StoreUnavailable: the store could not take the write in time (busy, full).
             sqlalchemy.exc.OperationalError: the same, as SQLite reported it.
         """
-        store = self.open_store()
+        store = self.state.open_store()
         self.check(user, spec, kind)
         self._check_limits(user, spec)
         # the check and the insert are one write transaction; a store that cannot take it
         # within the timeout answers StoreUnavailable (a 503 with Retry-After), never a hang
-        note = self.bounds.submit_note(spec)
-        with store.tx(self.settings.store_write_timeout_s) as conn:
+        note = self.state.bounds.submit_note(spec)
+        with store.tx(self.state.settings.store_write_timeout_s) as conn:
             if spec.submission_id is not None:
                 existing = store.job_by_submission(conn, user, spec.submission_id)
                 if existing is not None:
@@ -80,18 +87,18 @@ class Admission(ManagerCore):
                 also(store, conn, job_id)
             record = store.get(job_id, conn)
             assert record is not None
-        self._forget(job_id)  # a new job changes every page it belongs to
-        self._enqueue(job_id, user, spec, None)
+        self.state.forget(job_id)  # a new job changes every page it belongs to
+        self.state.enqueue(job_id, user, spec, None)
         return record, True
 
     def _check_limits(self, user: str, spec: JobSpec) -> None:
-        size, most = spec_bytes(spec), self.settings.max_spec_bytes
+        size, most = spec_bytes(spec), self.state.settings.max_spec_bytes
         if size > most:
             raise OverLimit("spec", f"the job spec is {size} bytes; the limit is {most}", 413)
-        queued = self.settings.max_queued_jobs_per_user
+        queued = self.state.settings.max_queued_jobs_per_user
         if queued is not None:
-            with self._lock:
-                waiting = sum(1 for p, _ in self._pending.values() if p.user == user)
+            with self.state.lock:
+                waiting = sum(1 for p, _ in self.state.pending.values() if p.user == user)
             if waiting >= queued:
                 raise OverLimit(
                     "queued_jobs",
@@ -101,8 +108,8 @@ class Admission(ManagerCore):
 
     def check(self, user: str, spec: JobSpec, kind: str = "job") -> None:
         """Refuse a spec that can never run on this service (see :meth:`submit`)."""
-        total, need = len(self.inventory), spec.total_gpus
-        unit = "GPUs" if self._kind == SlotKind.gpu else "slots"
+        total, need = len(self.state.inventory), spec.total_gpus
+        unit = "GPUs" if self.state.slot_kind == SlotKind.gpu else "slots"
         field = "workers" if spec.gpus_per_worker == 1 else "gpus_per_worker"
         if need > total and not runs_outside(spec):
             raise SpecError(
@@ -110,22 +117,22 @@ class Admission(ManagerCore):
                 f"asks for {need} {unit} ({spec.workers} workers x {spec.gpus_per_worker}); "
                 f"this cluster has {total}",
             )
-        quota = self._quotas().get(user, self.settings.user_gpu_quota)
+        quota = self.state.quotas().get(user, self.state.settings.user_gpu_quota)
         if quota is not None and need > quota:
             raise SpecError(field, f"asks for {need} {unit}; your quota is {quota}")
         self._check_elastic(spec, total, unit)
-        who = self.users.run_as_of(user) if self.user_mode == "multi" else None
+        who = self.state.users.run_as_of(user) if self.state.user_mode == "multi" else None
         if spec.image is not None and spec.runtime not in (RuntimeName.docker, RuntimeName.slurm):
             raise SpecError("image", "an image is used only by the docker runtime")
-        self._runtime(spec.runtime).check(spec)
-        driver = self._driver_python(spec)
-        self.bounds.start_check(spec, self.workdir(spec, user), who, driver, kind)
+        self.state.runtime(spec.runtime).check(spec)
+        driver = self.driver_python(spec)
+        self.state.bounds.start_check(spec, self.workdir(spec, user), who, driver, kind)
 
-    def _driver_python(self, spec: JobSpec) -> str | None:
+    def driver_python(self, spec: JobSpec) -> str | None:
         """The Python an elastic job's driver runs with (None for other jobs)."""
         if spec.elastic is None:
             return None
-        return str(self.settings.session_python or python())
+        return str(self.state.settings.session_python or python())
 
     def _check_elastic(self, spec: JobSpec, total: int, unit: str) -> None:
         """Refuse an elastic job that can never run here, naming the field."""
@@ -134,7 +141,7 @@ class Admission(ManagerCore):
             return
         if spec.runtime != RuntimeName.local:
             raise SpecError("elastic", "elastic jobs run on the local runtime only for now")
-        if self._kind == SlotKind.gpu:
+        if self.state.slot_kind == SlotKind.gpu:
             raise SpecError("elastic", "elastic jobs run on CPU slots only for now")
         most = e.max_workers * spec.gpus_per_worker
         if most > total:
@@ -150,7 +157,7 @@ class Admission(ManagerCore):
         Raises:
             SpecError: it escapes the work root or is not an existing directory.
         """
-        return self.bounds.workdir(spec, user)
+        return self.state.bounds.workdir(spec, user)
 
     def cancel(self, job_id: int, reason: str = "cancelled by the user") -> JobRecord:
         """Cancel a job; a no-op on a finished one. Running ranks get SIGTERM, then SIGKILL.
@@ -158,22 +165,22 @@ class Admission(ManagerCore):
         Raises:
             HoraError: there is no such job.
         """
-        with self._lock:
-            job = self._record(job_id)
+        with self.state.lock:
+            job = self.state.record(job_id)
             if job is None:
                 raise HoraError(f"job {job_id} not found")
             now = time.time()
-            if job_id in self._pending or job.state == JobState.parked:
-                self._pending.pop(job_id, None)
-                self._set_state(job_id, JobState.cancelled, now, reason, finished_at=now)
-            elif job_id in self._attempts:
-                self._attempts[job_id].stop(
-                    JobState.cancelled, reason, now, self.settings.kill_grace_s, retry=False
+            if job_id in self.state.pending or job.state == JobState.parked:
+                self.state.pending.pop(job_id, None)
+                self.state.set_state(job_id, JobState.cancelled, now, reason, finished_at=now)
+            elif job_id in self.state.attempts:
+                self.state.attempts[job_id].stop(
+                    JobState.cancelled, reason, now, self.state.settings.kill_grace_s, retry=False
                 )
-                self._write(Write(job_id, None, now, None, {"cancel_requested": 1}))
-            self._dirty = True
-        self._wake.set()
-        found = self._record(job_id)
+                self.state.write(Write(job_id, None, now, None, {"cancel_requested": 1}))
+            self.state.dirty = True
+        self.state.wake.set()
+        found = self.state.record(job_id)
         assert found is not None
         return found
 
@@ -185,35 +192,35 @@ class Admission(ManagerCore):
         Raises:
             HoraError: the session is neither running nor queued.
         """
-        with self._lock:
+        with self.state.lock:
             now = time.time()
-            attempt = self._attempts.get(session_id)
-            if session_id in self._pending:
-                del self._pending[session_id]
+            attempt = self.state.attempts.get(session_id)
+            if session_id in self.state.pending:
+                del self.state.pending[session_id]
                 parked = park.model_copy(update={"phase": "parked"})  # no engines to stop
-                self._set_state(session_id, JobState.parked, now, reason, park=parked)
+                self.state.set_state(session_id, JobState.parked, now, reason, park=parked)
             elif attempt and attempt.kind == JobKind.session and attempt.stop_state is None:
-                self._write(Write(session_id, None, now, None, {"park": park}))
-                attempt.stop(JobState.parked, reason, now, self.settings.kill_grace_s, False)
+                self.state.write(Write(session_id, None, now, None, {"park": park}))
+                attempt.stop(JobState.parked, reason, now, self.state.settings.kill_grace_s, False)
             else:
                 raise HoraError(f"session {session_id} is not running")
-            self._dirty = True
-        self._wake.set()
+            self.state.dirty = True
+        self.state.wake.set()
 
     def requeue(
         self, session_id: int, user: str, spec: JobSpec, reason: str, park: ParkInfo
     ) -> None:
         """Queue a parked session again with ``spec`` (its engines resume from ``park``)."""
-        with self._lock:
+        with self.state.lock:
             now = time.time()
             fields = {"spec": spec, "need": spec.total_gpus, "park": park, "retry_at": None}
-            self._write(Write(session_id, JobState.queued, now, reason, fields))
-        self._enqueue(session_id, user, spec, None)
+            self.state.write(Write(session_id, JobState.queued, now, reason, fields))
+        self.state.enqueue(session_id, user, spec, None)
 
     def set_park(self, session_id: int, park: ParkInfo | None) -> None:
         """Record (None: forget) a session's snapshot without changing its state."""
-        with self._lock:
-            self._write(Write(session_id, None, time.time(), None, {"park": park}))
+        with self.state.lock:
+            self.state.write(Write(session_id, None, time.time(), None, {"park": park}))
 
     def handoff(self, session_id: int, user: str, spec: JobSpec) -> JobRecord:
         """Submit ``spec`` for ``user`` and give it the running session's slots.
@@ -225,15 +232,15 @@ class Admission(ManagerCore):
             HoraError: the session is not running.
             SpecError: the job needs more slots than the session holds, or cannot run here.
         """
-        with self._lock:
-            attempt = self._attempts.get(session_id)
+        with self.state.lock:
+            attempt = self.state.attempts.get(session_id)
             if attempt is None or attempt.kind != JobKind.session or attempt.stop_state is not None:
                 raise HoraError(f"session {session_id} is not running; submit the job instead")
             have, field = len(attempt.plan.slots), "workers"
             if spec.total_gpus > have:
                 raise SpecError(field, f"asks for {spec.total_gpus} slots; the session has {have}")
             job, _ = self.submit_or_find(user, spec)
-            self._handoffs[session_id] = job.id
+            self.state.handoffs[session_id] = job.id
         self.cancel(session_id, reason=f"stopped: its slots were handed to job {job.id}")
         return job
 
@@ -250,23 +257,23 @@ class Admission(ManagerCore):
             HoraError: there is no such job.
         """
         job = self.cancel(job_id, reason=reason)
-        self.open_store().drop_session(job_id)
-        with self._lock:
-            self._dropped.add(job_id)
-            self._forget(job_id)
-            self._remove_dropped()
+        self.state.open_store().drop_session(job_id)
+        with self.state.lock:
+            self.state.dropped.add(job_id)
+            self.state.forget(job_id)
+            self.remove_dropped()
         return job
 
-    def _remove_dropped(self) -> None:
+    def remove_dropped(self) -> None:
         """Remove the rows and logs of dropped sessions whose engines are gone (lock held)."""
-        for job_id in sorted(self._dropped):
-            if job_id in self._attempts or job_id in self._pending:
+        for job_id in sorted(self.state.dropped):
+            if job_id in self.state.attempts or job_id in self.state.pending:
                 continue
             try:
                 self.delete(job_id)
             except HoraError:  # its end is not recorded yet: a later pass
                 continue
-            self._dropped.discard(job_id)
+            self.state.dropped.discard(job_id)
 
     def delete(self, job_id: int) -> None:
         """Remove a finished job and its logs.
@@ -275,19 +282,19 @@ class Admission(ManagerCore):
             HoraError: the job is still active.
             StoreUnavailable: the store has not taken the job's end yet.
         """
-        store = self.open_store()
-        with self._lock:
-            job = self._record(job_id)
+        store = self.state.open_store()
+        with self.state.lock:
+            job = self.state.record(job_id)
             if job is None:
                 return
             if not job.state.terminal:
                 raise HoraError(f"job {job_id} is {job.state.value}; cancel it first")
-            if self.journal.pending(job_id):  # its end is not recorded yet: keep the row
-                why = self.journal.error
+            if self.state.journal.pending(job_id):  # its end is not recorded yet: keep the row
+                why = self.state.journal.error
                 raise StoreUnavailable(f"job {job_id}'s end is not recorded yet ({why})")
             store.delete_job(job_id)
-            self._forget(job_id)
-        shutil.rmtree(JobPaths.job_dir_of(self.settings.logs_dir, job_id), ignore_errors=True)
+            self.state.forget(job_id)
+        shutil.rmtree(JobPaths.job_dir_of(self.state.settings.logs_dir, job_id), ignore_errors=True)
 
     def log_path(self, job_id: int, rank: int, attempt: int) -> Path:
         """The log file of one rank of one attempt (built from integers only).
@@ -299,8 +306,8 @@ class Admission(ManagerCore):
             raise SpecError("rank", "must be >= 0")
         if attempt < 0:
             raise SpecError("attempt", "must be >= 0")
-        return JobPaths.of(self.settings.logs_dir, job_id, attempt).log(rank)
+        return JobPaths.of(self.state.settings.logs_dir, job_id, attempt).log(rank)
 
     def preflight_path(self, job_id: int, attempt: int) -> Path:
         """The preflight's figures of one attempt (``preflight.json``, built from integers)."""
-        return JobPaths.of(self.settings.logs_dir, job_id, attempt).preflight
+        return JobPaths.of(self.state.settings.logs_dir, job_id, attempt).preflight

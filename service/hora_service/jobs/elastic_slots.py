@@ -21,7 +21,7 @@ from hora.words import count
 
 from hora_service.elastic import ElasticRun, stop_workers, workers, write_hosts
 from hora_service.jobs.attempt import Attempt
-from hora_service.jobs.core import ManagerCore
+from hora_service.jobs.state import ManagerState
 from hora_service.journal import Write
 from hora_service.models import JobRecord
 from hora_service.runtimes import AttemptPlan
@@ -36,10 +36,17 @@ IDLE_WATCH_S = 5.0  # how often those of one that holds what it runs are
 log = logging.getLogger(__name__)
 
 
-class ElasticSlots(ManagerCore):
-    """Offering, growing, shrinking and releasing elastic jobs' slots."""
+class ElasticSlots:
+    """Offering, growing, shrinking and releasing elastic jobs' slots.
 
-    def _shrink_for(self, waiting: Sequence[Pending], free: int, now: float) -> None:
+    Args:
+        state: the manager's state (the attempts, the leases, the usage).
+    """
+
+    def __init__(self, state: ManagerState) -> None:
+        self.state = state
+
+    def shrink_for(self, waiting: Sequence[Pending], free: int, now: float) -> None:
         """Shrink lower-priority elastic jobs (down to their min) so that the queue's head fits.
 
         ``waiting`` is in queue order. Slots that shrinks under way will free count first
@@ -47,7 +54,7 @@ class ElasticSlots(ManagerCore):
         jobs not shrinking yet. The first job that shrinking cannot make fit ends the pass:
         nobody is disturbed for it or for the jobs behind it.
         """
-        runs = [a for a in self._attempts.values()
+        runs = [a for a in self.state.attempts.values()
                 if a.elastic is not None and a.stop_state is None]  # fmt: skip
         if not runs:
             return  # nothing to shrink: no need to look at the queue
@@ -69,8 +76,8 @@ class ElasticSlots(ManagerCore):
                 coming += len(a.plan.slots) - keep
                 why = f"shrinking to {keep} slot(s): job {head.id} of higher priority needs them"
                 a.elastic.shrink(keep, why, now)
-                self._offer(a.plan, keep)
-                self._write(Write(a.job_id, None, now, None, {"elastic": a.elastic.info}))
+                self.offer(a.plan, keep)
+                self.state.write(Write(a.job_id, None, now, None, {"elastic": a.elastic.info}))
             coming -= head.need
 
     def _cuts(
@@ -97,7 +104,7 @@ class ElasticSlots(ManagerCore):
                 short -= give
         return None if short > 0 else cuts
 
-    def _watch_elastic(self, attempt: Attempt, now: float) -> None:
+    def watch(self, attempt: Attempt, now: float) -> None:
         """Read the driver's report (to show), then act on the workers the kernel shows.
 
         Only a running attempt's workers are acted on (a stopping one is being killed). A
@@ -107,7 +114,7 @@ class ElasticSlots(ManagerCore):
         run = attempt.elastic
         assert run is not None
         if run.read():
-            self._write(Write(attempt.job_id, None, now, None, {"elastic": run.info}))
+            self.state.write(Write(attempt.job_id, None, now, None, {"elastic": run.info}))
         if attempt.stop_state is not None or now < run.next_look:
             return
         busy = run.target is not None or run.over_since is not None
@@ -115,14 +122,14 @@ class ElasticSlots(ManagerCore):
         seen = self._workers(attempt)
         if seen is None:
             return
-        bound = self.settings.elastic_shrink_timeout_s
+        bound = self.state.settings.elastic_shrink_timeout_s
         extra = run.excess(seen, len(attempt.plan.slots), now, bound)
         if extra and attempt.plan.container is not None:
             stopped = stop_workers(extra, attempt.plan.container)
             log.warning("job %d: stopped worker process(es) %s after %.0f s beyond its slots",
                         attempt.job_id, stopped, bound)  # fmt: skip
             run.stopped(stopped, now)
-            self._write(Write(attempt.job_id, None, now, None, {"elastic": run.info}))
+            self.state.write(Write(attempt.job_id, None, now, None, {"elastic": run.info}))
             seen = [pid for pid in seen if pid not in stopped]
         if run.released(seen):
             self._release(attempt, now)
@@ -142,13 +149,13 @@ class ElasticSlots(ManagerCore):
         assert run is not None and run.target is not None
         plan, keep = attempt.plan, run.target
         gone = ", ".join(map(str, plan.slots[keep:]))
-        attempt.count(self.usage, now)
+        attempt.count(self.state.usage, now)
         attempt.plan = replace(plan, slots=plan.slots[:keep])
         run.target = None
         run.granted(keep, f"gave back slot(s) {gone}", now)
-        self._write(Write(attempt.job_id, None, now, None,
+        self.state.write(Write(attempt.job_id, None, now, None,
                           {"slots": list(attempt.plan.slots), "elastic": run.info}))  # fmt: skip
-        self._dirty = True
+        self.state.dirty = True
 
     def _room(self, user: str, spec: JobSpec, held: int, spare: list[int]) -> int:
         """Slots an elastic job holding ``held`` may take from ``spare`` (whole workers)."""
@@ -159,14 +166,16 @@ class ElasticSlots(ManagerCore):
 
     def _room_in_quota(self, user: str) -> int:
         """Slots ``user``'s jobs may still take under their quota."""
-        quota = self.quota_of(user)
+        quota = self.state.quota_of(user)
         if quota is None:
-            return len(self.inventory)
-        return quota - sum(len(a.plan.slots) for a in self._attempts.values() if a.user == user)
+            return len(self.state.inventory)
+        return quota - sum(
+            len(a.plan.slots) for a in self.state.attempts.values() if a.user == user
+        )
 
-    def _grow(self, spare: list[int], now: float) -> None:
+    def grow(self, spare: list[int], now: float) -> None:
         """Offer spare slots to running elastic jobs, oldest first; the world grows at a commit."""
-        for attempt in sorted(self._attempts.values(), key=lambda a: a.started):
+        for attempt in sorted(self.state.attempts.values(), key=lambda a: a.started):
             run = attempt.elastic
             if run is None or run.target is not None or attempt.stop_state is not None:
                 continue
@@ -179,20 +188,20 @@ class ElasticSlots(ManagerCore):
             extra, spare[:] = self._leased(spare[:take], plan.spec), spare[take:]
             if not extra:
                 continue
-            attempt.count(self.usage, now)
+            attempt.count(self.state.usage, now)
             attempt.plan = plan = replace(plan, slots=plan.slots + tuple(extra))
             try:
-                self._offer(plan)
+                self.offer(plan)
             except OSError as e:  # the slots stay held; the next write of the file offers them
                 log.warning("job %d: cannot offer slots %s: %s", attempt.job_id, extra, e)
             g = plan.spec.gpus_per_worker
             names = ", ".join(map(str, extra))
             run.granted(len(plan.slots), f"slot(s) {names} freed: room for "
                         f"{count(len(plan.slots) // g, 'worker')}", now)  # fmt: skip
-            self._write(Write(attempt.job_id, None, now, None,
+            self.state.write(Write(attempt.job_id, None, now, None,
                               {"slots": list(plan.slots), "elastic": run.info}))  # fmt: skip
 
-    def _widen(
+    def widen(
         self, job: JobRecord, slots: tuple[int, ...], spare: list[int] | None
     ) -> tuple[int, ...]:
         """An elastic job starts with what is free (``spare``), up to its max."""
@@ -204,28 +213,29 @@ class ElasticSlots(ManagerCore):
 
     def _leased(self, extra: list[int], spec: JobSpec) -> list[int]:
         """The slots of ``extra`` whose leases this service takes now, in whole workers."""
-        lost = self.leases.take(extra)
-        self._foreign.update(lost)
+        lost = self.state.leases.take(extra)
+        self.state.foreign.update(lost)
         kept = [s for s in extra if s not in lost]
         return kept[: len(kept) // spec.gpus_per_worker * spec.gpus_per_worker]
 
-    def _reoffer(self, plan: AttemptPlan) -> None:
+    def reoffer(self, plan: AttemptPlan) -> None:
         """Offer a re-adopted driver the slots the store says it holds.
 
         A shrink or a grant the service was making when it stopped is undone (a shrink starts
         again if a job still waits for the slots).
         """
         try:
-            self._offer(plan)
+            self.offer(plan)
         except OSError as e:
             log.warning("job %d: cannot rewrite its slot file: %s", plan.job_id, e)
 
-    def _elastic_run(self, job: JobRecord, plan: AttemptPlan, now: float) -> ElasticRun | None:
+    def run_for(self, job: JobRecord, plan: AttemptPlan, now: float) -> ElasticRun | None:
+        """The membership of a new attempt's elastic driver (None: not an elastic job)."""
         if not plan.driver:
             return None
         return ElasticRun.begin(job.spec, plan.paths.log(0), len(plan.slots), now, job.elastic)
 
-    def _offer(self, plan: AttemptPlan, slots: int | None = None) -> None:
+    def offer(self, plan: AttemptPlan, slots: int | None = None) -> None:
         """Write an elastic driver's slot file: one worker per whole set of ``slots`` slots."""
         if not plan.driver:
             return

@@ -20,9 +20,12 @@ from hora.errors import EngineRunning, HoraError, SpecError
 from hora.spec import JobKind, JobState
 
 from hora_service.jobpreflight import PreflightFigures
+from hora_service.jobs.admission import Admission
 from hora_service.jobs.attempt import Attempt, describe, held_reason
-from hora_service.jobs.core import RETRY_WRITE_S, STOP_JOIN_S
+from hora_service.jobs.elastic_slots import ElasticSlots
+from hora_service.jobs.launch import Launch
 from hora_service.jobs.recovery import Recovery
+from hora_service.jobs.state import RETRY_WRITE_S, STOP_JOIN_S, ManagerState
 from hora_service.journal import Write
 from hora_service.models import JobRecord
 from hora_service.quotas import within_running_limit
@@ -33,8 +36,31 @@ from hora_service.scheduler import INF, Holding, Placement, queue_order, schedul
 log = logging.getLogger(__name__)
 
 
-class Monitor(Recovery):
-    """Starting and stopping the loop, and its passes."""
+class Monitor:
+    """Starting and stopping the loop, and its passes.
+
+    Args:
+        state: the manager's state (each pass holds its lock).
+        admission: the job commands (a shutdown cancels every job; deleted sessions go).
+        elastic: elastic jobs' slots (watched, grown into spare slots, shrunk for the queue).
+        launch: starting a placed job's attempt, and recording that it runs.
+        recovery: re-adopting what an earlier run of the service left (at :meth:`start`).
+    """
+
+    def __init__(
+        self,
+        state: ManagerState,
+        admission: Admission,
+        elastic: ElasticSlots,
+        launch: Launch,
+        recovery: Recovery,
+    ) -> None:
+        self.state = state
+        self.admission = admission
+        self.elastic = elastic
+        self.launch = launch
+        self.recovery = recovery
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         """Hold the data directory, open the store, recover jobs, start the monitor loop.
@@ -46,69 +72,70 @@ class Monitor(Recovery):
                 without anyone having opted in); in multi-user mode, a work root the job
                 accounts cannot enter.
         """
-        self._make_dirs()
-        self._data_lock.take()  # before anything reads the store or writes the config
+        self.state.make_dirs()
+        self.state.data_lock.take()  # before anything reads the store or writes the config
         try:
-            self.leases.dir.ready()
-            self.users.check_start(self.settings.db_path)
-            self.users.check_work_root()
+            self.state.leases.dir.ready()
+            self.state.users.check_start(self.state.settings.db_path)
+            self.state.users.check_work_root()
         except BaseException:
-            self._data_lock.release()
+            self.state.data_lock.release()
             raise
-        self.users.make_homes_private()
-        with self._lock:
-            self._recover()
-        self._stopping.clear()
+        self.state.users.make_homes_private()
+        with self.state.lock:
+            self.recovery.recover()
+        self.state.stopping.clear()
         self._thread = threading.Thread(target=self._loop, name="hora-monitor", daemon=True)
         self._thread.start()
-        log.info("job manager started: %d %s slot(s)", len(self.inventory), self._kind)
+        slots, kind = len(self.state.inventory), self.state.slot_kind
+        log.info("job manager started: %d %s slot(s)", slots, kind)
 
     def stop(self) -> None:
         """Stop the monitor loop and close the store; running jobs keep running.
 
         The next :meth:`start` re-adopts them.
         """
-        self._stopping.set()
-        self._wake.set()
+        self.state.stopping.set()
+        self.state.wake.set()
         if self._thread is not None:
             self._thread.join(timeout=STOP_JOIN_S)
             self._thread = None
-        if len(self.journal):
-            with self._lock:
-                self._flush(timeout_s=5.0)
-            if len(self.journal):
+        if len(self.state.journal):
+            with self.state.lock:
+                self.state.flush(timeout_s=5.0)
+            if len(self.state.journal):
                 log.error(
                     "stopping with %d state change(s) the store did not take (%s); the next "
                     "start reads how the jobs ended from their ranks' exit files",
-                    len(self.journal), self.journal.error,
+                    len(self.state.journal), self.state.journal.error,
                 )  # fmt: skip
-        self.close_store()
-        self.leases.close()  # the ranks still running keep theirs (their shims hold them)
-        self._data_lock.release()
+        self.state.close_store()
+        self.state.leases.close()  # the ranks still running keep theirs (their shims hold them)
+        self.state.data_lock.release()
 
     def shutdown_jobs(self, timeout: float | None = None) -> None:
         """Cancel every active job and wait (bounded) until their processes are gone."""
-        with self._lock:
-            for job_id in list(self._attempts):
-                self.cancel(job_id, reason="cancelled: the service is shutting down")
-        deadline = time.monotonic() + (timeout or self.settings.kill_grace_s + 10.0)
-        while self._attempts and time.monotonic() < deadline:
+        with self.state.lock:
+            for job_id in list(self.state.attempts):
+                self.admission.cancel(job_id, reason="cancelled: the service is shutting down")
+        deadline = time.monotonic() + (timeout or self.state.settings.kill_grace_s + 10.0)
+        while self.state.attempts and time.monotonic() < deadline:
             self.tick()
             time.sleep(0.05)
 
     def _loop(self) -> None:
-        while not self._stopping.is_set():
+        while not self.state.stopping.is_set():
             try:
                 self.tick()
             except Exception:  # the loop must outlive any one bad pass
                 log.exception("monitor pass failed")
-            self._wake.wait(self._next_wait())
-            self._wake.clear()
+            self.state.wake.wait(self._next_wait())
+            self.state.wake.clear()
 
     def _next_wait(self) -> float:
-        wait = self.settings.monitor_interval_s
-        if not self._attempts and not len(self.journal) and not self._dirty:
-            due = [t for _, t in self._pending.values() if t is not None]
+        wait = self.state.settings.monitor_interval_s
+        if not self.state.attempts and not len(self.state.journal) and not self.state.dirty:
+            due = [t for _, t in self.state.pending.values() if t is not None]
             wait = max(wait, min(due) - time.time()) if due else 5.0
         return max(0.0, min(wait, 5.0))
 
@@ -118,46 +145,46 @@ class Monitor(Recovery):
         The users' quotas are read at most once a pass (the scheduling pass, the shrink and
         preemption checks all ask), not once per question.
         """
-        with self._lock:
-            self._pass_quotas = (threading.get_ident(), None)
+        with self.state.lock:
+            self.state.pass_quotas = (threading.get_ident(), None)
             try:
                 self._tick(time.time() if now is None else now)
             finally:
-                self._pass_quotas = None
+                self.state.pass_quotas = None
 
     def _tick(self, now: float) -> None:
-        if len(self.journal):
-            self._flush(RETRY_WRITE_S)
-        for attempt in list(self._attempts.values()):
+        if len(self.state.journal):
+            self.state.flush(RETRY_WRITE_S)
+        for attempt in list(self.state.attempts.values()):
             self._poll(attempt, now)
         # nothing new starts until the store has taken what already happened
-        due = any(t is not None and t <= now for _, t in self._pending.values())
-        if (self._dirty or due) and not len(self.journal):
-            self._dirty = False
-            self._schedule(now)
-        for hook in self.hooks:
+        due = any(t is not None and t <= now for _, t in self.state.pending.values())
+        if (self.state.dirty or due) and not len(self.state.journal):
+            self.state.dirty = False
+            self.schedule(now)
+        for hook in self.state.hooks:
             hook(now)
         # the machine-wide leases follow the slots the attempts hold now
-        owners = {s: (a.job_id, a.plan.attempt) for a in self._attempts.values()
+        owners = {s: (a.job_id, a.plan.attempt) for a in self.state.attempts.values()
                   for s in a.plan.slots}  # fmt: skip
-        self.leases.sync(owners)
-        if self._dropped:
-            self._remove_dropped()
+        self.state.leases.sync(owners)
+        if self.state.dropped:
+            self.admission.remove_dropped()
 
     def _poll(self, attempt: Attempt, now: float) -> None:
-        grace = self.settings.kill_grace_s
+        grace = self.state.settings.kill_grace_s
         attempt.codes = [rank_status(r) for r in attempt.ranks]
         if attempt.held and attempt.stop_state is None:
             why = held_reason(attempt.ranks, attempt.plan.spec.runtime.value)
             if why is not None:  # still in the runtime's queue (its reason may change)
                 if why != attempt.held_why:
                     attempt.held_why = why
-                    self._write(Write(attempt.job_id, None, now, None, {"reason": why}))
+                    self.state.write(Write(attempt.job_id, None, now, None, {"reason": why}))
                 return
             if Exit.lost not in attempt.codes:  # it runs, or ran between two passes
-                self._running(attempt)
+                self.launch.running(attempt)
         if attempt.elastic is not None:
-            self._watch_elastic(attempt, now)
+            self.elastic.watch(attempt, now)
         if attempt.stop_state is None:
             codes = self._keep_engines(attempt, now)
             failed = first_failure(codes)
@@ -167,8 +194,8 @@ class Monitor(Recovery):
                 why = describe(first, status, attempt.ranks[first].note)
                 if attempt.plan.driver:  # rank 0 is hora run's driver; its log says why
                     why = f"the elastic driver ({why}; rank 0's log says why)"
-                why = self.bounds.explain(
-                    self._runtime(attempt.plan.spec.runtime), attempt.plan, first, why, status
+                why = self.state.bounds.explain(
+                    self.state.runtime(attempt.plan.spec.runtime), attempt.plan, first, why, status
                 )
                 attempt.stop(JobState.failed, why, now, grace, retry=True)
             elif attempt.deadline is not None and now > attempt.deadline:
@@ -184,7 +211,7 @@ class Monitor(Recovery):
             if self._cleared(attempt, now):
                 self._finish(attempt, attempt.stop_state, attempt.stop_reason, now)
         elif now >= attempt.kill_at:
-            self._runtime(attempt.plan.spec.runtime).clear(attempt.plan)
+            self.state.runtime(attempt.plan.spec.runtime).clear(attempt.plan)
             for rank, code in zip(attempt.ranks, attempt.codes, strict=True):
                 if code is Exit.running:
                     rank.signal(signal.SIGKILL)
@@ -199,7 +226,7 @@ class Monitor(Recovery):
         """
         if attempt.kind != JobKind.session:
             return attempt.codes
-        if not self._runtime(attempt.plan.spec.runtime).replaces_ranks:
+        if not self.state.runtime(attempt.plan.spec.runtime).replaces_ranks:
             return attempt.codes
         dead = {r: c for r, c in enumerate(attempt.codes) if r not in attempt.lost and c != 0
                 and c is not Exit.running}  # fmt: skip
@@ -210,7 +237,7 @@ class Monitor(Recovery):
                 attempt.lost[rank] = why = describe(rank, code, attempt.ranks[rank].note)
                 event = f"engine {why}; its slot is kept for the new engine the notebook asks for"
                 log.warning("session %d: %s", attempt.job_id, event)
-                self._write(Write(attempt.job_id, JobState.running, now, event, event=True))
+                self.state.write(Write(attempt.job_id, JobState.running, now, event, event=True))
         return [Exit.running if r in attempt.lost else c for r, c in enumerate(attempt.codes)]
 
     def replace_engine(self, session_id: int, rank: int, master_port: int) -> JobRecord:
@@ -223,8 +250,8 @@ class Monitor(Recovery):
             HoraError: the session is not running, or that rank's engine is (409).
             SpecError: no such rank, or the session's runtime cannot (field named; 422).
         """
-        with self._lock:
-            attempt = self._attempts.get(session_id)
+        with self.state.lock:
+            attempt = self.state.attempts.get(session_id)
             if attempt is None or attempt.kind != JobKind.session or attempt.stop_state is not None:
                 raise HoraError(f"session {session_id} is not running")
             if not 0 <= rank < len(attempt.ranks):
@@ -235,17 +262,17 @@ class Monitor(Recovery):
             self._keep_engines(attempt, now)
             if rank not in attempt.lost:
                 raise EngineRunning(session_id, rank)
-            runtime = self._runtime(attempt.plan.spec.runtime)
+            runtime = self.state.runtime(attempt.plan.spec.runtime)
             try:
-                new = runtime.replace_rank(attempt.plan, rank, self._base_env, master_port)
+                new = runtime.replace_rank(attempt.plan, rank, self.state.base_env, master_port)
             except OSError as e:
                 raise HoraError(f"could not start a new engine for rank {rank}: {e}") from None
             attempt.ranks[rank] = new
             del attempt.lost[rank]
             event = f"rank {rank}: new engine started (asked by the notebook; port {master_port})"
-            self._write(Write(session_id, JobState.running, now, event, event=True))
-        self._wake.set()
-        found = self._record(session_id)
+            self.state.write(Write(session_id, JobState.running, now, event, event=True))
+        self.state.wake.set()
+        found = self.state.record(session_id)
         assert found is not None
         return found
 
@@ -262,16 +289,20 @@ class Monitor(Recovery):
         plan = attempt.plan
         ended = [c for r, c in enumerate(attempt.codes) if r not in attempt.lost]
         force = force or any(c is not Exit.running for c in ended)
-        found = self.preflight.poll(attempt.job_id, plan.attempt, plan.paths.preflight, now, force)
+        found = self.state.preflight.poll(
+            attempt.job_id, plan.attempt, plan.paths.preflight, now, force
+        )
         if found is not None:
-            self._write(Write(attempt.job_id, JobState.running, now, found.event(), event=True))
-            self.preflight.measured(found, self._nodes(attempt))
-        return self.preflight.known(attempt.job_id, plan.attempt)
+            self.state.write(
+                Write(attempt.job_id, JobState.running, now, found.event(), event=True)
+            )
+            self.state.preflight.measured(found, self._nodes(attempt))
+        return self.state.preflight.known(attempt.job_id, plan.attempt)
 
     def _nodes(self, attempt: Attempt) -> frozenset[str]:
         """The nodes the service placed an attempt's ranks on, as it knows them itself."""
         try:
-            return self._runtime(attempt.plan.spec.runtime).nodes(attempt.plan)
+            return self.state.runtime(attempt.plan.spec.runtime).nodes(attempt.plan)
         except HoraError:
             return frozenset()
 
@@ -280,11 +311,17 @@ class Monitor(Recovery):
 
         Those are noted as theirs, and the pass runs again.
         """
-        lost = self.leases.take(slots)
+        lost = self.state.leases.take(slots)
         if lost:
-            self._foreign.update(lost)
-            self._dirty = True
+            self.state.foreign.update(lost)
+            self.state.dirty = True
         return set(lost)
+
+    def _launch(self, job_id: int, slots: tuple[int, ...], spare: list[int] | None = None) -> None:
+        """Launch a placed job; an attempt whose ranks could not start is stopped at once."""
+        failed = self.launch.launch(job_id, slots, spare)
+        if failed is not None:
+            self._poll(failed, failed.started)
 
     def _cleared(self, attempt: Attempt, now: float) -> bool:
         """Every rank has ended: kill what is left of the attempt; True once nothing is.
@@ -293,7 +330,7 @@ class Monitor(Recovery):
         cannot be emptied within ``clear_timeout_s`` is logged as stuck, and still held.
         """
         try:
-            runtime = self._runtime(attempt.plan.spec.runtime)
+            runtime = self.state.runtime(attempt.plan.spec.runtime)
         except HoraError:  # it never started (no such runtime here): only its cgroup is left
             box = attempt.plan.container
             try:
@@ -307,7 +344,7 @@ class Monitor(Recovery):
             return True
         if attempt.clearing_since is None:
             attempt.clearing_since = now
-        elif now - attempt.clearing_since > self.settings.clear_timeout_s:
+        elif now - attempt.clearing_since > self.state.settings.clear_timeout_s:
             if not attempt.stuck_reported:
                 attempt.stuck_reported = True
                 log.error(
@@ -320,22 +357,22 @@ class Monitor(Recovery):
 
     def _finish(self, attempt: Attempt, state: JobState, reason: str | None, now: float) -> None:
         """The attempt's processes are all gone: free its slots and record the outcome."""
-        del self._attempts[attempt.job_id]
-        self._dirty = True
-        attempt.count(self.usage, now)
+        del self.state.attempts[attempt.job_id]
+        self.state.dirty = True
+        attempt.count(self.state.usage, now)
         figures = self._watch_preflight(attempt, now, force=True)  # every rank has ended
-        self.preflight.done(attempt.job_id, attempt.plan.attempt)
+        self.state.preflight.done(attempt.job_id, attempt.plan.attempt)
         if figures is not None and state == JobState.failed:
             reason = figures.explain(reason or "")  # a crossed threshold names its rank
-        heir = self._handoffs.pop(attempt.job_id, None)
-        if heir in self._pending:  # the session's slots go straight to the job it handed to
-            self._launch(heir, attempt.plan.slots[: self._pending[heir][0].need])
+        heir = self.state.handoffs.pop(attempt.job_id, None)
+        if heir in self.state.pending:  # the session's slots go straight to the job it handed to
+            self._launch(heir, attempt.plan.slots[: self.state.pending[heir][0].need])
         codes = {r: (c if isinstance(c, int) else None) for r, c in enumerate(attempt.codes)}
         if state == JobState.parked:  # a session whose engines' state is on disk
-            job = self._record(attempt.job_id)
+            job = self.state.record(attempt.job_id)
             park = job.park if job is not None else None
             park = park.model_copy(update={"phase": "parked"}) if park is not None else None
-            self._set_state(
+            self.state.set_state(
                 attempt.job_id, state, now, reason, exit_codes=codes, slots=[], park=park
             )
             return
@@ -345,60 +382,62 @@ class Monitor(Recovery):
             and attempt.retriable
             and attempt.plan.attempt <= spec.max_retries
         ):
-            delay = self.settings.retry_backoff_s * 2 ** (attempt.plan.attempt - 1)
-            self._set_state(
+            delay = self.state.settings.retry_backoff_s * 2 ** (attempt.plan.attempt - 1)
+            self.state.set_state(
                 attempt.job_id, JobState.retrying, now, reason,
                 exit_codes=codes, slots=[], retry_at=now + delay,
             )  # fmt: skip
-            self._enqueue(attempt.job_id, attempt.user, spec, now + delay)
+            self.state.enqueue(attempt.job_id, attempt.user, spec, now + delay)
             return
-        self._set_state(
+        self.state.set_state(
             attempt.job_id, state, now, reason, exit_codes=codes, slots=[], finished_at=now
         )
 
-    def _schedule(self, now: float) -> None:
+    def schedule(self, now: float) -> None:
+        """One scheduling pass (the lock held): place, start, grow or shrink for the queue."""
         t0 = time.perf_counter()
         ready = sorted(
-            (p for p, due in self._pending.values() if due is None or due <= now), key=queue_order
+            (p for p, due in self.state.pending.values() if due is None or due <= now),
+            key=queue_order,
         )  # sorted once: the running limit, the pass and the shrink check keep this order
-        running = collections.Counter(a.user for a in self._attempts.values())
-        limit_running = self.settings.max_running_jobs_per_user
+        running = collections.Counter(a.user for a in self.state.attempts.values())
+        limit_running = self.state.settings.max_running_jobs_per_user
         ready = within_running_limit(ready, running, limit_running, ordered=True)
         # jobs whose runtime owns its resources (slurm) take none of the service's slots
         outside = [p for p in ready if p.need == 0]
         ready = [p for p in ready if p.need > 0]
-        held = {s for a in self._attempts.values() for s in a.plan.slots}
-        free = [s.index for s in self.inventory if s.index not in held]
+        held = {s for a in self.state.attempts.values() for s in a.plan.slots}
+        free = [s.index for s in self.state.inventory if s.index not in held]
         # slots someone else on this machine holds (another service, a notebook's engines)
-        self._foreign = self.leases.others(free)
-        free = [s for s in free if s not in self._foreign]
+        self.state.foreign = self.state.leases.others(free)
+        free = [s for s in free if s not in self.state.foreign]
         holding = [
             Holding(a.job_id, a.user, a.plan.slots, a.deadline if a.deadline else INF)
-            for a in self._attempts.values()
-        ] + [Holding(-1, h.user or "", (s,)) for s, h in self._foreign.items()]
+            for a in self.state.attempts.values()
+        ] + [Holding(-1, h.user or "", (s,)) for s, h in self.state.foreign.items()]
         used: dict[str, int] = {}
-        for a in self._attempts.values():
+        for a in self.state.attempts.values():
             used[a.user] = used.get(a.user, 0) + len(a.plan.slots)
         placements: list[Placement] = []
         if free and ready:  # else nothing can start: the users' quotas are not read
-            quotas = self._quotas()
-            default = self.settings.user_gpu_quota
+            quotas = self.state.quotas()
+            default = self.state.settings.user_gpu_quota
             limit = None if default is None and not quotas else lambda u: quotas.get(u, default)
             placements = schedule(ready, free, holding, now, limit, used, ordered=True)
-        self._last_pass_s = time.perf_counter() - t0
+        self.state.last_pass_s = time.perf_counter() - t0
         placed = {s for p in placements for s in p.slots}
         # slots nobody waits for: elastic jobs grow into them (up to their max_workers)
         spare = [s for s in free if s not in placed] if len(placements) == len(ready) else []
         for placement in placements:
             if not self._lease(placement.slots):  # leased before anything runs there
                 self._launch(placement.job_id, placement.slots, spare)
-        if self._foreign and len(placements) < len(ready):
-            self._dirty = True  # a holder elsewhere lets go without telling: look again
+        if self.state.foreign and len(placements) < len(ready):
+            self.state.dirty = True  # a holder elsewhere lets go without telling: look again
         for p in outside:
             self._launch(p.id, ())
         if spare:
-            self._grow(spare, now)
+            self.elastic.grow(spare, now)
         elif len(placements) < len(ready):
             started = {x.job_id for x in placements}
             waiting = [p for p in ready if p.id not in started]  # in queue order
-            self._shrink_for(waiting, len(free) - len(placed), now)
+            self.elastic.shrink_for(waiting, len(free) - len(placed), now)

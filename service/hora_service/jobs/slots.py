@@ -15,7 +15,7 @@ from hora.spec import PRIORITY_RANK, JobKind, RuntimeName
 
 from hora_service.inventory import Slot
 from hora_service.jobs.attempt import Attempt, Holder, QueueView
-from hora_service.jobs.core import ManagerCore
+from hora_service.jobs.state import ManagerState
 from hora_service.models import JobRecord, MetricsSnapshot, SlotInfo
 from hora_service.scheduler import INF, Holding, Pending, queue_order, reserve
 
@@ -31,20 +31,33 @@ def _slot_info(slot: Slot, attempt: Attempt | None, elsewhere: LeaseHolder | Non
     return info
 
 
-class SlotViews(ManagerCore):
-    """The slots, their holders, the queue and the metrics."""
+class SlotViews:
+    """The slots, their holders, the queue and the metrics.
+
+    Args:
+        state: the manager's state (read under its lock).
+    """
+
+    def __init__(self, state: ManagerState) -> None:
+        self.state = state
 
     def slots(self) -> list[SlotInfo]:
         """Every slot and who holds it: a job or session here, or a holder elsewhere."""
-        with self._lock:
-            held = {s: a for a in self._attempts.values() for s in a.plan.slots}
-        elsewhere = self.leases.others(s.index for s in self.inventory if s.index not in held)
-        return [_slot_info(s, held.get(s.index), elsewhere.get(s.index)) for s in self.inventory]
+        with self.state.lock:
+            held = {s: a for a in self.state.attempts.values() for s in a.plan.slots}
+        elsewhere = self.state.leases.others(
+            s.index for s in self.state.inventory if s.index not in held
+        )
+        return [
+            _slot_info(s, held.get(s.index), elsewhere.get(s.index)) for s in self.state.inventory
+        ]
 
     def _outside(self) -> tuple[Holder, ...]:
         """Who else on this machine holds slots of this service's (one per holder), now."""
-        held = {s for a in self._attempts.values() for s in a.plan.slots}
-        found = self.leases.others(s.index for s in self.inventory if s.index not in held)
+        held = {s for a in self.state.attempts.values() for s in a.plan.slots}
+        found = self.state.leases.others(
+            s.index for s in self.state.inventory if s.index not in held
+        )
         by: dict[int | None, tuple[LeaseHolder, list[int]]] = {}
         for slot, h in sorted(found.items()):
             by.setdefault(h.pid, (h, []))[1].append(slot)
@@ -56,51 +69,55 @@ class SlotViews(ManagerCore):
 
     def cpu_seconds(self, job_id: int) -> float | None:
         """CPU seconds the running attempt of ``job_id`` has used (None: none, or unknown)."""
-        with self._lock:
-            attempt = self._attempts.get(job_id)
+        with self.state.lock:
+            attempt = self.state.attempts.get(job_id)
         if attempt is None:
             return None
         try:
-            runtime = self._runtime(attempt.plan.spec.runtime)
+            runtime = self.state.runtime(attempt.plan.spec.runtime)
         except HoraError:
             return None
         return runtime.cpu_seconds(attempt.plan)
 
     def cluster_slots(self) -> list[SlotInfo]:
         """The Slurm cluster's GPUs and their holders (none unless ``slurm_conf`` is set)."""
-        if self.settings.slurm_conf is None:
+        if self.state.settings.slurm_conf is None:
             return []
-        with self._lock:
+        with self.state.lock:
             holders = {
                 r.container_id.removeprefix("slurm:"): (a.job_id, a.user, a.kind)
-                for a in self._attempts.values()
+                for a in self.state.attempts.values()
                 for r in a.ranks[:1]
                 if r.container_id and r.container_id.startswith("slurm:")
             }
         from hora_service.runtimes.slurm import SlurmRuntime  # only where Slurm is used
 
-        runtime = self._runtime(RuntimeName.slurm)
+        runtime = self.state.runtime(RuntimeName.slurm)
         return runtime.cluster_slots(holders) if isinstance(runtime, SlurmRuntime) else []
 
     def queue_view(self, job_id: int, now: float | None = None) -> QueueView:
         """Where queued ``job_id`` stands (position 0 when it is not queued)."""
         now = time.time() if now is None else now
-        with self._lock:
-            order = sorted((p for p, _ in self._pending.values()), key=queue_order)
+        with self.state.lock:
+            order = sorted((p for p, _ in self.state.pending.values()), key=queue_order)
             mine = [i for i, p in enumerate(order) if p.id == job_id]
-            attempts = sorted(self._attempts.values(), key=lambda a: a.started)
+            attempts = sorted(self.state.attempts.values(), key=lambda a: a.started)
             held = sum(len(a.plan.slots) for a in attempts)
             owner = order[mine[0]].user if mine else None
             used = sum(len(a.plan.slots) for a in attempts if a.user == owner)
             outside = self._outside()
-        free = len(self.inventory) - held - sum(len(h.slots) for h in outside)
-        holders = tuple(
-            Holder(a.job_id, a.kind, a.user, a.plan.slots, a.started, a.deadline) for a in attempts
-        ) + outside
+        free = len(self.state.inventory) - held - sum(len(h.slots) for h in outside)
+        holders = (
+            tuple(
+                Holder(a.job_id, a.kind, a.user, a.plan.slots, a.started, a.deadline)
+                for a in attempts
+            )
+            + outside
+        )
         if not mine:
             return QueueView(0, 0, free, holders, None, False)
         job = order[mine[0]]
-        quota = self._quotas().get(job.user, self.settings.user_gpu_quota)
+        quota = self.state.quotas().get(job.user, self.state.settings.user_gpu_quota)
         slots = [Holding(h.id, h.user, h.slots, h.ends_at or INF) for h in holders]
         shadow = reserve(job, free, slots, now).shadow
         return QueueView(
@@ -116,18 +133,20 @@ class SlotViews(ManagerCore):
             (or the first waits for its user's own quota, which no other holder frees).
         """
         now = time.time() if now is None else now
-        with self._lock:
-            ready = [p for p, due in self._pending.values() if p.need > 0 and (due or 0) <= now]
-            held = sum(len(a.plan.slots) for a in self._attempts.values())
+        with self.state.lock:
+            ready = [
+                p for p, due in self.state.pending.values() if p.need > 0 and (due or 0) <= now
+            ]
+            held = sum(len(a.plan.slots) for a in self.state.attempts.values())
             used: dict[str, int] = {}
-            for a in self._attempts.values():
+            for a in self.state.attempts.values():
                 used[a.user] = used.get(a.user, 0) + len(a.plan.slots)
-        free = len(self.inventory) - held
+        free = len(self.state.inventory) - held
         for head in sorted(ready, key=queue_order):
             if head.need <= free:
                 free -= head.need  # the next pass places it
                 continue
-            quota = self.quota_of(head.user)
+            quota = self.state.quota_of(head.user)
             if quota is not None and used.get(head.user, 0) + head.need > quota:
                 return None
             return head, free
@@ -135,29 +154,35 @@ class SlotViews(ManagerCore):
 
     def session_holders(self) -> list[tuple[int, str, int, int]]:
         """``(id, user, priority, slots)`` of the running sessions not being stopped."""
-        with self._lock:
+        with self.state.lock:
             return [
                 (a.job_id, a.user, PRIORITY_RANK[a.plan.spec.priority], len(a.plan.slots))
-                for a in self._attempts.values()
+                for a in self.state.attempts.values()
                 if a.kind == JobKind.session and a.stop_state is None and not a.held
             ]
 
     def session_jobs(self) -> list[JobRecord]:
         """The sessions queued, starting or running now (their records)."""
-        with self._lock:
-            ids = [a.job_id for a in self._attempts.values() if a.kind == JobKind.session]
-        return [j for j in (self._record(i) for i in ids) if j is not None]
+        with self.state.lock:
+            ids = [a.job_id for a in self.state.attempts.values() if a.kind == JobKind.session]
+        return [j for j in (self.state.record(i) for i in ids) if j is not None]
 
     def queue_snapshot(self) -> tuple[list[tuple[Pending, float | None]], tuple[Holder, ...]]:
         """The queued jobs (with their retry time) and the holders, oldest first, at once."""
-        with self._lock:
-            pending = list(self._pending.values())
-            attempts = sorted(self._attempts.values(), key=lambda a: a.started)
+        with self.state.lock:
+            pending = list(self.state.pending.values())
+            attempts = sorted(self.state.attempts.values(), key=lambda a: a.started)
             outside = self._outside()
         holders = tuple(
             Holder(
-                a.job_id, a.kind, a.user, a.plan.slots, a.started, a.deadline,
-                a.stop_state is not None, name=a.plan.spec.name,
+                a.job_id,
+                a.kind,
+                a.user,
+                a.plan.slots,
+                a.started,
+                a.deadline,
+                a.stop_state is not None,
+                name=a.plan.spec.name,
             )  # fmt: skip
             for a in attempts
         )
@@ -165,28 +190,28 @@ class SlotViews(ManagerCore):
 
     def metrics(self) -> MetricsSnapshot:
         """Jobs by state, queue length, slots, and submit-to-running latency."""
-        counts = self.open_store().count_by_state()
+        counts = self.state.open_store().count_by_state()
         now = time.time()
-        with self._lock:
-            lat = sorted(self._latencies)
-            allocated = sum(len(a.plan.slots) for a in self._attempts.values())
+        with self.state.lock:
+            lat = sorted(self.state.latencies)
+            allocated = sum(len(a.plan.slots) for a in self.state.attempts.values())
             running: dict[str, float] = {}
-            for a in self._attempts.values():
+            for a in self.state.attempts.values():
                 held = len(a.plan.slots) * max(0.0, now - (a.counted or a.started))
                 running[a.user] = running.get(a.user, 0.0) + held
         return MetricsSnapshot(
-            slot_kind=self._kind,
-            queue_wait=self.usage.wait_rows(),
-            slot_hours=self.usage.slot_hours(running),
+            slot_kind=self.state.slot_kind,
+            queue_wait=self.state.usage.wait_rows(),
+            slot_hours=self.state.usage.slot_hours(running),
             jobs_by_state=counts,
             queue_length=counts.get("queued", 0) + counts.get("retrying", 0),
-            slots_total=len(self.inventory),
+            slots_total=len(self.state.inventory),
             slots_allocated=allocated,
             schedule_latency_p50_s=statistics.median(lat) if lat else None,
             schedule_latency_p99_s=lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else None,
-            schedule_latency_sum_s=self._latency_sum,
-            schedule_latency_count=self._latency_count,
-            schedule_pass_seconds=self._last_pass_s,
-            store_pending_writes=len(self.journal),
-            preflight_bandwidth_gbps=self.preflight.by_node(),
+            schedule_latency_sum_s=self.state.latency_sum,
+            schedule_latency_count=self.state.latency_count,
+            schedule_pass_seconds=self.state.last_pass_s,
+            store_pending_writes=len(self.state.journal),
+            preflight_bandwidth_gbps=self.state.preflight.by_node(),
         )

@@ -1,8 +1,10 @@
-"""The job manager's state and its journaled writes (the base of every role's mixin).
+"""The job manager's state and its journaled writes, which every collaborator is handed.
 
-:class:`ManagerCore` builds the manager's state (slots, queue, attempts, caches, journal),
-opens the store, and records every change: to the store when it takes it, else to the
-journal (:mod:`hora_service.journal`), retried on later passes of the monitor.
+:class:`ManagerState` holds what the manager knows (slots, queue, attempts, caches, the
+journal, the store), opens the store, and records every change: to the store when it takes
+it, else to the journal (:mod:`hora_service.journal`), retried on later passes of the monitor.
+The collaborators of :class:`~hora_service.manager.JobManager` (admission, launch, monitor,
+recovery, elastic slots, the read views) each receive it; none holds state of another.
 """
 
 from __future__ import annotations
@@ -44,8 +46,11 @@ STOP_JOIN_S = 30.0
 RETRY_WRITE_S = 0.25  # how long one pass of the monitor waits for the store's write lock
 
 
-class ManagerCore:
+class ManagerState:
     """The job manager's state, its store and its journaled writes, which every role uses.
+
+    Its fields are the manager's data; the lock (:attr:`lock`) guards the queue
+    (:attr:`pending`), the attempts (:attr:`attempts`) and what a monitor pass changes.
 
     Args:
         settings: the service settings.
@@ -56,61 +61,61 @@ class ManagerCore:
         self.settings = settings
         self.store: Store | None = None
         self.inventory: list[Slot] = inventory(settings.gpus, settings.cpu_slots)
-        self._kind = self.inventory[0].kind
-        self._lock = threading.RLock()
-        self._wake = threading.Event()
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._pending: dict[int, tuple[Pending, float | None]] = {}
-        self._attempts: dict[int, Attempt] = {}
-        self._dirty = True
-        self._runtimes: dict[RuntimeName, Runtime] = {
+        self.slot_kind = self.inventory[0].kind
+        self.lock = threading.RLock()
+        self.wake = threading.Event()
+        self.stopping = threading.Event()
+        self.pending: dict[int, tuple[Pending, float | None]] = {}
+        self.attempts: dict[int, Attempt] = {}
+        self.dirty = True
+        self.runtimes: dict[RuntimeName, Runtime] = {
             RuntimeName(k): v for k, v in (runtimes or {}).items()
         }
-        self._base_env = allowed_env(os.environ, settings.job_env_passthrough)
+        self.base_env = allowed_env(os.environ, settings.job_env_passthrough)
         self.users = Users(
             identity.resolve_mode(settings.user_mode), self.open_store, settings.work_root,
             settings.disk_bytes,
         )  # fmt: skip
-        self.bounds = Bounds(settings, self.users, self._base_env, len(self.inventory))
-        self._containment: Containment | None = None
-        self._latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
-        self._latency_sum = 0.0
-        self._latency_count = 0
-        self._last_pass_s = 0.0
-        # job id -> (record, its JSON); dropped on every write to the job (see _forget)
-        self._cache: dict[int, tuple[JobRecord, bytes]] = {}
-        self._cache_lock = threading.Lock()
-        self._generation = 0  # moves on at every write to the jobs table
-        self._pages: dict[tuple[object, ...], tuple[int, list[int], int]] = {}
+        self.bounds = Bounds(settings, self.users, self.base_env, len(self.inventory))
+        self.containment: Containment | None = None
+        self.latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
+        self.latency_sum = 0.0
+        self.latency_count = 0
+        self.last_pass_s = 0.0
+        # job id -> (record, its JSON); dropped on every write to the job (see forget)
+        self.cache: dict[int, tuple[JobRecord, bytes]] = {}
+        self.cache_lock = threading.Lock()
+        self.generation = 0  # moves on at every write to the jobs table
+        self.pages: dict[tuple[object, ...], tuple[int, list[int], int]] = {}
         self.journal = Journal()  # state changes the store has not taken yet
         self._quota_memo: dict[str, int] = {}
         # during a monitor pass: (its thread, the quotas read in it, once read)
-        self._pass_quotas: tuple[int, dict[str, int] | None] | None = None
+        self.pass_quotas: tuple[int, dict[str, int] | None] | None = None
         # called with the time at the end of every monitor pass (sessions' leases, idle culling)
         self.hooks: list[Callable[[float], None]] = []
         self.waits = ReasonBoard()  # reasons runtimes post for jobs they hold back
-        for given in self._runtimes.values():
+        for given in self.runtimes.values():
             given.waits = self.waits
         self.usage = Usage()  # queue waits and slot-hours by user, for /metrics
         self.preflight = PreflightBook()  # the jobs' preflight figures, for pages and /metrics
-        self._handoffs: dict[int, int] = {}  # session id -> the job that takes its slots
+        self.handoffs: dict[int, int] = {}  # session id -> the job that takes its slots
         # the machine's leases of this service's slots, and who else holds free ones
         me = {"kind": "service", "url": settings.url, "instance": instance_id(settings.data_dir)}
         lease_dir = LeaseDir(settings.lease_dir or default_dir())
         self.leases = SlotLeases(lease_dir, self.inventory, me)
-        self._foreign: dict[int, LeaseHolder] = {}  # slot -> its holder (last pass)
-        self._data_lock = DataDirLock(settings.data_dir, settings.url)
-        self._dropped: set[int] = set()  # sessions their owners deleted, rows not removed yet
+        self.foreign: dict[int, LeaseHolder] = {}  # slot -> its holder (last pass)
+        self.data_lock = DataDirLock(settings.data_dir, settings.url)
+        self.dropped: set[int] = set()  # sessions their owners deleted, rows not removed yet
 
     def open_store(self) -> Store:
         """Open (and migrate) the SQLite store if it is not open yet."""
         if self.store is None:
-            self._make_dirs()
+            self.make_dirs()
             self.store = Store(self.settings.db_path)
         return self.store
 
-    def _make_dirs(self) -> None:
+    def make_dirs(self) -> None:
+        """Make the data and log directories (the service's alone, mode 0700)."""
         for d in (self.settings.data_dir, self.settings.logs_dir):
             d.mkdir(parents=True, exist_ok=True)
             d.chmod(0o700)  # the service's alone: jobs never read the store or others' logs
@@ -130,44 +135,47 @@ class ManagerCore:
 
     def quota_of(self, user: str) -> int | None:
         """Most slots ``user``'s jobs and sessions may hold (None: no limit)."""
-        return self._quotas().get(user, self.settings.user_gpu_quota)
+        return self.quotas().get(user, self.settings.user_gpu_quota)
 
     def quota_table(self) -> Callable[[str], int | None]:
         """:meth:`quota_of` for many users at once: the users are read once, here."""
-        quotas, default = self._quotas(), self.settings.user_gpu_quota
+        quotas, default = self.quotas(), self.settings.user_gpu_quota
         return lambda user: quotas.get(user, default)
 
-    def _forget(self, job_id: int) -> None:
-        with self._cache_lock:
-            self._generation += 1
-            self._cache.pop(job_id, None)
+    def forget(self, job_id: int) -> None:
+        """Drop a job's cached read; every cached page goes too (the generation moves on)."""
+        with self.cache_lock:
+            self.generation += 1
+            self.cache.pop(job_id, None)
 
-    def _enqueue(self, job_id: int, user: str, spec: JobSpec, due: float | None) -> None:
+    def enqueue(self, job_id: int, user: str, spec: JobSpec, due: float | None) -> None:
+        """Queue a job (``due``: not before then) and wake the monitor."""
         need = 0 if runs_outside(spec) else spec.total_gpus
         pending = Pending(job_id, user, need, PRIORITY_RANK[spec.priority], spec.timeout_s)
-        with self._lock:
-            self._pending[job_id] = (pending, due)
-            self._dirty = True
-        self._wake.set()
+        with self.lock:
+            self.pending[job_id] = (pending, due)
+            self.dirty = True
+        self.wake.set()
 
-    def _set_state(
+    def set_state(
         self, job_id: int, state: JobState, now: float, reason: str | None, **fields: object
     ) -> None:
-        self._write(Write(job_id, state, now, reason, fields))
+        """Record a job's new state (and ``fields``) as :meth:`write` does."""
+        self.write(Write(job_id, state, now, reason, fields))
 
-    def _write(self, write: Write) -> bool:
+    def write(self, write: Write) -> bool:
         """Record a change: now if the store takes it, else from the journal on a later pass.
 
         Returns:
             True once it is in the store.
         """
         self.journal.add(write)
-        self._forget(write.job_id)
+        self.forget(write.job_id)
         if len(self.journal) > 1:
             return False  # earlier writes are still waiting; this one goes after them
-        return self._flush(RETRY_WRITE_S)
+        return self.flush(RETRY_WRITE_S)
 
-    def _flush(self, timeout_s: float) -> bool:
+    def flush(self, timeout_s: float) -> bool:
         """Write every journaled change in one transaction; True when the journal is empty."""
         store = self.open_store()
 
@@ -198,21 +206,21 @@ class ManagerCore:
         if written and not first_failure:
             log.warning("the store took the %d job(s) whose changes waited", len(written))
         for job_id in written:
-            self._forget(job_id)
+            self.forget(job_id)
         return True
 
-    def _record(self, job_id: int) -> JobRecord | None:
+    def record(self, job_id: int) -> JobRecord | None:
         """One job from the store with its journaled changes (the monitor's truth)."""
         record = self.open_store().get(job_id)
         return None if record is None else self.journal.overlay(record)
 
-    def _quotas(self) -> dict[str, int]:
+    def quotas(self) -> dict[str, int]:
         """User -> their own GPU quota, for the users that have one (one query a pass).
 
         While the store cannot be read, the last answer stands. Within one monitor pass the
         users are read once (on the pass's own thread; a request reads them afresh).
         """
-        memo = self._pass_quotas
+        memo = self.pass_quotas
         in_pass = memo is not None and memo[0] == threading.get_ident()
         if memo is not None and in_pass and memo[1] is not None:
             return memo[1]
@@ -224,11 +232,16 @@ class ManagerCore:
             return self._quota_memo
         self._quota_memo = {u.name: u.gpu_quota for u in users if u.gpu_quota is not None}
         if in_pass:
-            self._pass_quotas = (threading.get_ident(), self._quota_memo)
+            self.pass_quotas = (threading.get_ident(), self._quota_memo)
         return self._quota_memo
 
-    def _runtime(self, name: RuntimeName) -> Runtime:
-        if name not in self._runtimes:
-            self._runtimes[name] = runtimes.create(name, self.settings)
-            self._runtimes[name].waits = self.waits
-        return self._runtimes[name]
+    def runtime(self, name: RuntimeName) -> Runtime:
+        """The runtime ``name``, built from the registry the first time it is asked for.
+
+        Raises:
+            HoraError: the runtime is not available here.
+        """
+        if name not in self.runtimes:
+            self.runtimes[name] = runtimes.create(name, self.settings)
+            self.runtimes[name].waits = self.waits
+        return self.runtimes[name]
