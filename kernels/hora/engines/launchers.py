@@ -8,8 +8,8 @@ them while the cluster waits, and stops them. Two launchers exist:
 
 * :class:`LocalLauncher` starts the controller and every engine here, as the kernel's child
   processes (``subprocess.Popen``, each with the environment :func:`plan.engine_env` builds);
-* :class:`hora.engines.session_launcher.SessionLauncher` starts only the controller here and asks the
-  hora service for the engines (a session).
+* :class:`hora.engines.session_launcher.SessionLauncher` starts only the controller here and
+  asks the hora service for the engines (a session).
 
 Whatever a launcher starts is an :class:`EngineProcess` (a pid and ``poll()``): a ``Popen``,
 a :class:`RemoteProcess` (an engine the service started, watched by its pid) or an
