@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from hora.kinds import SlotKind
+
 log = logging.getLogger(__name__)
 
 NVIDIA_SMI_TIMEOUT_S = 10.0
@@ -34,7 +36,7 @@ class Slot:
     """One schedulable unit: a GPU (by its index) or a CPU slot."""
 
     index: int
-    kind: str
+    kind: SlotKind
     name: str
 
 
@@ -110,7 +112,7 @@ def parse_nvidia_smi(text: str) -> list[Slot]:
     for line in text.splitlines():
         index, _, name = line.partition(",")
         if index.strip().isdigit():
-            slots.append(Slot(int(index), "gpu", name.strip() or f"gpu{index.strip()}"))
+            slots.append(Slot(int(index), SlotKind.gpu, name.strip() or f"gpu{index.strip()}"))
     return slots
 
 
@@ -147,7 +149,7 @@ def torch_gpus(python: str = sys.executable) -> list[Slot]:
     except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
         log.warning("could not count GPUs with torch (%s); scheduling CPU slots", e)
         return []
-    return [Slot(i, "gpu", f"cuda:{i}") for i in range(count)]
+    return [Slot(i, SlotKind.gpu, f"cuda:{i}") for i in range(count)]
 
 
 def inventory(gpus: str, cpu_slots: int) -> list[Slot]:
@@ -162,10 +164,10 @@ def inventory(gpus: str, cpu_slots: int) -> list[Slot]:
     if gpus == "auto":
         found = detect_gpus()
     elif gpus.isdigit():
-        found = [Slot(i, "gpu", f"gpu{i}") for i in range(int(gpus))]
+        found = [Slot(i, SlotKind.gpu, f"gpu{i}") for i in range(int(gpus))]
     else:
-        found = [Slot(int(i), "gpu", f"gpu{i}") for i in gpus.split(",")]
-    return found or [Slot(i, "cpu", f"cpu{i}") for i in range(cpu_slots)]
+        found = [Slot(int(i), SlotKind.gpu, f"gpu{i}") for i in gpus.split(",")]
+    return found or [Slot(i, SlotKind.cpu, f"cpu{i}") for i in range(cpu_slots)]
 
 
 def visible_gpus(

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hora.errors import HoraError
+from hora.kinds import HolderKind
 
 ENV = "HORA_LEASE_DIR"
 SHARED_LOCKS = Path("/run/lock")  # the machine's lock directory (tmpfs: empty at boot)
@@ -153,14 +154,15 @@ class LeaseHolder:
         """
         if self.problem is not None:
             return f"nobody: {self.problem}"
-        if self.kind == "service":
+        service, kernel = self.kind == HolderKind.service, self.kind == HolderKind.kernel
+        if service:
             head = f"hora service pid {self.pid}" + (f" at {self.url}" if self.url else "")
-        elif self.kind == "kernel":
+        elif kernel:
             head = f"notebook kernel pid {self.pid}"
         else:
             head = f"pid {self.pid}" if self.pid is not None else "an unknown process"
-        more = [f"job {self.job}"] if self.kind == "service" and self.job is not None else []
-        more += [self.what] if self.kind == "kernel" and self.what else []
+        more = [f"job {self.job}"] if service and self.job is not None else []
+        more += [self.what] if kernel and self.what else []
         more += [f"user {self.user}"] if self.user else []
         more += [] if self.alive else ["not running: processes it started hold the lease"]
         return head + (f" ({', '.join(more)})" if more else "")

@@ -19,6 +19,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from hora import magics_park, magics_submit
 from hora.export import DEFAULT_EXPORT
+from hora.kinds import RuntimeName
 from hora.magics_display import (
     DisplaySink,
     QueueDisplay,
@@ -108,7 +109,7 @@ class HoraMagics(Magics):
         why = "--local" if mode.local else "no hora service configured"
         self.history, self._history_of = [], 0
         started: tuple[Cluster, list[EngineRow]] | None = None
-        if mode.runtime != "local" and (mode.local or not service_configured()):
+        if mode.runtime is not RuntimeName.local and (mode.local or not service_configured()):
             raise UsageError(
                 f"--runtime {mode.runtime} needs a hora service (HORA_URL), not --local"
             )
@@ -120,7 +121,7 @@ class HoraMagics(Magics):
             try:
                 started = session, session.start()
             except ServiceUnavailable as e:
-                if session.asked is not None or mode.runtime != "local":  # say so
+                if session.asked is not None or mode.runtime is not RuntimeName.local:  # say so
                     raise
                 # configured but not running (hora up stopped): the notebook still works, and
                 # kernel-local engines still leave alone the GPUs other processes use
@@ -216,7 +217,7 @@ class HoraMagics(Magics):
     )
     @argument(
         "--runtime",
-        choices=["local", "docker", "slurm"],
+        choices=[r.value for r in RuntimeName],
         default="local",
         help="where the service starts the engines: its machine, containers of --image, or one "
         "Slurm job (default local)",

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 from IPython.core.error import UsageError
 
+from hora.kinds import RuntimeName
+
 if TYPE_CHECKING:
     from hora.engines import ClusterOptions
 
@@ -24,7 +26,7 @@ class StartMode:
 
     local: bool = False  # kernel-local engines even where a hora service is configured
     idle_timeout_s: float | None = None
-    runtime: str = "local"  # where the service starts them: local, docker or slurm
+    runtime: RuntimeName = RuntimeName.local  # where the service starts them
     ip: str | None = None  # the controller's address the Slurm nodes reach (slurm)
     image: str | None = None  # the engines' image (docker)
 
@@ -58,15 +60,17 @@ def start_mode(args: Namespace) -> StartMode:
             ``--runtime docker`` or that runtime without an image.
 
     Example:
-        >>> start_mode(Namespace(local=False, idle_timeout=None, runtime="slurm", ip="10.0.0.1",
-        ...                      image=None))
-        StartMode(local=False, idle_timeout_s=None, runtime='slurm', ip='10.0.0.1', image=None)
+        >>> mode = start_mode(Namespace(local=False, idle_timeout=None, runtime="slurm",
+        ...                             ip="10.0.0.1", image=None))
+        >>> mode.runtime is RuntimeName.slurm, mode.ip
+        (True, '10.0.0.1')
     """
-    if args.ip is not None and args.runtime != "slurm":
+    runtime = RuntimeName(args.runtime)
+    if args.ip is not None and runtime is not RuntimeName.slurm:
         raise UsageError("--ip is for --runtime slurm (local engines use 127.0.0.1)")
-    if (args.image is not None) != (args.runtime == "docker"):
+    if (args.image is not None) != (runtime is RuntimeName.docker):
         raise UsageError("--image goes with --runtime docker, which needs one (with hora)")
-    return StartMode(args.local, args.idle_timeout, args.runtime, args.ip, args.image)
+    return StartMode(args.local, args.idle_timeout, runtime, args.ip, args.image)
 
 
 def _csv(value: str) -> tuple[str, ...]:

@@ -13,6 +13,10 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from hora.kinds import JobKind as JobKind
+from hora.kinds import RuntimeName as RuntimeName
+from hora.kinds import SlotKind as SlotKind
+
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_ARGV = 1024
 MAX_ARG_LEN = 16384
@@ -62,29 +66,6 @@ class Priority(StrEnum):
 
 
 PRIORITY_RANK = {Priority.low: 0, Priority.normal: 1, Priority.high: 2}
-
-
-class RuntimeName(StrEnum):
-    """Where a job's processes run."""
-
-    local = "local"
-    docker = "docker"
-    slurm = "slurm"
-
-
-class SlotKind(StrEnum):
-    """What a schedulable slot is (``SlotInfo.kind``); ``parked`` lists a parked session."""
-
-    gpu = "gpu"
-    cpu = "cpu"
-    parked = "parked"
-
-
-class JobKind(StrEnum):
-    """What the scheduler runs: a submitted job, or a notebook's session of engines."""
-
-    job = "job"
-    session = "session"
 
 
 # what an image reference may contain (Docker's grammar is checked by the service); the schema

@@ -40,6 +40,7 @@ import sys
 import tempfile
 import tomllib
 from collections.abc import Iterable, Mapping
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +52,20 @@ BASE_IMAGE = "hora-base:bookworm"
 SUITE = "bookworm"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 PACKAGES = ("python3", "python3-venv", "ca-certificates")
+
+
+class ImageKind(StrEnum):
+    """The images ``hora image build`` makes."""
+
+    cpu = "cpu"
+    gpu = "gpu"
+    notebook = "notebook"
+
+
 KINDS = {  # kind -> (default tag, Dockerfile under docker/)
-    "cpu": ("hora:cpu", "cpu.Dockerfile"),
-    "gpu": ("hora:gpu", "Dockerfile"),
-    "notebook": ("hora:notebook", "notebook.Dockerfile"),
+    ImageKind.cpu: ("hora:cpu", "cpu.Dockerfile"),
+    ImageKind.gpu: ("hora:gpu", "Dockerfile"),
+    ImageKind.notebook: ("hora:notebook", "notebook.Dockerfile"),
 }
 STEP_TIMEOUT_S = 1800
 CPU_PACKAGES = ("torch", "numpy", "scikit-learn", "ipyparallel")
@@ -67,8 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     """Arguments of ``hora image build``.
 
     Example:
-        >>> build_parser().parse_args(["build", "--cpu"]).kind
-        'cpu'
+        >>> build_parser().parse_args(["build", "--gpu"]).kind is ImageKind.gpu
+        True
     """
     p = argparse.ArgumentParser(prog="hora image", description="Build hora's container images.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -78,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
         kind.add_argument(
             f"--{name}", dest="kind", action="store_const", const=name, help=f"the {name} image"
         )
-    b.set_defaults(kind="cpu")
+    b.set_defaults(kind=ImageKind.cpu)
     b.add_argument("--base", help="base image (default: per kind; see hora image build -h)")
     b.add_argument("--tag", help="tag of the result (default hora:KIND)")
     b.add_argument("--repo", type=Path, help="hora's repository (default: found from here)")
@@ -351,16 +362,16 @@ def build(
             sys.stderr.write(text if text.endswith("\n") else text + "\n")
 
 
-def build_image(kind: str, client: Any, repo: Path, cache: Path, base: str | None,
+def build_image(kind: ImageKind, client: Any, repo: Path, cache: Path, base: str | None,
                 tag: str | None, mirror: str | None = None) -> str:  # fmt: skip
     """Build the ``kind`` image (see the module docstring); return its tag."""
     tag = tag or KINDS[kind][0]
     dockerfile = KINDS[kind][1]
     digest = source_digest(repo)
-    if kind in ("cpu", "gpu"):
+    if kind in (ImageKind.cpu, ImageKind.gpu):
         base = base or ensure_base(client, cache, mirror)
         with tempfile.TemporaryDirectory(dir=_mkdir(cache)) as ctx:
-            (cpu_context if kind == "cpu" else gpu_context)(repo, cache, Path(ctx))
+            (cpu_context if kind == ImageKind.cpu else gpu_context)(repo, cache, Path(ctx))
             build(client, Path(ctx), "Dockerfile", tag, base, digest)
     else:
         build(client, repo / "docker", dockerfile, tag, base, digest)

@@ -129,7 +129,7 @@ for _ in range(30):
 def controller(where: Path) -> Iterator[tuple[dict[str, Any], Path, list[int]]]:
     """A kernel's controller, started the way a notebook kernel does for a session.
 
-    As :meth:`hora.engines.session.SessionLauncher._start_controller` does it: connection
+    As :meth:`hora.engines.session_launcher.SessionLauncher._start_controller` does it: connection
     files chosen here, CurveZMQ keys made here (the public key in the files, the secret key
     in the controller's environment). Yields the engines' connection info, the client file
     and every port it listens on.

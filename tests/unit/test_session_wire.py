@@ -98,7 +98,10 @@ def _dict_bodies(path: Path) -> list[str]:
 
 def test_the_kernel_sends_no_session_body_as_a_hand_made_dict() -> None:
     root = Path(hora.__file__).parent
-    files = [root / "engines" / n for n in ("session.py", "heartbeat.py", "parking.py")]
+    files = [
+        root / "engines" / n
+        for n in ("session.py", "session_launcher.py", "heartbeat.py", "parking.py")
+    ]
     files += [root / "magics_park.py", root / "client.py"]
     assert [f for p in files for f in _dict_bodies(p)] == []
 

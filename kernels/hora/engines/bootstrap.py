@@ -32,7 +32,7 @@ class EngineInfo(TypedDict):
     """What an engine answers :func:`init_engine` with once ``hora.torch`` is initialised.
 
     A plain dict on the wire (pickled by ipyparallel); :class:`hora.engines.Cluster` reads it
-    into its :class:`~hora.engines.execute.Engine`.
+    into its :class:`~hora.engines.group.Engine`.
     """
 
     rank: int

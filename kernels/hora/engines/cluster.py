@@ -6,8 +6,11 @@ the kernel's own child processes, each with its own environment from :func:`plan
 so their pids and exit codes are known; a session's launcher asks the hora service), connects
 a client, and runs ``hora.torch.init()`` in every engine; ``run`` executes a cell on every
 rank; ``push``/``pull`` move variables; ``status`` reports liveness and memory; ``stop`` leaves
-no process behind. What happens after a failed cell is its
-:class:`~hora.engines.recovery.Recovery`'s.
+no process behind. The engines' state (options, launcher, client, engines, lifecycle state,
+cell numbers) is one object the cluster owns, an :class:`~hora.engines.group.EngineGroup`; its
+parts are given that group and plain callables, never the cluster: what happens after a failed
+cell is its :class:`~hora.engines.recovery.Recovery`'s, ``status`` is
+:func:`~hora.engines.health.engine_status`.
 
 States form a small lifecycle: STOPPED -> STARTING -> READY, and READY -> BROKEN after a rank
 died (``restart`` is the way out). A stall, an interrupt or a collective that failed on some
@@ -18,9 +21,7 @@ in the same engine processes (a fresh store on a new port), and the variables st
 from __future__ import annotations
 
 import atexit
-import json
 import logging
-import socket
 import sys
 import threading
 import time
@@ -28,8 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypedDict
 
-from hora.engines import _ipp, bootstrap, plan
-from hora.engines.bootstrap import EngineInfo, InitAnswer
+from hora.engines import bootstrap, plan
 from hora.engines.errors import (
     CellFailedError,
     ClusterBrokenError,
@@ -38,8 +38,10 @@ from hora.engines.errors import (
     RankDiedError,
     StallError,
 )
-from hora.engines.execute import CellResult, Engine, EnginesInterrupted, OutputSink, run_cell
-from hora.engines.launchers import EngineLauncher, EngineProcess, LocalLauncher, world_file
+from hora.engines.execute import CellResult, EnginesInterrupted, OutputSink, run_cell
+from hora.engines.group import Engine, EngineGroup
+from hora.engines.health import engine_status
+from hora.engines.launchers import EngineLauncher, LocalLauncher
 from hora.engines.recovery import Recovery
 from hora.engines.report import CellNumbers
 from hora.engines.state import ClusterState
@@ -92,20 +94,59 @@ class Cluster:
         cuda_check: Callable[[], bool] = kernel_cuda_initialized,
         launcher: EngineLauncher | None = None,
     ) -> None:
-        self.options = options or plan.ClusterOptions()
+        options = options or plan.ClusterOptions()
         self.cuda_check = cuda_check
-        self.launcher: EngineLauncher = launcher or LocalLauncher(self.options)
-        self.recovery = Recovery(self)
-        self.state = ClusterState.STOPPED
-        self.engines: list[Engine] = []
-        self.client: Any = None
-        self.broken_reason = ""
-        self.start_s = 0.0
+        self.launcher: EngineLauncher = launcher or LocalLauncher(options)
+        self.group = EngineGroup(options, self.launcher)
+        self.recovery = Recovery(self.group, self.restart)
         self.starts = 0
-        self.numbers = CellNumbers()
         # held by whatever uses the engines (a cell, a push, a park): a park the service
         # asks for in the background never interrupts one
         self.lock = threading.RLock()
+
+    # --- the engines' state (the group's) ----------------------------------------------------
+    @property
+    def options(self) -> plan.ClusterOptions:
+        """How to start (a resume may ask for another size)."""
+        return self.group.options
+
+    @options.setter
+    def options(self, options: plan.ClusterOptions) -> None:
+        self.group.options = options
+
+    @property
+    def state(self) -> ClusterState:
+        """The lifecycle state."""
+        return self.group.state
+
+    @state.setter
+    def state(self, state: ClusterState) -> None:
+        self.group.state = state
+
+    @property
+    def engines(self) -> list[Engine]:
+        """The running engines, by rank."""
+        return self.group.engines
+
+    @property
+    def client(self) -> Any:
+        """The connected ``ipyparallel.Client`` (None when stopped)."""
+        return self.group.client
+
+    @property
+    def broken_reason(self) -> str:
+        """Why the cluster is BROKEN ("" otherwise)."""
+        return self.group.broken_reason
+
+    @property
+    def numbers(self) -> CellNumbers:
+        """What the cells run so far were numbered, per engine."""
+        return self.group.numbers
+
+    @property
+    def start_s(self) -> float:
+        """How long the last start took."""
+        return self.group.start_s
 
     # --- lifecycle ---------------------------------------------------------------------------
     @property
@@ -130,12 +171,11 @@ class Cluster:
 
     def world_file(self) -> Path | None:
         """The file that tells the engines where a re-formed world meets (engines.world)."""
-        workdir = self.launcher.workdir
-        return None if workdir is None else world_file(workdir)
+        return self.group.world_file()
 
     def set_broken(self, reason: str) -> None:
         """Mark the cluster BROKEN: ``reason`` is shown until a restart."""
-        self.state, self.broken_reason = ClusterState.BROKEN, reason
+        self.group.set_broken(reason)
 
     def start(self) -> list[EngineRow]:
         """Start the controller and engines and initialise the process group.
@@ -159,9 +199,10 @@ class Cluster:
         self.recovery.reset()
         try:
             launched = self.launcher.launch(t0 + self.options.start_timeout_s)
-            self._connect(launched.deadline, launched.engines)
-            self.engines = self.init_engines(list(self.client.ids), launched.deadline)
-            self.launcher.started([e.device for e in self.engines])
+            group = self.group
+            group.connect(launched.deadline, launched.engines)
+            group.engines = group.init_engines(list(group.client.ids), launched.deadline)
+            self.launcher.started([e.device for e in group.engines])
         except KeyboardInterrupt:
             withdrawn = self.launcher.withdrawn()
             self.stop()
@@ -171,122 +212,31 @@ class Cluster:
         except BaseException:
             self.stop()
             raise
-        self.start_s = time.perf_counter() - t0
+        self.group.start_s = time.perf_counter() - t0
         self.state = ClusterState.READY
         self.starts += 1
         log.info("%d engines ready in %.2fs", self.size, self.start_s)
         return self.table()
 
     def wait_until(self, what: str, deadline: float, ready: Callable[[], bool]) -> None:
-        """Wait until ``ready()``, while the launcher checks that what is awaited can come.
-
-        Raises:
-            EngineStartError: the controller or an awaited engine exited, or ``deadline`` passed.
-        """
-        while not ready():
-            self.launcher.check_alive(what)
-            if time.perf_counter() > deadline:
-                raise EngineStartError(
-                    f"timed out after {self.options.start_timeout_s:g}s {what}; "
-                    "raise --start-timeout of %dist_start or check the engine logs"
-                )
-            time.sleep(0.02)
-
-    def _connect(self, deadline: float, n: int) -> None:
-        import ipyparallel as ipp
-
-        workdir = self.launcher.workdir
-        if workdir is None:
-            raise EngineStartError("no controller to connect to")
-        path = plan.client_file(workdir)
-        info: dict[str, Any] = {}
-
-        def have_file() -> bool:
-            try:
-                info.update(json.loads(path.read_text()))
-            except (OSError, ValueError):
-                return False
-            return True
-
-        self.wait_until("waiting for the controller", deadline, have_file)
-        self.client = ipp.Client(info, timeout=max(1.0, deadline - time.perf_counter()))
-        self.wait_until(
-            f"waiting for {n} engines to register", deadline, lambda: len(self.client.ids) >= n
-        )
+        """Wait until ``ready()`` while the launcher watches (:meth:`EngineGroup.wait_until`)."""
+        self.group.wait_until(what, deadline, ready)
 
     def init_engines(self, ids: Sequence[int], deadline: float) -> list[Engine]:
-        """Initialise hora.torch in the engines awaited (``ids``); return them by rank.
-
-        Raises:
-            EngineStartError: an engine failed to initialise, or ``deadline`` passed.
-        """
-        start_s = max(1.0, deadline - time.perf_counter())  # late engines: see init_engine
-        args = (self.backend, self.options.timeout_s, self.options.threads, start_s)
-        ars = {eid: self.client[eid].apply_async(bootstrap.init_engine, *args) for eid in ids}
-
-        def failed(ar: Any) -> bool:
-            return bool(ar.ready() and (not ar.successful() or "error" in ar.get(0)))
-
-        self.wait_until(
-            "initialising hora.torch in the engines",
-            deadline,
-            lambda: all(ar.ready() for ar in ars.values()) or any(map(failed, ars.values())),
-        )
-        infos: dict[int, InitAnswer] = {
-            eid: ar.get(0) for eid, ar in ars.items() if ar.ready() and ar.successful()
-        }
-        placed = self.launcher.placed
-        errors = {placed(i)[0]: i["error"] for i in infos.values() if "error" in i}
-        ready = {eid: i for eid, i in infos.items() if "error" not in i}
-        if errors or len(ready) < len(ars):
-            raise _init_error(errors)
-        engines = [self._engine(eid, info, placed(info)) for eid, info in ready.items()]
-        return sorted(engines, key=lambda e: e.rank)
-
-    def _engine(self, eid: int, info: EngineInfo, placed: tuple[int, EngineProcess]) -> Engine:
-        rank, proc = placed
-        if rank != info["rank"]:
-            raise EngineStartError(
-                f"engine pid {info['pid']} was started as rank {rank} "
-                f"but reports rank {info['rank']}"
-            )
-        return Engine(
-            rank=rank,
-            engine_id=eid,
-            ident=_ipp.engine_ident(self.client, eid),
-            proc=proc,
-            host=info["host"],
-            device=info["device"],
-            gpu=info["gpu"],
-            stack_file=Path(
-                info.get("stack_file") or Path(self.workdir or ".") / f"stack{rank}.txt"
-            ),
-            log_file=self.launcher.log_file(rank),
-            main_thread=info["main_thread"],
-            # a container's engine has the host's name but a pid of its own namespace
-            local=info["host"] == socket.gethostname() and getattr(proc, "signallable", True),
-        )
+        """Initialise hora.torch in new engines (:meth:`EngineGroup.init_engines`)."""
+        return self.group.init_engines(ids, deadline)
 
     def stop(self) -> None:
         """Stop every engine and the controller; wait until they are gone. Harmless if stopped."""
-        self._disconnect()
+        self.group.disconnect()
         self.launcher.stop()
-        self.engines = []
-        self.state, self.broken_reason = ClusterState.STOPPED, ""
-        self.numbers = CellNumbers()
+        self.group.forget_engines(ClusterState.STOPPED)
+        self.group.numbers = CellNumbers()
         _LIVE.discard(self)
 
     def close(self) -> None:
         """What the kernel's exit does: :meth:`stop` (a session cluster may park instead)."""
         self.stop()
-
-    def _disconnect(self) -> None:
-        if self.client is not None:
-            try:
-                self.client.close(linger=0)
-            except Exception as e:  # closing a client whose controller died can fail; go on
-                log.debug("closing the client: %s", e)
-            self.client = None
 
     def restart(self) -> list[EngineRow]:
         """Stop and start again with the same options.
@@ -436,11 +386,11 @@ class Cluster:
         """
         from ipyparallel.error import CompositeError, RemoteError
 
-        from hora.engines.errors import CellFailedError, RankError
+        from hora.engines.errors import RankError
 
         with self.lock:
             self._require_ready()
-            chosen = self._ranks(ranks)
+            chosen = self.group.ranks(ranks)
             ars = [
                 self.client[self.engines[r].engine_id].apply_async(bootstrap.pull_value, name)
                 for r in chosen
@@ -459,18 +409,9 @@ class Cluster:
             raise CellFailedError(errors)
         return out
 
-    def _ranks(self, ranks: Sequence[int] | None) -> list[int]:
-        chosen = list(range(self.size)) if ranks is None else list(ranks)
-        bad = [r for r in chosen if not 0 <= r < self.size]
-        if bad:
-            from hora.errors import SpecError
-
-            raise SpecError("rank", f"rank {bad[0]} is outside 0..{self.size - 1}")
-        return chosen
-
     def view(self, ranks: Sequence[int] | None) -> Any:
         """An ipyparallel view of the engines of ``ranks`` (all when None), in rank order."""
-        return self.client[[self.engines[r].engine_id for r in self._ranks(ranks)]]
+        return self.group.view(ranks)
 
     def table(self) -> list[EngineRow]:
         """Return one row per rank: rank, engine id, host, pid, device, GPU."""
@@ -491,20 +432,7 @@ class Cluster:
         Returns:
             One row per rank: rank, pid, alive, exit, device, rss_mb, cuda_mb (GPU engines).
         """
-        from hora.engines.health import engine_status
-
-        return engine_status(self, timeout)
-
-
-def _init_error(errors: dict[int, str]) -> EngineStartError:
-    if not errors:
-        return EngineStartError("an engine failed while initialising hora.torch")
-    ranks = sorted(errors)
-    first = errors[ranks[0]]
-    others = ranks[1:]
-    also = f"\n(also failed on ranks {', '.join(map(str, others))})" if others else ""
-    last = first.splitlines()[-1] if first else ""
-    return EngineStartError(f"hora.torch.init() failed on rank {ranks[0]}: {last}\n{first}{also}")
+        return engine_status(self.engines, self.client, timeout)
 
 
 def _track(cluster: Cluster) -> None:

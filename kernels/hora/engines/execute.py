@@ -23,7 +23,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
-from pathlib import Path
 from typing import Any, Protocol
 
 from hora.engines import _ipp, outputs
@@ -35,7 +34,7 @@ from hora.engines.errors import (
     StallError,
     rank_ranges,
 )
-from hora.engines.launchers import EngineProcess
+from hora.engines.group import Engine
 from hora.engines.rejoin import Rejoin, Replacer
 from hora.engines.report import CellNumbers, hide_hora_frames, in_collective, log_tail, pick_thread
 
@@ -48,43 +47,6 @@ INTERRUPT_GRACE_S = 5.0  # a loaded 2-core machine took over 3 s to answer a Key
 ERROR_STALL_S = 2.0
 # how long ranks released from a collective may take to end their cell
 RELEASE_GRACE_S = 10.0
-
-
-@dataclass
-class Engine:
-    """One running engine, as the kernel knows it (the engine-id -> rank map lives here).
-
-    Attributes:
-        rank: its rank in the process group.
-        engine_id: ipyparallel's engine id (assigned by the controller; not the rank).
-        ident: ipyparallel's routing identity of the engine.
-        proc: the engine process (started by hora, so its pid and exit status are known).
-        host: host name.
-        device: torch device of the engine ("cuda:0", "cpu").
-        gpu: the GPU id bound through CUDA_VISIBLE_DEVICES ("" on CPU).
-        stack_file: where the engine writes its stack on SIGUSR1.
-        log_file: the engine's stdout/stderr outside cells (startup, crashes).
-        main_thread: ident of the engine's main thread (to pick its stack from a dump).
-        local: it runs on the kernel's machine, so its pid can be signalled and its stack
-            file read from here (an engine on a Slurm node cannot be).
-    """
-
-    rank: int
-    engine_id: int
-    ident: bytes
-    proc: EngineProcess
-    host: str
-    device: str
-    gpu: str
-    stack_file: Path
-    log_file: Path
-    main_thread: int = 0
-    local: bool = True
-
-    @property
-    def pid(self) -> int:
-        """Return the engine's process id."""
-        return self.proc.pid
 
 
 class OutputSink(Protocol):

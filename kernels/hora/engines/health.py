@@ -8,33 +8,34 @@ memory needs torch inside the engine: it is asked for with a short timeout and s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
 from hora.engines import bootstrap
 from hora.engines.errors import exit_status
-
-if TYPE_CHECKING:  # pragma: no cover
-    from hora.engines.cluster import Cluster
-    from hora.engines.execute import Engine
+from hora.engines.group import Engine
 
 
-def engine_status(cluster: Cluster, timeout: float = 3.0) -> list[dict[str, Any]]:
+def engine_status(
+    engines: Sequence[Engine], client: Any, timeout: float = 3.0
+) -> list[dict[str, Any]]:
     """Return one row per rank: rank, engine id, pid, alive, state, device, rss_mb, cuda_mb.
 
     Args:
-        cluster: a started cluster.
+        engines: a started cluster's engines, by rank.
+        client: its ipyparallel client (None: no CUDA memory numbers).
         timeout: seconds to wait for GPU engines' CUDA memory numbers.
 
     Returns:
         The rows, by rank.
 
     Example:
-        >>> engine_status(cluster)[0]["alive"]  # doctest: +SKIP
+        >>> engine_status(cluster.engines, cluster.client)[0]["alive"]  # doctest: +SKIP
         True
     """
     rows = []
-    cuda = _cuda_memory(cluster, timeout)
-    for e in cluster.engines:
+    cuda = _cuda_memory(engines, client, timeout)
+    for e in engines:
         code = e.proc.poll()
         rows.append(
             {
@@ -56,11 +57,11 @@ def _rss_mb(e: Engine) -> float | str:
     return round(bootstrap._rss(e.pid) / 2**20, 1) if e.local else "-"
 
 
-def _cuda_memory(cluster: Cluster, timeout: float) -> dict[int, Any]:
-    gpu = [e for e in cluster.engines if e.device.startswith("cuda") and e.proc.poll() is None]
-    if not gpu or cluster.client is None:
+def _cuda_memory(engines: Sequence[Engine], client: Any, timeout: float) -> dict[int, Any]:
+    gpu = [e for e in engines if e.device.startswith("cuda") and e.proc.poll() is None]
+    if not gpu or client is None:
         return {}
-    ars = {e.rank: cluster.client[e.engine_id].apply_async(bootstrap.memory) for e in gpu}
+    ars = {e.rank: client[e.engine_id].apply_async(bootstrap.memory) for e in gpu}
     out: dict[int, Any] = {}
     for rank, ar in ars.items():
         ar.wait(timeout)

@@ -1,14 +1,15 @@
 """How a cluster's engines come to be: the launcher protocol, the kernel-local one (data plane).
 
-A :class:`hora.engines.cluster.Cluster` holds one :class:`EngineLauncher`. The cluster connects
-the client, initialises ``hora.torch``, runs cells and recovers; the launcher starts the
-controller and the engines, starts an engine again for a dead rank, says which rank an engine
-that answered is, watches them while the cluster waits, and stops them. Two launchers exist:
+A :class:`hora.engines.cluster.Cluster` holds one :class:`EngineLauncher` (in its
+:class:`~hora.engines.group.EngineGroup`). The cluster connects the client, initialises
+``hora.torch``, runs cells and recovers; the launcher starts the controller and the engines,
+starts an engine again for a dead rank, says which rank an engine that answered is, watches
+them while the cluster waits, and stops them. Two launchers exist:
 
 * :class:`LocalLauncher` starts the controller and every engine here, as the kernel's child
   processes (``subprocess.Popen``, each with the environment :func:`plan.engine_env` builds);
-* :class:`hora.engines.session.SessionLauncher` starts only the controller here and asks the
-  hora service for the engines (a session).
+* :class:`hora.engines.session_launcher.SessionLauncher` starts only the controller here and
+  asks the hora service for the engines (a session).
 
 Whatever a launcher starts is an :class:`EngineProcess` (a pid and ``poll()``): a ``Popen``,
 a :class:`RemoteProcess` (an engine the service started, watched by its pid) or an
@@ -33,6 +34,7 @@ from hora.engines.bootstrap import InitAnswer
 from hora.engines.errors import UNSEEN_EXIT, EngineError, EngineStartError, NotEnoughGpusError
 from hora.engines.report import log_tail
 from hora.env import new_rdzv_secret
+from hora.kinds import HolderKind
 from hora.leases import Lease, LeaseDir
 from hora.net import free_port
 from hora.procs import signal_group
@@ -352,7 +354,7 @@ class LocalLauncher(KernelProcesses):
 def _claims() -> dict[str, object]:
     """What a kernel's lease says about it: a notebook kernel, and its notebook's name."""
     notebook = os.environ.get("JPY_SESSION_NAME", "")  # set by Jupyter for a notebook's kernel
-    return {"kind": "kernel", **({"what": Path(notebook).name} if notebook else {})}
+    return {"kind": HolderKind.kernel.value, **({"what": Path(notebook).name} if notebook else {})}
 
 
 def _take(leases: LeaseDir, name: str, visible: Sequence[plan.GpuInfo]) -> Lease:

@@ -1,6 +1,10 @@
 """Parking a notebook's session and resuming it: the kernel's side (data plane).
 
-A :class:`Parker` is given a :class:`hora.engines.session.ServiceCluster`. To park, it asks
+A :class:`Parker` is given a session cluster's engines (its
+:class:`~hora.engines.group.EngineGroup`), its
+:class:`~hora.engines.session_launcher.SessionLauncher` and lock, and its ``start`` and
+``release`` as callables (never the cluster, :class:`hora.engines.session.ServiceCluster`,
+which owns the parker). To park, it asks
 every engine what cannot be saved (:func:`hora.engines.park.scan`), refuses with that list
 before anything stops (unless told to drop those names), asks the service where to write
 (``POST /v1/sessions/{id}/park``: a directory in the owner's own, the quota left), has
@@ -34,8 +38,9 @@ from hora.scaling import fmt_bytes
 from hora.session_wire import ABORT_WHY_MAX, ParkAbort, ParkBegin, body, wire
 from hora.spec import JobState, ParkCommit, ParkedRank, ParkInfo, ParkTicket, SessionInfo
 
-if TYPE_CHECKING:
-    from hora.engines.session import ServiceCluster
+if TYPE_CHECKING:  # pragma: no cover
+    from hora.engines.group import EngineGroup
+    from hora.engines.session_launcher import SessionLauncher
 
 log = logging.getLogger("hora.engines")
 
@@ -136,21 +141,32 @@ class Parker:
     """Parks a session cluster's engines and resumes them (module docstring).
 
     Args:
-        cluster: the cluster (a :class:`hora.engines.session.ServiceCluster`).
+        group: the session cluster's engines (their state, client and options).
+        launcher: the session's launcher (the service, the session, the one to resume).
+        lock: the cluster's lock, held by whatever uses the engines (a cell, a push).
+        start: starts the engines (the cluster's ``start``; in resume mode after a park).
+        release: lets go of the parked engines and the controller (the cluster's).
         notify: shows a notice in the notebook (a park the service asked for).
     """
 
     def __init__(
-        self, cluster: ServiceCluster, notify: Callable[[str], None] | None = None
+        self,
+        group: EngineGroup,
+        launcher: SessionLauncher,
+        lock: threading.RLock,
+        start: Callable[[], object],
+        release: Callable[[], None],
+        notify: Callable[[str], None] | None = None,
     ) -> None:
-        self.cluster = cluster
+        self.group, self.launcher, self.lock = group, launcher, lock
+        self.start, self.release = start, release
         self.notify = notify
         self._background: threading.Thread | None = None
 
     # --- park ---------------------------------------------------------------------------------
     def scan(self, drop: Sequence[str] = ()) -> tuple[dict[int, list[park.Unsaveable]], int]:
         """What each rank cannot save, and the estimated size of the snapshot."""
-        found = self._on_all(park.scan, [drop], self.cluster.options.timeout_s * 5)
+        found = self._on_all(park.scan, [drop], self.group.options.timeout_s * 5)
         bad = {f["rank"]: [park.Unsaveable(*u) for u in f["unsaveable"]] for f in found}
         return bad, sum(int(f["bytes"]) for f in found)
 
@@ -171,27 +187,28 @@ class Parker:
             ParkError: the service refused (over quota: the figures are in the message) or a
                 rank could not write its part; the engines run on.
         """
-        c = self.cluster
-        with c.lock, c.launcher.cell():
-            if c.state is not ClusterState.READY or c.session is None:
+        g, launcher = self.group, self.launcher
+        with self.lock, launcher.cell():
+            session = launcher.session
+            if g.state is not ClusterState.READY or session is None:
                 raise ParkError("no running session to park")
             t0 = time.perf_counter()
             bad, estimate = self.scan(drop)
             if bad and any(bad.values()) and not force:
                 raise ParkRefusedError(bad)
             left_out = sorted({*drop, *(u.name for v in bad.values() for u in v)})
-            ticket = self._ticket(c.session.id, estimate, cause)
+            ticket = self._ticket(session.id, estimate, cause)
             t1 = time.perf_counter()
-            written = self._write(c.session.id, ticket, left_out, estimate)
+            written = self._write(session.id, ticket, left_out, estimate)
             write_s = time.perf_counter() - t1
-            self._commit(c.session.id, ticket, written)
-            c.release()
+            self._commit(session.id, ticket, written)
+            self.release()
             try:
-                self._wait_parked(c.launcher.resuming or 0)
+                self._wait_parked(launcher.resuming or 0)
             except HoraError as e:  # parked all the same: the service stops the engines
                 log.warning("could not see the engines of the parked session stop: %s", e)
             return ParkReport(
-                session=c.launcher.resuming or 0,
+                session=launcher.resuming or 0,
                 seconds=time.perf_counter() - t0,
                 bytes=sum(int(w["bytes"]) for w in written),
                 names=_names_a_rank(written),
@@ -274,12 +291,12 @@ class Parker:
         self._background.start()
 
     def _park_requested(self, reason: str) -> None:
-        c = self.cluster
-        if not c.lock.acquire(blocking=False):
+        if not self.lock.acquire(blocking=False):
             return
-        sid = c.session.id if c.session is not None else 0
+        session = self.launcher.session
+        sid = session.id if session is not None else 0
         try:
-            if c.state is not ClusterState.READY:
+            if self.group.state is not ClusterState.READY:
                 return
             report = self.park(force=True)
             self._say(f"hora: session {sid} parked ({reason}): {report.line()}")
@@ -288,7 +305,7 @@ class Parker:
             self._abort(sid, None, f"{type(e).__name__}: {e}")
             self._say(f"hora: session {sid} could not be parked ({reason}): {e}")
         finally:
-            c.lock.release()
+            self.lock.release()
 
     def _say(self, text: str) -> None:
         if self.notify is not None:
@@ -321,9 +338,9 @@ class Parker:
                 the snapshot is missing or damaged (then nothing is restored on any rank).
             SessionWithdrawn: interrupted while queued (it stays parked).
         """
-        c = self.cluster
-        sid = c.launcher.resuming
-        if c.state is not ClusterState.PARKED or sid is None:
+        g, launcher = self.group, self.launcher
+        sid = launcher.resuming
+        if g.state is not ClusterState.PARKED or sid is None:
             raise ResumeError("no parked session to resume")
         t0 = time.perf_counter()
         try:
@@ -342,24 +359,24 @@ class Parker:
                 f"-n {parked.world}"
             )
         # held throughout: a park the service asks for meanwhile waits (the engines are busy)
-        with c.lock:
-            c.options = c.launcher.options = replace(c.options, n=size)  # both ask for it
-            c.state = ClusterState.STOPPED
+        with self.lock:
+            g.options = launcher.options = replace(g.options, n=size)  # both ask for it
+            g.state = ClusterState.STOPPED
             try:
-                c.start()
+                self.start()
             except BaseException as e:
-                c.launcher.resuming, c.state = sid, ClusterState.PARKED
+                launcher.resuming, g.state = sid, ClusterState.PARKED
                 if isinstance(e, HoraError) and not isinstance(e, EngineError):
                     raise ResumeError(f"session {sid} stays parked: {e}") from None
                 raise
-            engines_s = max(0.0, c.start_s - c.launcher.queued_s)
+            engines_s = max(0.0, g.start_s - launcher.queued_s)
             t1 = time.perf_counter()
-            with c.launcher.cell():
+            with launcher.cell():
                 installed = self._restore(parked, size)
             self._service("DELETE", f"/v1/sessions/{sid}/snapshot")
-            c.launcher.resuming = None
+            launcher.resuming = None
         return ResumeReport(
-            session=sid, seconds=time.perf_counter() - t0, queued_s=c.launcher.queued_s,
+            session=sid, seconds=time.perf_counter() - t0, queued_s=launcher.queued_s,
             engines_s=engines_s, restore_s=time.perf_counter() - t1,
             names=_names_a_rank(installed), bytes=parked.bytes, parked=parked,
             lost=sorted({x for i in installed for x in i["lost"]}),
@@ -367,19 +384,19 @@ class Parker:
 
     def _restore(self, parked: ParkInfo, size: int) -> list[dict[str, Any]]:
         """Check and load every rank's part; put them in the namespaces only if all loaded."""
-        c = self.cluster
+        g, launcher = self.group, self.launcher
         parts = {r.rank: r for r in parked.ranks}
         timeout = 300.0 + parked.bytes / WRITE_RATE
         calls = []
-        for engine in c.engines:
+        for engine in g.engines:
             part = parts[park.part_of(engine.rank, size, parked.world)]
             args = (parked.directory, part.rank, part.bytes, part.crc32, timeout)
-            calls.append(c.client[engine.engine_id].apply_async(park.restore_prepare, *args))
+            calls.append(g.client[engine.engine_id].apply_async(park.restore_prepare, *args))
         try:
             self._gather(calls, timeout)
         except ParkError as e:
-            self._on_all(park.restore_discard, [], c.options.timeout_s)
-            sid, c.launcher.resuming = c.launcher.resuming, None  # it runs on, as a fresh one
+            self._on_all(park.restore_discard, [], g.options.timeout_s)
+            sid, launcher.resuming = launcher.resuming, None  # it runs on, as a fresh one
             try:  # it cannot be restored: keeping it would only park it again, as it is
                 self._service("DELETE", f"/v1/sessions/{sid}/snapshot")
             except HoraError as gone:
@@ -388,16 +405,16 @@ class Parker:
                 f"the snapshot of session {sid} was not restored, on any rank: {e}; it is "
                 "deleted, and the engines run on without its variables"
             ) from None
-        return self._on_all(park.restore_install, [], c.options.timeout_s)
+        return self._on_all(park.restore_install, [], g.options.timeout_s)
 
     # --- plumbing -----------------------------------------------------------------------------
     def _service(self, method: str, path: str, data: dict[str, Any] | None = None) -> Any:
-        resp = self.cluster.launcher.service.request(method, path, json=data)
+        resp = self.launcher.service.request(method, path, json=data)
         return resp.json()
 
     def _on_all(self, func: Callable[..., Any], args: list[Any], timeout: float) -> list[Any]:
-        c = self.cluster
-        calls = [c.client[e.engine_id].apply_async(func, *args) for e in c.engines]
+        g = self.group
+        calls = [g.client[e.engine_id].apply_async(func, *args) for e in g.engines]
         return self._gather(calls, timeout)
 
     def _gather(self, calls: list[Any], timeout: float) -> list[Any]:

@@ -3,28 +3,54 @@
 A cell that trains with ``hvd.elastic.run`` does not end when an engine dies: the survivors'
 collective fails, they go back to the last commit and wait for a new world
 (:mod:`hora.engines.world`). :class:`Rejoin` drives what the kernel does meanwhile, from the
-cell's wait loop: once every rank still in the cell waits, the cluster (a :class:`Replacer`)
-publishes a new world and starts new engines for the dead ranks; once the survivors have met
-them, each new engine is put in its dead rank's place and runs the cell from its start (its
-``hvd.elastic.run`` begins with the sync that gives it rank 0's committed state).
+cell's wait loop (it is given the cell as a :class:`RunningCell`): once every rank still in
+the cell waits, the cluster's recovery (a :class:`Replacer`) publishes a new world and starts
+new engines for the dead ranks; once the survivors have met them, each new engine is put in
+its dead rank's place and runs the cell from its start (its ``hvd.elastic.run`` begins with
+the sync that gives it rank 0's committed state).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from hora.engines.errors import exit_status, rank_ranges
-
-if TYPE_CHECKING:  # pragma: no cover
-    from hora.engines.execute import CellRun, Engine
+from hora.engines.group import Engine
 
 log = logging.getLogger("hora.engines")
 
 
+class Noted(Protocol):
+    """A cell's result, as far as a rejoin writes to it."""
+
+    notes: list[str]
+
+
+class RunningCell(Protocol):
+    """The cell a :class:`Rejoin` works on (an :class:`hora.engines.execute.CellRun`)."""
+
+    engines: list[Engine]
+    dead: dict[int, int | None]
+    by_id: dict[int, int]
+
+    @property
+    def result(self) -> Noted:
+        """What the cell produced so far (a note says which rank was replaced)."""
+
+    def pending(self) -> list[int]:
+        """Ranks that have not finished the cell (nor died)."""
+
+    def forget(self, rank: int) -> None:
+        """Forget what ``rank`` answered (a new engine runs the cell again in its place)."""
+
+    def send_to(self, e: Engine) -> None:
+        """Send the cell to one engine."""
+
+
 class Replacer(Protocol):
-    """Starts new engines for ranks that died during a cell (the cluster; see recovery.py)."""
+    """Starts new engines for ranks that died during a cell (the cluster's ``Recovery``)."""
 
     @property
     def rejoin_s(self) -> float:
@@ -48,11 +74,11 @@ class Rejoin:
 
     Args:
         run: the cell (its engines, dead ranks and result are updated here).
-        replacer: the cluster.
+        replacer: starts the new engines (the cluster's recovery).
         grace_s: how long survivors that began to re-form the world may take to get there.
     """
 
-    def __init__(self, run: CellRun, replacer: Replacer, grace_s: float) -> None:
+    def __init__(self, run: RunningCell, replacer: Replacer, grace_s: float) -> None:
         self.run, self.replacer, self.grace_s = run, replacer, grace_s
         self.begun = False
 

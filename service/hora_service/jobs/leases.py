@@ -26,6 +26,7 @@ from pathlib import Path
 
 from hora.errors import HoraError
 from hora.inventory import Slot
+from hora.kinds import HolderKind
 from hora.leases import Lease, LeaseDir, LeaseHolder
 
 log = logging.getLogger(__name__)
@@ -159,7 +160,8 @@ class DataDirLock:
             HoraError: another service holds it (naming its pid and URL), or the lock file
                 cannot be used.
         """
-        got = LeaseDir(self.data_dir).take("service", {"kind": "service", "url": self.url})
+        claims = {"kind": HolderKind.service.value, "url": self.url}
+        got = LeaseDir(self.data_dir).take("service", claims)
         if isinstance(got, Lease):
             self._lease = got
             return

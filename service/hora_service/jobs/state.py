@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 
 from hora.inventory import Slot, inventory
+from hora.kinds import HolderKind
 from hora.leases import LeaseDir, LeaseHolder, default_dir
 from hora.spec import PRIORITY_RANK, JobSpec, JobState, RuntimeName
 
@@ -100,7 +101,8 @@ class ManagerState:
         self.preflight = PreflightBook()  # the jobs' preflight figures, for pages and /metrics
         self.handoffs: dict[int, int] = {}  # session id -> the job that takes its slots
         # the machine's leases of this service's slots, and who else holds free ones
-        me = {"kind": "service", "url": settings.url, "instance": instance_id(settings.data_dir)}
+        me = {"kind": HolderKind.service.value, "url": settings.url,
+              "instance": instance_id(settings.data_dir)}  # fmt: skip
         lease_dir = LeaseDir(settings.lease_dir or default_dir())
         self.leases = SlotLeases(lease_dir, self.inventory, me)
         self.foreign: dict[int, LeaseHolder] = {}  # slot -> its holder (last pass)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hora.errors import SpecError
-from hora.spec import JobSpec
+from hora.spec import JobSpec, SlotKind
 
 from hora_service.identity import RunAs
 from hora_service.runtimes.containment import Container
@@ -84,7 +84,7 @@ class AttemptPlan:
     attempt: int
     spec: JobSpec
     slots: tuple[int, ...]
-    slot_kind: str
+    slot_kind: SlotKind
     run_dir: Path
     workdir: Path
     master_port: int

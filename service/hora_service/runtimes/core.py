@@ -14,6 +14,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 from hora.env import Account, RankEnv, layered_env, rank_env
+from hora.spec import SlotKind
 
 from hora_service.runtimes.base import AttemptPlan
 from hora_service.runtimes.paths import JobPaths
@@ -67,11 +68,11 @@ def rank_environment(plan: AttemptPlan, rank: int, base: Mapping[str, str]) -> d
         rank, n, local_rank=rank, local_size=n, master_addr="127.0.0.1",
         master_port=plan.master_port,
     )  # fmt: skip
-    gpus = ",".join(map(str, plan.slots)) if plan.slot_kind == "gpu" else ""
+    gpus = ",".join(map(str, plan.slots)) if plan.slot_kind == SlotKind.gpu else ""
     slots = ",".join(map(str, plan.rank_slots(rank)))
     own = RankEnv(
         slots=slots,
-        gpu=slots if plan.slot_kind == "gpu" else None,  # this rank's own, as for engines
+        gpu=slots if plan.slot_kind == SlotKind.gpu else None,  # this rank's own, as for engines
         job_id=plan.job_id,
         restart_count=plan.attempt - 1,
         attempt=plan.container.tag if plan.container is not None else None,

@@ -36,7 +36,7 @@ import docker
 import docker.errors
 from docker.types import DeviceRequest, Mount, Ulimit
 from hora.errors import SpecError
-from hora.spec import JobSpec
+from hora.spec import JobSpec, SlotKind
 
 from hora_service.identity import RunAs
 from hora_service.runtimes.base import AttemptPlan, Exit, RankProcess, RankStatus, Runtime
@@ -207,7 +207,7 @@ def container_env(
     base.update({k: service_env[k] for k in passthrough if k in service_env and k != "PATH"})
     env = rank_environment(plan, rank, base)
     env["HOME"] = CONTAINER_HOME
-    if plan.slot_kind == "gpu":
+    if plan.slot_kind == SlotKind.gpu:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(len(plan.slots)))
     return env
 
@@ -246,7 +246,7 @@ def container_config(
     mounts = [Mount(target=workdir, source=workdir, type="bind")]
     if not plan.run_dir.is_relative_to(plan.workdir):
         mounts.append(Mount(target=run_dir, source=run_dir, type="bind"))
-    gpus = [str(s) for s in plan.slots] if plan.slot_kind == "gpu" else []
+    gpus = [str(s) for s in plan.slots] if plan.slot_kind == SlotKind.gpu else []
     return {
         "image": plan.spec.image,
         "entrypoint": ["python", "-I", "-c", INIT],
