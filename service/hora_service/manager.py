@@ -44,7 +44,7 @@ from hora_service.jobs.elastic_slots import ElasticSlots
 from hora_service.jobs.launch import Launch
 from hora_service.jobs.leases import SlotLeases
 from hora_service.jobs.monitor import Monitor
-from hora_service.jobs.preflight import PreflightBook
+from hora_service.jobs.preflight_book import PreflightBook
 from hora_service.jobs.reads import Reads
 from hora_service.jobs.recovery import Recovery
 from hora_service.jobs.slots import SlotViews

@@ -76,7 +76,7 @@ class JobRecord(JobInfo):
             and structured reason; only ``GET /v1/jobs/{id}`` fills it (``GET /v1/queue``
             lists them all).
         preflight: the communication preflight rank 0 logged at ``hora.torch.init()``
-            (a session's: at ``%dist_start``; :mod:`hora_service.jobs.preflight`); only
+            (a session's: at ``%dist_start``; :mod:`hora_service.jobs.preflight_book`); only
             ``GET /v1/jobs/{id}`` fills it.
     """
 

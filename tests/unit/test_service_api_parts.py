@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import httpx
 import pytest
 from hora.errors import SpecError
+from hora_service.api.body_limit import BodySizeLimit
 from hora_service.api.errors import spec_error_detail
-from hora_service.api.limits import BodySizeLimit
 from hora_service.api.logstream import complete_prefix, read_chunk, sse_event
 from hora_service.api.prometheus import render_metrics
 from hora_service.api.safety import UnsafeConfigError, check_safe, is_loopback

@@ -28,9 +28,9 @@ from starlette.routing import Match, Route
 
 from hora_service import ui
 from hora_service.api import jobs, logs, parking, queue, sessions, system
+from hora_service.api.body_limit import BodySizeLimit
 from hora_service.api.deps import CurrentUser, Identify, TokenCache, known_query
 from hora_service.api.errors import spec_error_detail, validation_detail
-from hora_service.api.limits import BodySizeLimit
 from hora_service.api.safety import check_safe
 from hora_service.hub import signin
 from hora_service.manager import JobManager

@@ -22,7 +22,7 @@ from hora.spec import JobKind, JobSpec, JobState, RuntimeName, SessionInfo
 
 from hora_service.api.deps import CurrentUser, ManagerDep, OwnedJob
 from hora_service.api.errors import AUTH_RESPONSES, unprocessable
-from hora_service.jobs.preflight import job_preflight
+from hora_service.jobs.preflight_book import job_preflight
 from hora_service.models import JobRecord
 from hora_service.sessions.session_manager import SessionManager
 
@@ -129,7 +129,7 @@ def get_session(
     """State, slots, queue place (while queued), idle time, warning and preflight of one session.
 
     ``preflight`` is what ``%dist_start`` measured on the engines (rank 0 logs it), as a
-    job's is (:func:`hora_service.jobs.preflight.job_preflight`).
+    job's is (:func:`hora_service.jobs.preflight_book.job_preflight`).
     """
     view = sessions.view(job, viewer=user)
     figures = job_preflight(manager, job)

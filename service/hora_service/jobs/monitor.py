@@ -23,7 +23,7 @@ from hora_service.jobs.admission import Admission
 from hora_service.jobs.attempt import Attempt, describe, held_reason
 from hora_service.jobs.elastic_slots import ElasticSlots
 from hora_service.jobs.launch import Launch
-from hora_service.jobs.preflight import PreflightFigures
+from hora_service.jobs.preflight_book import PreflightFigures
 from hora_service.jobs.recovery import Recovery
 from hora_service.jobs.state import RETRY_WRITE_S, STOP_JOIN_S, ManagerState
 from hora_service.models import JobRecord

@@ -25,7 +25,7 @@ from hora_service import identity, runtimes
 from hora_service.jobs.attempt import Attempt, runs_outside
 from hora_service.jobs.bounds import Bounds
 from hora_service.jobs.leases import DataDirLock, SlotLeases
-from hora_service.jobs.preflight import PreflightBook
+from hora_service.jobs.preflight_book import PreflightBook
 from hora_service.models import JobRecord
 from hora_service.runtimes import Runtime
 from hora_service.runtimes.containment import Containment, instance_id

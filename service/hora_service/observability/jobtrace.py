@@ -28,7 +28,7 @@ from hora.service_wire import JobScaling
 from hora.spec import RuntimeName
 from hora.timeline_merge import part_path
 
-from hora_service.jobs.preflight import job_preflight
+from hora_service.jobs.preflight_book import job_preflight
 from hora_service.manager import JobManager
 from hora_service.models import JobRecord
 from hora_service.observability.jobfiles import (

@@ -27,7 +27,7 @@ from starlette.concurrency import run_in_threadpool
 from hora_service.api.deps import owned_job
 from hora_service.api.logstream import file_size, read_chunk
 from hora_service.api.workerlog import rank_log
-from hora_service.jobs.preflight import job_preflight
+from hora_service.jobs.preflight_book import job_preflight
 from hora_service.manager import JobManager
 from hora_service.models import JobRecord, User
 from hora_service.observability.jobtrace import job_scaling
