@@ -297,7 +297,7 @@ def _scheduler_inputs(
     the pass computes a reservation and then examines every queued job as a backfill
     candidate without placing any: a full scan.
     """
-    from hora_service.scheduler import Holding, Pending, queue_order
+    from hora_service.scheduling.scheduler import Holding, Pending, queue_order
 
     rng = random.Random(seed)
     held = slots // 2
@@ -322,7 +322,7 @@ def bench_scheduler(sizes: list[int], rounds: int, slots: int = 8) -> dict[int, 
     Returns an empty dict when the scheduler (svc-core) is not in this checkout.
     """
     try:
-        from hora_service.scheduler import schedule
+        from hora_service.scheduling.scheduler import schedule
     except ImportError as e:
         print(f"scheduling pass: not measured ({e})")
         return {}

@@ -10,7 +10,7 @@ leaves running jobs alive; the next start re-adopts them.
 [--data-dir DIR]`` prints the new user's token once (only its hash is stored). In multi-user
 mode (the service runs as root) it also creates the OS account ``hora-NAME`` the user's jobs
 run as (home 0700), or assigns the existing account ``--uid N``, and makes the user's working
-directory ``WORK_ROOT/NAME`` (see :mod:`hora_service.homes`); in single-user mode it refuses
+directory ``WORK_ROOT/NAME`` (see :mod:`hora_service.users.homes`); in single-user mode it refuses
 a second user (see :mod:`hora_service.identity`). ``hora user set NAME --idle-timeout
 S|none`` changes the idle timeout of the user's new notebook sessions (``none``: the
 service's default); ``--memory``, ``--pids`` and ``--cpus`` set their own job limits per
@@ -252,7 +252,7 @@ def main(argv: list[str]) -> int:
         sys.stderr.write(f"hora {args.cmd}: error: {e}\n")
         return 1
     except Exception as e:
-        from hora_service.store import is_unavailable
+        from hora_service.store.db import is_unavailable
 
         if not is_unavailable(e):
             raise

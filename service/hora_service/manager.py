@@ -5,7 +5,7 @@ keeps the queue, and runs **one monitor loop** that moves every job through its 
 (``queued -> starting -> running -> succeeded | failed | cancelled``, ``retrying`` between
 attempts): it polls ranks, enforces ``timeout_s``, escalates SIGTERM to SIGKILL after the
 grace period, retries failed attempts with exponential backoff, and runs the scheduling pass
-(:func:`hora_service.scheduler.schedule`) whenever something changed. Submissions and
+(:func:`hora_service.scheduling.scheduler.schedule`) whenever something changed. Submissions and
 cancellations wake the loop at once. :meth:`JobManager.tick` is one pass, public so that
 tests can drive the loop step by step.
 
@@ -33,18 +33,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from hora.inventory import Slot
 from hora.spec import JobSpec, JobState, ParkInfo
 from sqlalchemy import Connection
 
-from hora_service.bounds import Bounds
-from hora_service.inventory import Slot
-from hora_service.jobpreflight import PreflightBook
 from hora_service.jobs.admission import Admission
 from hora_service.jobs.attempt import Attempt, Holder, QueueView, describe
+from hora_service.jobs.bounds import Bounds
 from hora_service.jobs.elastic_slots import ElasticSlots
 from hora_service.jobs.launch import Launch
 from hora_service.jobs.leases import SlotLeases
 from hora_service.jobs.monitor import Monitor
+from hora_service.jobs.preflight import PreflightBook
 from hora_service.jobs.reads import Reads
 from hora_service.jobs.recovery import Recovery
 from hora_service.jobs.slots import SlotViews
@@ -56,15 +56,15 @@ from hora_service.jobs.state import (
     STOP_JOIN_S,
     ManagerState,
 )
-from hora_service.journal import Journal
 from hora_service.models import JobRecord, MetricsSnapshot, SlotInfo
-from hora_service.reasons import ReasonBoard
 from hora_service.runtimes import Runtime
-from hora_service.scheduler import Pending
+from hora_service.scheduling.reasons import ReasonBoard
+from hora_service.scheduling.scheduler import Pending
 from hora_service.settings import Settings
-from hora_service.store import Store
-from hora_service.usage import Usage
-from hora_service.users import Users
+from hora_service.store.db import Store
+from hora_service.store.journal import Journal
+from hora_service.users.registry import Users
+from hora_service.users.usage import Usage
 
 __all__ = [
     "CACHE_MAX",

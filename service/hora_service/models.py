@@ -70,13 +70,13 @@ class JobRecord(JobInfo):
         transitions: every state change, oldest first.
         user_id: the stable id of the user who submitted it.
         kind: ``job``, or ``session`` for a notebook's interactive engines (see
-            :mod:`hora_service.sessions`).
+            :mod:`hora_service.sessions.session_manager`).
         container_id: the container of the current attempt (docker runtime), else None.
         queue: while it waits (queued, retrying, or held back while starting), its place
             and structured reason; only ``GET /v1/jobs/{id}`` fills it (``GET /v1/queue``
             lists them all).
         preflight: the communication preflight rank 0 logged at ``hora.torch.init()``
-            (a session's: at ``%dist_start``; :mod:`hora_service.jobpreflight`); only
+            (a session's: at ``%dist_start``; :mod:`hora_service.jobs.preflight`); only
             ``GET /v1/jobs/{id}`` fills it.
     """
 

@@ -17,8 +17,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AliasChoices, Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from hora_service.imageref import check_pattern
 from hora_service.runtimes import limits
+from hora_service.runtimes.imageref import check_pattern
 
 
 def _hub(name: str) -> Any:
@@ -161,7 +161,7 @@ class Settings(BaseSettings):
         user_disk_limit: in multi-user mode, the size of each user's working directory
             ``WORK_ROOT/<user>``, made as a loop-mounted file system of that size when the
             directory is made (``none``: no limit, the default; see
-            :mod:`hora_service.disks`). A job that fills it gets ``ENOSPC``.
+            :mod:`hora_service.users.disks`). A job that fills it gets ``ENOSPC``.
         job_disk_limit: most bytes each of a job's private ``/tmp``, ``/var/tmp`` and
             ``/dev/shm`` holds (tmpfs, counted against the job's memory too), where the job
             has its own (multi-user mode with ``job_private_network``; the docker runtime's

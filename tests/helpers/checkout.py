@@ -13,7 +13,7 @@ from pathlib import Path
 import hora
 import pytest
 import torch
-from hora_service.homes import closed_part
+from hora_service.users.homes import closed_part
 
 # what the jobs of those tests import: this checkout's hora, and the venv's packages
 IMPORTED = (Path(hora.__file__).parents[1], Path(torch.__file__).parents[1])

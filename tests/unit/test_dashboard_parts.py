@@ -14,7 +14,7 @@ from hora_service.ui import auth
 from hora_service.ui.auth import UiSessions
 from hora_service.ui.gpustats import parse_stats
 from hora_service.ui.timeline import summarize
-from hora_service.usage import Usage
+from hora_service.users.usage import Usage
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[2]

@@ -20,7 +20,9 @@ from hora.jobs_cli import build_parser, spec_from_args
 from hora.launch import elastic_rdzv as rdzv
 from hora.launch.config import parse_args
 from hora.spec import ElasticInfo, ElasticSpec, JobSpec
-from hora_service.elastic import (
+from hora_service.manager import Attempt
+from hora_service.runtimes.containment import TAG_VAR, Container
+from hora_service.runtimes.elastic_run import (
     ElasticRun,
     driver_argv,
     hosts_arg,
@@ -28,9 +30,7 @@ from hora_service.elastic import (
     workers,
     write_hosts,
 )
-from hora_service.manager import Attempt
-from hora_service.runtimes.containment import TAG_VAR, Container
-from hora_service.usage import Usage
+from hora_service.users.usage import Usage
 
 
 def _spec(**fields: object) -> JobSpec:

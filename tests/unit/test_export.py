@@ -21,11 +21,11 @@ from hora.client import parse_spec
 from hora.errors import SpecError
 from hora.export import DEFAULT_EXPORT, parse_export, with_export
 from hora.spec import JobSpec
-from hora_service.bounds import Bounds
-from hora_service.homes import closed_part
+from hora_service.jobs.bounds import Bounds
 from hora_service.runtimes import namespaces, nsholder, startcheck
 from hora_service.settings import Settings
-from hora_service.users import Users
+from hora_service.users.homes import closed_part
+from hora_service.users.registry import Users
 
 VENV_ENV = {"PATH": "/v/bin:/usr/bin", "VIRTUAL_ENV": "/v", "HORA_TOKEN": "secret", "X": "1"}
 

@@ -16,8 +16,8 @@ from hora_service.hub.api import HubApi, HubUnavailable, HubUser, authorize_url,
 from hora_service.hub.config import merge_roles, roles, service_entry
 from hora_service.hub.users import HubUserRefused, HubUsers, account_uid
 from hora_service.settings import Settings
-from hora_service.store import Store
-from hora_service.users import Users
+from hora_service.store.db import Store
+from hora_service.users.registry import Users
 from traitlets.config import Config
 
 NOBODY = pwd.getpwnam("nobody").pw_uid

@@ -1,5 +1,6 @@
-"""hora_service.jobfiles: a file a job names is read as its account's, never through a link,
-never blocking on a FIFO, never past its limit (real files in a temporary directory)."""
+"""hora_service.observability.jobfiles: a file a job names is read as its account's, never
+through a link, never blocking on a FIFO, never past its limit
+(real files in a temporary directory)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import stat
 from pathlib import Path, PurePosixPath
 
 import pytest
-from hora_service.jobfiles import (
+from hora_service.observability.jobfiles import (
     Account,
     UntrustedJobFile,
     open_dir,

@@ -1,4 +1,4 @@
-"""The service's reading of a job's preflight figures (hora_service.jobpreflight): what is kept.
+"""The service's reading of a job's preflight figures (hora_service.jobs.preflight): what is kept.
 
 Rank 0 hands the figures to its shim on a pipe and the shim keeps them as ``preflight.json``
 in the run directory (tests/e2e/test_service_preflight.py runs that whole path); here the
@@ -11,7 +11,7 @@ import json
 import os
 from pathlib import Path
 
-from hora_service.jobpreflight import FILE_MAX, PreflightBook, parse
+from hora_service.jobs.preflight import FILE_MAX, PreflightBook, parse
 
 GOOD = {
     "size": 2, "backend": "gloo", "seconds": 0.3,

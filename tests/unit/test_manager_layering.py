@@ -24,6 +24,7 @@ from hora_service.jobs.reads import Reads
 from hora_service.jobs.state import ManagerState
 from hora_service.manager import JobManager
 from hora_service.settings import Settings
+from pydantic import BaseModel
 
 MODULES = [
     importlib.import_module(f"hora_service.jobs.{m.name}")
@@ -32,6 +33,10 @@ MODULES = [
 
 
 def _ours(cls: type) -> bool:
+    """A class of the manager's code; pydantic models (the preflight's rows, which share one
+    strict base) are data, not collaborators."""
+    if issubclass(cls, BaseModel):
+        return False
     return cls.__module__ == "hora_service.manager" or cls.__module__.startswith(
         "hora_service.jobs."
     )

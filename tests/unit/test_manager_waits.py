@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from hora.spec import JobSpec, JobState, QueueInfo
 from hora_service.manager import JobManager
-from hora_service.queueview import job_queue
-from hora_service.reasons import image_reason
+from hora_service.observability.queueview import job_queue
 from hora_service.runtimes import AttemptPlan, Exit, RankProcess, Runtime
 from hora_service.runtimes.base import RankStatus
+from hora_service.scheduling.reasons import image_reason
 from hora_service.settings import Settings
 
 

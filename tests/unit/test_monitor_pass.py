@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from hora_service.manager import JobManager
 from hora_service.settings import Settings
-from hora_service.store import Store
+from hora_service.store.db import Store
 from sqlalchemy import text
 
 

@@ -1,4 +1,5 @@
-"""The cached answer of GET /v1/session-address?runtime=slurm (hora_service.noderoute)."""
+"""The cached answer of GET /v1/session-address?runtime=slurm
+(hora_service.runtimes.slurm_route)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import time
 
 import pytest
 from hora.errors import SpecError
-from hora_service import noderoute
-from hora_service.noderoute import NodeRoute
+from hora_service.runtimes import slurm_route
 from hora_service.runtimes.slurm import NodeRouteError
+from hora_service.runtimes.slurm_route import NodeRoute
 
 
 class Clock:
@@ -25,12 +26,12 @@ def test_an_address_is_asked_once_until_it_is_old() -> None:
     clock = Clock()
     route = NodeRoute(lambda: asked.append(clock.now) or ("n1", "10.0.0.5"), clock)
     assert [route.get() for _ in range(3)] == [("n1", "10.0.0.5")] * 3
-    clock.now = noderoute.FOUND_S - 1
+    clock.now = slurm_route.FOUND_S - 1
     route.get()
     assert asked == [0.0]
-    clock.now = noderoute.FOUND_S
+    clock.now = slurm_route.FOUND_S
     route.get()
-    assert asked == [0.0, noderoute.FOUND_S]
+    assert asked == [0.0, slurm_route.FOUND_S]
 
 
 def test_a_failure_is_kept_briefly_and_said_without_the_tools_words() -> None:
@@ -48,10 +49,10 @@ def test_a_failure_is_kept_briefly_and_said_without_the_tools_words() -> None:
         assert e.value.field == "runtime"
         assert "listed no node" in str(e.value) and "HORA_SLURM_SESSION_ADDRESS" in str(e.value)
         assert "slurm_load_node" not in str(e.value) and "boom" not in str(e.value)
-    clock.now = noderoute.FAILED_S
+    clock.now = slurm_route.FAILED_S
     with pytest.raises(SpecError):
         route.get()
-    assert asked == [0.0, noderoute.FAILED_S]
+    assert asked == [0.0, slurm_route.FAILED_S]
 
 
 def test_requests_at_once_run_one_ask() -> None:

@@ -19,12 +19,12 @@ import pytest
 from hora.errors import SpecError
 from hora.session_wire import ParkAbort, ParkBegin, ResumeRequest
 from hora.spec import JobState, ParkCommit, ParkedRank
-from hora_service import parkdirs
 from hora_service.manager import JobManager
-from hora_service.parking import ParkConflict
-from hora_service.quotas import OverLimit
-from hora_service.sessions import Heartbeat, SessionManager
+from hora_service.sessions import parkdirs
+from hora_service.sessions.park_manager import ParkConflict
+from hora_service.sessions.session_manager import Heartbeat, SessionManager
 from hora_service.settings import Settings
+from hora_service.users.quotas import OverLimit
 from test_service_core import ScriptedRuntime
 from test_sessions import CONN, request
 from test_sessions import job as job_spec

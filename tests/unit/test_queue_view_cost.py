@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 from hora.spec import JobSpec
-from hora_service import queueview
 from hora_service.manager import JobManager
 from hora_service.models import User
+from hora_service.observability import queueview
 from hora_service.settings import Settings
-from hora_service.store import Store
+from hora_service.store.db import Store
 
 QUEUED = 200
 

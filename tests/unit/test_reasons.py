@@ -1,10 +1,11 @@
-"""Every kind of wait reason, from the pure rules of hora_service.reasons (milliseconds)."""
+"""Every kind of wait reason, from the pure rules of hora_service.scheduling.reasons
+(milliseconds)."""
 
 from __future__ import annotations
 
 import pytest
 from hora.spec import QueueInfo, ReasonKind, WaitReason
-from hora_service.reasons import (
+from hora_service.scheduling.reasons import (
     INF,
     QueueState,
     ReasonBoard,
@@ -13,7 +14,7 @@ from hora_service.reasons import (
     image_reason,
     runtime_reason,
 )
-from hora_service.scheduler import Holding, Pending, schedule
+from hora_service.scheduling.scheduler import Holding, Pending, schedule
 
 
 def state(queue: list[Pending], total: int, holding: list[Holding], **kw: object) -> QueueState:

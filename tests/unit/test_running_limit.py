@@ -1,9 +1,10 @@
-"""The per-user running-job limit applied before each scheduling pass (hora_service.quotas)."""
+"""The per-user running-job limit applied before each scheduling pass
+(hora_service.users.quotas)."""
 
 from __future__ import annotations
 
-from hora_service.quotas import within_running_limit
-from hora_service.scheduler import Pending, queue_order
+from hora_service.scheduling.scheduler import Pending, queue_order
+from hora_service.users.quotas import within_running_limit
 from hypothesis import given
 from hypothesis import strategies as st
 

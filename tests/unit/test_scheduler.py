@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hora_service.scheduler import (
+from hora_service.scheduling.scheduler import (
     INF,
     Holding,
     Pending,

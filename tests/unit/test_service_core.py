@@ -17,17 +17,17 @@ from pathlib import Path
 
 import pytest
 from hora.errors import HoraError, SpecError
+from hora.inventory import detect_gpus, inventory, parse_nvidia_smi, torch_gpus
 from hora.spec import JobSpec, JobState
 from hora_service import identity, runtimes
 from hora_service.identity import RunAs
-from hora_service.inventory import detect_gpus, inventory, parse_nvidia_smi, torch_gpus
 from hora_service.manager import JobManager
 from hora_service.runtimes import AttemptPlan, Exit, RankProcess, Runtime, shim
 from hora_service.runtimes.base import RankStatus
 from hora_service.runtimes.core import allowed_env, rank_environment
 from hora_service.runtimes.local import SHIM, launch_file, rank_argv
 from hora_service.settings import Settings
-from hora_service.store import MIGRATIONS, SCHEMA_VERSION, Store, StoreError, token_hash
+from hora_service.store.db import MIGRATIONS, SCHEMA_VERSION, Store, StoreError, token_hash
 
 
 class ScriptedRank(RankProcess):

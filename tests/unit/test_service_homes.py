@@ -1,4 +1,4 @@
-"""Users' working directories are made private and never taken over (hora_service.homes).
+"""Users' working directories are made private and never taken over (hora_service.users.homes).
 
 Needs root (the directory is handed to another account): CI runs as root; without it these
 fail and say so. The account is ``nobody``, whose home hora never touches.
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 from hora.errors import SpecError
-from hora_service import homes
 from hora_service.identity import RunAs
+from hora_service.users import homes
 
 NOBODY = pwd.getpwnam("nobody")
 WHO = RunAs(uid=NOBODY.pw_uid, gid=NOBODY.pw_gid, home=Path(NOBODY.pw_dir), user="nobody")

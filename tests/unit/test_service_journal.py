@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 from hora.spec import JobSpec, JobState
-from hora_service.health import StoreProbe
-from hora_service.journal import Journal, Write, apply_writes
 from hora_service.manager import JobManager
 from hora_service.runtimes import AttemptPlan, Exit, RankProcess, Runtime
 from hora_service.runtimes.base import RankStatus
 from hora_service.settings import Settings
-from hora_service.store import StoreUnavailable
+from hora_service.store.db import StoreUnavailable
+from hora_service.store.journal import Journal, Write, apply_writes
+from hora_service.store.probe import StoreProbe
 from sqlalchemy.exc import OperationalError
 
 

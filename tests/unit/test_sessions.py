@@ -16,7 +16,7 @@ from hora.errors import EngineRunning, HoraError, SpecError
 from hora.spec import JobSpec, JobState
 from hora_service.manager import JobManager
 from hora_service.models import User
-from hora_service.sessions import (
+from hora_service.sessions.session_manager import (
     CONNECTION_VAR,
     EngineConnection,
     Heartbeat,

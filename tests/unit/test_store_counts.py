@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from hora.spec import JobSpec, JobState
-from hora_service.store import MIGRATIONS, SCHEMA_VERSION, Store, token_hash
+from hora_service.store.db import MIGRATIONS, SCHEMA_VERSION, Store, token_hash
 from sqlalchemy import event
 
 USERS = ("ann", "bob", "cy")

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 from hora.errors import SpecError
-from hora_service.imageref import ImageRef, check_pattern, normalize_pattern
 from hora_service.runtimes.docker import DockerConfig
+from hora_service.runtimes.imageref import ImageRef, check_pattern, normalize_pattern
 from hora_service.runtimes.runfiles import UntrustedRunFile, read_chunk, read_int
 from hora_service.settings import Settings
 

@@ -15,7 +15,7 @@ import pytest
 from hora.spec import JobInfo, JobSpec, JobState, SessionInfo, SlotInfo, Transition
 from hora_service.manager import JobManager
 from hora_service.models import JobRecord
-from hora_service.sessions import SessionManager
+from hora_service.sessions.session_manager import SessionManager
 from hora_service.settings import Settings
 from test_service_core import ScriptedRuntime
 from test_sessions import request
@@ -52,11 +52,11 @@ def test_each_resource_has_one_class_on_both_sides() -> None:
     import hora.client
     import hora.engines.session
     import hora_service.models
-    import hora_service.sessions
+    import hora_service.sessions.session_manager
 
     assert hora.client.JobInfo is JobInfo and issubclass(JobRecord, JobInfo)
     assert hora.engines.session.SessionInfo is SessionInfo
-    assert hora_service.sessions.SessionRecord is SessionInfo
+    assert hora_service.sessions.session_manager.SessionRecord is SessionInfo
     assert hora_service.models.Transition is Transition
     assert hora_service.models.SlotInfo is SlotInfo
 
@@ -114,10 +114,10 @@ def test_the_client_s_bodies_are_the_service_s_classes() -> None:
     import hora.service_wire as w
     import hora_service.api.jobs
     import hora_service.api.system
-    import hora_service.jobtrace
+    import hora_service.observability.jobtrace
 
     assert hora_service.api.system.Health is w.Health
-    assert hora_service.jobtrace.JobScaling is w.JobScaling
+    assert hora_service.observability.jobtrace.JobScaling is w.JobScaling
     assert issubclass(hora_service.api.jobs.JobList, w.JobList)
     fields = hora_service.api.jobs.JobList.model_fields
     assert list(fields) == list(w.JobList.model_fields)  # the page's fields are declared once
@@ -143,7 +143,7 @@ def test_a_page_of_jobs_the_service_emits_reads_back(mgr: JobManager) -> None:
 def test_a_scaling_report_the_service_emits_reads_back(mgr: JobManager, tmp_path: Path) -> None:
     from hora.jobs_text import scaling_text
     from hora.service_wire import JobScaling
-    from hora_service.jobtrace import job_scaling
+    from hora_service.observability.jobtrace import job_scaling
     from test_scaling import S, ev
 
     trace = [ev(0, "ALLREDUCE", 0.2 * S, 0.9 * S), ev(1, "ALLREDUCE", 1.0 * S, 0.1 * S)]

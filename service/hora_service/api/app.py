@@ -32,13 +32,13 @@ from hora_service.api.deps import CurrentUser, Identify, TokenCache, known_query
 from hora_service.api.errors import spec_error_detail, validation_detail
 from hora_service.api.limits import BodySizeLimit
 from hora_service.api.safety import check_safe
-from hora_service.health import StoreProbe
 from hora_service.hub import signin
 from hora_service.manager import JobManager
-from hora_service.quotas import OverLimit, StreamCounter
-from hora_service.sessions import SessionManager
+from hora_service.sessions.session_manager import SessionManager
 from hora_service.settings import Settings
-from hora_service.store import StoreUnavailable, is_unavailable
+from hora_service.store.db import StoreUnavailable, is_unavailable
+from hora_service.store.probe import StoreProbe
+from hora_service.users.quotas import OverLimit, StreamCounter
 
 log = logging.getLogger(__name__)
 _REFUSAL = "method_not_allowed"  # the routes of _post_only (their methods are not allowed)

@@ -26,7 +26,7 @@ from hora_service.hub.users import HubUsers
 from hora_service.manager import JobManager
 from hora_service.models import JobRecord, User
 from hora_service.settings import Settings
-from hora_service.users import Users
+from hora_service.users.registry import Users
 
 MAX_JOB_ID = 2**63 - 1
 MAX_TOKEN_CHARS = 512

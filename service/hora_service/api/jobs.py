@@ -20,11 +20,11 @@ from starlette.concurrency import run_in_threadpool
 
 from hora_service.api.deps import CurrentUser, ManagerDep, OwnedJob
 from hora_service.api.errors import AUTH_RESPONSES, JOB_RESPONSES, unprocessable
-from hora_service.jobpreflight import job_preflight
-from hora_service.jobtrace import job_scaling
+from hora_service.jobs.preflight import job_preflight
 from hora_service.models import JobRecord
-from hora_service.queueview import job_queue
-from hora_service.store import StoreUnavailable
+from hora_service.observability.jobtrace import job_scaling
+from hora_service.observability.queueview import job_queue
+from hora_service.store.db import StoreUnavailable
 
 MAX_PAGE = 500
 MAX_OFFSET = 10**9

@@ -36,7 +36,7 @@ from hora_service.api.logstream import (
 from hora_service.api.workerlog import Take, rank_log
 from hora_service.manager import JobManager
 from hora_service.models import JobRecord, User
-from hora_service.quotas import OverLimit, StreamCounter
+from hora_service.users.quotas import OverLimit, StreamCounter
 
 MAX_OFFSET = 2**62
 DEFAULT_LIMIT = 1 << 20

@@ -5,7 +5,8 @@ records it and stops the engines, ``.../park/abort`` gives it up; ``.../resume``
 parked session again, ``.../withdraw`` gives a resume up (it stays parked) and ``DELETE
 .../snapshot`` deletes the snapshot once the kernel restored it. ``POST /v1/sessions/park``
 asks the kernels of a user's running sessions to park them (a JupyterHub culler before it
-stops a server). See :mod:`hora_service.parking`; ownership is the sessions' rule (404).
+stops a server). See :mod:`hora_service.sessions.park_manager`; ownership is the sessions'
+rule (404).
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from hora_service.api.deps import CurrentUser
 from hora_service.api.errors import unprocessable
 from hora_service.api.sessions import BODY, SESSION_RESPONSES, OwnedSession, SessionsDep
 from hora_service.models import JobRecord
-from hora_service.parkdirs import ParkDirError
-from hora_service.parking import ParkConflict
-from hora_service.quotas import OverLimit
+from hora_service.sessions.park_manager import ParkConflict
+from hora_service.sessions.parkdirs import ParkDirError
+from hora_service.users.quotas import OverLimit
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 

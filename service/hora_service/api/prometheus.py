@@ -14,7 +14,7 @@ every other number of the snapshot as a gauge ``hora_<field>``.
 Every label set is bounded by what the service itself holds, never by what a job writes: job
 states and wait-reason kinds are fixed vocabularies, users and priorities the service's own,
 and a preflight's node and path come from the service's inventory
-(:meth:`hora_service.jobpreflight.PreflightBook.measured`). No series names a job, so none
+(:meth:`hora_service.jobs.preflight.PreflightBook.measured`). No series names a job, so none
 outlives one.
 """
 

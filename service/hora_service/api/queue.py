@@ -13,7 +13,7 @@ from starlette.concurrency import run_in_threadpool
 
 from hora_service.api.deps import CurrentUser, ManagerDep
 from hora_service.api.errors import AUTH_RESPONSES
-from hora_service.queueview import entries_json, queue_entries
+from hora_service.observability.queueview import entries_json, queue_entries
 
 router = APIRouter(tags=["jobs"])
 

@@ -22,9 +22,9 @@ from hora.spec import JobKind, JobSpec, JobState, RuntimeName, SessionInfo
 
 from hora_service.api.deps import CurrentUser, ManagerDep, OwnedJob
 from hora_service.api.errors import AUTH_RESPONSES, unprocessable
-from hora_service.jobpreflight import job_preflight
+from hora_service.jobs.preflight import job_preflight
 from hora_service.models import JobRecord
-from hora_service.sessions import SessionManager
+from hora_service.sessions.session_manager import SessionManager
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 # beside /v1/sessions/{id}, not under it: an id route must not answer other methods there
@@ -129,7 +129,7 @@ def get_session(
     """State, slots, queue place (while queued), idle time, warning and preflight of one session.
 
     ``preflight`` is what ``%dist_start`` measured on the engines (rank 0 logs it), as a
-    job's is (:func:`hora_service.jobpreflight.job_preflight`).
+    job's is (:func:`hora_service.jobs.preflight.job_preflight`).
     """
     view = sessions.view(job, viewer=user)
     figures = job_preflight(manager, job)

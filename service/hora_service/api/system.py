@@ -1,7 +1,7 @@
 """``/healthz``, ``/v1/gpus`` and ``/metrics`` (control plane).
 
 ``/healthz`` is the only route without a token: it answers the background store check of
-:mod:`hora_service.health` (200 ``ok``, or 503 ``degraded`` with the reason) without touching
+:mod:`hora_service.store.probe` (200 ``ok``, or 503 ``degraded`` with the reason) without touching
 the store itself, so it stays fast while the store is slow. ``/metrics`` is Prometheus text
 format 0.0.4, written by ``prometheus_client`` from the app's registry, whose collector
 (:class:`hora_service.api.prometheus.ServiceCollector`) takes the manager's
@@ -19,10 +19,10 @@ from prometheus_client.registry import CollectorRegistry
 from hora_service.api.deps import CurrentUser, ManagerDep
 from hora_service.api.errors import AUTH_RESPONSES
 from hora_service.api.prometheus import PROMETHEUS_TYPE, exposition, registry
-from hora_service.health import HealthState, StoreProbe
 from hora_service.manager import JobManager
 from hora_service.models import MetricsSnapshot, SlotInfo
-from hora_service.queueview import waiting_metrics
+from hora_service.observability.queueview import waiting_metrics
+from hora_service.store.probe import HealthState, StoreProbe
 
 router = APIRouter()
 

@@ -39,7 +39,7 @@ from hora_service.hub.api import HubApi, HubUnavailable, authorize_url, pkce_pai
 from hora_service.hub.users import HubUserRefused, HubUsers
 from hora_service.settings import Settings
 from hora_service.ui.auth import COOKIE, HUB_SESSION_COOKIE, UiSessions, root_of
-from hora_service.users import Users
+from hora_service.users.registry import Users
 
 STATE_COOKIE = "hora_oauth_state"
 PENDING_S = 600.0

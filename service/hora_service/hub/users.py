@@ -23,7 +23,7 @@ from hora.errors import HoraError
 
 from hora_service.hub.api import HubApi
 from hora_service.models import User
-from hora_service.users import Users
+from hora_service.users.registry import Users
 
 
 class HubUserRefused(HoraError):

@@ -16,14 +16,14 @@ from hora.errors import HoraError, SpecError
 from hora.spec import JobKind, JobSpec, JobState, ParkInfo, RuntimeName, SlotKind
 from sqlalchemy import Connection
 
-from hora_service.elastic import python
 from hora_service.jobs.attempt import runs_outside
 from hora_service.jobs.state import ManagerState
-from hora_service.journal import Write
 from hora_service.models import JobRecord
-from hora_service.quotas import OverLimit, spec_bytes
+from hora_service.runtimes.elastic_run import python
 from hora_service.runtimes.paths import JobPaths
-from hora_service.store import Store, StoreUnavailable
+from hora_service.store.db import Store, StoreUnavailable
+from hora_service.store.journal import Write
+from hora_service.users.quotas import OverLimit, spec_bytes
 
 
 class Admission:
@@ -53,7 +53,8 @@ class Admission:
     ) -> tuple[JobRecord, bool]:
         """Queue a job; with a submission id this user used before, find that job instead.
 
-        ``kind`` is ``session`` for a notebook's engines (:mod:`hora_service.sessions`);
+        ``kind`` is ``session`` for a notebook's engines
+        (:mod:`hora_service.sessions.session_manager`);
         ``also`` writes what goes with the new row, in the same transaction.
 
         Returns:
@@ -152,7 +153,7 @@ class Admission:
             )
 
     def workdir(self, spec: JobSpec, user: str | None = None) -> Path:
-        """The ranks' working directory (see :meth:`hora_service.bounds.Bounds.workdir`).
+        """The ranks' working directory (see :meth:`hora_service.jobs.bounds.Bounds.workdir`).
 
         Raises:
             SpecError: it escapes the work root or is not an existing directory.

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from hora.procs import ended
 from hora.spec import JobSpec, JobState, RuntimeName
 
-from hora_service.elastic import ElasticRun
 from hora_service.runtimes import AttemptPlan, Exit, RankProcess
 from hora_service.runtimes.base import RankStatus
-from hora_service.scheduler import INF
-from hora_service.usage import Usage
+from hora_service.runtimes.elastic_run import ElasticRun
+from hora_service.scheduling.scheduler import INF
+from hora_service.users.usage import Usage
 
 
 @dataclass

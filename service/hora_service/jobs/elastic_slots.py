@@ -1,8 +1,9 @@
 """Elastic jobs' slots: growing into spare slots, shrinking for a job of higher priority.
 
 An elastic job's driver reads its slot file; the service writes there what it may use
-(:func:`hora_service.elastic.write_hosts`) and watches which worker processes run
-(:func:`hora_service.elastic.workers`, what the kernel shows, never what the job prints).
+(:func:`hora_service.runtimes.elastic_run.write_hosts`) and watches which worker processes run
+(:func:`hora_service.runtimes.elastic_run.workers`, what the kernel shows, never what the job
+prints).
 Slots freed by a shrink are released once no more workers run than the slots the job keeps;
 workers beyond what a job holds that outlive ``elastic_shrink_timeout_s`` are stopped. Any
 number of shrinks may be under way at once: slots a shrink will free count for the jobs
@@ -19,16 +20,16 @@ from dataclasses import replace
 from hora.spec import PRIORITY_RANK, JobSpec
 from hora.words import count
 
-from hora_service.elastic import ElasticRun, stop_workers, workers, write_hosts
 from hora_service.jobs.attempt import Attempt
 from hora_service.jobs.state import ManagerState
-from hora_service.journal import Write
 from hora_service.models import JobRecord
 from hora_service.runtimes import AttemptPlan
 from hora_service.runtimes.base import prepare_run_dir
 from hora_service.runtimes.core import read_pid
+from hora_service.runtimes.elastic_run import ElasticRun, stop_workers, workers, write_hosts
 from hora_service.runtimes.runfiles import UntrustedRunFile
-from hora_service.scheduler import Pending
+from hora_service.scheduling.scheduler import Pending
+from hora_service.store.journal import Write
 
 WATCH_S = 1.0  # how often a shrinking (or over-full) elastic attempt's workers are looked at
 IDLE_WATCH_S = 5.0  # how often those of one that holds what it runs are

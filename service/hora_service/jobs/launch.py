@@ -20,17 +20,17 @@ from hora.spec import JobKind, JobState
 from sqlalchemy.exc import SQLAlchemyError
 
 from hora_service import identity
-from hora_service.elastic import driver_argv
 from hora_service.jobs.admission import Admission
 from hora_service.jobs.attempt import Attempt, container_of, held_reason
 from hora_service.jobs.elastic_slots import ElasticSlots
 from hora_service.jobs.state import ManagerState
-from hora_service.journal import Write
 from hora_service.models import JobRecord
 from hora_service.runtimes import AttemptPlan, RankProcess
 from hora_service.runtimes.containment import Containment, detect
+from hora_service.runtimes.elastic_run import driver_argv
 from hora_service.runtimes.paths import JobPaths
 from hora_service.settings import Settings
+from hora_service.store.journal import Write
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class Launch:
         """The launch's check as the job's account; what of ``/tmp`` its attempt keeps.
 
         Raises:
-            SpecError: see :meth:`hora_service.bounds.Bounds.start_check`.
+            SpecError: see :meth:`hora_service.jobs.bounds.Bounds.start_check`.
         """
         driver = self.admission.driver_python(job.spec)
         return self.state.bounds.start_check(job.spec, workdir, who, driver, job.kind)

@@ -19,19 +19,19 @@ from collections.abc import Sequence
 from hora.errors import EngineRunning, HoraError, SpecError
 from hora.spec import JobKind, JobState
 
-from hora_service.jobpreflight import PreflightFigures
 from hora_service.jobs.admission import Admission
 from hora_service.jobs.attempt import Attempt, describe, held_reason
 from hora_service.jobs.elastic_slots import ElasticSlots
 from hora_service.jobs.launch import Launch
+from hora_service.jobs.preflight import PreflightFigures
 from hora_service.jobs.recovery import Recovery
 from hora_service.jobs.state import RETRY_WRITE_S, STOP_JOIN_S, ManagerState
-from hora_service.journal import Write
 from hora_service.models import JobRecord
-from hora_service.quotas import within_running_limit
 from hora_service.runtimes import Exit
 from hora_service.runtimes.base import RankStatus, first_failure, rank_status
-from hora_service.scheduler import INF, Holding, Placement, queue_order, schedule
+from hora_service.scheduling.scheduler import INF, Holding, Placement, queue_order, schedule
+from hora_service.store.journal import Write
+from hora_service.users.quotas import within_running_limit
 
 log = logging.getLogger(__name__)
 

@@ -16,13 +16,13 @@ import time
 from hora.errors import HoraError
 from hora.spec import JobSpec, JobState, RuntimeName
 
-from hora_service.elastic import ElasticRun
 from hora_service.jobs.attempt import Attempt, runs_outside
 from hora_service.jobs.elastic_slots import ElasticSlots
 from hora_service.jobs.launch import Launch
 from hora_service.jobs.state import ManagerState
 from hora_service.runtimes import RankProcess, strays
-from hora_service.scheduler import Pending
+from hora_service.runtimes.elastic_run import ElasticRun
+from hora_service.scheduling.scheduler import Pending
 
 log = logging.getLogger(__name__)
 

@@ -10,14 +10,14 @@ import statistics
 import time
 
 from hora.errors import HoraError
+from hora.inventory import Slot
 from hora.leases import LeaseHolder
 from hora.spec import PRIORITY_RANK, JobKind, RuntimeName
 
-from hora_service.inventory import Slot
 from hora_service.jobs.attempt import Attempt, Holder, QueueView
 from hora_service.jobs.state import ManagerState
 from hora_service.models import JobRecord, MetricsSnapshot, SlotInfo
-from hora_service.scheduler import INF, Holding, Pending, queue_order, reserve
+from hora_service.scheduling.scheduler import INF, Holding, Pending, queue_order, reserve
 
 
 def _slot_info(slot: Slot, attempt: Attempt | None, elsewhere: LeaseHolder | None) -> SlotInfo:

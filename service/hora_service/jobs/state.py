@@ -2,7 +2,7 @@
 
 :class:`ManagerState` holds what the manager knows (slots, queue, attempts, caches, the
 journal, the store), opens the store, and records every change: to the store when it takes
-it, else to the journal (:mod:`hora_service.journal`), retried on later passes of the monitor.
+it, else to the journal (:mod:`hora_service.store.journal`), retried on later passes of the monitor.
 The collaborators of :class:`~hora_service.manager.JobManager` (admission, launch, monitor,
 recovery, elastic slots, the read views) each receive it; none holds state of another.
 """
@@ -16,27 +16,27 @@ import threading
 import time
 from collections.abc import Callable
 
+from hora.inventory import Slot, inventory
 from hora.kinds import HolderKind
 from hora.leases import LeaseDir, LeaseHolder, default_dir
 from hora.spec import PRIORITY_RANK, JobSpec, JobState, RuntimeName
 
 from hora_service import identity, runtimes
-from hora_service.bounds import Bounds
-from hora_service.inventory import Slot, inventory
-from hora_service.jobpreflight import PreflightBook
 from hora_service.jobs.attempt import Attempt, runs_outside
+from hora_service.jobs.bounds import Bounds
 from hora_service.jobs.leases import DataDirLock, SlotLeases
-from hora_service.journal import Journal, Write
+from hora_service.jobs.preflight import PreflightBook
 from hora_service.models import JobRecord
-from hora_service.reasons import ReasonBoard
 from hora_service.runtimes import Runtime
 from hora_service.runtimes.containment import Containment, instance_id
 from hora_service.runtimes.core import allowed_env
-from hora_service.scheduler import Pending
+from hora_service.scheduling.reasons import ReasonBoard
+from hora_service.scheduling.scheduler import Pending
 from hora_service.settings import Settings
-from hora_service.store import Store, is_unavailable
-from hora_service.usage import Usage
-from hora_service.users import Users
+from hora_service.store.db import Store, is_unavailable
+from hora_service.store.journal import Journal, Write
+from hora_service.users.registry import Users
+from hora_service.users.usage import Usage
 
 log = logging.getLogger(__name__)
 

@@ -24,11 +24,11 @@ from hora.errors import SpecError
 from hora.spec import JobSpec, SlotKind
 
 from hora_service.identity import RunAs
-from hora_service.reasons import ReasonBoard
 from hora_service.runtimes.containment import Container
 from hora_service.runtimes.limits import Hits, JobLimits, hits
 from hora_service.runtimes.paths import JobPaths
 from hora_service.runtimes.runfiles import UntrustedRunFile
+from hora_service.scheduling.reasons import ReasonBoard
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class AttemptPlan:
             ``/dev/shm`` holds (setting ``job_disk_limit``; None: the kernel's tmpfs default,
             half the machine's memory), where the runtime gives it its own.
         driver: an elastic job's one process (``hora run``'s elastic driver, which starts
-            the workers itself, :mod:`hora_service.elastic`), run as rank 0 instead of
+            the workers itself, :mod:`hora_service.runtimes.elastic_run`), run as rank 0 instead of
             ``spec.workers`` copies of ``spec.command``; empty for every other job.
         leases: the service's open lease file of each slot (:mod:`hora.leases`), in the
             order of ``slots``, for the rank shims of the local runtime to inherit (never

@@ -39,8 +39,6 @@ from hora.errors import SpecError
 from hora.spec import JobSpec, SlotKind
 
 from hora_service.identity import RunAs
-from hora_service.imageref import IMAGE_ID, ImageRef
-from hora_service.reasons import image_reason
 from hora_service.runtimes.base import AttemptPlan, Exit, RankProcess, RankStatus, Runtime
 from hora_service.runtimes.containment import CGROUP_FS, instance_id, tree_cpu_seconds
 from hora_service.runtimes.core import allowed_env, rank_environment, read_exit
@@ -51,7 +49,9 @@ from hora_service.runtimes.docker_images import (
     resolve_image,
 )
 from hora_service.runtimes.docker_images import short as _short
+from hora_service.runtimes.imageref import IMAGE_ID, ImageRef
 from hora_service.runtimes.limits import Hits, counter, docker_limits, recorded_hits, tmp_mounts
+from hora_service.scheduling.reasons import image_reason
 from hora_service.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The docker runtime's images: refused at submission by name, resolved by ID at start.
 
 Control plane. :func:`check_image` refuses what the allow-list does not allow (matched on the
-normalized reference, see :mod:`hora_service.imageref`) and, for a reference by digest that
+normalized reference, see :mod:`hora_service.runtimes.imageref`) and, for a reference by digest that
 will not be pulled, a digest the engine lacks: a 422 naming ``image`` either way, never an
 engine's error at start. :func:`resolve_image` finds the image on the engine (pulling it
 only where the policy and a pattern naming its registry allow) and answers its ID, from
@@ -19,7 +19,7 @@ import docker.errors
 import requests.exceptions
 from hora.errors import HoraError, SpecError
 
-from hora_service.imageref import IMAGE_ID, ImageRef
+from hora_service.runtimes.imageref import IMAGE_ID, ImageRef
 
 # what the engine's errors look like when it cannot be reached
 UNREACHABLE = (docker.errors.DockerException, requests.exceptions.RequestException, OSError)

@@ -25,10 +25,10 @@ from pathlib import Path
 import psutil
 from hora.procs import signal_group
 
-from hora_service.elastic import hosts_arg
 from hora_service.runtimes import namespaces, scratch
 from hora_service.runtimes.base import AttemptPlan, Exit, RankProcess, RankStatus, Runtime
 from hora_service.runtimes.core import rank_environment, read_exit, read_pid, write_pid
+from hora_service.runtimes.elastic_run import hosts_arg
 from hora_service.runtimes.launchfile import LaunchFile, private_file
 from hora_service.runtimes.limits import apply_cgroup
 from hora_service.runtimes.paths import JobPaths

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from hora_service.elastic import HOSTS_FILE
+from hora_service.runtimes.elastic_run import HOSTS_FILE
 
 
 @dataclass(frozen=True)

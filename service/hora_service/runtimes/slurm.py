@@ -39,7 +39,6 @@ from hora.spec import JobSpec
 from hora.words import count
 
 from hora_service.models import SlotInfo
-from hora_service.reasons import runtime_reason
 from hora_service.runtimes.base import AttemptPlan, Exit, RankProcess, RankStatus, Runtime
 from hora_service.runtimes.core import rank_environment, read_exit, read_pid
 from hora_service.runtimes.launchfile import LaunchFile, private_file
@@ -59,6 +58,7 @@ from hora_service.runtimes.slurm_facts import (
     node_addresses,
     parse_partition,
 )
+from hora_service.scheduling.reasons import runtime_reason
 
 if TYPE_CHECKING:
     from hora_service.settings import Settings

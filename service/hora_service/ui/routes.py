@@ -27,11 +27,11 @@ from starlette.concurrency import run_in_threadpool
 from hora_service.api.deps import owned_job
 from hora_service.api.logstream import file_size, read_chunk
 from hora_service.api.workerlog import rank_log
-from hora_service.jobpreflight import job_preflight
-from hora_service.jobtrace import job_scaling
+from hora_service.jobs.preflight import job_preflight
 from hora_service.manager import JobManager
 from hora_service.models import JobRecord, User
-from hora_service.queueview import entries_json, job_queue, queue_entries
+from hora_service.observability.jobtrace import job_scaling
+from hora_service.observability.queueview import entries_json, job_queue, queue_entries
 from hora_service.ui.auth import (
     COOKIE,
     PosterDep,

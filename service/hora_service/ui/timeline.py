@@ -2,7 +2,8 @@
 
 A job that sets ``HOROVOD_TIMELINE`` in its env writes a Chrome trace there; this module
 answers the complete (``ph: X``) events the page draws from what
-:func:`hora_service.jobtrace.trace_events` reads: one lane per rank, one row per tensor.
+:func:`hora_service.observability.jobtrace.trace_events` reads: one lane per rank, one row per
+tensor.
 Larger traces are cut to ``MAX_EVENTS``.
 """
 
@@ -10,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from hora_service.jobfiles import UntrustedJobFile
-from hora_service.jobtrace import trace_events
 from hora_service.manager import JobManager
 from hora_service.models import JobRecord
+from hora_service.observability.jobfiles import UntrustedJobFile
+from hora_service.observability.jobtrace import trace_events
 
 MAX_EVENTS = 20_000
 

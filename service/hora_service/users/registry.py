@@ -15,10 +15,11 @@ from pathlib import Path
 
 from hora.errors import HoraError, SpecError
 
-from hora_service import disks, homes, identity
+from hora_service import identity
 from hora_service.models import User
 from hora_service.runtimes import limits
-from hora_service.store import Store, token_hash
+from hora_service.store.db import Store, token_hash
+from hora_service.users import disks, homes
 
 USER_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 IDLE_TIMEOUT_MAX_S = 30 * 24 * 3600  # what a session may ask for (SessionRequest)
@@ -86,7 +87,7 @@ class Users:
             make_account: in multi-user mode without ``uid``, create the account
                 ``hora-NAME`` (see :func:`hora_service.identity.create_account`) with a
                 private home. In multi-user mode the user also gets their working directory
-                ``WORK_ROOT/NAME`` (see :mod:`hora_service.homes`).
+                ``WORK_ROOT/NAME`` (see :mod:`hora_service.users.homes`).
             idle_timeout_s: idle timeout of their sessions that ask for none (None: the
                 service's default).
 
@@ -95,7 +96,7 @@ class Users:
                 digits, ``.``, ``_`` and ``-``; the account cannot be used or created; a
                 second user in single-user mode; a bad idle timeout (field
                 ``idle_timeout_s``).
-            hora_service.store.StoreError: the name is taken, or the uid is another user's.
+            hora_service.store.db.StoreError: the name is taken, or the uid is another user's.
         """
         if not name or len(name) > 64 or not set(name) <= USER_NAME_CHARS or name[0] in ".-":
             raise SpecError("name", f"{name!r} is not a user name (letters, digits, . _ -)")
@@ -267,7 +268,7 @@ class Users:
         """In multi-user mode, refuse a work root the job accounts cannot enter.
 
         Raises:
-            HoraError: see :func:`hora_service.homes.check_work_root`.
+            HoraError: see :func:`hora_service.users.homes.check_work_root`.
         """
         root = self.work_root
         if self.mode != "multi" or root is None or not root.is_dir():

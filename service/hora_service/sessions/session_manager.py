@@ -52,17 +52,17 @@ from sqlalchemy import Connection
 
 from hora_service.manager import JobManager
 from hora_service.models import JobRecord, User
-from hora_service.parking import ParkManager
-from hora_service.queueview import IdleOf, job_queue
-from hora_service.session_spec import (
+from hora_service.observability.queueview import IdleOf, job_queue
+from hora_service.sessions.park_manager import ParkManager
+from hora_service.sessions.session_spec import (
     CONNECTION_VAR,
     SessionRecord,
     check_controller,
     session_spec,
 )
 from hora_service.settings import Settings
-from hora_service.store import Store
-from hora_service.users import check_idle_timeout
+from hora_service.store.db import Store
+from hora_service.users.registry import check_idle_timeout
 
 __all__ = [
     "CONNECTION_VAR", "EngineConnection", "EngineReplacement", "Heartbeat", "Lease",
@@ -71,7 +71,7 @@ __all__ = [
 ]  # fmt: skip
 
 if TYPE_CHECKING:
-    from hora_service.noderoute import NodeRoute
+    from hora_service.runtimes.slurm_route import NodeRoute
 
 log = logging.getLogger(__name__)
 BUSY_SAMPLE_S = 2.0  # how often the engines' CPU time is read
@@ -192,8 +192,8 @@ class SessionManager:
     def _node_route(self) -> NodeRoute:
         with self._lock:
             if self._route is None:
-                from hora_service.noderoute import NodeRoute  # only where Slurm is used
                 from hora_service.runtimes.slurm import SlurmRuntime
+                from hora_service.runtimes.slurm_route import NodeRoute  # only where Slurm is used
 
                 slurm = SlurmRuntime.from_settings(self.settings)
                 self._route = NodeRoute(slurm.address_towards_nodes)
@@ -246,7 +246,7 @@ class SessionManager:
         The loopback, except on Slurm: the admin's ``slurm_session_address``, else the
         address this machine reaches the first Slurm node from.
 
-        Slurm is asked at most once a while (:mod:`hora_service.noderoute`).
+        Slurm is asked at most once a while (:mod:`hora_service.runtimes.slurm_route`).
 
         Raises:
             SpecError: Slurm's nodes cannot be asked or reached (field ``runtime``).

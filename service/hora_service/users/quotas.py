@@ -7,7 +7,7 @@ log streams (:class:`StreamCounter`, a 429 past it), and the size of one stored 
 page bytes by the manager's list pages.
 
 Example:
-    >>> from hora_service.scheduler import Pending
+    >>> from hora_service.scheduling.scheduler import Pending
     >>> [p.id for p in within_running_limit([Pending(1, "a", 1), Pending(2, "a", 1)], {"a": 1}, 2)]
     [1]
 """
@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from hora.errors import HoraError
 from hora.spec import JobSpec
 
-from hora_service.scheduler import Pending, queue_order
+from hora_service.scheduling.scheduler import Pending, queue_order
 
 
 class OverLimit(HoraError):

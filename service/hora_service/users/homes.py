@@ -10,7 +10,7 @@ Each user also gets a working directory of their own under the work root,
 ``WORK_ROOT/<user>`` (mode ``0700``, owned by their account; :func:`ensure_workdir`): it is
 the default ``working_dir`` of their jobs and sessions, so a training script that writes a
 checkpoint into its working directory can, and no other user can read it. With
-``user_disk_limit`` set it is a file system of that size (:mod:`hora_service.disks`).
+``user_disk_limit`` set it is a file system of that size (:mod:`hora_service.users.disks`).
 
 Every directory is opened with ``O_NOFOLLOW`` and checked with ``fstat`` before its mode or
 owner changes: a symlink another user plants in a shared work root is refused, never
@@ -28,9 +28,9 @@ from pathlib import Path
 
 from hora.errors import HoraError, SpecError
 
-from hora_service import disks
 from hora_service.identity import ACCOUNT_PREFIX, RunAs
 from hora_service.runtimes import startcheck
+from hora_service.users import disks
 
 ACCOUNT_COMMENT = "hora job account"  # what useradd_argv writes in the account's GECOS field
 PRIVATE = 0o700
@@ -110,7 +110,7 @@ def ensure_workdir(root: Path, name: str, who: RunAs, disk_bytes: int | None = N
     """The user's working directory, created ``0700`` and owned by ``who`` if missing.
 
     With ``disk_bytes``, a directory made now is a file system of that size
-    (:mod:`hora_service.disks`); one that has an image is mounted again if it is not.
+    (:mod:`hora_service.users.disks`); one that has an image is mounted again if it is not.
 
     Raises:
         SpecError: field ``working_dir``: the path is a symlink, not a directory, or

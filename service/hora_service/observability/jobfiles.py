@@ -92,7 +92,7 @@ def relative_to_root(root: Path, path: Path) -> PurePosixPath:
         PurePosixPath('ann/t.json')
         >>> relative_to_root(Path("/w"), Path("/w/../etc/passwd"))
         Traceback (most recent call last):
-        hora_service.jobfiles.UntrustedJobFile: /w/../etc/passwd is outside the work root /w; ...
+        hora_service.observability.jobfiles.UntrustedJobFile: /w/../etc/passwd is outside ...
     """
     norm = PurePosixPath(os.path.normpath(path))
     try:

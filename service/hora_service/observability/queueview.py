@@ -1,8 +1,8 @@
 """The queue as people see it: each entry's place and reason (control plane).
 
 Built from one snapshot of the job manager (:meth:`JobManager.queue_snapshot`) and the pure
-rules of :mod:`hora_service.reasons`. Used by ``GET /v1/queue``, the ``queue`` of a queued
-job or session record, ``hora jobs`` and the dashboard.
+rules of :mod:`hora_service.scheduling.reasons`. Used by ``GET /v1/queue``, the ``queue`` of a
+queued job or session record, ``hora jobs`` and the dashboard.
 
 Visibility: a non-admin sees their own entries whole; another user's entry shows only its
 place, size and priority (who holds which slot is shown to everyone, as ``hora gpus`` does).
@@ -19,9 +19,9 @@ from pydantic import TypeAdapter
 
 from hora_service.manager import Holder, JobManager
 from hora_service.models import JobRecord, User
-from hora_service.reasons import PRIORITY_NAME, QueueState, explain_queue
-from hora_service.scheduler import INF, Holding, Pending, queue_order
-from hora_service.store import is_unavailable
+from hora_service.scheduling.reasons import PRIORITY_NAME, QueueState, explain_queue
+from hora_service.scheduling.scheduler import INF, Holding, Pending, queue_order
+from hora_service.store.db import is_unavailable
 
 IdleOf = Callable[[int], float | None]
 _ENTRIES = TypeAdapter(list[QueueEntry])

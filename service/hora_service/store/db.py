@@ -2,7 +2,7 @@
 
 SQLAlchemy 2 over one SQLite file in WAL mode (readers never wait for the writer). The
 schema is versioned with ``PRAGMA user_version`` and upgraded by :data:`MIGRATIONS`
-(:mod:`hora_service.store_schema`) when the store opens, in one transaction per step, so an
+(:mod:`hora_service.store.schema`) when the store opens, in one transaction per step, so an
 old data directory keeps working.
 
 Times are stored as UNIX seconds (REAL) and returned as aware UTC datetimes. Tokens are
@@ -33,8 +33,8 @@ from sqlalchemy.exc import (
 )
 
 from hora_service.models import JobRecord, Transition, User
-from hora_service.store_schema import MIGRATIONS, SCHEMA_VERSION
-from hora_service.store_sqlite import BUSY_TIMEOUT_MS, drop_broken, owner_only, pragmas
+from hora_service.store.schema import MIGRATIONS, SCHEMA_VERSION
+from hora_service.store.sqlite import BUSY_TIMEOUT_MS, drop_broken, owner_only, pragmas
 
 ACTIVE = (JobState.starting, JobState.running)
 JOB_COLUMNS = (

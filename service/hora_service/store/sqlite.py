@@ -2,7 +2,7 @@
 
 The database file is the service's alone (mode 0600, its WAL files too); every connection
 runs in WAL mode with foreign keys and a busy timeout; a connection that met a damaged file
-is dropped rather than reused. :class:`hora_service.store.Store` wires these in.
+is dropped rather than reused. :class:`hora_service.store.db.Store` wires these in.
 """
 
 from __future__ import annotations

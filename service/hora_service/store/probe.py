@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hora_service.journal import Journal
+from hora_service.store.journal import Journal
 
 log = logging.getLogger(__name__)
 

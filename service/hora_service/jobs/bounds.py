@@ -5,7 +5,7 @@ Control plane; the job manager asks it at submission and at each launch.
 * :meth:`Bounds.workdir`: ``working_dir`` under the work root; without one, the directory
   the job was submitted from (``submit_dir``) when it lies under the work root, as ``sbatch``
   runs a job where it was submitted; else the user's own working directory in multi-user mode
-  (``WORK_ROOT/<user>``, see :mod:`hora_service.homes`), or the work root.
+  (``WORK_ROOT/<user>``, see :mod:`hora_service.users.homes`), or the work root.
   :meth:`Bounds.submit_note` says so when a ``submit_dir`` outside the work root was passed
   over.
 * :meth:`Bounds.start_check`: the job's account can enter the working directory and execute
@@ -31,7 +31,7 @@ from hora_service.runtimes import namespaces, startcheck
 from hora_service.runtimes.base import AttemptPlan, Runtime
 from hora_service.runtimes.limits import JobLimits, LimitError, Machine, note, resolve
 from hora_service.settings import Settings
-from hora_service.users import Users
+from hora_service.users.registry import Users
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The schema of the job service's SQLite store (control plane), as a list of migrations.
 
 Each step of :data:`MIGRATIONS` upgrades the schema by one version (``PRAGMA user_version``);
-:meth:`hora_service.store.Store.migrate` runs the steps a store has not had yet, one
+:meth:`hora_service.store.db.Store.migrate` runs the steps a store has not had yet, one
 transaction each. Never edit a released step: add one.
 """
 

@@ -9,9 +9,10 @@ the job's preflight bandwidth. The dashboard draws the events
 (:mod:`hora_service.ui.timeline`); ``GET /v1/jobs/{id}/scaling`` answers the report.
 
 The path is the job's word and the files are the job's: they are read as files of the job's
-account (:mod:`hora_service.jobfiles`: no link followed, no FIFO or device opened for
+account (:mod:`hora_service.observability.jobfiles`: no link followed, no FIFO or device opened for
 reading, another account's file refused, :data:`MAX_BYTES` at most in all). A refusal is
-:class:`~hora_service.jobfiles.UntrustedJobFile`, an error of that job's request alone.
+:class:`~hora_service.observability.jobfiles.UntrustedJobFile`, an error of that job's request
+alone.
 """
 
 from __future__ import annotations
@@ -27,10 +28,16 @@ from hora.service_wire import JobScaling
 from hora.spec import RuntimeName
 from hora.timeline_merge import part_path
 
-from hora_service.jobfiles import Account, UntrustedJobFile, open_dir, read_at, relative_to_root
-from hora_service.jobpreflight import job_preflight
+from hora_service.jobs.preflight import job_preflight
 from hora_service.manager import JobManager
 from hora_service.models import JobRecord
+from hora_service.observability.jobfiles import (
+    Account,
+    UntrustedJobFile,
+    open_dir,
+    read_at,
+    relative_to_root,
+)
 
 MAX_BYTES = 32 << 20  # the merged trace and its parts together
 VAR = "HOROVOD_TIMELINE"
@@ -96,7 +103,8 @@ def trace_events(manager: JobManager, job: JobRecord) -> tuple[Path | None, list
 
     Raises:
         UntrustedJobFile: the path or a file is not one the job's account wrote and may read
-            (a link, FIFO, device, another account's, too large; see :mod:`hora_service.jobfiles`).
+            (a link, FIFO, device, another account's, too large; see
+            :mod:`hora_service.observability.jobfiles`).
     """
     path = trace_file(manager, job)
     if path is None:

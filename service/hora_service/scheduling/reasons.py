@@ -1,9 +1,9 @@
 """Why each queued job or session waits: a structured reason per entry (control plane, pure).
 
 :func:`explain_queue` walks the queue in the scheduler's order with the same rules as
-:func:`hora_service.scheduler.schedule` (retry backoff, running-jobs limit, quota, gang fit,
-the head's reservation and backfill) and says, for every entry, which rule holds it back, as
-a :class:`hora.spec.WaitReason`: ``kind``, the figures behind it, and ``text`` for people.
+:func:`hora_service.scheduling.scheduler.schedule` (retry backoff, running-jobs limit, quota,
+gang fit, the head's reservation and backfill) and says, for every entry, which rule holds it
+back, as a :class:`hora.spec.WaitReason`: ``kind``, the figures behind it, and ``text`` for people.
 
 A runtime can hold an entry back for reasons of its own (an image being pulled, Slurm's own
 pending reason): it posts them on the manager's :class:`ReasonBoard`, and a posted reason
@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 
 from hora.spec import PRIORITY_RANK, HolderInfo, ReasonKind, WaitReason
 
-from hora_service.scheduler import INF, Holding, Pending, queue_order, reserve
+from hora_service.scheduling.scheduler import INF, Holding, Pending, queue_order, reserve
 
 PRIORITY_NAME = {rank: name.value for name, rank in PRIORITY_RANK.items()}
 

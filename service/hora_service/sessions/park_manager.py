@@ -3,7 +3,7 @@
 A notebook parks its session in three steps, each checked here:
 
 * **begin** (``POST /v1/sessions/{id}/park``): the session runs; the service makes the
-  park's directory in the owner's own (:mod:`hora_service.parkdirs`), given to the account
+  park's directory in the owner's own (:mod:`hora_service.sessions.parkdirs`), given to the account
   the engines run as, and answers with a ticket and the quota left; an estimate already
   past the quota is refused.
 * the kernel's engines write their parts there, each its own, at once.
@@ -21,7 +21,8 @@ silent, or that is withdrawn while it waits, is parked again, its snapshot kept.
 
 Every monitor pass (:meth:`ParkManager.check`) ends parked sessions past the retention,
 removes the snapshots of sessions that ended, and asks kernels to park: at the idle timeout
-(``session_idle_action=park``, by :class:`hora_service.sessions.SessionManager`), and when a
+(``session_idle_action=park``, by
+:class:`hora_service.sessions.session_manager.SessionManager`), and when a
 request of a higher priority waits for slots that sessions idle for
 ``session_preempt_idle_s`` hold. A kernel hears it with its next heartbeat and parks unless
 a cell runs. An idle park that fails stops the session (as the idle timeout did before); a
@@ -57,12 +58,12 @@ from hora.spec import (
     SlotInfo,
 )
 
-from hora_service import parkdirs
 from hora_service.manager import JobManager
 from hora_service.models import JobRecord
-from hora_service.quotas import OverLimit
-from hora_service.session_spec import CONNECTION_VAR, check_controller
+from hora_service.sessions import parkdirs
+from hora_service.sessions.session_spec import CONNECTION_VAR, check_controller
 from hora_service.settings import Settings
+from hora_service.users.quotas import OverLimit
 
 log = logging.getLogger(__name__)
 
