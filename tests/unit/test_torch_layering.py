@@ -19,7 +19,7 @@ import hora.torch
 LAYERS: dict[str, tuple[str, ...]] = {
     "state": (
         "_dist", "_sealed", "_authstore", "_rendezvous", "_heartbeat", "_state", "basics",
-        "compression", "_kinds",
+        "host", "compression", "_kinds",
     ),
     "diagnosis": ("_stall", "timeline", "_preflight_figures"),
     "launch": (

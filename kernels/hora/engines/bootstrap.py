@@ -62,9 +62,9 @@ def _background_init() -> None:
         import hora.torch as hvd
 
         if os.environ.get(world.VAR):  # a notebook kernel's engine: it says where worlds are
-            from hora.torch import _state
+            from hora.torch import host
 
-            _state.set_world_source(world.engine_world)
+            host.set_world_source(world.engine_world)
         hvd.init()
     except BaseException as e:  # re-raised by init_engine in the main thread, with context
         _BG_ERROR.append(e)
@@ -158,9 +158,9 @@ def rank_device() -> Any:
 def _device() -> Any:
     import torch
 
-    from hora.torch import _state
+    from hora.torch import host
 
-    state = _state.current()
+    state = host.current()
     return state.device if state is not None else torch.device("cpu")
 
 
@@ -225,15 +225,15 @@ def _init_engine(backend: str, timeout_s: float, threads: int, start_s: float) -
 
 def abort_group() -> None:
     """Abort this engine's process group, so peers blocked in a collective with it fail now."""
-    from hora.torch import _state
+    from hora.torch import host
 
-    _state.abort()
+    host.abort()
 
 
 def rebuild_group(master_port: int, start_timeout_s: float | None = None) -> int:
     """Make a new process group in this engine (every rank calls it with the same port).
 
-    The engine's variables are untouched; see :func:`hora.torch._state.rebuild`.
+    The engine's variables are untouched; see :func:`hora.torch.host.rebuild`.
 
     Args:
         master_port: the new store's port.
@@ -242,10 +242,10 @@ def rebuild_group(master_port: int, start_timeout_s: float | None = None) -> int
     Returns:
         This engine's rank.
     """
-    from hora.torch import _state
+    from hora.torch import host
 
-    if _state.current() is not None:
-        _state.rebuild(master_port, start_timeout_s)
+    if host.current() is not None:
+        host.rebuild(master_port, start_timeout_s)
         world.note_current()
     else:  # its hvd.elastic.run left the world and found no new one (rank 0 had died)
         import hora.torch as hvd
@@ -254,14 +254,14 @@ def rebuild_group(master_port: int, start_timeout_s: float | None = None) -> int
         world.join_at(master_port)
         hvd.init()
         optimizer.rebind_all()  # as hvd.elastic.run does after its own init()
-    return _state.require_init("rebuild").rank
+    return host.require_init("rebuild").rank
 
 
 def collective_count() -> int:
     """Return how many collectives this engine's rank has entered (0 before init)."""
-    from hora.torch import _state
+    from hora.torch import host
 
-    state = _state.current()
+    state = host.current()
     return state.seq if state is not None else 0
 
 

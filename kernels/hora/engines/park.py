@@ -567,6 +567,6 @@ def _user_ns() -> dict[str, Any]:
 
 
 def _rank() -> int:
-    from hora.torch import _state
+    from hora.torch import host
 
-    return _state.require_init("park").rank
+    return host.require_init("park").rank

@@ -94,7 +94,7 @@ def begin() -> None:
 
 def end() -> dict[str, Any]:
     """Stop recording; this rank's record (wall time, busy intervals, collectives)."""
-    from hora.torch import _state, timeline
+    from hora.torch import host, timeline
 
     if not _ACTIVE:
         return {}
@@ -109,7 +109,7 @@ def end() -> dict[str, Any]:
         timeline.LISTENERS.remove(a["listener"])
     times = a["times"]
     start, stop = times.get("start", 0), times.get("end", 0)
-    state = _state.current()
+    state = host.current()
     return {"rank": state.rank if state is not None else -1,
             "size": state.size if state is not None else 1,
             "wall_s": max(0, stop - start) / 1e9, **digest(a["events"])}

@@ -121,7 +121,7 @@ def engine_world(
         RootLostError: rank 0's engine died while this one waited to re-form the world.
         CollectiveTimeout: no new world came within the collective timeout.
     """
-    from hora.torch import _state
+    from hora.torch import host
 
     if failure is not None:
         raise failure
@@ -140,7 +140,7 @@ def engine_world(
     if _Joined.number is None:  # the first init(): a new engine's environment names its world
         _Joined.number = gen.number if gen is not None else 0
         return world
-    if _state.left_broken():
+    if host.left_broken():
         gen = _await_newer(path, world.rank, _Joined.number, _wait_s(environ))
     if gen is None:
         return world
