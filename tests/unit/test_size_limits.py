@@ -1,5 +1,5 @@
-"""Guards on size: no product file over 600 lines, no function over 60, unless written below
-(docs/dev/architecture.md, "Conventions the tests hold").
+"""Guards on size: no product file over 600 lines (nor within 5 % of it), no function over 60,
+unless written below (docs/dev/architecture.md, "Conventions the tests hold").
 
 Product code is everything under kernels/ and service/. A function's length runs from its
 ``def`` line to its last line (docstring included, decorators not); nested functions and
@@ -23,6 +23,34 @@ MAX_FUNCTION_LINES = 60
 
 # path relative to the repository -> why it may pass MAX_FILE_LINES
 LONG_FILES: dict[str, str] = {}
+# a file within 5 % of MAX_FILE_LINES is about to be squeezed to fit; each says why it is one
+# file (issue 26: cut by role, not to fit a line count)
+NEAR_LINES = MAX_FILE_LINES * 95 // 100
+NEAR_FILES: dict[str, str] = {
+    "service/hora_service/runtimes/docker.py": (
+        "one runtime's hooks (start, poll, signal, clear, adopt) and the container config they "
+        "share; its images (docker_images), the container's init (container_init) and limits "
+        "(limits) are their own modules already. Next to leave: the container config, with its "
+        "golden tests"
+    ),
+    "service/hora_service/runtimes/slurm.py": (
+        "one runtime's lifecycle against sbatch/squeue/sacct; the batch script (sbatch), the "
+        "nodes' facts (slurm_facts), the rank side (slurm_rank) and the route (slurm_route) "
+        "are apart already"
+    ),
+    "kernels/hora/torch/_state.py": (
+        "the lifecycle core (init, shutdown, rebuild, abort) that rendezvous, heartbeat and "
+        "basics left; what remains shares one RankState and its lock"
+    ),
+    "kernels/hora/magics.py": (
+        "the magics' class: one method a magic and its magic_arguments declarations (a third "
+        "of the file); start modes, display, park and submit live in magics_* already"
+    ),
+    "kernels/hora/engines/park.py": (
+        "the engine's side of parking, one pickle graph a rank: what cannot be saved, the "
+        "snapshot's parts and their restore; the pickler is _pickling"
+    ),
+}
 # "path::qualified.name" -> why it may pass MAX_FUNCTION_LINES
 LONG_FUNCTIONS: dict[str, str] = {
     "kernels/hora/torch/optimizer.py::DistributedOptimizer": (
@@ -106,6 +134,18 @@ def test_no_product_file_passes_600_lines_unless_allowed() -> None:
     )
 
 
+def test_no_product_file_is_within_5_percent_of_the_limit_without_a_reason() -> None:
+    files, _ = _sizes()
+    near = {
+        f: n for f, n in files.items()
+        if NEAR_LINES < n <= MAX_FILE_LINES and f not in NEAR_FILES
+    }  # fmt: skip
+    assert not near, (
+        f"product files within 5 % of {MAX_FILE_LINES} lines: {near}; cut them by role (or, "
+        "with the reason they are one file, add them to NEAR_FILES in this test)"
+    )
+
+
 def test_no_function_passes_60_lines_unless_allowed() -> None:
     _, functions = _sizes()
     over = {
@@ -120,9 +160,11 @@ def test_no_function_passes_60_lines_unless_allowed() -> None:
 def test_the_allow_lists_hold_only_what_still_needs_them() -> None:
     files, functions = _sizes()
     stale = [f for f in LONG_FILES if files.get(f, 0) <= MAX_FILE_LINES]
+    stale += [f for f in NEAR_FILES if not NEAR_LINES < files.get(f, 0) <= MAX_FILE_LINES]
     stale += [f for f in LONG_FUNCTIONS if functions.get(f, 0) <= MAX_FUNCTION_LINES]
     assert not stale, f"no longer over the limit (or gone): remove from the allow-lists: {stale}"
-    assert all(why.strip() for why in [*LONG_FILES.values(), *LONG_FUNCTIONS.values()])
+    reasons = [*LONG_FILES.values(), *NEAR_FILES.values(), *LONG_FUNCTIONS.values()]
+    assert all(why.strip() for why in reasons)
 
 
 def test_the_function_walk_counts_nested_functions_and_methods() -> None:
