@@ -30,6 +30,7 @@ import torch
 
 import hora.torch as hvd
 from hora.env import rank_env
+from hora.net import free_port
 
 MODES = ("exit", "end", "shutdown", "raise")
 EXIT_CODE = 3
@@ -37,9 +38,7 @@ EXPECTED = {"exit": EXIT_CODE, "end": 0, "shutdown": EXIT_CODE, "raise": 1}
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()  # below the ephemeral range: no outgoing connection takes it meanwhile
 
 
 def _threads_file(out: str, world: int, rank: int) -> str:

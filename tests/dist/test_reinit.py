@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hora.net import free_port
 
 HERE = Path(__file__).parent
 RANKS = HERE / "_reinit_rounds.py"
@@ -55,9 +56,7 @@ ENV = {"HORA_TIMEOUT": "20", "HORA_START_TIMEOUT": "60", "RES_OPTIONS": "timeout
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()  # below the ephemeral range: no outgoing connection takes it meanwhile
 
 
 def _base_env() -> dict[str, str]:

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from hora import net
 from hora.env import RDZV_SECRET_VAR, new_rdzv_secret, rank_env
 
 CHILD = Path(__file__).with_name("child.py")
@@ -42,9 +42,10 @@ class WorldFailed(AssertionError):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port below the ephemeral range (hora.net's rule: see hora.net.free_port), so
+    that no outgoing connection of another process (pip beside the suite in CI) takes it
+    before the world's rank 0 binds it."""
+    return net.free_port()
 
 
 def base_env(extra: dict[str, str] | None = None) -> dict[str, str]:

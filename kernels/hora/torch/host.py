@@ -8,7 +8,8 @@ door (not part of Horovod's API: ``hora.torch.__all__`` does not name it).
 
 Example:
     >>> from hora.torch import host
-    >>> host.current() is None  # before init()
+    >>> state = host.current()  # None before hvd.init()
+    >>> state is None or state.rank < state.size
     True
 """
 
