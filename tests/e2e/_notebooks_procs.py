@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 import uuid
 from pathlib import Path
+
+from hora import net
 
 TAG_VAR = "HORA_TEST_TAG"
 
@@ -74,6 +75,6 @@ def kill_tagged(tag: str) -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port below the ephemeral range (hora.net.free_port): no outgoing connection of
+    another process takes it before the server binds it."""
+    return net.free_port()

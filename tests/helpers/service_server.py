@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +22,7 @@ from typing import Any
 
 import httpx
 import psutil
+from hora import net
 
 SERVE = (
     "import sys, uvicorn;"
@@ -88,9 +88,9 @@ def write_scripts(where: Path) -> dict[str, Path]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port below the ephemeral range (hora.net.free_port): no outgoing connection of
+    another process takes it before the server binds it."""
+    return net.free_port()
 
 
 def make_users(
