@@ -4,7 +4,8 @@
 ipyparallel's own ``main`` it adds what the notebook needs:
 
 * a watchdog that exits when the notebook kernel (the parent) is gone, so a killed kernel
-  leaves no orphans;
+  leaves no orphans; what the controller forks (its heart monitor) watches the controller in
+  turn, so a controller killed outright leaves none either;
 * in engines, ``faulthandler`` on fatal signals (a segfault's stack lands in the engine log)
   and on SIGUSR1 (the kernel asks for a stuck rank's current stack, written to a per-engine file);
 * in engines, torch is imported and ``hora.torch.init()`` runs in a background thread while
@@ -50,6 +51,20 @@ def _watch_parent(parent: int, cleanup: str | None) -> None:
                 signal_group(0, signal.SIGKILL)
             finally:
                 os._exit(1)
+
+
+def _watch_controller(controller: int) -> None:
+    while os.getppid() == controller:
+        time.sleep(0.5)
+    os._exit(1)  # this process only: its group may hold others that outlive the controller
+
+
+def _watch_in_fork() -> None:
+    # the controller forks its heart monitor into its own group: killed with SIGKILL, the
+    # controller runs no watchdog, and the fork would live on alone; it watches the controller
+    threading.Thread(
+        target=_watch_controller, args=(os.getppid(),), name="hora-watchdog", daemon=True
+    ).start()
 
 
 def _engine(args: list[str]) -> None:
@@ -136,6 +151,8 @@ def run(argv: list[str]) -> None:
     threading.Thread(
         target=_watch_parent, args=(os.getppid(), cleanup), name="hora-watchdog", daemon=True
     ).start()
+    if argv[:1] == ["controller"]:
+        os.register_at_fork(after_in_child=_watch_in_fork)
     if argv[:1] == ["engine"]:
         _engine(argv[1:])
     elif argv[:1] == ["session-engine"]:
