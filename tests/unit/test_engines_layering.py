@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import ast
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import hora.engines
+from helpers.fresh import assert_no_cycle, import_graph
 
 PACKAGE = Path(hora.engines.__file__).parent
 # the cluster's parts: each is given what it needs, never the cluster (nor a session cluster)
@@ -44,10 +43,8 @@ def _imports(source: str) -> set[str]:
 
 
 def _graph() -> dict[str, set[str]]:
-    """The import graph, read in a fresh interpreter (see test_torch_layering._graph)."""
-    out = subprocess.run([sys.executable, __file__], capture_output=True, text=True, check=True,
-                         timeout=120)  # fmt: skip
-    return {k: set(v) for k, v in json.loads(out.stdout).items()}
+    """The import graph, read in a fresh interpreter (:mod:`helpers.fresh`)."""
+    return import_graph(__file__)
 
 
 def _read_graph() -> dict[str, list[str]]:
@@ -56,19 +53,7 @@ def _read_graph() -> dict[str, list[str]]:
 
 
 def test_no_import_cycle() -> None:
-    graph = _graph()
-    done: set[str] = set()
-
-    def visit(mod: str, path: list[str]) -> None:
-        if mod in path:
-            raise AssertionError("import cycle: " + " -> ".join([*path, mod]))
-        if mod not in done:
-            for dep in sorted(graph[mod]):
-                visit(dep, [*path, mod])
-            done.add(mod)
-
-    for mod in sorted(graph):
-        visit(mod, [])
+    assert_no_cycle(_graph())
 
 
 def test_the_cluster_parts_never_import_the_cluster() -> None:

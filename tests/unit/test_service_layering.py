@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import ast
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import hora_service
+from helpers.fresh import import_graph
 
 # Lowest first. A unit is a package of hora_service or one of its top-level modules.
 LAYERS: dict[str, tuple[str, ...]] = {
@@ -71,11 +70,8 @@ def _read_graph() -> dict[str, list[str]]:
 
 
 def _graph() -> dict[str, set[str]]:
-    """The import graph, read in a fresh interpreter (see test_size_limits._sizes: CPython
-    3.11.7's ast.parse can fail late in a long test process)."""
-    out = subprocess.run([sys.executable, __file__], capture_output=True, text=True, check=True,
-                         timeout=120)  # fmt: skip
-    return {k: set(v) for k, v in json.loads(out.stdout).items()}
+    """The import graph, read in a fresh interpreter (:mod:`helpers.fresh`)."""
+    return import_graph(__file__)
 
 
 def _unit(module: str) -> str:

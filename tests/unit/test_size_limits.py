@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import ast
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
+
+from helpers.fresh import main_output
 
 REPO = Path(__file__).resolve().parents[2]
 ROOTS = ("kernels", "service")
@@ -102,9 +102,7 @@ def _sizes() -> tuple[dict[str, int], dict[str, int]]:
     mismatch" in a process that ran thousands of tests before (CI saw it at the end of the
     suite); a fresh one parses as it should.
     """
-    out = subprocess.run([sys.executable, __file__], capture_output=True, text=True, check=True,
-                         timeout=120)  # fmt: skip
-    files, functions = json.loads(out.stdout)
+    files, functions = main_output(__file__)  # type: ignore[misc]
     return files, functions
 
 

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import ast
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import hora.torch
+from helpers.fresh import assert_no_cycle, import_graph
 
 LAYERS: dict[str, tuple[str, ...]] = {
     "state": (
@@ -53,11 +52,8 @@ def _imports(source: str) -> set[str]:
 
 
 def _graph() -> dict[str, set[str]]:
-    """The import graph, read in a fresh interpreter (see test_size_limits._sizes: CPython
-    3.11.7's ast.parse can fail late in a long test process)."""
-    out = subprocess.run([sys.executable, __file__], capture_output=True, text=True, check=True,
-                         timeout=120)  # fmt: skip
-    return {k: set(v) for k, v in json.loads(out.stdout).items()}
+    """The import graph, read in a fresh interpreter (:mod:`helpers.fresh`)."""
+    return import_graph(__file__)
 
 
 def _read_graph() -> dict[str, list[str]]:
@@ -80,19 +76,7 @@ def test_no_module_imports_from_a_higher_layer() -> None:
 
 
 def test_no_import_cycle() -> None:
-    graph = _graph()
-    done: set[str] = set()
-
-    def visit(mod: str, path: list[str]) -> None:
-        if mod in path:
-            raise AssertionError("import cycle: " + " -> ".join([*path, mod]))
-        if mod not in done:
-            for dep in sorted(graph[mod]):
-                visit(dep, [*path, mod])
-            done.add(mod)
-
-    for mod in graph:
-        visit(mod, [])
+    assert_no_cycle(_graph())
 
 
 def test_lazy_imports_are_seen() -> None:
