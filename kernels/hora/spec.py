@@ -309,7 +309,7 @@ class SlotInfo(BaseModel):
     """
 
     index: int | None
-    kind: str = Field(description="gpu or cpu (parked: a parked session, holding none)")
+    kind: SlotKind = Field(description="gpu or cpu (parked: a parked session, holding none)")
     name: str
     job_id: int | None = None
     user: str | None = None
@@ -415,7 +415,7 @@ class QueueEntry(BaseModel):
 
     position: int
     id: int | None = None
-    kind: str = "job"
+    kind: JobKind = JobKind.job
     user: str | None = None
     name: str | None = None
     need: int
@@ -510,7 +510,7 @@ class JobInfo(BaseModel):
     started_at: datetime | None = None
     finished_at: datetime | None = None
     transitions: list[Transition] = []
-    kind: str = "job"  # or "session": a notebook's engines, scheduled with the jobs
+    kind: JobKind = JobKind.job  # or session: a notebook's engines, scheduled with the jobs
     queue: QueueInfo | None = None  # while it waits: its place and structured reason
     elastic: ElasticInfo | None = None  # an elastic job's size and membership history
     park: ParkInfo | None = None  # a session's snapshot while it is parked (or resuming)

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hora.inventory import Slot
-from hora.spec import JobSpec, JobState, ParkInfo
+from hora.spec import JobKind, JobSpec, JobState, ParkInfo
 from sqlalchemy import Connection
 
 from hora_service.jobs.admission import Admission
@@ -273,13 +273,13 @@ class JobManager:
         self,
         user: str,
         spec: JobSpec,
-        kind: str = "job",
+        kind: JobKind = JobKind.job,
         also: Callable[[Store, Connection, int], None] | None = None,
     ) -> tuple[JobRecord, bool]:
         """Queue a job, or find its earlier one (:meth:`Admission.submit_or_find`)."""
         return self.admission.submit_or_find(user, spec, kind, also)
 
-    def check(self, user: str, spec: JobSpec, kind: str = "job") -> None:
+    def check(self, user: str, spec: JobSpec, kind: JobKind = JobKind.job) -> None:
         """Refuse a spec that can never run on this service (:meth:`Admission.check`)."""
         self.admission.check(user, spec, kind)
 

@@ -48,7 +48,7 @@ class Admission:
         self,
         user: str,
         spec: JobSpec,
-        kind: str = "job",
+        kind: JobKind = JobKind.job,
         also: Callable[[Store, Connection, int], None] | None = None,
     ) -> tuple[JobRecord, bool]:
         """Queue a job; with a submission id this user used before, find that job instead.
@@ -107,7 +107,7 @@ class Admission:
                     429,
                 )
 
-    def check(self, user: str, spec: JobSpec, kind: str = "job") -> None:
+    def check(self, user: str, spec: JobSpec, kind: JobKind = JobKind.job) -> None:
         """Refuse a spec that can never run on this service (see :meth:`submit`)."""
         total, need = len(self.state.inventory), spec.total_gpus
         unit = "GPUs" if self.state.slot_kind == SlotKind.gpu else "slots"

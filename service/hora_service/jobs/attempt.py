@@ -11,7 +11,7 @@ import signal
 from dataclasses import dataclass, field
 
 from hora.procs import ended
-from hora.spec import JobSpec, JobState, RuntimeName
+from hora.spec import JobKind, JobSpec, JobState, RuntimeName
 
 from hora_service.runtimes import AttemptPlan, Exit, RankProcess
 from hora_service.runtimes.base import RankStatus
@@ -37,7 +37,7 @@ class Attempt:
     codes: list[RankStatus] = field(default_factory=list)
     clearing_since: float | None = None
     stuck_reported: bool = False
-    kind: str = "job"
+    kind: JobKind = JobKind.job
     held: bool = False  # its runtime's own queue still holds it (Slurm): recorded ``queued``
     held_why: str | None = None  # the runtime's reason recorded last (Slurm's pending reason)
     created: float = 0.0  # when the job was submitted (its queue wait ends when it runs)

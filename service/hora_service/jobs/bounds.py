@@ -126,7 +126,7 @@ class Bounds:
         workdir: Path,
         who: RunAs | None,
         driver: str | None = None,
-        kind: str = "job",
+        kind: JobKind = JobKind.job,
     ) -> tuple[Path, ...]:
         """Check as the job's account that it can enter ``workdir`` and run the program.
 

@@ -105,7 +105,7 @@ def queue_entries(
         job = records.get(p.id)
         out.append(
             QueueEntry(
-                position=i + 1, id=p.id, kind=job.kind if job else "job", user=p.user,
+                position=i + 1, id=p.id, kind=job.kind if job else JobKind.job, user=p.user,
                 name=job.spec.name if job else None, need=p.need, priority=priority,
                 queued_at=job.created_at if job else None, reason=reasons.get(p.id),
             )  # fmt: skip
@@ -182,7 +182,7 @@ def waiting_metrics(
         job = records.get(p.id)
         state = (JobState.retrying if p.id in retrying else JobState.queued).value
         why = reasons.get(p.id)
-        key = (state, job.kind if job is not None else "job", why.kind if why else "unknown")
+        key = (state, job.kind if job is not None else JobKind.job, why.kind if why else "unknown")
         counts[key] = counts.get(key, 0) + 1
         if job is not None:
             pair = (p.user, PRIORITY_NAME.get(p.priority, str(p.priority)))

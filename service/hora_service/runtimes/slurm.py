@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -415,7 +416,7 @@ class SlurmRuntime(Runtime):
             preempted=fields.get("PreemptTime", "None") not in ("None", "Unknown", ""),
         )
 
-    def cluster_slots(self, hora: dict[str, tuple[int, str, str]]) -> list[SlotInfo]:
+    def cluster_slots(self, hora: Mapping[str, tuple[int, str, str]]) -> list[SlotInfo]:
         """Each GPU of the nodes and its holder (``hora``: Slurm id -> job, user, kind)."""
         try:
             nodes = self.run("scontrol", "show", "node", "-o").stdout.splitlines()

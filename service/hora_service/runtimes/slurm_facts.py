@@ -22,8 +22,10 @@ from __future__ import annotations
 import contextlib
 import re
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from hora.kinds import SlotKind
 
 from hora_service.models import SlotInfo
 
@@ -145,7 +147,7 @@ def _indices(gres: str) -> list[int]:
 
 
 def gpu_holders(
-    nodes: Sequence[str], jobs: Sequence[str], hora: dict[str, tuple[int, str, str]]
+    nodes: Sequence[str], jobs: Sequence[str], hora: Mapping[str, tuple[int, str, str]]
 ) -> list[SlotInfo]:
     """Each GPU of the nodes and its holder.
 
@@ -172,7 +174,7 @@ def gpu_holders(
             job, user = held.get((name, i), ("", ""))
             mine = hora.get(job)
             out.append(SlotInfo(
-                index=i, kind="gpu", name=f"{name}:gpu{i}", node=name,
+                index=i, kind=SlotKind.gpu, name=f"{name}:gpu{i}", node=name,
                 slurm_job=job or None,
                 job_id=mine[0] if mine else None,
                 user=mine[1] if mine else (user or None),

@@ -48,6 +48,7 @@ from hora.scaling import fmt_bytes
 from hora.session_wire import ParkAbort, ParkBegin, ResumeRequest, check_interface, host_of
 from hora.spec import (
     PRIORITY_RANK,
+    JobKind,
     JobSpec,
     JobState,
     ParkCommit,
@@ -56,6 +57,7 @@ from hora.spec import (
     ParkTicket,
     RuntimeName,
     SlotInfo,
+    SlotKind,
 )
 
 from hora_service.manager import JobManager
@@ -417,8 +419,8 @@ class ParkManager:
             if job is None or job.state != JobState.parked or job.park is None:
                 continue
             rows.append(SlotInfo(
-                index=None, kind="parked", name=job.spec.name, job_id=job.id, user=job.user,
-                holder_kind="session", parked_at=job.park.parked_at,
+                index=None, kind=SlotKind.parked, name=job.spec.name, job_id=job.id, user=job.user,
+                holder_kind=JobKind.session, parked_at=job.park.parked_at,
                 snapshot_bytes=job.park.bytes,
             ))  # fmt: skip
         return rows
@@ -479,7 +481,7 @@ class ParkManager:
         if short > 0:
             return  # parking what may be parked would not be enough: park nothing
         wanted = self.manager.get(want.id)
-        what = wanted.kind if wanted is not None else "job"
+        what = wanted.kind if wanted is not None else JobKind.job
         for job_id, seconds in chosen:
             reason = (
                 f"its slots were wanted by {what} {want.id} ({want.user}, priority "

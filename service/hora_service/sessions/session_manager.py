@@ -47,7 +47,7 @@ from hora.session_wire import (
     check_interface,
     host_of,
 )
-from hora.spec import JobState, RuntimeName, SessionInfo, SlotKind
+from hora.spec import JobKind, JobState, RuntimeName, SessionInfo, SlotKind
 from sqlalchemy import Connection
 
 from hora_service.manager import JobManager
@@ -232,7 +232,7 @@ class SessionManager:
         def terms(store: Store, conn: Connection, job_id: int) -> None:
             store.add_session(conn, job_id, lease, idle)
 
-        record, _ = self.manager.submit_or_find(user, spec, kind="session", also=terms)
+        record, _ = self.manager.submit_or_find(user, spec, kind=JobKind.session, also=terms)
         now = time.time()
         with self._lock:
             self._load()

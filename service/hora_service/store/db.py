@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hora.errors import HoraError
-from hora.spec import PRIORITY_RANK, ElasticInfo, JobSpec, JobState, ParkInfo
+from hora.spec import PRIORITY_RANK, ElasticInfo, JobKind, JobSpec, JobState, ParkInfo
 from pydantic import BaseModel
 from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.exc import (
@@ -279,7 +279,7 @@ class Store:
     # jobs -------------------------------------------------------------------------------
 
     def insert_job(
-        self, conn: Connection, user: str, spec: JobSpec, at: float, kind: str = "job",
+        self, conn: Connection, user: str, spec: JobSpec, at: float, kind: JobKind = JobKind.job,
         note: str | None = None,
     ) -> int:  # fmt: skip
         """Insert a queued job (or session) with its first transition (``note``: its reason)."""
