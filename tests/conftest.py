@@ -114,3 +114,11 @@ def _own_lease_dir(monkeypatch: pytest.MonkeyPatch) -> Path:
     path.chmod(0o1777)
     monkeypatch.setenv("HORA_LEASE_DIR", str(path))
     return path
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``-n 2 --dist loadgroup`` (CI), which tests share a worker: helpers/workers.py."""
+    from helpers.workers import mark_groups
+
+    mark_groups(config, items)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from hora import net
 from hora.spec import JobSpec, JobState
 from hora_service.manager import JobManager
 from hora_service.runtimes import AttemptPlan, Exit, RankProcess
@@ -28,7 +29,7 @@ def plan(tmp_path: Path, command: list[str], workers: int = 1) -> AttemptPlan:
     return AttemptPlan(
         job_id=1, attempt=1, spec=JobSpec(command=command, workers=workers),
         slots=tuple(range(workers)), slot_kind="cpu", run_dir=tmp_path / "run", workdir=tmp_path,
-        master_port=29500,
+        master_port=net.free_port(),
     )  # fmt: skip
 
 
