@@ -8,15 +8,21 @@ and reads the JSON it prints.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Mapping
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parents[1]
 
 
 def main_output(script: str) -> object:
-    """The JSON that ``python script`` prints (the test module's own ``__main__`` block)."""
+    """The JSON that ``python script`` prints (the test module's own ``__main__`` block); the
+    script imports ``helpers`` as the tests do (tests/ on its path)."""
+    path = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
     out = subprocess.run([sys.executable, script], capture_output=True, text=True, check=True,
-                         timeout=120)  # fmt: skip
+                         timeout=120, env={**os.environ, "PYTHONPATH": path})  # fmt: skip
     return json.loads(out.stdout)
 
 
