@@ -15,8 +15,8 @@ want="${1:-run}"
 t0=$(date +%s)
 say() { echo "install.sh [$(( $(date +%s) - t0 ))s] $*"; }
 
-# one install at a time from this checkout (CI starts two scripts/test.sh side by side: both run
-# this; the second waits, then finds the stamp below and has nothing to do)
+# one install at a time from this checkout (two scripts/test.sh started together both run this;
+# the second waits, then finds the stamp below and has nothing to do)
 exec 9<"$0"
 if ! flock -w 1800 9; then
   echo "install.sh: another scripts/install.sh from this checkout held its lock for 30 min" >&2
