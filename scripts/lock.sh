@@ -30,8 +30,10 @@ if [ "${1:-}" = check ]; then
   t0=$(date +%s)
   echo "lock.sh: installing the lock with $python ($("$python" --version 2>&1))"
   "$python" -m venv "$tmp/venv"
+  # --no-compile: no bytecode for the thousands of modules installed (the most of pip's time
+  # here); the imports below compile what they load, as any first run does
   if ! "$tmp/venv/bin/python" -m pip install --disable-pip-version-check --progress-bar off \
-      -c constraints/cpu.txt -c constraints/test.txt -e ".[test]" >"$tmp/pip.log" 2>&1; then
+      --no-compile -c constraints/cpu.txt -c constraints/test.txt -e ".[test]" >"$tmp/pip.log" 2>&1; then
     echo "lock.sh: the lock does not install with $python; pip's log ends:" >&2
     grep -v '^WARNING: Location' "$tmp/pip.log" | tail -20 >&2
     exit 1

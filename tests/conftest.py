@@ -116,9 +116,28 @@ def _own_lease_dir(monkeypatch: pytest.MonkeyPatch) -> Path:
     return path
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--record-durations", action="store_true",
+        help="write each test module's seconds into tests/durations.json (helpers/workers.py)",
+    )  # fmt: skip
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under ``--dist loadgroup``, the workers take the groups in collection order, which
+    :func:`pytest_collection_modifyitems` makes longest first (helpers/workers.py)."""
+    from helpers.workers import DurationRecorder, by_group
+
+    if by_group(config):
+        config.option.loadscopereorder = False
+    if config.getoption("--record-durations") and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(DurationRecorder(), "hora-durations")
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under ``-n 2 --dist loadgroup`` (CI), which tests share a worker: helpers/workers.py."""
+    """Under ``-n 2 --dist loadgroup`` (CI), which tests share a worker, longest group first:
+    helpers/workers.py."""
     from helpers.workers import mark_groups
 
     mark_groups(config, items)
