@@ -35,14 +35,19 @@ case "$cmd" in
     exit 1
     ;;
   stop)
-    [[ -f "$pidfile" ]] || exit 0
-    pid="$(cat "$pidfile")"
-    kill "$pid" 2>/dev/null || exit 0
-    for _ in $(seq 1 60); do
-      kill -0 "$pid" 2>/dev/null || exit 0
-      sleep 0.5
-    done
-    kill -9 "$pid" 2>/dev/null || true
+    pid="$(cat "$pidfile" 2>/dev/null || true)"
+    if [[ -n "$pid" ]] && kill "$pid" 2>/dev/null; then
+      for _ in $(seq 1 60); do
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 0.5
+      done
+      kill -9 "$pid" 2>/dev/null || true
+    fi
+    # what the engine mounted under its exec root and left (its network namespace's nsfs
+    # mount), so that DIR can be removed
+    [[ -d "$dir" ]] || exit 0
+    awk -v root="$(cd "$dir" && pwd -P)/exec/" 'index($2, root) == 1 { print $2 }' /proc/mounts \
+      | while read -r mnt; do umount "$mnt" 2>/dev/null || true; done
     ;;
   *) echo "usage: $0 start|stop DIR" >&2; exit 2 ;;
 esac
