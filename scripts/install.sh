@@ -4,6 +4,8 @@
 #   scripts/install.sh test     + test tools, Open MPI, Chromium, Docker engine, debootstrap
 #   scripts/install.sh hub      + JupyterHub, its idle culler, batchspawner and the hub's proxy
 #                               (npm), to run hora as a JupyterHub service (docs/team.md)
+#   scripts/install.sh system   only the machine's packages that `test` adds (apt, npm: needs
+#                               root), no venv: CI runs it beside the first install
 # Everything goes into a virtual environment: the active one ($VIRTUAL_ENV), else .venv in the
 # repository root (created here). Versions come from constraints/test.txt (the lock CI tests
 # with) and, on a machine without a GPU, constraints/cpu.txt (the CPU build of torch).
@@ -12,8 +14,65 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 want="${1:-run}"
+case "$want" in
+  run|test|hub|system) ;;
+  *) echo "usage: scripts/install.sh [test|hub|system]" >&2; exit 2 ;;
+esac
 t0=$(date +%s)
 say() { echo "install.sh [$(( $(date +%s) - t0 ))s] $*"; }
+# apt waits for another apt (or dpkg) holding its lock instead of failing at once
+apt_get() { apt-get -o DPkg::Lock::Timeout=600 "$@"; }
+
+# the machine's packages that hora's tests (test) or its hub (hub) need, from apt and npm
+system_packages() {
+  local set=$1 apt_pkgs=()
+  if [ "$set" = test ]; then
+    command -v mpirun >/dev/null || apt_pkgs+=(openmpi-bin)
+    command -v chromium >/dev/null || apt_pkgs+=(chromium)
+    command -v dockerd >/dev/null || apt_pkgs+=(docker.io)
+    command -v debootstrap >/dev/null || apt_pkgs+=(debootstrap)
+    # a real two-node Slurm for the slurm runtime's tests (scripts/slurm-cluster.sh)
+    command -v slurmd >/dev/null || apt_pkgs+=(slurm-wlm)
+    command -v sbatch >/dev/null || apt_pkgs+=(slurm-client)
+    command -v munged >/dev/null || apt_pkgs+=(munge)
+    command -v nsenter >/dev/null || apt_pkgs+=(util-linux)
+    command -v ip >/dev/null || apt_pkgs+=(iproute2)
+    # batchspawner's `sudo -u USER sbatch` (tests/slurm/test_hub_slurm.py)
+    command -v sudo >/dev/null || apt_pkgs+=(sudo)
+  fi
+  if [ "$set" = test ] || [ "$set" = hub ]; then
+    # JupyterHub's proxy comes from npm (below)
+    command -v npm >/dev/null || apt_pkgs+=(nodejs npm)
+  fi
+  if [ ${#apt_pkgs[@]} -gt 0 ]; then
+    if [ "$(id -u)" = 0 ]; then
+      say "apt: installing ${apt_pkgs[*]} (a minute or two)"
+      apt_get update -qq
+      DEBIAN_FRONTEND=noninteractive apt_get install -y -qq --no-install-recommends \
+        "${apt_pkgs[@]}" >/dev/null
+    else
+      echo "install.sh: please install with apt: ${apt_pkgs[*]}" >&2
+    fi
+  fi
+
+  # JupyterHub's real proxy for the hub tests, from the npm registry (pinned)
+  local chp=configurable-http-proxy@5.3.0
+  if { [ "$set" = test ] || [ "$set" = hub ]; } && ! command -v configurable-http-proxy >/dev/null
+  then
+    if [ "$(id -u)" = 0 ] && command -v npm >/dev/null; then
+      say "npm: installing $chp"
+      npm install -g --no-fund --no-audit --loglevel=error "$chp" >/dev/null
+    else
+      echo "install.sh: please install JupyterHub's proxy: npm install -g $chp" >&2
+    fi
+  fi
+}
+
+if [ "$want" = system ]; then
+  system_packages test
+  say "done: the test set's system packages"
+  exit 0
+fi
 
 # one install at a time from this checkout (two scripts/test.sh started together both run this;
 # the second waits, then finds the stamp below and has nothing to do)
@@ -30,8 +89,8 @@ if [ ! -x "$venv/bin/python" ]; then
     # Debian's own python3 has no ensurepip without its python3-venv package
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
       say "apt: installing python3-venv (python3 -m venv needs it)"
-      apt-get update -qq
-      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      apt_get update -qq
+      DEBIAN_FRONTEND=noninteractive apt_get install -y -qq --no-install-recommends \
         python3-venv >/dev/null
       python3 -m venv "$venv"
     else
@@ -43,47 +102,7 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 py="$venv/bin/python"
 
-apt_pkgs=()
-if [ "$want" = test ]; then
-  command -v mpirun >/dev/null || apt_pkgs+=(openmpi-bin)
-  command -v chromium >/dev/null || apt_pkgs+=(chromium)
-  command -v dockerd >/dev/null || apt_pkgs+=(docker.io)
-  command -v debootstrap >/dev/null || apt_pkgs+=(debootstrap)
-  # a real two-node Slurm for the slurm runtime's tests (scripts/slurm-cluster.sh)
-  command -v slurmd >/dev/null || apt_pkgs+=(slurm-wlm)
-  command -v sbatch >/dev/null || apt_pkgs+=(slurm-client)
-  command -v munged >/dev/null || apt_pkgs+=(munge)
-  command -v nsenter >/dev/null || apt_pkgs+=(util-linux)
-  command -v ip >/dev/null || apt_pkgs+=(iproute2)
-  # batchspawner's `sudo -u USER sbatch` (tests/slurm/test_hub_slurm.py)
-  command -v sudo >/dev/null || apt_pkgs+=(sudo)
-fi
-if [ "$want" = test ] || [ "$want" = hub ]; then
-  # JupyterHub's proxy comes from npm (below)
-  command -v npm >/dev/null || apt_pkgs+=(nodejs npm)
-fi
-if [ ${#apt_pkgs[@]} -gt 0 ]; then
-  if [ "$(id -u)" = 0 ]; then
-    say "apt: installing ${apt_pkgs[*]} (a minute or two)"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-      "${apt_pkgs[@]}" >/dev/null
-  else
-    echo "install.sh: please install with apt: ${apt_pkgs[*]}" >&2
-  fi
-fi
-
-# JupyterHub's real proxy for the hub tests, from the npm registry (pinned)
-chp=configurable-http-proxy@5.3.0
-if { [ "$want" = test ] || [ "$want" = hub ]; } && ! command -v configurable-http-proxy >/dev/null
-then
-  if [ "$(id -u)" = 0 ] && command -v npm >/dev/null; then
-    say "npm: installing $chp"
-    npm install -g --no-fund --no-audit --loglevel=error "$chp" >/dev/null
-  else
-    echo "install.sh: please install JupyterHub's proxy: npm install -g $chp" >&2
-  fi
-fi
+system_packages "$want"
 
 pip_c=() constraint_files=()
 torch_c="${HORA_TORCH_CONSTRAINTS-constraints/cpu.txt}"

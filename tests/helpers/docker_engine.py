@@ -8,7 +8,7 @@ never skipped. :func:`cpu_image` builds ``hora:cpu`` with ``hora image build --c
 the engine has one built from this checkout's sources (label ``hora.source``); :func:`image`
 does the same for any kind (the opt-in GPU image test builds ``hora:gpu`` with it). Where
 ``HORA_TEST_IMAGE_LOCK`` names a file, the build waits for an exclusive ``flock`` on it first:
-``.ci/run`` builds the image in the background under that lock while the suite starts, and a
+``.ci/run`` builds the image in the background under that lock from its first install on, and a
 docker test that comes before it is done waits for it rather than building a second one.
 """
 
