@@ -276,7 +276,8 @@ s = socket.socket()
 s.bind(("127.0.0.1", 0))
 s.listen()
 s.settimeout(0.1)
-(work / "docker.port").write_text(str(s.getsockname()[1]))
+(work / "docker.port.tmp").write_text(str(s.getsockname()[1]))
+(work / "docker.port.tmp").rename(work / "docker.port")  # whole: the test reads it at once
 came = 0
 deadline = time.monotonic() + 60
 while not (work / "docker.stop").exists() and time.monotonic() < deadline:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -24,12 +25,19 @@ import httpx
 import psutil
 from hora import net
 
+# the service's app under uvicorn; on the listening socket that ServiceServer bound and passed
+# (LISTEN_FD), else on HORA_HOST:HORA_PORT
+LISTEN_FD = "HORA_TEST_LISTEN_FD"
 SERVE = (
-    "import sys, uvicorn;"
+    "import os, socket, uvicorn;"
     "from hora_service.settings import Settings;"
     "from hora_service.api.app import create_app;"
+    f"fd = os.environ.pop({LISTEN_FD!r}, '');"
     "s = Settings();"
-    "uvicorn.run(create_app(s), host=s.host, port=s.port, log_level='warning')"
+    "app = create_app(s);"
+    "uvicorn.Server(uvicorn.Config(app, log_level='warning')).run("
+    "sockets=[socket.socket(fileno=int(fd))]) if fd else "
+    "uvicorn.run(app, host=s.host, port=s.port, log_level='warning')"
 )
 ACTIVE = ("queued", "starting", "running", "retrying")
 
@@ -177,7 +185,14 @@ class ServiceServer:
     ) -> None:
         self.data_dir = tmp / "data"
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
+        # the port is bound here and held until the server takes the socket: between a free
+        # port's choice and uvicorn's own bind seconds later, another test's server (on the
+        # other pytest-xdist workers) could take it, and this one's /healthz would then be
+        # answered by that server, whose tokens differ
+        self._sock: socket.socket | None = None
+        while self._sock is None:
+            self.port = free_port()
+            self._sock = _bound(self.port)
         self.url = f"http://127.0.0.1:{self.port}"
         root = (env or {}).get("HORA_WORK_ROOT")
         self.tokens = make_users(
@@ -202,15 +217,23 @@ class ServiceServer:
         return httpx.Client(base_url=self.url, headers=self.auth(user), timeout=timeout)
 
     def start(self) -> ServiceServer:
-        with self.log_file.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", SERVE],
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+        sock = self._sock or _bound(self.port)  # a restart binds the same port again
+        self._sock = None
+        if sock is None:
+            raise RuntimeError(f"port {self.port} was taken before the server restarted")
+        try:
+            with self.log_file.open("ab") as log:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-c", SERVE],
+                    env={**self.env, LISTEN_FD: str(sock.fileno())},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                    pass_fds=(sock.fileno(),),
+                )
+        finally:
+            sock.close()  # the server holds it now: once it stops, connections are refused
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -334,6 +357,19 @@ class ServiceServer:
         finally:
             self.stop()
             self.assert_nothing_left()
+
+
+def _bound(port: int) -> socket.socket | None:
+    """A TCP socket bound to 127.0.0.1:``port`` (not listening: until the server listens,
+    connections are refused), or None when the port is taken."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn's own bind does
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError:
+        sock.close()
+        return None
+    return sock
 
 
 def _kill_pid(pid: int) -> None:
