@@ -25,6 +25,30 @@ USER_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01234
 IDLE_TIMEOUT_MAX_S = 30 * 24 * 3600  # what a session may ask for (SessionRequest)
 
 
+def new_token(draw: Callable[[int], str] = secrets.token_urlsafe) -> str:
+    """A user's API token: 32 random bytes, URL-safe base64, never starting with ``-``.
+
+    A token is passed on command lines (``hora jobs --token TOKEN``), where a value that
+    starts with ``-`` reads as an option (argparse: "expected one argument"): one token in 64
+    did. Such a draw is drawn again.
+
+    Args:
+        draw: the random source (``secrets.token_urlsafe``).
+
+    Returns:
+        The token.
+
+    Example:
+        >>> draws = iter(["-first", "second"])
+        >>> new_token(lambda n: next(draws))
+        'second'
+    """
+    while True:
+        token = draw(32)
+        if not token.startswith("-"):
+            return token
+
+
 def check_idle_timeout(field: str, seconds: float | None) -> float | None:
     """``seconds`` if it is a usable idle timeout (None: none set), else a SpecError.
 
@@ -107,7 +131,7 @@ class Users:
         self._check_mode(store, name, uid)
         who, made = self._account(store, name, uid, make_account)
         uid = who.uid if who is not None else uid
-        token = secrets.token_urlsafe(32)
+        token = new_token()
         try:
             if made and who is not None:
                 homes.make_home_private(who)
