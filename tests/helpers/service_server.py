@@ -190,9 +190,13 @@ class ServiceServer:
         # other pytest-xdist workers) could take it, and this one's /healthz would then be
         # answered by that server, whose tokens differ
         self._sock: socket.socket | None = None
-        while self._sock is None:
+        for _ in range(20):  # a port lost between free_port() and the bind: another one
             self.port = free_port()
             self._sock = _bound(self.port)
+            if self._sock is not None:
+                break
+        else:
+            raise RuntimeError("no free port could be bound for the server in 20 tries")
         self.url = f"http://127.0.0.1:{self.port}"
         root = (env or {}).get("HORA_WORK_ROOT")
         self.tokens = make_users(

@@ -49,7 +49,10 @@ def pytest_collection_modifyitems(config, items):
 """
 
 
-def make_suite(pytester: pytest.Pytester) -> None:
+def make_suite(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the inner run's own workers name themselves; an outer worker's name (this suite run
+    # under -n) must not leak into a plain inner run
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(
         # collected first, three tests: pytest-xdist's own order (by test count) starts it first
@@ -67,9 +70,9 @@ def ran(pytester: pytest.Pytester) -> list[tuple[str, str]]:
 
 
 def test_the_longest_group_starts_first_and_docker_modules_share_a_worker(
-    pytester: pytest.Pytester,
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    make_suite(pytester)
+    make_suite(pytester, monkeypatch)
     result = pytester.runpytest_subprocess(
         "-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider"
     )  # fmt: skip
@@ -88,8 +91,10 @@ def test_the_longest_group_starts_first_and_docker_modules_share_a_worker(
     assert len(many_workers) == 1, order
 
 
-def test_without_loadgroup_nothing_is_marked_or_reordered(pytester: pytest.Pytester) -> None:
-    make_suite(pytester)
+def test_without_loadgroup_nothing_is_marked_or_reordered(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make_suite(pytester, monkeypatch)
     pytester.makepyfile(
         test_zzz_check="""
 def test_marks(request):
