@@ -66,3 +66,39 @@ def await_os_thread_end(thread: threading.Thread, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while os.path.exists(task) and time.monotonic() < deadline:
         time.sleep(0.0005)
+
+
+# The threads torch.distributed starts for a group and its store (gloo's loops, the TCPStore's
+# libuv server): destroying the group or the store joins them
+_TORCH_THREADS = ("gloo_", "pt_gloo", "pt_tcpstore")
+
+
+def torch_thread_ids() -> set[int]:
+    """The ids of this process's torch.distributed threads (empty where /proc is missing)."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return set()
+    return {int(t) for t in tids if _thread_name(int(t)).startswith(_TORCH_THREADS)}
+
+
+def _thread_name(tid: int) -> str:
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:  # it ended meanwhile
+        return ""
+
+
+def await_os_threads_end(tids: set[int], timeout_s: float) -> None:
+    """Wait (at most ``timeout_s``) until the OS threads ``tids`` are gone from this process.
+
+    A joined C++ thread, like a Python one (:func:`await_os_thread_end`), leaves the kernel's
+    task list a moment after ``join()`` returned. A thread still running (a group the user
+    holds) costs the whole timeout, so the caller names only the threads it released.
+    """
+    deadline = time.monotonic() + timeout_s
+    left = {t for t in tids if os.path.exists(f"/proc/self/task/{t}")}
+    while left and time.monotonic() < deadline:
+        time.sleep(0.0005)
+        left = {t for t in left if os.path.exists(f"/proc/self/task/{t}")}

@@ -35,7 +35,7 @@ from hora.errors import (
     UnsupportedError,
 )
 from hora.torch import _dist, _rendezvous
-from hora.torch._heartbeat import StallHeartbeat
+from hora.torch._heartbeat import StallHeartbeat, await_os_threads_end, torch_thread_ids
 
 log = logging.getLogger("hora.torch")
 
@@ -295,6 +295,10 @@ def _stop_heartbeat(state: RankState) -> None:
         state.heartbeat.stop()
 
 
+# How long a release waits for the OS threads of the groups and store it freed to leave
+_THREADS_END_WAIT_S = 0.5
+
+
 def _release(state: RankState, *, graceful: bool, abort_shm: bool | None = None) -> None:
     """Free the groups init() made, the store and its connections, while Python is alive.
 
@@ -311,6 +315,8 @@ def _release(state: RankState, *, graceful: bool, abort_shm: bool | None = None)
             abort them (their connections close at once; in-flight work fails).
         abort_shm: mark the shared-memory ring aborted (default: when not graceful).
     """
+    # a world hora made: its release ends this process's torch threads, waited for below
+    threads = torch_thread_ids() if state.owns_group else set()
     if state.owns_group and dist.is_initialized():
         try:
             if graceful:
@@ -333,6 +339,8 @@ def _release(state: RankState, *, graceful: bool, abort_shm: bool | None = None)
     gc.collect(1)
     if any(ref() is not None for ref in held):
         gc.collect()
+    if threads and not any(ref() is not None for ref in held):
+        await_os_threads_end(threads, _THREADS_END_WAIT_S)  # an exit handler after ours sees none
 
 
 def _drop_comm(comm: Any, abort: bool) -> list[weakref.ref[Any]]:
