@@ -180,15 +180,24 @@ class QueueDisplay:
     def __init__(self) -> None:
         self.handle: Any = None
         self.t0 = time.monotonic()
+        self.placed = False  # a place in the queue was shown
 
     def update(self, info: SessionInfo) -> None:
-        """Show the session's place in the queue (called while it waits)."""
+        """Show the session's place in the queue (called while it waits).
+
+        While the service hands the freed slots over, the session is still queued but has no
+        place any more (``queue`` is None): the place shown last stays, rather than a bare
+        "session N queued" replacing it in the cell's last moments of waiting.
+        """
         from datetime import UTC, datetime
 
         from IPython.display import display
 
         from hora.engines.session import render_queue
 
+        if info.queue is None and self.placed:
+            return
+        self.placed = self.placed or info.queue is not None
         text = _Text(render_queue(info, datetime.now(UTC), time.monotonic() - self.t0))
         if self.handle is None:
             self.handle = display(text, display_id=True)
