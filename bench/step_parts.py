@@ -46,9 +46,13 @@ from train_throughput import SHAPES, make_batch, make_model  # noqa: E402
 TARGET_IDEAL = 0.9
 
 
-def _block(torch: Any, dist: Any, model: Any, fwd: Any, opt: Any, x: Any, y: Any, steps: int,
+def _block(torch: Any, dist: Any, fwd: Any, opt: Any, x: Any, y: Any, steps: int,
            aligned: bool) -> dict[str, list[float]]:
-    """Train ``steps`` steps; per step: compute and step() seconds of this rank."""
+    """Train ``steps`` steps; per step: compute and step() seconds of this rank.
+
+    ``aligned``: a barrier releases the ranks together into each step(). For one rank alone,
+    the others pass 0 steps and wait at the closing barrier.
+    """
     loss = torch.nn.CrossEntropyLoss()
     comp, step = [], []
     dist.barrier()
@@ -67,24 +71,6 @@ def _block(torch: Any, dist: Any, model: Any, fwd: Any, opt: Any, x: Any, y: Any
     return {"compute": comp, "step": step}
 
 
-def _alone(torch: Any, dist: Any, model: Any, opt: Any, x: Any, y: Any,
-           steps: int) -> dict[str, list[float]]:
-    """Per step of rank 0 training alone (rank 1 waits at the barrier): compute, step()."""
-    loss = torch.nn.CrossEntropyLoss()
-    comp, step = [], []
-    dist.barrier()
-    for _ in range(steps if dist.get_rank() == 0 else 0):
-        a = time.perf_counter()
-        opt.zero_grad()
-        loss(model(x), y).backward()
-        b = time.perf_counter()
-        opt.step()
-        comp.append(b - a)
-        step.append(time.perf_counter() - b)
-    dist.barrier()
-    return {"compute": comp, "step": step}
-
-
 def worker(args: argparse.Namespace) -> None:
     import hora.torch as hvd
     import torch
@@ -95,16 +81,15 @@ def worker(args: argparse.Namespace) -> None:
     init = make_model(torch, args.shape).state_dict()
     x, y = make_batch(torch, args.shape, SHAPES[args.shape], hvd.rank())
 
-    def build(kind: str) -> tuple[Any, Any, Any]:
+    def build(kind: str) -> tuple[Any, Any]:
         model = make_model(torch, args.shape)
         model.load_state_dict(init)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         if kind == "hora":
-            return model, model, hvd.DistributedOptimizer(
-                opt, named_parameters=model.named_parameters())
+            return model, hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
         if kind == "ddp":
-            return model, torch.nn.parallel.DistributedDataParallel(model), opt
-        return model, model, opt
+            return torch.nn.parallel.DistributedDataParallel(model), opt
+        return model, opt
 
     rows = {k: build(k) for k in ("hora", "ddp", "alone")}
     blocks: list[dict[str, Any]] = []
@@ -112,12 +97,9 @@ def worker(args: argparse.Namespace) -> None:
         got: dict[str, Any] = {}
         order = ["hora", "ddp", "hora_aligned", "alone"]
         for kind in order if r % 2 == 0 else order[::-1]:
-            model, fwd, opt = rows[kind.split("_")[0]]
-            if kind == "alone":
-                got[kind] = _alone(torch, dist, model, opt, x, y, args.steps)
-            else:
-                got[kind] = _block(torch, dist, model, fwd, opt, x, y, args.steps,
-                                   kind.endswith("aligned"))
+            fwd, opt = rows[kind.split("_")[0]]
+            steps = 0 if kind == "alone" and hvd.rank() != 0 else args.steps
+            got[kind] = _block(torch, dist, fwd, opt, x, y, steps, kind.endswith("aligned"))
         blocks.append(got)
     mine = json.dumps(blocks[1:])
     every = [json.loads(b) for b in hvd.allgather_object(mine)]

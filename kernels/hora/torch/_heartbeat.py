@@ -62,10 +62,7 @@ def await_os_thread_end(thread: threading.Thread, timeout_s: float) -> None:
     """
     if thread.is_alive() or thread.native_id is None or not os.path.isdir("/proc/self/task"):
         return
-    task = f"/proc/self/task/{thread.native_id}"
-    deadline = time.monotonic() + timeout_s
-    while os.path.exists(task) and time.monotonic() < deadline:
-        time.sleep(0.0005)
+    await_os_threads_end({thread.native_id}, timeout_s)
 
 
 # The threads torch.distributed starts for a group and its store (gloo's loops, the TCPStore's
