@@ -99,8 +99,10 @@ def test_signal_to_a_rank_not_yet_seen_is_delivered_when_it_appears(tmp_path: Pa
     while "up" not in p.paths.log(0).read_text():  # the shim started the command
         assert time.monotonic() < deadline, "the command did not start"
         time.sleep(0.01)
-    assert adopted.poll() is Exit.running  # finds the pid file and delivers SIGTERM
-    assert wait_done(rank) == -signal.SIGTERM
+    # this poll finds the pid file and delivers the owed SIGTERM; on a busy machine the rank
+    # may already have ended, and recorded its exit, before the poll looks at it again
+    assert adopted.poll() in (Exit.running, -signal.SIGTERM)
+    assert wait_done(rank) == -signal.SIGTERM  # only the owed signal can have ended it
 
 
 def test_adopted_rank_that_vanished_is_lost(tmp_path: Path) -> None:
