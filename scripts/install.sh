@@ -126,7 +126,8 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ] && "$py" -c 'import hora, s
 fi
 rm -f "$stamp"
 say "pip: installing hora$([ "$want" = test ] && echo ' and its test tools') into $venv"
-# pip's own output goes to a log; a progress line every 25 packages shows it is moving
+# pip's own output goes to a log; a progress line every 25 packages shows it is moving (looked
+# at every 5 s; pip's end is noticed within a second)
 log="$venv/pip-install.log"
 set +e
 "$py" -m pip install --disable-pip-version-check --progress-bar off "${pip_c[@]}" -e "$extra" \
@@ -134,8 +135,11 @@ set +e
 pid=$!
 shown=0
 installing=no
+tick=0
 while kill -0 "$pid" 2>/dev/null; do
-  sleep 5
+  sleep 1
+  tick=$(( tick + 1 ))
+  [ $(( tick % 5 )) = 0 ] || continue
   m=$(grep -c -E '^(Collecting|Requirement already satisfied)' "$log" || true)
   if [ $(( m / 25 )) -gt $(( shown / 25 )) ]; then say "pip: $m packages resolved"; shown=$m; fi
   if [ "$installing" = no ] && grep -q '^Installing collected' "$log"; then
