@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from helpers.http import tls
 from helpers.service_server import free_port
 
 PY = sys.executable
@@ -39,7 +40,7 @@ def _answers(url: str, timeout: float, **kw: object) -> httpx.Response:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            r = httpx.get(url, timeout=5, **kw)  # type: ignore[arg-type]
+            r = httpx.get(url, timeout=5, verify=tls(), **kw)  # type: ignore[arg-type]
             if r.status_code < 500:
                 return r
         except httpx.TransportError:

@@ -42,6 +42,7 @@ import httpx
 import psutil
 import websocket
 
+from helpers.http import tls
 from helpers.service_server import free_port
 
 PROXY = shutil.which("configurable-http-proxy")
@@ -288,7 +289,7 @@ class Hub:
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"the hub exited:\n{self.output()}"
             try:  # the proxy answers 404 to everything until the hub adds its route
-                if httpx.get(f"{self.url}/hub/api", timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}/hub/api", timeout=2, verify=tls()).status_code == 200:
                     return self
             except httpx.TransportError:
                 pass

@@ -25,6 +25,8 @@ import httpx
 import psutil
 from hora import net
 
+from helpers.http import tls
+
 # the service's app under uvicorn; on the listening socket that ServiceServer bound and passed
 # (LISTEN_FD), else on HORA_HOST:HORA_PORT
 LISTEN_FD = "HORA_TEST_LISTEN_FD"
@@ -218,7 +220,9 @@ class ServiceServer:
         return {"Authorization": f"Bearer {self.tokens[user]}"}
 
     def client(self, user: str, timeout: float = 30.0) -> httpx.Client:
-        return httpx.Client(base_url=self.url, headers=self.auth(user), timeout=timeout)
+        return httpx.Client(
+            base_url=self.url, headers=self.auth(user), timeout=timeout, verify=tls()
+        )
 
     def start(self) -> ServiceServer:
         sock = self._sock or _bound(self.port)  # a restart binds the same port again
@@ -239,17 +243,20 @@ class ServiceServer:
         finally:
             sock.close()  # the server holds it now: once it stops, connections are refused
         deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                # 503: up, but its store is degraded (a full disk in a test)
-                if httpx.get(self.url + "/healthz", timeout=2).status_code in (200, 503):
-                    self._start_sampler()
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        with httpx.Client(timeout=2, verify=tls()) as probe:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"server exited with {self.proc.returncode}:\n{self.output()}"
+                    )
+                try:
+                    # 503: up, but its store is degraded (a full disk in a test)
+                    if probe.get(self.url + "/healthz").status_code in (200, 503):
+                        self._start_sampler()
+                        return self
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.1)
         self.kill()
         raise TimeoutError(
             f"server did not answer /healthz in {self.startup_timeout}s:\n{self.output()}"
