@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from helpers.http import tls
+from helpers.http_tls import tls
 from helpers.service_server import free_port
 
 PY = sys.executable

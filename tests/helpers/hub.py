@@ -42,7 +42,7 @@ import httpx
 import psutil
 import websocket
 
-from helpers.http import tls
+from helpers.http_tls import tls
 from helpers.service_server import free_port
 
 PROXY = shutil.which("configurable-http-proxy")

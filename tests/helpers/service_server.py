@@ -25,7 +25,7 @@ import httpx
 import psutil
 from hora import net
 
-from helpers.http import tls
+from helpers.http_tls import tls
 
 # the service's app under uvicorn; on the listening socket that ServiceServer bound and passed
 # (LISTEN_FD), else on HORA_HOST:HORA_PORT
