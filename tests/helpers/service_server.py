@@ -242,25 +242,30 @@ class ServiceServer:
                 )
         finally:
             sock.close()  # the server holds it now: once it stops, connections are refused
-        deadline = time.monotonic() + self.startup_timeout
-        with httpx.Client(timeout=2, verify=tls()) as probe:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"server exited with {self.proc.returncode}:\n{self.output()}"
-                    )
-                try:
-                    # 503: up, but its store is degraded (a full disk in a test)
-                    if probe.get(self.url + "/healthz").status_code in (200, 503):
-                        self._start_sampler()
-                        return self
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.1)
+        if self._answers_health(time.monotonic() + self.startup_timeout):
+            self._start_sampler()
+            return self
         self.kill()
         raise TimeoutError(
             f"server did not answer /healthz in {self.startup_timeout}s:\n{self.output()}"
         )
+
+    def _answers_health(self, deadline: float) -> bool:
+        """Whether the server answers /healthz before ``deadline`` (one client for every try)."""
+        proc = self.proc
+        assert proc is not None
+        with httpx.Client(timeout=2, verify=tls()) as probe:
+            while time.monotonic() < deadline:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {proc.returncode}:\n{self.output()}")
+                try:
+                    # 503: up, but its store is degraded (a full disk in a test)
+                    if probe.get(self.url + "/healthz").status_code in (200, 503):
+                        return True
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.1)
+        return False
 
     def _start_sampler(self) -> None:
         # job ranks are children of the server; remember every one we ever see
