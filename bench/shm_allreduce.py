@@ -7,7 +7,11 @@ ranks, and has the same bits on every rank):
 
 * ``copy``: every rank copies a buffer of the size into another at the same time (both
   already written once: no first-touch faults). Its per-rank rate ``B`` sets the bound.
-* ``hvd.allreduce_``: ``hvd.allreduce_(t, op=Sum)`` (in place; through the ring).
+* ``ring``: the set's ring itself, ``ring.allreduce_(t)`` in the calling thread: the data's
+  moves alone, without the negotiation round and the lane's thread around them.
+* ``hvd.allreduce_``: ``hvd.allreduce_(t, op=Sum)`` (in place; a negotiation round, then the
+  ring of the set's lane on the lane's thread). Its difference from ``ring`` is the per-call
+  cost of name matching and of handing the data to the lane.
 * ``bucket``: a DistributedOptimizer over one parameter of the size: ``p.grad = g`` then
   ``synchronize()`` (the gradient packed into its bucket, the bucket reduced in place in
   shared memory; op Average, as the optimizer's default).
@@ -52,7 +56,7 @@ MB = 1024 * 1024
 FULL_SIZES = [1 * MB, 4 * MB, 16 * MB, 64 * MB, 256 * MB]
 QUICK_SIZES = [4 * MB, 16 * MB]
 TARGET, TARGET_BEFORE = 0.7, 3.0
-ROWS = ["copy", "allreduce", "bucket", "gloo"]
+ROWS = ["copy", "ring", "allreduce", "bucket", "gloo"]
 
 
 def passes(n: int, bucket: bool) -> float:
@@ -86,8 +90,9 @@ def _load_before(path: str | None, comm: Any) -> Any:
 class Rows:
     """Every row's operation on one size, in the same processes."""
 
-    def __init__(self, torch: Any, dist: Any, hvd: Any, nbytes: int, before: Any) -> None:
-        self.torch, self.dist, self.hvd, self.before = torch, dist, hvd, before
+    def __init__(self, torch: Any, dist: Any, hvd: Any, nbytes: int, ring: Any,
+                 before: Any) -> None:
+        self.torch, self.dist, self.hvd, self.ring, self.before = torch, dist, hvd, ring, before
         numel = nbytes // 4
         self.src, self.dst = torch.ones(numel), torch.zeros(numel)
         self.t = torch.ones(numel)
@@ -105,6 +110,8 @@ class Rows:
     def run(self, row: str) -> None:
         if row == "copy":
             self.dst.copy_(self.src)
+        elif row == "ring":
+            self.ring.allreduce_(self.t, "allreduce", "bench")
         elif row == "allreduce":
             self.hvd.allreduce_(self.t, op=self.hvd.Sum, name="bench")
         elif row == "bucket":
@@ -122,6 +129,8 @@ class Rows:
         self.dist.all_reduce(ref)
         got = {"allreduce": x.clone()}
         self.hvd.allreduce_(got["allreduce"], op=self.hvd.Sum, name="check")
+        got["ring"] = x.clone()
+        self.ring.allreduce_(got["ring"], "allreduce", "check")
         self.param.grad = x.clone()
         self.opt.synchronize()
         got["bucket"] = self.param.grad * n  # the optimizer averages
@@ -164,13 +173,17 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     hvd.init()
-    before = _load_before(args.before_file, comm_of(None, "bench"))
+    hvd.allreduce_(torch.zeros(1), name="set-up")  # the set's first round maps its segment
+    comm = comm_of(None, "bench")
+    if comm.shm is None:
+        raise SystemExit("shared memory is not usable by these ranks (HORA_SHM=off?)")
+    before = _load_before(args.before_file, comm)
     rows_run = ROWS + (["before"] if before is not None else [])
     result: dict[str, Any] = {"np": hvd.size(), "torch": torch.__version__, "rows": rows_run,
                               "load": [os.getloadavg()[0]], "sizes": {},
                               "copy256": _copy_alone_and_together(torch, dist, hvd.rank(), 5)}
     for nbytes in QUICK_SIZES if args.quick else FULL_SIZES:
-        rows = Rows(torch, dist, hvd, nbytes, before)
+        rows = Rows(torch, dist, hvd, nbytes, comm.shm, before)
         check = rows.check()
         if not all(check.values()):
             raise SystemExit(f"correctness check failed at {nbytes} bytes: {check}")
@@ -220,7 +233,7 @@ def _row(nbytes: int, row: str, rounds: list[dict[str, float]], n: int, busf: fl
         print(f"{_fmt(nbytes):>7} {row:>10} {bw:7.2f}")
         return {"bytes": nbytes, "row": row, "busbw": bw}
     bw = med(nbytes / r[row] / 1e9 * busf for r in rounds)
-    k = passes(n, row == "bucket") if row in ("allreduce", "bucket") else passes(n, False)
+    k = passes(n, row == "bucket")
     fracs = [(nbytes / r[row] * busf) / (nbytes / r["copy"] / k * busf) for r in rounds]
     bound = med(nbytes / r["copy"] / 1e9 / k * busf for r in rounds)
     vs_gloo = med(r["gloo"] / r[row] for r in rounds)
