@@ -13,7 +13,9 @@ URL and token come from the arguments, else ``HORA_URL`` / ``HORA_TOKEN``, else 
 
 from __future__ import annotations
 
+import functools
 import json
+import ssl
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -110,6 +112,17 @@ def render_detail(detail: Any) -> str:
     return str(detail)
 
 
+@functools.cache
+def _tls() -> ssl.SSLContext:
+    """One verifying TLS context per process (what ``verify=True`` builds for every client).
+
+    Loading the CA bundle costs 45-60 ms; a kernel makes a client per magic and per session
+    heartbeat thread, so they share it. ``SSL_CERT_FILE``/``SSL_CERT_DIR`` apply as with
+    ``verify=True``, read when the first client is made.
+    """
+    return httpx.create_ssl_context()
+
+
 @dataclass(frozen=True)
 class LogChunk:
     """A piece of one rank's log: ``text`` ends at byte ``offset`` of attempt ``attempt``."""
@@ -142,7 +155,8 @@ class Client:
         self.url = cfg.url
         self.token = cfg.token
         headers = {"Authorization": f"Bearer {cfg.token}"} if cfg.token else {}
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout,
+                                  verify=_tls())
 
     def __enter__(self) -> Client:
         return self

@@ -284,3 +284,28 @@ def test_status_text_shows_ranks_and_transitions() -> None:
     assert "rank 1 exited with 3" in text and "attempt:  2" in text
     assert any(line.split() == ["1", "3"] for line in text.splitlines())
     assert "queued" in text
+
+
+def test_clients_share_one_tls_context_that_still_verifies(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ssl
+
+    from hora import client as client_mod
+
+    made: list[ssl.SSLContext] = []
+    real = httpx.create_ssl_context
+
+    def counting() -> ssl.SSLContext:
+        made.append(real())
+        return made[-1]
+
+    client_mod._tls.cache_clear()
+    monkeypatch.setattr(client_mod.httpx, "create_ssl_context", counting)
+    try:
+        clients = [Client(url, token="t") for url in
+                   ("http://127.0.0.1:1", "https://127.0.0.1:1", "http://localhost:2")]
+        for c in clients:
+            c.close()
+    finally:
+        client_mod._tls.cache_clear()
+    assert len(made) == 1  # the CA bundle is loaded once per process, not per client
+    assert made[0].verify_mode == ssl.CERT_REQUIRED and made[0].check_hostname
