@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -64,6 +65,12 @@ def wait_for(what: str, check, timeout: float = 30.0):  # type: ignore[no-untype
     return value
 
 
+def engine_dirs() -> set[Path]:
+    """Session engines' private directories in /tmp (the nodes' too: they share it)."""
+    tmps = {Path("/tmp"), Path(tempfile.gettempdir())}  # noqa: S108  (where the engines' go)
+    return {d for t in tmps for d in t.glob("hora-session-engine-*")}
+
+
 def wait_ended(c: httpx.Client, session_id: int) -> dict:
     """The session once it ended: hora says so only when Slurm no longer runs its job."""
 
@@ -77,6 +84,7 @@ def wait_ended(c: httpx.Client, session_id: int) -> dict:
 def test_engines_on_both_nodes_wait_in_slurms_queue_run_cells_and_stop(
     server: ServiceServer, slurm: Cluster, notebook: Notebook, tmp_path: Path
 ) -> None:
+    engines_before = engine_dirs()
     blocker = slurm.run(
         "sbatch", "--parsable", "-N2", "--gres=gpu:2", "-o", "/dev/null", "--wrap", "sleep 60"
     ).strip()
@@ -157,6 +165,9 @@ def test_engines_on_both_nodes_wait_in_slurms_queue_run_cells_and_stop(
         assert c.get(f"/v1/sessions/{session['id']}").status_code == 404
     wait_for("Slurm to end the job", lambda: slurm.queue() == [], timeout=30)
     assert slurm.leftovers() == {"n1": [], "n2": []}
+    # the engines got SIGTERM (not srun's SIGKILL) and removed their private directories,
+    # which hold the controller's key; the nodes share this machine's /tmp
+    assert engine_dirs() - engines_before == set()
 
 
 def test_a_dead_engine_or_a_killed_kernel_ends_the_slurm_job(

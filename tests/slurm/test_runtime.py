@@ -120,6 +120,36 @@ def test_cancel_leaves_no_process_on_either_node(
     assert not [p for p in pids if alive(p)]
 
 
+TERMINATED = """\
+import os, pathlib, signal, sys, time
+d = pathlib.Path(sys.argv[1])
+def saved(*_):
+    (d / ("term-" + os.environ["RANK"])).write_text("saved")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, saved)
+d.mkdir(parents=True, exist_ok=True)
+(d / os.environ["RANK"]).write_text(str(os.getpid()))
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_cancel_gives_every_rank_sigterm_and_the_grace_period(
+    ann: httpx.Client, slurm: Cluster, tmp_path: Path
+) -> None:
+    # not srun's "forcing job termination": an srun that gets SIGTERM SIGKILLs its tasks
+    script = tmp_path / "checkpoints.py"
+    script.write_text(TERMINATED)
+    job_id = submit(ann, [PY, str(script), str(tmp_path / "ready")], workers=4)
+    wait_ready(tmp_path / "ready", 4)
+    assert ann.post(f"/v1/jobs/{job_id}/cancel").status_code == 200
+    job = wait_state(ann, job_id, ("cancelled", "failed", "succeeded"), timeout=30)
+    assert job["state"] == "cancelled", job
+    saved = sorted(p.name for p in (tmp_path / "ready").glob("term-*"))
+    assert saved == ["term-0", "term-1", "term-2", "term-3"], saved
+    assert slurm.leftovers() == {"n1": [], "n2": []}
+
+
 def test_gpus_lists_the_clusters_nodes_and_who_holds_them(
     ann: httpx.Client, slurm: Cluster, tmp_path: Path
 ) -> None:

@@ -13,7 +13,8 @@ monitor pass for all jobs), then ``scontrol show job`` (``sacct`` needs slurmdbd
 many clusters, and the test cluster, lack). A rank's exit code comes from the shim's file;
 a Slurm job that ended without one explains why (cancelled outside hora, preempted,
 Slurm's time limit, a node that cannot see the run directory). Signals go through
-``scancel``: SIGTERM and USR2 to every step and the batch script, SIGKILL ends the job.
+``scancel``: SIGTERM to the job's steps (the ranks, not the batch script: an srun signalled
+with SIGTERM would SIGKILL its tasks at once), SIGKILL ends the job.
 A restarted service finds an attempt's job again by the id in ``slurm.jobid``, or by its
 unique job name when the service died right after ``sbatch``: it never submits twice.
 """
@@ -480,7 +481,10 @@ class SlurmRuntime(Runtime):
         if sig == signal.SIGKILL:
             argv = ["scancel", job_id]
         else:
-            argv = ["scancel", "--full", f"--signal={signal.Signals(sig).name[3:]}", job_id]
+            # the steps only: srun runs in the batch step, and an srun that gets SIGTERM
+            # ends its tasks with SIGKILL ("forcing job termination"), so --full (which also
+            # signals the batch script and its children) would leave the ranks no grace
+            argv = ["scancel", f"--signal={signal.Signals(sig).name[3:]}", job_id]
         try:
             proc = self.run(*argv)
         except SlurmError as e:
