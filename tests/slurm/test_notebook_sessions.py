@@ -173,6 +173,7 @@ def test_engines_on_both_nodes_wait_in_slurms_queue_run_cells_and_stop(
 def test_a_dead_engine_or_a_killed_kernel_ends_the_slurm_job(
     server: ServiceServer, slurm: Cluster, notebook: Notebook
 ) -> None:
+    engines_before = engine_dirs()
     text = notebook.run("%dist_start -n 2 --runtime slurm --no-preflight")
     assert "2 engines ready" in text, text
     with server.client("ann") as c:
@@ -185,6 +186,9 @@ def test_a_dead_engine_or_a_killed_kernel_ends_the_slurm_job(
         ended = wait_ended(c, first["id"])
     assert ended["state"] == "failed" and "rank 1" in ended["reason"], ended
     assert slurm.leftovers() == {"n1": [], "n2": []}
+    # the engine that died ran no handler and left its directory, but no key in it: an
+    # engine removes its connection file as soon as ipyparallel has read it
+    assert not [d for d in engine_dirs() - engines_before if (d / "engine.json").exists()]
     # fresh engines; then the kernel is killed: the lease runs out and the job ends
     assert "2 engines ready" in notebook.run("%dist_restart")
     assert slurm.queue() and any(slurm.task_pids(n) for n in slurm.nodes)

@@ -14,7 +14,8 @@ ipyparallel's own ``main`` it adds what the notebook needs:
 ``session-engine`` is an engine the hora service starts for a notebook's session (see
 ``hora_service.sessions``): it reads the controller's engine connection info from
 ``HORA_ENGINE_CONNECTION`` (JSON checked by the service), writes it and its stack file into a
-private directory of its own, and runs as an engine; its parent is the service's rank shim.
+private directory of its own (the connection file is removed once ipyparallel has read it), and
+runs as an engine; its parent is the service's rank shim.
 The engine of a resumed session starts reading its part of the snapshot at once
 (:func:`hora.engines.park.start_prefetch`).
 """
@@ -22,6 +23,7 @@ The engine of a resumed session starts reading its part of the snapshot at once
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
 import json
 import os
@@ -108,6 +110,25 @@ def _remove_on_stop(home: str) -> None:
     signal.signal(signal.SIGTERM, stop)
 
 
+def _forget_after_load(engine_cls: type, url: str) -> None:
+    """Remove the connection file ``url`` as soon as ipyparallel's engine has read it.
+
+    ipyparallel reads it once, at start; from then on the controller's key lives only in this
+    process, so an engine that dies without running its handlers (``os._exit``, SIGKILL, a
+    crash) leaves no key on the node's disk.
+    """
+    load = engine_cls.load_connection_file  # type: ignore[attr-defined]
+
+    def load_then_forget(self: object) -> None:
+        try:
+            load(self)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(url)
+
+    engine_cls.load_connection_file = load_then_forget  # type: ignore[attr-defined]
+
+
 def _session_engine() -> None:
     """An engine of a service session: connect with the info the service passed (see above)."""
     info = json.loads(os.environ.pop(CONNECTION_VAR))  # not inherited by the user's children
@@ -120,6 +141,9 @@ def _session_engine() -> None:
     url = os.path.join(home, "engine.json")
     with open(os.open(url, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
         json.dump(info, f)
+    from ipyparallel.engine.app import IPEngine
+
+    _forget_after_load(IPEngine, url)
     from hora.engines import bootstrap
 
     stack = os.path.join(home, "stack.txt")
