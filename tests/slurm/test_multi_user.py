@@ -21,7 +21,11 @@ from hora_service import identity
 PY = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
 pytestmark = pytest.mark.timeout(120)
 
-WHO = "import os, socket; print('who', os.getuid(), os.getgid(), socket.gethostname(), os.getcwd())"
+WHO = (
+    "import os, socket, tempfile; t = os.environ['TMPDIR']; tempfile.mkstemp(dir=t); "
+    "print('who', os.getuid(), os.getgid(), socket.gethostname(), os.getcwd(), t, "
+    "os.stat(t).st_uid, oct(os.stat(t).st_mode & 0o777))"
+)
 
 
 @pytest.fixture
@@ -56,5 +60,8 @@ def test_the_ranks_run_as_the_jobs_owner_on_both_nodes(
         assert [s[:2] for s in seen] == [[str(uid), str(gid)]] * 4, lines
         assert [s[2] for s in seen] == ["n1", "n1", "n2", "n2"], lines
         assert {s[3] for s in seen} == {str(work / name)}, lines  # the owner's own directory
+        # each rank's TMPDIR on its node is its own (its account's, 0700), gone at its end
+        assert [s[5:] for s in seen] == [[str(uid), "0o700"]] * 4, lines
+        assert len({s[4] for s in seen}) == 4 and not [s for s in seen if Path(s[4]).exists()]
     finally:
         shutil.rmtree(base, ignore_errors=True)

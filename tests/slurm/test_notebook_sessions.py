@@ -66,9 +66,14 @@ def wait_for(what: str, check, timeout: float = 30.0):  # type: ignore[no-untype
 
 
 def engine_dirs() -> set[Path]:
-    """Session engines' private directories in /tmp (the nodes' too: they share it)."""
+    """What session engines leave in the nodes' /tmp (this machine's: they share it).
+
+    The ranks' own temporary directories (``hora-tmp-rank*``, where the engines make their
+    private ones) and any engine directory made outside them.
+    """
     tmps = {Path("/tmp"), Path(tempfile.gettempdir())}  # noqa: S108  (where the engines' go)
-    return {d for t in tmps for d in t.glob("hora-session-engine-*")}
+    return {d for t in tmps for pat in ("hora-tmp-rank*", "hora-session-engine-*")
+            for d in t.glob(pat)}
 
 
 def wait_ended(c: httpx.Client, session_id: int) -> dict:
@@ -165,8 +170,8 @@ def test_engines_on_both_nodes_wait_in_slurms_queue_run_cells_and_stop(
         assert c.get(f"/v1/sessions/{session['id']}").status_code == 404
     wait_for("Slurm to end the job", lambda: slurm.queue() == [], timeout=30)
     assert slurm.leftovers() == {"n1": [], "n2": []}
-    # the engines got SIGTERM (not srun's SIGKILL) and removed their private directories,
-    # which hold the controller's key; the nodes share this machine's /tmp
+    # the engines got SIGTERM (not srun's SIGKILL), and the shims removed the ranks' own
+    # temporary directories, where the engines' private ones were
     assert engine_dirs() - engines_before == set()
 
 
@@ -186,9 +191,8 @@ def test_a_dead_engine_or_a_killed_kernel_ends_the_slurm_job(
         ended = wait_ended(c, first["id"])
     assert ended["state"] == "failed" and "rank 1" in ended["reason"], ended
     assert slurm.leftovers() == {"n1": [], "n2": []}
-    # the engine that died ran no handler and left its directory, but no key in it: an
-    # engine removes its connection file as soon as ipyparallel has read it
-    assert not [d for d in engine_dirs() - engines_before if (d / "engine.json").exists()]
+    # the engine that died ran no handler; its shim removed its temporary directory
+    assert engine_dirs() - engines_before == set()
     # fresh engines; then the kernel is killed: the lease runs out and the job ends
     assert "2 engines ready" in notebook.run("%dist_restart")
     assert slurm.queue() and any(slurm.task_pids(n) for n in slurm.nodes)
@@ -199,6 +203,7 @@ def test_a_dead_engine_or_a_killed_kernel_ends_the_slurm_job(
     assert "stopped heartbeating" in (gone["reason"] or ""), gone
     wait_for("Slurm to end the job", lambda: slurm.queue() == [], timeout=30)
     assert slurm.leftovers() == {"n1": [], "n2": []}
+    assert engine_dirs() - engines_before == set()
 
 
 def test_a_slurm_session_needs_an_address_the_nodes_reach(server: ServiceServer) -> None:

@@ -124,7 +124,7 @@ TERMINATED = """\
 import os, pathlib, signal, sys, time
 d = pathlib.Path(sys.argv[1])
 def saved(*_):
-    (d / ("term-" + os.environ["RANK"])).write_text("saved")
+    (d / ("term-" + os.environ["RANK"])).write_text(os.environ["TMPDIR"])
     sys.exit(0)
 signal.signal(signal.SIGTERM, saved)
 d.mkdir(parents=True, exist_ok=True)
@@ -148,6 +148,10 @@ def test_cancel_gives_every_rank_sigterm_and_the_grace_period(
     saved = sorted(p.name for p in (tmp_path / "ready").glob("term-*"))
     assert saved == ["term-0", "term-1", "term-2", "term-3"], saved
     assert slurm.leftovers() == {"n1": [], "n2": []}
+    # each rank had a TMPDIR of its own on its node, which its shim removed at its end
+    tmps = [Path((tmp_path / "ready" / name).read_text()) for name in saved]
+    assert len(set(tmps)) == 4 and all(t.name.startswith("hora-tmp-rank") for t in tmps), tmps
+    assert not [t for t in tmps if t.exists()]
 
 
 def test_gpus_lists_the_clusters_nodes_and_who_holds_them(

@@ -53,3 +53,80 @@ def test_nothing_without_a_containment_tag(tmp_path: Path) -> None:
     )  # fmt: skip
     assert scratch.make(plan, str(tmp_path)) is None
     scratch.remove(plan, str(tmp_path))
+
+
+SHIM = Path(scratch.__file__).with_name("shim.py")
+SHOWS_TMP = """\
+import os, pathlib, sys
+tmp = pathlib.Path(os.environ["TMPDIR"])
+(tmp / "work").mkdir()
+(tmp / "work" / "f").write_text("x")
+os.symlink(sys.argv[1], tmp / "link")  # what a job could plant: never followed at removal
+print("TMPDIR", tmp, oct(tmp.stat().st_mode & 0o777), flush=True)
+if sys.argv[2] == "exit":
+    os._exit(3)  # no handler of the rank runs: the shim still removes it
+"""
+
+
+def _run_shim(tmp_path: Path, how: str, own_tmp: bool) -> tuple[str, int]:
+    import json
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    run.mkdir()
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    (keep / "precious").write_text("x")
+    script = tmp_path / "shows_tmp.py"
+    script.write_text(SHOWS_TMP)
+    base = tmp_path / "node-tmp"  # the node's TMPDIR, where the shim makes the rank's own
+    base.mkdir()
+    launch = {"command": [sys.executable, str(script), str(keep), how],
+              "env": {"PATH": os.environ.get("PATH", "")}, "uid": None, "gid": None,
+              "cgroups": [], "log_limit": 1 << 20, "cwd": str(tmp_path)}
+    if own_tmp:
+        launch["own_tmp"] = True
+    (run / "rank0.launch").write_text(json.dumps(launch))
+    proc = subprocess.run([sys.executable, "-I", "-S", str(SHIM), str(run), "0"],
+                          env={"TMPDIR": str(base)}, timeout=60)
+    assert (keep / "precious").read_text() == "x"  # the planted link was not followed
+    return (run / "rank0.log").read_text(), proc.returncode
+
+
+def test_a_slurm_ranks_own_tmpdir_is_private_and_gone_when_it_ends(tmp_path: Path) -> None:
+    out, code = _run_shim(tmp_path, "ok", own_tmp=True)
+    assert code == 0, out
+    _, tmp, mode = next(ln for ln in out.splitlines() if ln.startswith("TMPDIR ")).split()
+    assert Path(tmp).parent == tmp_path / "node-tmp" and Path(tmp).name.startswith(
+        "hora-tmp-rank0-")
+    assert mode == "0o700"
+    assert not Path(tmp).exists()
+
+
+def test_a_rank_that_dies_without_its_handlers_leaves_no_tmpdir(tmp_path: Path) -> None:
+    out, code = _run_shim(tmp_path, "exit", own_tmp=True)
+    assert code == 3, out
+    tmp = next(ln for ln in out.splitlines() if ln.startswith("TMPDIR ")).split()[1]
+    assert not Path(tmp).exists()
+    assert list((tmp_path / "node-tmp").iterdir()) == []
+
+
+def test_without_own_tmp_the_rank_keeps_the_tmpdir_it_was_given(tmp_path: Path) -> None:
+    # the local runtime's ranks (their TMPDIR is the attempt's, which the service removes)
+    import json
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    run.mkdir()
+    given = tmp_path / "given"
+    given.mkdir()
+    launch = {"command": [sys.executable, "-c", "import os; print('TMPDIR', os.environ['TMPDIR'])"],
+              "env": {"TMPDIR": str(given)}, "uid": None, "gid": None, "cgroups": [],
+              "log_limit": 1 << 20}
+    (run / "rank0.launch").write_text(json.dumps(launch))
+    subprocess.run([sys.executable, "-I", "-S", str(SHIM), str(run), "0"], env={}, timeout=60,
+                   check=True)
+    assert f"TMPDIR {given}" in (run / "rank0.log").read_text()
+    assert given.is_dir()

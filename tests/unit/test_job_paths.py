@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from hora.spec import JobSpec
-from hora_service.runtimes import container_init, shim, slurm_rank
+from hora_service.runtimes import container_init, scratch, shim, slurm_rank
 from hora_service.runtimes.base import AttemptPlan
 from hora_service.runtimes.paths import JobPaths
 
@@ -44,6 +44,7 @@ def test_the_shims_stdlib_names_agree(run_dir: str, rank: int) -> None:
     for kind, path in (("log", p.log), ("pid", p.pid), ("exit", p.exit), ("launch", p.launch)):
         assert shim.rank_file(run_dir, rank, kind) == str(path(rank))
     assert os.path.join(run_dir, shim.FIGURES_FILE) == str(p.preflight)
+    assert shim.TMP_VAR == scratch.VAR
 
 
 def test_the_shims_preflight_names_agree_with_the_contract_and_the_writer() -> None:

@@ -2,10 +2,10 @@
 
 The local and Slurm runtimes write one ``rank<R>.launch`` per rank (read by
 :mod:`hora_service.runtimes.shim`, which never takes the command from its argv): the command,
-its environment and working directory, the account it runs as, its cgroups, namespaces and
-log limit. Built by :meth:`LaunchFile.of_plan`, a pure function of the plan; extended by
-``with_*`` copies, never mutated; written by :func:`private_file` (created as the service's,
-no link followed).
+its environment and working directory, the account it runs as, its cgroups, namespaces, log
+limit and whether the shim gives it a temporary directory of its own. Built by
+:meth:`LaunchFile.of_plan`, a pure function of the plan; extended by ``with_*`` copies, never
+mutated; written by :func:`private_file` (created as the service's, no link followed).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ class LaunchFile:
     umask: int = 0o077
     run_dir_arg: int | None = None  # an elastic driver's slot file, read through the run dir
     namespaces: tuple[int, ...] = field(default=())  # descriptors the shim setns() into
+    own_tmp: bool = False  # the shim makes the command a TMPDIR of its own, removed at its end
 
     @classmethod
     def of_plan(cls, plan: AttemptPlan, env: Mapping[str, str]) -> LaunchFile:
@@ -71,6 +72,8 @@ class LaunchFile:
         data["namespaces"] = list(self.namespaces)
         if self.run_dir_arg is None:
             del data["run_dir_arg"]
+        if not self.own_tmp:
+            del data["own_tmp"]
         return json.dumps(data)
 
 

@@ -12,7 +12,11 @@ account can read in ``/proc``), ``env`` (the command's whole environment), ``uid
 (the account to run as, or null for the shim's own), ``cgroups`` (directories whose
 ``cgroup.procs`` the command joins), ``log_limit`` (most bytes ``RUN_DIR/rank<R>.log`` keeps)
 and, optionally, ``cwd`` (the command's working directory, entered after the uid is dropped;
-else the shim's own), ``umask`` (default ``077``) and ``namespaces`` (descriptors the shim
+else the shim's own), ``umask`` (default ``077``), ``own_tmp`` (a Slurm rank: the shim makes
+``$TMPDIR/hora-tmp-rank<R>-XXXXXXXX`` on the node, 0700 and the job's account's, the command's
+``TMPDIR``, and removes it, without following links, once the command has ended: a rank that
+died by SIGKILL or ``os._exit`` leaves nothing in the node's ``/tmp`` either) and
+``namespaces`` (descriptors the shim
 inherited of the attempt's network and mount namespaces, see
 :mod:`hora_service.runtimes.namespaces`: the command enters them, as root, before it drops
 privileges) and ``run_dir_arg`` (an elastic job's driver: the index of the argument naming
@@ -49,6 +53,7 @@ import contextlib
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -125,6 +130,40 @@ def _on_signal(signum: int, frame: object) -> None:
 
 
 RESERVE = 32  # bytes set aside for the exit code
+TMP_VAR = "TMPDIR"  # hora_service.runtimes.scratch.VAR
+
+
+def _own_tmp(rank: int, uid: object, gid: object) -> str:
+    """A new temporary directory for the command: 0700, the job's account's."""
+    base = os.environ.get(TMP_VAR, "")
+    base = base if os.path.isabs(base) and os.path.isdir(base) else "/tmp"  # noqa: S108
+    path = os.path.join(base, f"hora-tmp-rank{rank}-{os.urandom(4).hex()}")
+    os.mkdir(path, 0o700)  # a new name: nothing planted there is followed or reused
+    if isinstance(uid, int) and isinstance(gid, int) and os.geteuid() == 0:
+        try:
+            os.chown(path, uid, gid)
+        except OSError:
+            os.rmdir(path)
+            raise
+    return path
+
+
+def _tmp_for(launch: dict, rank: int, env: dict, log: "Log") -> "str | None":
+    """Make the command's own TMPDIR (set in ``env``) when ``launch`` asks for one."""
+    if not launch.get("own_tmp"):  # the service asks only when the job's env sets no TMPDIR
+        return None
+    try:
+        env[TMP_VAR] = _own_tmp(rank, launch["uid"], launch["gid"])
+    except OSError as e:  # the command still runs, with the node's own TMPDIR
+        log.write(f"hora: cannot make a temporary directory for rank {rank}: {e}\n".encode())
+        return None
+    return str(env[TMP_VAR])
+
+
+def _remove_tmp(path: "str | None") -> None:
+    """Remove the command's temporary directory (a link planted in it is not followed)."""
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)  # fd-based on Linux: resistant to link races
 
 
 def _reserve(exit_file: str) -> str | None:
@@ -325,6 +364,7 @@ def main(argv: list[str]) -> int:
         keep.append(os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
         command[at] = f"/proc/self/fd/{keep[0]}/{command[at]}"
     env = dict(launch["env"])
+    tmp = _tmp_for(launch, rank, env, log)
     sink = _figures_pipe(run_dir, rank, env)
     read_end, write_end = os.pipe()
     try:
@@ -347,6 +387,7 @@ def main(argv: list[str]) -> int:
         why = getattr(e, "strerror", None) or e
         log.write(f"hora: cannot start {command[0]!r}: {why}\n".encode())
         _record_exit(exit_file, 127, reserved)
+        _remove_tmp(tmp)
         return 127
     finally:
         os.close(write_end)
@@ -356,6 +397,7 @@ def main(argv: list[str]) -> int:
     figures = None if sink is None else (sink[0], Figures(os.path.join(run_dir, FIGURES_FILE)))
     code = _pump(child, read_end, log, figures)
     _record_exit(exit_file, code, reserved)
+    _remove_tmp(tmp)
     return code if code >= 0 else 128 - code
 
 

@@ -41,6 +41,7 @@ from hora.spec import JobSpec
 from hora.words import count
 
 from hora_service.models import SlotInfo
+from hora_service.runtimes import scratch
 from hora_service.runtimes.base import AttemptPlan, Exit, RankProcess, RankStatus, Runtime
 from hora_service.runtimes.core import rank_environment, read_exit, read_pid
 from hora_service.runtimes.launchfile import LaunchFile, private_file
@@ -327,8 +328,11 @@ class SlurmRuntime(Runtime):
                 cross_size=layout.nodes, gpus_per_rank=plan.spec.gpus_per_worker,
             )  # fmt: skip
             env.update(placed.to_environ())
-            # Slurm holds the ranks' processes on the nodes: no cgroups of the service's
-            launch = dataclasses.replace(LaunchFile.of_plan(plan, env), cgroups=())
+            # Slurm holds the ranks' processes on the nodes: no cgroups of the service's;
+            # the service cannot reach a node's /tmp, so the shim there gives the rank a
+            # TMPDIR of its own and removes it when the rank ended (unless the job sets one)
+            launch = dataclasses.replace(LaunchFile.of_plan(plan, env), cgroups=(),
+                                         own_tmp=scratch.VAR not in plan.spec.env)
             text = launch.to_json()
             private_file(plan.paths.launch(rank), os.getegid(), 0o600, text)
             private_file(plan.paths.log(rank), gid, 0o640)
