@@ -103,17 +103,22 @@ def test_two_by_two_digits_job_from_hora_submit_has_logs_from_both_nodes(
     assert (tmp_path / "checkpoint.pt").exists()
 
 
-def test_cancel_leaves_no_process_on_either_node(
-    ann: httpx.Client, slurm: Cluster, tmp_path: Path
-) -> None:
-    script = tmp_path / "sleeper.py"
-    script.write_text(SLEEPER)
+def cancel_once_ready(ann: httpx.Client, slurm: Cluster, tmp_path: Path, source: str) -> None:
+    """Run ``source`` as a 2x2 job, cancel it once every rank wrote its pid, see it cancelled."""
+    script = tmp_path / "ranks.py"
+    script.write_text(source)
     job_id = submit(ann, [PY, str(script), str(tmp_path / "ready")], workers=4)
     wait_ready(tmp_path / "ready", 4)
     assert all(slurm.task_pids(n) for n in slurm.nodes)
     assert ann.post(f"/v1/jobs/{job_id}/cancel").status_code == 200
     job = wait_state(ann, job_id, ("cancelled", "failed", "succeeded"), timeout=30)
     assert job["state"] == "cancelled", job
+
+
+def test_cancel_leaves_no_process_on_either_node(
+    ann: httpx.Client, slurm: Cluster, tmp_path: Path
+) -> None:
+    cancel_once_ready(ann, slurm, tmp_path, SLEEPER)
     # hora reports it cancelled only once Slurm has ended the job: nothing is left anywhere
     assert slurm.leftovers() == {"n1": [], "n2": []}
     pids = [int(p.read_text()) for p in (tmp_path / "ready").iterdir()]
@@ -138,13 +143,7 @@ def test_cancel_gives_every_rank_sigterm_and_the_grace_period(
     ann: httpx.Client, slurm: Cluster, tmp_path: Path
 ) -> None:
     # not srun's "forcing job termination": an srun that gets SIGTERM SIGKILLs its tasks
-    script = tmp_path / "checkpoints.py"
-    script.write_text(TERMINATED)
-    job_id = submit(ann, [PY, str(script), str(tmp_path / "ready")], workers=4)
-    wait_ready(tmp_path / "ready", 4)
-    assert ann.post(f"/v1/jobs/{job_id}/cancel").status_code == 200
-    job = wait_state(ann, job_id, ("cancelled", "failed", "succeeded"), timeout=30)
-    assert job["state"] == "cancelled", job
+    cancel_once_ready(ann, slurm, tmp_path, TERMINATED)
     saved = sorted(p.name for p in (tmp_path / "ready").glob("term-*"))
     assert saved == ["term-0", "term-1", "term-2", "term-3"], saved
     assert slurm.leftovers() == {"n1": [], "n2": []}

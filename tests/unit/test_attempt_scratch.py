@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 from hora.spec import JobSpec
@@ -68,13 +71,15 @@ if sys.argv[2] == "exit":
 """
 
 
-def _run_shim(tmp_path: Path, how: str, own_tmp: bool) -> tuple[str, int]:
-    import json
-    import subprocess
-    import sys
-
-    run = tmp_path / "run"
+def _shim(run: Path, launch: dict, env: dict[str, str]) -> subprocess.CompletedProcess[bytes]:
+    """Run the real shim on ``launch`` as rank 0 of ``run`` (its log is ``run/rank0.log``)."""
     run.mkdir()
+    (run / "rank0.launch").write_text(json.dumps(launch))
+    return subprocess.run([sys.executable, "-I", "-S", str(SHIM), str(run), "0"], env=env,
+                          timeout=60)
+
+
+def _run_shim(tmp_path: Path, how: str, own_tmp: bool) -> tuple[str, int]:
     keep = tmp_path / "keep"
     keep.mkdir()
     (keep / "precious").write_text("x")
@@ -87,11 +92,9 @@ def _run_shim(tmp_path: Path, how: str, own_tmp: bool) -> tuple[str, int]:
               "cgroups": [], "log_limit": 1 << 20, "cwd": str(tmp_path)}
     if own_tmp:
         launch["own_tmp"] = True
-    (run / "rank0.launch").write_text(json.dumps(launch))
-    proc = subprocess.run([sys.executable, "-I", "-S", str(SHIM), str(run), "0"],
-                          env={"TMPDIR": str(base)}, timeout=60)
+    proc = _shim(tmp_path / "run", launch, {"TMPDIR": str(base)})
     assert (keep / "precious").read_text() == "x"  # the planted link was not followed
-    return (run / "rank0.log").read_text(), proc.returncode
+    return (tmp_path / "run" / "rank0.log").read_text(), proc.returncode
 
 
 def test_a_slurm_ranks_own_tmpdir_is_private_and_gone_when_it_ends(tmp_path: Path) -> None:
@@ -114,19 +117,11 @@ def test_a_rank_that_dies_without_its_handlers_leaves_no_tmpdir(tmp_path: Path) 
 
 def test_without_own_tmp_the_rank_keeps_the_tmpdir_it_was_given(tmp_path: Path) -> None:
     # the local runtime's ranks (their TMPDIR is the attempt's, which the service removes)
-    import json
-    import subprocess
-    import sys
-
-    run = tmp_path / "run"
-    run.mkdir()
     given = tmp_path / "given"
     given.mkdir()
     launch = {"command": [sys.executable, "-c", "import os; print('TMPDIR', os.environ['TMPDIR'])"],
               "env": {"TMPDIR": str(given)}, "uid": None, "gid": None, "cgroups": [],
               "log_limit": 1 << 20}
-    (run / "rank0.launch").write_text(json.dumps(launch))
-    subprocess.run([sys.executable, "-I", "-S", str(SHIM), str(run), "0"], env={}, timeout=60,
-                   check=True)
-    assert f"TMPDIR {given}" in (run / "rank0.log").read_text()
+    assert _shim(tmp_path / "run", launch, {}).returncode == 0
+    assert f"TMPDIR {given}" in (tmp_path / "run" / "rank0.log").read_text()
     assert given.is_dir()
