@@ -26,7 +26,9 @@ Failures, each in a world of its own:
 * a SIGINT while a member waits is held until the reduction ends (like a collective in C++),
   then raised; the members stay in step;
 * a member that aborts its process group (as the notebook engines do to release a blocked
-  peer): the others, waiting for it, fail at once with RankFailedError naming it.
+  peer): the others, waiting for it, fail at once with RankFailedError naming it;
+* a member that passed a barrier and then left the ring (as after a deadlock both ranks
+  found in the same round) still counts as arrived for a member that had not looked yet.
 """
 
 from __future__ import annotations
@@ -361,3 +363,52 @@ def test_an_interrupt_during_a_wait_is_raised_after_the_operation_ends(run_world
         assert r["value"] == [float(size)] * 4
         assert r["after"] == [float(size)] * 2
 
+
+def _rank_leaves_after_passing(rank: int, size: int) -> None:
+    import signal
+
+    import hora.torch as hvd
+    import torch
+    from hora.torch import _shm
+    from hora.torch._process_sets import comm_of
+
+    hvd.init()
+    hvd.allreduce(torch.ones(1), name="first.round")  # the members decide on the ring here
+    ring = _shm.ring_of(comm_of(None, "test"), "test")
+    assert ring is not None
+    pid0 = hvd.broadcast_object(os.getpid())
+    out: dict[str, Any] = {}
+    if rank == 0:
+        try:
+            out["tables"] = ring.allgather_ints([10], "allgather", "race")
+        except Exception as e:  # noqa: BLE001
+            out["error"] = type(e).__name__
+    else:
+        # rank 0 waits at the next barrier; it is stopped before it can see this rank
+        # arrive, this rank passes the barrier and leaves the ring at once (as init() does
+        # after a deadlock that both found in the same round), then rank 0 goes on
+        e = ring.epoch + 1
+        deadline = time.monotonic() + 30
+        while ring.ctl[ring.counter[0]] < e and time.monotonic() < deadline:
+            time.sleep(0.001)
+        os.kill(pid0, signal.SIGSTOP)
+        try:
+            out["tables"] = ring.allgather_ints([11], "allgather", "race")
+            ring.abort("left after the barrier")
+        finally:
+            os.kill(pid0, signal.SIGCONT)
+    print("RESULT " + json.dumps(out), flush=True)
+    time.sleep(1)  # rank 0 is done with the barrier before rank 1's process goes
+    os._exit(0)  # rank 1 left the ring: skip the exit handlers' goodbyes
+
+
+def test_a_member_that_passed_a_barrier_and_left_still_counts_as_arrived(
+        run_world: Any) -> None:
+    # a failed collective's ranks both decide in the same round, and one of them may leave
+    # the ring (init() again) before the other has looked at its counter: that one must
+    # see the barrier passed, not a member that left early
+    outputs = run_world(__file__, "_rank_leaves_after_passing", 2, timeout=60,
+                        env={"HORA_TIMEOUT": "20"}, expect_failure=True)
+    got = _results([*outputs, (None, "")])  # every rank's RESULT line
+    assert got[1] == {"tables": [[10], [11]]}, outputs[1]
+    assert got[0] == {"tables": [[10], [11]]}, outputs[0]  # not PeerFailedError

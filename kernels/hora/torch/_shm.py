@@ -17,7 +17,8 @@ the copy-in of a chunk, the sum of the one before and the copy-out of the one be
 and nothing is overwritten before every member has read it.
 
 A barrier is a per-rank counter in the segment. Next to it each rank writes what it reduces
-(element count, chunk, a checksum of name and dtype, the operation's number). Members that
+(element count, chunk, a checksum of name and dtype, the operation's number), and a flag once
+it left an operation early. Members that
 reached different tensors all raise TensorMismatchError at the same point, still in step,
 instead of summing unrelated bytes; members that drifted an operation apart raise it too,
 instead of reading each other's stale slots. A wait spins briefly, yields the CPU, then
@@ -80,8 +81,12 @@ SLOT_MIN = 256 * 1024
 
 _FENCE = threading.Lock()
 _OPS_MASK = 0xFFFFFF  # the operation number's bits in a signature (it wraps, harmlessly)
-ABORTED = -1  # a counter value: this member left an operation early, the ring is unusable
 _SIGNS = 3  # ints a member signs at each barrier: element count, chunk, name and op number
+# In a member's line, after its counter and two sets of signatures: set when it left an
+# operation early and the ring is unusable. A flag beside the counter, not a counter value:
+# a member that passed a barrier and then aborts (a deadlock found in a round, then init())
+# must still count as arrived for a slower member that has not looked at the counter yet.
+_ABORTED_AT = 1 + 2 * _SIGNS
 
 
 def enabled(environ: dict[str, str] | None = None) -> bool:
@@ -284,7 +289,7 @@ class Ring:
         step with the others. A timeout or a dead member ends the operation on every waiting
         member alike (the world is then marked broken, as after a gloo timeout: ``init()``
         starts anew). Anything else that ends it midway on this rank (an unexpected error)
-        leaves the ring unusable here and sets this rank's counter to ABORTED, so members
+        leaves the ring unusable here and sets this rank's aborted flag, so members
         waiting for it fail at once, naming it; later operations here fail at once too.
         """
         if self.broken:
@@ -332,7 +337,7 @@ class Ring:
         if not self.broken:
             self.broken = reason
         if not self.closed:
-            self.ctl[self.counter[self.index]] = ABORTED
+            self.ctl[self.counter[self.index] + _ABORTED_AT] = 1
 
     # -- barriers -----------------------------------------------------------------------------
     def step(self, op: str, name: str, total: int, start: int, check: int) -> None:
@@ -414,7 +419,7 @@ class Ring:
         if all(ctl[c] >= e for c in self.others):
             return True
         for i, c in enumerate(self.counter):
-            if i != self.index and ctl[c] == ABORTED:
+            if i != self.index and ctl[c] < e and ctl[c + _ABORTED_AT]:
                 _state.require_init(op).broken = True
                 raise PeerFailedError(self.ranks[i], detail=(
                     f"it left {op} {name!r} early (interrupted, timed out, or its process "
