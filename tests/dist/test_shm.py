@@ -24,7 +24,8 @@ Failures, each in a world of its own:
 * a member whose process exits: the others fail at once (well before the timeout) with
   RankFailedError naming it;
 * a SIGINT while a member waits is held until the reduction ends (like a collective in C++),
-  then raised; the members stay in step;
+  then raised; the members stay in step; the same while a blocking ``hvd.allreduce_`` runs
+  the lane's operation in the main thread;
 * a member that aborts its process group (as the notebook engines do to release a blocked
   peer): the others, waiting for it, fail at once with RankFailedError naming it;
 * a member that passed a barrier and then left the ring (as after a deadlock both ranks
@@ -359,6 +360,71 @@ def test_an_interrupt_during_a_wait_is_raised_after_the_operation_ends(run_world
     res = run_world(__file__, "_rank_interrupted", size, timeout=60, env={"HORA_TIMEOUT": "20"})
     assert res[0]["first"] == {"type": "KeyboardInterrupt"}, res[0]
     assert res[0]["waited"] >= 0.4  # it went on waiting after the SIGINT (rank 1 came 0.5 s later)
+    for r in res:
+        assert r["value"] == [float(size)] * 4
+        assert r["after"] == [float(size)] * 2
+
+
+
+def _rank_interrupted_in_lane(rank: int, size: int) -> dict[str, Any]:
+    import signal
+    import threading
+
+    import hora.torch as hvd
+    import torch
+    from hora.torch._process_sets import comm_of
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (see above)
+    hvd.init()
+    hvd.allreduce(torch.ones(1), name="first.round")  # the members decide on the ring here
+    lane = comm_of(None, "test").shm_lane
+    out: dict[str, Any] = {}
+    t = torch.ones(4)
+    token = hvd.broadcast_object(uuid.uuid4().hex)
+    flag = Path(tempfile.gettempdir()) / f"hora-test-sigint-lane-{token}"
+    if rank == 0:
+        # a blocking allreduce: this (main) thread runs the lane's operation itself, holding
+        # SIGINT; the interrupt comes once it holds it, and rank 1's part 0.5 s later
+        sent: dict[str, float] = {}
+
+        def interrupt() -> None:
+            while signal.getsignal(signal.SIGINT) != lane.ring._note_sigint:
+                time.sleep(0.005)
+            sent["at"] = time.monotonic()
+            os.kill(os.getpid(), signal.SIGINT)
+            flag.touch()
+
+        threading.Thread(target=interrupt, daemon=True).start()
+        try:
+            hvd.allreduce_(t, op=hvd.Sum, name="held.in.lane")
+            out["first"] = {"type": "no error"}
+        except KeyboardInterrupt:
+            out["first"] = {"type": "KeyboardInterrupt"}
+        out["waited"] = time.monotonic() - sent["at"]
+    else:
+        with lane.turn:  # rank 1's lane holds back until rank 0 was interrupted, then 0.5 s
+            h = hvd.allreduce_async_(t, op=hvd.Sum, name="held.in.lane")
+            deadline = time.monotonic() + 30
+            while not flag.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            flag.unlink()
+            time.sleep(0.5)
+        hvd.synchronize(h)
+        out["first"] = {"type": "no error"}
+    out["value"] = t.tolist()  # the operation completed before the interrupt was raised
+    out["after"] = hvd.allreduce(torch.ones(2), op=hvd.Sum, name="after").tolist()  # in step
+    hvd.shutdown()
+    return out
+
+
+def test_an_interrupt_while_a_blocking_allreduce_runs_the_lane_comes_after_it(
+        run_world: Any) -> None:
+    size = 2
+    res = run_world(__file__, "_rank_interrupted_in_lane", size, timeout=60,
+                    env={"HORA_TIMEOUT": "20"})
+    assert res[0]["first"] == {"type": "KeyboardInterrupt"}, res[0]
+    assert res[0]["waited"] >= 0.4  # it went on with the operation after the SIGINT
+    assert res[1]["first"] == {"type": "no error"}
     for r in res:
         assert r["value"] == [float(size)] * 4
         assert r["after"] == [float(size)] * 2

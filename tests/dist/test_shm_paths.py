@@ -8,6 +8,8 @@ In one healthy world per size (2 and 3 ranks):
   float32/float64/float16/bfloat16/int64/int32/int16/uint8, ops Sum/Average/Min/Max/Product,
   a tensor larger than a slot, out of place (the input is left as it was), a non-contiguous
   tensor in place, and a grouped allreduce;
+* a blocking ``hvd.allreduce`` runs the lane's operations in the calling thread (its own and
+  any queued before it, in launch order) instead of waking the lane's thread and sleeping;
 * a rank that joined serves the others' allreduce through the lane with zeros;
 * an ``allreduce_async`` progresses in the background: rank 0 submits it and then waits,
   without any hora call, for rank 1 to have its result (which needs rank 0's data);
@@ -97,6 +99,36 @@ def _plain(hvd: Any, rank: int) -> dict[str, Any]:
     return out
 
 
+def _in_caller(hvd: Any, rank: int) -> dict[str, Any]:
+    """Who runs the lane's operations of blocking calls, and their order after queued ones."""
+    import threading
+
+    import torch
+    from hora.torch._process_sets import comm_of
+
+    ring = comm_of(None, "test").shm_lane.ring
+    ran_in: list[int] = []
+    real = ring.allreduce_
+
+    def probe(*args: Any, **kwargs: Any) -> Any:  # the real operation, its thread noted
+        ran_in.append(threading.get_ident())
+        return real(*args, **kwargs)
+
+    ring.allreduce_ = probe
+    try:
+        blocking = [hvd.allreduce(torch.full((3,), rank + 1.0), op=hvd.Sum, name=f"blocking.{i}")
+                    for i in range(10)]
+        queued = [hvd.allreduce_async(torch.full((4,), float(rank + i)), op=hvd.Sum,
+                                      name=f"queued.{i}") for i in range(3)]
+        after = hvd.allreduce(torch.full((2,), float(rank)), op=hvd.Sum, name="after.queued")
+        queued_got = [hvd.synchronize(h).tolist() for h in queued]
+    finally:
+        del ring.allreduce_
+    return {"in_caller": sum(t == threading.get_ident() for t in ran_in[:10]),
+            "ran": len(ran_in), "blocking": [b.tolist() for b in blocking],
+            "queued": queued_got, "after": after.tolist()}
+
+
 def _served(hvd: Any, rank: int, size: int) -> list[float]:
     import torch
 
@@ -184,6 +216,7 @@ def _rank_body(rank: int, size: int) -> dict[str, Any]:
     hvd.init()
     out = {
         "plain": _plain(hvd, rank),
+        "in_caller": _in_caller(hvd, rank),
         "served": _served(hvd, rank, size),
         "background": _background(hvd, rank),
         "arena": _train(hvd, rank, hvd.Compression.none, clip=False),
@@ -226,6 +259,21 @@ def test_plain_allreduce_goes_through_the_ring_and_sums_like_gloo(world: Any) ->
         assert p["big"]["exact"] or (n > 2 and p["big"]["diff"] < 1e-4), p["big"]
         for c in [p["strided"], *p["grouped"]]:
             assert c["same_bits"] and (c["exact"] or (n > 2 and c["diff"] < 1e-4)), c
+
+
+def test_a_blocking_allreduce_runs_the_lane_in_the_calling_thread_in_launch_order(
+        world: Any) -> None:
+    n = world.size
+    tri = float(sum(range(n)))  # the ranks' own numbers summed
+    for rank, r in enumerate(world.results(__file__)):
+        c = r["in_caller"]
+        assert c["ran"] == 14, c  # 10 blocking, 3 queued, 1 after them: each ran once
+        # the worker is woken too and may take an operation first on a busy machine; the
+        # calling thread takes the turn when it is free, so most of ten run there
+        assert c["in_caller"] >= 5, c
+        assert c["blocking"] == [[float(n * (n + 1) // 2)] * 3] * 10
+        assert c["queued"] == [[tri + n * i] * 4 for i in range(3)], (rank, c)
+        assert c["after"] == [tri] * 2
 
 
 def test_a_joined_rank_serves_allreduce_through_the_ring(world: Any) -> None:

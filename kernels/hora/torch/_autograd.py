@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from hora.torch import basics
+from hora.torch import _lane, basics
 from hora.torch._collective import Collective
 from hora.torch._gather import allgather_async, alltoall_async, scatter_async
 from hora.torch._grouped import grouped_allgather_async, grouped_scatter_async
@@ -79,7 +79,8 @@ def _reduce(tensor: torch.Tensor, coll: Collective) -> torch.Tensor:
     if tensor.requires_grad and torch.is_grad_enabled():
         comm_of(coll.process_set, Kind.ALLREDUCE)
         return AllreduceFn.apply(tensor, coll)  # type: ignore[no-any-return]
-    return reduce_async(tensor, coll, inplace=False).wait()  # type: ignore[no-any-return]
+    with _lane.Blocking():  # this thread runs the lane's part of it
+        return reduce_async(tensor, coll, inplace=False).wait()  # type: ignore[no-any-return]
 
 
 def _grouped_reduce(tensors: list[torch.Tensor], coll: Collective) -> list[torch.Tensor]:
@@ -87,7 +88,9 @@ def _grouped_reduce(tensors: list[torch.Tensor], coll: Collective) -> list[torch
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         comm_of(coll.process_set, Kind.GROUPED_ALLREDUCE)
         return list(GroupedAllreduceFn.apply(coll, *tensors))
-    return synchronize(grouped_reduce_async(tensors, coll, inplace=False))  # type: ignore[no-any-return]
+    with _lane.Blocking():
+        return synchronize(  # type: ignore[no-any-return]
+            grouped_reduce_async(tensors, coll, inplace=False))
 
 
 class AllreduceFn(torch.autograd.Function):

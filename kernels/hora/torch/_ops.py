@@ -224,7 +224,8 @@ def allreduce_(
         True
     """
     coll = Collective(op, average, name, prescale_factor, postscale_factor, process_set)
-    return reduce_async(tensor, coll, inplace=True).wait()  # type: ignore[no-any-return]
+    with _lane.Blocking():  # this thread runs the lane's part of it
+        return reduce_async(tensor, coll, inplace=True).wait()  # type: ignore[no-any-return]
 
 
 def grouped_reduce_async(
@@ -318,7 +319,9 @@ def grouped_allreduce_(
 ) -> list[torch.Tensor]:
     """Reduce a list of tensors in place in one fused collective; returns the same tensors."""
     coll = Collective(op, average, name, prescale_factor, postscale_factor, process_set)
-    return synchronize(grouped_reduce_async(tensors, coll, inplace=True))  # type: ignore[no-any-return]
+    with _lane.Blocking():
+        return synchronize(  # type: ignore[no-any-return]
+            grouped_reduce_async(tensors, coll, inplace=True))
 
 
 def _broadcast(

@@ -1,0 +1,186 @@
+"""A blocking ``hvd.allreduce_`` through shared memory: its cost per call, this checkout vs another.
+
+Protocol (../shared/BENCH.md). Two ranks on this machine, gloo, one thread each. A *run* is
+one world of fresh processes that measures, per size (8 B to 16 MB), interleaved rounds of
+blocks (a barrier before each block, the row order reversed every other round) of three rows:
+
+* ``hvd``: ``hvd.allreduce_(t, op=Sum)``, the blocking call a script makes (a negotiation
+  round, then the data through the set's lane);
+* ``ring``: ``ring.allreduce_(t)`` on the set's first ring in the calling thread: the data's
+  moves alone, the floor under ``hvd``;
+* ``gloo``: ``dist.all_reduce(t)`` on the same ranks.
+
+With ``--before REF``, runs alternate between this checkout and the ``kernels`` of commit REF
+(``git archive``, first on ``PYTHONPATH``), A B then B A, ``--pairs`` pairs after one warm-up
+pair: both sides run the same script in fresh processes, so the pair's ratio (``before`` µs
+over ``now`` µs for the ``hvd`` row, > 1: faster now) compares the two codes in the same
+minutes of the machine. Correct first: in every run, every row's result equals gloo's.
+Target (with ``--before``): not slower than REF at any size (median speed-up >= 1.0).
+
+Usage: python bench/blocking_allreduce.py [--quick] [--pairs 5] [--before REF]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _world import run_ranks
+
+HERE = Path(__file__).resolve().parent
+SIZES = [8, 64 * 1024, 1024 * 1024, 4 * 1024 * 1024, 16 * 1024 * 1024]
+ROWS = ["hvd", "ring", "gloo"]
+
+
+def _calls(nbytes: int, quick: bool) -> int:
+    n = max(5, min(1000, (64 << 20) // max(nbytes, 1) // 8))
+    return max(3, n // 4) if quick else n
+
+
+def worker(args: argparse.Namespace) -> None:
+    import hora.torch as hvd
+    import torch
+    import torch.distributed as dist
+    from hora.torch._process_sets import comm_of
+
+    torch.set_num_threads(1)
+    hvd.init()
+    hvd.allreduce_(torch.zeros(1), name="set-up")  # the set's first round maps its segment
+    ring = comm_of(None, "bench").shm
+    if ring is None:
+        raise SystemExit("shared memory is not usable by these ranks (HORA_SHM=off?)")
+    out: dict[str, Any] = {"load": [os.getloadavg()[0]], "sizes": {}}
+    for nbytes in SIZES:
+        t = torch.ones(max(1, nbytes // 4))
+        rows = {"hvd": lambda t=t: hvd.allreduce_(t, op=hvd.Sum, name="b"),
+                "ring": lambda t=t: ring.allreduce_(t, "allreduce", "b"),
+                "gloo": lambda t=t: dist.all_reduce(t)}
+        for row, fn in rows.items():  # correct first: each row sums like gloo
+            x = torch.arange(t.numel(), dtype=torch.float32) % 7 + hvd.rank()
+            ref = x.clone()
+            dist.all_reduce(ref)
+            t.copy_(x)
+            fn()
+            if not torch.equal(t, ref):
+                raise SystemExit(f"{row} at {nbytes} bytes differs from gloo's sum")
+        calls = _calls(nbytes, args.quick)
+        per: dict[str, list[float]] = {r: [] for r in ROWS}
+        for r in range(args.rounds + 1):
+            for row in ROWS if r % 2 == 0 else ROWS[::-1]:
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    rows[row]()
+                if r:  # round 0 warms up
+                    per[row].append((time.perf_counter() - t0) / calls * 1e6)
+        out["sizes"][nbytes] = {row: statistics.median(v) for row, v in per.items()}
+    out["load"].append(os.getloadavg()[0])
+    if hvd.rank() == 0:
+        Path(args.out).write_text(json.dumps(out))
+    hvd.shutdown()
+
+
+def _tree(rev: str, into: Path) -> Path:
+    """The ``kernels`` of commit ``rev``, unpacked under ``into``."""
+    archive = subprocess.run(["git", "-C", str(HERE.parent), "archive", rev, "kernels"],
+                             capture_output=True, check=True, timeout=120)
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True, timeout=120)
+    return into / "kernels"
+
+
+def _run(args: argparse.Namespace, kernels: Path | None) -> dict[str, Any]:
+    """One world of two ranks; ``kernels`` first on PYTHONPATH when given (the other code)."""
+    saved = os.environ.get("PYTHONPATH")
+    if kernels is not None:
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(kernels), saved) if p)
+    try:
+        extra = ["--rounds", str(args.rounds)] + (["--quick"] if args.quick else [])
+        return run_ranks(__file__, 2, extra)
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+
+def _fmt(n: int) -> str:
+    return f"{n} B" if n < 1024 else f"{n // 1024} KB" if n < 1 << 20 else f"{n >> 20} MB"
+
+
+def report(runs: list[dict[str, Any]], before: list[dict[str, Any]], ref: str | None) -> dict:
+    loads = [x for r in runs + before for x in r["load"]]
+    print(f"blocking allreduce, 2 ranks, gloo, 1 thread each; {len(runs)} run(s) a side; "
+          f"load average {min(loads):.1f}-{max(loads):.1f}")
+    print("µs a call (median over the runs of each run's median); hvd/ring: what the call adds"
+          " to the data's moves" + (f"; speed-up: {ref}'s hvd over this checkout's, per pair"
+                                    if before else ""))
+    head = f"{'size':>7} {'hvd':>9} {'ring':>9} {'gloo':>9} {'hvd/ring':>9} {'gloo/hvd':>9}"
+    print(head + (f" {'hvd before':>11} {'speed-up med (min..max)':>24}" if before else ""))
+    out: dict[str, Any] = {}
+    for n in SIZES:
+        med = {row: statistics.median(r["sizes"][str(n)][row] for r in runs) for row in ROWS}
+        line = (f"{_fmt(n):>7} {med['hvd']:9.1f} {med['ring']:9.1f} {med['gloo']:9.1f} "
+                f"{med['hvd'] / med['ring']:9.2f} {med['gloo'] / med['hvd']:9.2f}")
+        row = {"hvd_us": med["hvd"], "ring_us": med["ring"], "gloo_us": med["gloo"]}
+        if before:
+            old = statistics.median(r["sizes"][str(n)]["hvd"] for r in before)
+            ups = [b["sizes"][str(n)]["hvd"] / a["sizes"][str(n)]["hvd"]
+                   for a, b in zip(runs, before, strict=True)]
+            sp = statistics.median(ups)
+            line += f" {old:11.1f} {sp:10.2f} ({min(ups):.2f}..{max(ups):.2f})"
+            row.update(before_us=old, speedup=sp, speedup_min=min(ups), speedup_max=max(ups))
+        print(line)
+        out[_fmt(n)] = row
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--quick", action="store_true", help="fewer calls a block, 1 pair")
+    ap.add_argument("--pairs", type=int, default=5, help="timed runs a side (default 5)")
+    ap.add_argument("--rounds", type=int, default=6, help="timed rounds a run (default 6)")
+    ap.add_argument("--before", metavar="REF", help="alternate with the kernels of commit REF")
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    t0 = time.monotonic()
+    pairs = 1 if args.quick else args.pairs
+    runs: list[dict[str, Any]] = []
+    before: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="hora-bench-") as tmp:
+        old = _tree(args.before, Path(tmp)) if args.before else None
+        for p in range(pairs + (1 if old else 0)):  # with --before, pair 0 warms up
+            order = [False] if old is None else [False, True] if p % 2 == 0 else [True, False]
+            got = {side: _run(args, old if side else None) for side in order}
+            if old is not None and p == 0:
+                continue
+            runs.append(got[False])
+            if old is not None:
+                before.append(got[True])
+    table = report(runs, before, args.before)
+    hvd4 = table["4 MB"]
+    worst = min((r["speedup"] for r in table.values()), default=None) if before else None
+    result = {"bench": "blocking_allreduce", "metric": "µs a blocking hvd.allreduce_, 4 MB"
+              + (f", {args.before} / this checkout" if before else ", hvd / ring"),
+              "hora": hvd4["hvd_us"], "baseline": hvd4.get("before_us", hvd4["ring_us"]),
+              "ratio": hvd4.get("speedup", hvd4["ring_us"] / hvd4["hvd_us"]),
+              "target": 1.0 if before else None, "worst_speedup": worst,
+              "pass": None if worst is None else worst >= 1.0,
+              "sizes": table, "wall_s": round(time.monotonic() - t0)}
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
