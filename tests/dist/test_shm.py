@@ -3,8 +3,9 @@
 One healthy world per size checks, in order:
 
 * the ring against gloo's own allreduce of the same tensors: dtypes float32/float64/float16/
-  bfloat16/int64/int32, sizes 0, 1, 7, a slot plus a few elements and 2.5 slots (chunked, odd
-  counts that do not split evenly): every rank ends with the same bits, equal to gloo's sum
+  bfloat16/int64/int32, sizes 0, 1, 7, the last size of the one-barrier path (64 KiB) and one
+  element more, a slot plus a few elements and 2.5 slots (chunked, odd counts that do not
+  split evenly): every rank ends with the same bits, equal to gloo's sum
   (exactly for integers and for 2 ranks; within rounding for 3 floats, summed in another order);
 * ``allgather_ints`` returns every member's list, and None on every member when one list is
   longer than a slot (the engine then falls back to gloo);
@@ -56,7 +57,7 @@ def _data(torch: Any, dtype: Any, numel: int, rank: int) -> Any:
 
 def _ring_vs_gloo(hvd: Any, torch: Any, rank: int) -> dict[str, Any]:
     import torch.distributed as dist
-    from hora.torch import _shm
+    from hora.torch import _shm, _shm_ops
     from hora.torch._process_sets import comm_of
 
     comm = comm_of(None, "test")
@@ -66,7 +67,8 @@ def _ring_vs_gloo(hvd: Any, torch: Any, rank: int) -> dict[str, Any]:
     for name in DTYPES:
         dtype = getattr(torch, name)
         per_slot = ring.slot // dtype.itemsize
-        for numel in (0, 1, 7, per_slot + 5, per_slot * 5 // 2):
+        small = _shm_ops.SMALL_BYTES // dtype.itemsize  # the one-barrier path's last size
+        for numel in (0, 1, 7, small, small + 1, per_slot + 5, per_slot * 5 // 2):
             mine = _data(torch, dtype, numel, rank)
             ref = mine.clone()
             dist.all_reduce(ref, group=comm.group)
@@ -163,7 +165,7 @@ def test_ring_sums_like_gloo_with_the_same_bits_on_every_rank(
     size = len(world)
     for rank, r in enumerate(world):
         cases = {k: v for k, v in r["ring"].items() if "/" in k}
-        assert len(cases) == len(DTYPES) * 5
+        assert len(cases) == len(DTYPES) * 7
         mismatch = r["ring"]["mismatch"]
         assert mismatch["type"] == "TensorMismatchError", mismatch
         assert "reached different tensors" in mismatch["msg"], mismatch

@@ -248,7 +248,7 @@ def test_plain_allreduce_goes_through_the_ring_and_sums_like_gloo(world: Any) ->
         assert p["ring"], "the members did not set up a ring"
         assert len(p["cases"]) == len(DTYPES) * len(OPS) - 4  # no Average of integers
         for key, c in p["cases"].items():
-            assert c["moved"] >= 2, (rank, key, c)  # the lane's barriers: the data's
+            assert c["moved"] >= 1, (rank, key, c)  # the lane's barrier: the data's
             assert c["same_bits"], (rank, key)
             if n == 2 or not key.startswith(("float", "bfloat")):
                 assert c["exact"], (rank, key, c)

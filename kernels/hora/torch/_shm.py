@@ -195,6 +195,13 @@ class Ring:
                                      count=NBUF * n * slot)
         self.bufs = [[self.data[(b * n + i) * slot : (b * n + i + 1) * slot] for i in range(n)]
                      for b in range(NBUF)]
+        # the same slots as int64 memoryviews, for the negotiation tables: a few ints each,
+        # which torch's per-op cost would make 14x slower to write and read
+        raw = memoryview(mm)
+        first = base + self.header
+        self.ints = [[raw[first + (b * n + i) * slot : first + (b * n + i + 1) * slot].cast("q")
+                      for i in range(n)] for b in range(NBUF)]
+        raw.release()
         self.epoch = 0  # barriers passed
         self.seq = 0  # operations started (in the signatures: members an op apart differ)
         self.closed = False
@@ -211,6 +218,10 @@ class Ring:
     def next_buffer(self) -> list[torch.Tensor]:
         """The members' slots (uint8) of the buffer written before the next barrier."""
         return self.bufs[(self.epoch + 1) % NBUF]
+
+    def next_ints(self) -> list[memoryview]:
+        """The same slots as :meth:`next_buffer`, as int64 memoryviews."""
+        return self.ints[(self.epoch + 1) % NBUF]
 
     # -- set-up -------------------------------------------------------------------------------
     def publish_pid(self) -> None:
@@ -242,6 +253,10 @@ class Ring:
         self.closed = True
         self.bufs = []
         self.data = torch.empty(0, dtype=torch.uint8)
+        for row in self.ints:
+            for v in row:
+                v.release()
+        self.ints = []
         self.ctl.release()
         try:
             self.mm.close()
