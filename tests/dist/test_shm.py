@@ -301,9 +301,29 @@ def test_a_member_that_exits_or_aborts_its_group_is_named_at_once(
         assert got["elapsed"] < 10, got  # the timeout is 60 s
 
 
-def _rank_interrupted(rank: int, size: int) -> dict[str, Any]:
+def _interrupt_once_held(ring: Any, flag: Path) -> dict[str, float]:
+    """From a thread: SIGINT this process once ``ring`` holds SIGINT, then touch ``flag``.
+
+    Returns the dict where the thread notes when it sent it (``"at"``).
+    """
     import signal
     import threading
+
+    sent: dict[str, float] = {}
+
+    def interrupt() -> None:
+        while signal.getsignal(signal.SIGINT) != ring._note_sigint:
+            time.sleep(0.005)
+        sent["at"] = time.monotonic()
+        os.kill(os.getpid(), signal.SIGINT)
+        flag.touch()
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    return sent
+
+
+def _rank_interrupted(rank: int, size: int) -> dict[str, Any]:
+    import signal
 
     import hora.torch as hvd
     import torch
@@ -325,16 +345,7 @@ def _rank_interrupted(rank: int, size: int) -> dict[str, Any]:
     token = hvd.broadcast_object(uuid.uuid4().hex)
     flag = Path(tempfile.gettempdir()) / f"hora-test-sigint-{token}"
     if rank == 0:
-        sent: dict[str, float] = {}
-
-        def interrupt() -> None:
-            while signal.getsignal(signal.SIGINT) != ring._note_sigint:
-                time.sleep(0.005)
-            sent["at"] = time.monotonic()
-            os.kill(os.getpid(), signal.SIGINT)
-            flag.touch()
-
-        threading.Thread(target=interrupt, daemon=True).start()
+        sent = _interrupt_once_held(ring, flag)
         try:
             ring.allreduce_(t, "allreduce", "held")
             out["first"] = {"type": "no error"}
@@ -370,7 +381,6 @@ def test_an_interrupt_during_a_wait_is_raised_after_the_operation_ends(run_world
 
 def _rank_interrupted_in_lane(rank: int, size: int) -> dict[str, Any]:
     import signal
-    import threading
 
     import hora.torch as hvd
     import torch
@@ -387,16 +397,7 @@ def _rank_interrupted_in_lane(rank: int, size: int) -> dict[str, Any]:
     if rank == 0:
         # a blocking allreduce: this (main) thread runs the lane's operation itself, holding
         # SIGINT; the interrupt comes once it holds it, and rank 1's part 0.5 s later
-        sent: dict[str, float] = {}
-
-        def interrupt() -> None:
-            while signal.getsignal(signal.SIGINT) != lane.ring._note_sigint:
-                time.sleep(0.005)
-            sent["at"] = time.monotonic()
-            os.kill(os.getpid(), signal.SIGINT)
-            flag.touch()
-
-        threading.Thread(target=interrupt, daemon=True).start()
+        sent = _interrupt_once_held(lane.ring, flag)
         try:
             hvd.allreduce_(t, op=hvd.Sum, name="held.in.lane")
             out["first"] = {"type": "no error"}
