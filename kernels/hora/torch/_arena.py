@@ -19,7 +19,8 @@ Three barriers per step whatever the number of buckets, no copy into or out of t
 every member ends with the same bits (each slice is summed by one member). The arena is set
 up through the ring after the first ``synchronize()`` that reduced a CPU bucket through it
 (every member is then at the same point), sized for the optimizer's buckets; when any member
-cannot map it (``/dev/shm`` full), every member keeps the ring's chunked path.
+cannot map it (``/dev/shm`` full), every member keeps the ring's chunked path, through
+:class:`Work`: a bucket's reduction through the ring, run when waited for, in bucket order.
 """
 
 from __future__ import annotations
@@ -189,3 +190,29 @@ def _share(ring: _shm.Ring, size: int, op: str) -> mmap.mmap | None:
         log.debug("%s: some member cannot map the arena; buckets go through the ring", op)
         return None
     return mm
+
+
+class Work:
+    """A bucket reduced through the ring, not in the arena: it runs when waited for, in order.
+
+    Waiting in bucket order on every rank keeps the members in step; the optimizer's
+    ``synchronize()`` does that. ``get_future()`` completes when the reduction has run.
+    """
+
+    def __init__(self, ring: _shm.Ring, tensor: torch.Tensor, op: str, name: str) -> None:
+        self.ring, self.tensor, self.op, self.name = ring, tensor, op, name
+        self.future: Any = torch.futures.Future()
+        self.done = False
+
+    def wait(self, timeout: Any = None) -> bool:
+        if not self.done:
+            self.done = True
+            self.ring.allreduce_(self.tensor, self.op, self.name)
+            self.future.set_result(None)
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def get_future(self) -> Any:
+        return self.future

@@ -326,7 +326,7 @@ class Reducer:
         elif ring is not None:  # same host, CPU: through shared memory, run in bucket order
             self.used_ring = ring
             label = f"DistributedOptimizer.bucket{b.index}:{b.names[0]}"
-            b.work = launch_planned("allreduce", b.names[0], _shm.Work, ring, b.wire,
+            b.work = launch_planned("allreduce", b.names[0], _arena.Work, ring, b.wire,
                                     "allreduce", label)
         else:
             b.work = launch_planned("allreduce", b.names[0], dist.all_reduce, b.wire,

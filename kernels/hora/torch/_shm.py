@@ -460,32 +460,6 @@ class Ring:
                     f"its process (pid {pid}) exited during {op} {name!r}"))
 
 
-class Work:
-    """A deferred shared-memory allreduce: it runs when waited for (buckets wait in order).
-
-    Waiting in bucket order on every rank keeps the members in step; the optimizer's
-    ``synchronize()`` does that. ``get_future()`` completes when the reduction has run.
-    """
-
-    def __init__(self, ring: Ring, tensor: torch.Tensor, op: str, name: str) -> None:
-        self.ring, self.tensor, self.op, self.name = ring, tensor, op, name
-        self.future: Any = torch.futures.Future()
-        self.done = False
-
-    def wait(self, timeout: Any = None) -> bool:
-        if not self.done:
-            self.done = True
-            self.ring.allreduce_(self.tensor, self.op, self.name)
-            self.future.set_result(None)
-        return True
-
-    def is_completed(self) -> bool:
-        return self.done
-
-    def get_future(self) -> Any:
-        return self.future
-
-
 def ring_of(comm: Any, op: str) -> Ring | None:
     """The process set's segment, set up together by its members on the first call.
 
