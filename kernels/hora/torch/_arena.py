@@ -26,9 +26,11 @@ cannot map it (``/dev/shm`` full), every member keeps the ring's chunked path, t
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import mmap
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -129,18 +131,22 @@ def runs(regions: list[torch.Tensor], sizes: list[tuple[torch.dtype, int]],
     return out
 
 
-class Pass:
-    """A Work for every bucket of one step: waiting for any runs the arena's reduction once."""
+class Deferred:
+    """A torch Work whose reduction runs once, in the thread that first waits for it.
 
-    def __init__(self, arena: Arena) -> None:
-        self.arena = arena
+    Waiting in bucket order on every rank keeps the members in step; the optimizer's
+    ``synchronize()`` does that. ``get_future()`` completes when the reduction has run.
+    """
+
+    def __init__(self, run: Callable[[], object]) -> None:
+        self.run = run
         self.done = False
         self.future: Any = torch.futures.Future()
 
     def wait(self, timeout: Any = None) -> bool:
         if not self.done:
             self.done = True
-            self.arena.reduce("allreduce", "DistributedOptimizer.arena")
+            self.run()
             self.future.set_result(None)
         return True
 
@@ -149,6 +155,21 @@ class Pass:
 
     def get_future(self) -> Any:
         return self.future
+
+
+class Pass(Deferred):
+    """A Work for every bucket of one step: waiting for any runs the arena's reduction once."""
+
+    def __init__(self, arena: Arena) -> None:
+        super().__init__(functools.partial(arena.reduce, "allreduce", "DistributedOptimizer.arena"))
+        self.arena = arena
+
+
+class Work(Deferred):
+    """A bucket reduced through the ring, not in the arena: it runs when waited for, in order."""
+
+    def __init__(self, ring: _shm.Ring, tensor: torch.Tensor, op: str, name: str) -> None:
+        super().__init__(functools.partial(ring.allreduce_, tensor, op, name))
 
 
 def build(ring: _shm.Ring, sizes: list[tuple[torch.dtype, int]], op: str) -> Arena | None:
@@ -191,28 +212,3 @@ def _share(ring: _shm.Ring, size: int, op: str) -> mmap.mmap | None:
         return None
     return mm
 
-
-class Work:
-    """A bucket reduced through the ring, not in the arena: it runs when waited for, in order.
-
-    Waiting in bucket order on every rank keeps the members in step; the optimizer's
-    ``synchronize()`` does that. ``get_future()`` completes when the reduction has run.
-    """
-
-    def __init__(self, ring: _shm.Ring, tensor: torch.Tensor, op: str, name: str) -> None:
-        self.ring, self.tensor, self.op, self.name = ring, tensor, op, name
-        self.future: Any = torch.futures.Future()
-        self.done = False
-
-    def wait(self, timeout: Any = None) -> bool:
-        if not self.done:
-            self.done = True
-            self.ring.allreduce_(self.tensor, self.op, self.name)
-            self.future.set_result(None)
-        return True
-
-    def is_completed(self) -> bool:
-        return self.done
-
-    def get_future(self) -> Any:
-        return self.future

@@ -108,7 +108,9 @@ class Lane:
         self.ring = ring
         self.queue: collections.deque[LaneWork] = collections.deque()
         self.turn = threading.Lock()  # held by whoever runs the ring's operations
-        self.kick = threading.Semaphore(0)  # one release per queued operation, one at close
+        # released per queued operation (or once at a Blocking block's end for what it
+        # queued), when a waiter leaves work behind or cannot take the turn, and at close
+        self.kick = threading.Semaphore(0)
         self.thread: threading.Thread | None = None
         self.closed = False
 
@@ -142,10 +144,10 @@ class Lane:
 
         When the thread holds it, it runs the queue to its end, ``work`` included; when
         another waiter does, it wakes the thread for what it leaves: the caller then waits
-        for ``work``'s end as before. In the main thread a
-        SIGINT is held until the operations run here have ended (each of them ends in step
-        with the members), then raised as KeyboardInterrupt; what is still queued behind
-        ``work`` is left to the worker.
+        for ``work``'s end as before. In the main thread a SIGINT is held until the
+        operations run here have ended (each of them ends in step with the members), then
+        raised as KeyboardInterrupt; what is still queued behind ``work`` is left to the
+        thread.
         """
         if work.done.is_set() or self.closed:
             return
