@@ -13,6 +13,7 @@ service must reap the rest. Needs root.
 
 from __future__ import annotations
 
+import glob
 import shutil
 import subprocess
 import sys
@@ -55,7 +56,14 @@ def _tagged(tag: str) -> list[tuple[int, str]]:
 
 
 def _cgroups(instance: str, job: int) -> list[Path]:
-    return sorted(Path("/sys/fs/cgroup").glob(f"**/hora/{instance}/{job}-*"))
+    """The attempt's cgroup directories (v2, or under each v1 controller).
+
+    Not ``Path.glob("**/...")``: that walks every cgroup on the machine and raises when one
+    goes while it walks (another test's attempt ending); ``glob.glob`` skips what vanished.
+    """
+    found = glob.glob(f"/sys/fs/cgroup/*/hora/{instance}/{job}-*")
+    found += glob.glob(f"/sys/fs/cgroup/hora/{instance}/{job}-*")
+    return sorted(Path(p) for p in found)
 
 
 def _scratch(instance: str, job: int) -> list[Path]:
