@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import random
 import socket
+from collections.abc import Collection
 
-__all__ = ["free_port", "is_local_address", "route_source"]
+__all__ = ["free_port", "free_ports", "is_local_address", "route_source"]
 
 
 _LISTEN_PORTS_LOW = 20000  # hora's rendezvous ports come from [20000, the OS's ephemeral range)
@@ -28,9 +29,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
     The port is drawn at random below the OS's ephemeral range (from 20000 up to
     ``ip_local_port_range``'s first port), so the outgoing connections of other processes
-    and the random ports of ipyparallel's controller (49152 and up) never take it between
-    this choice and the bind that follows seconds later. With no such range (a machine
-    configured otherwise) the OS picks one.
+    never take it between this choice and the bind that follows seconds later (a port the
+    OS picks, as ``bind(0)`` does, lies in that range, where any of them may). With no such
+    range (a machine configured otherwise) the OS picks one.
 
     Args:
         host: the address to probe.
@@ -56,6 +57,21 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def free_ports(n: int, host: str = "127.0.0.1", besides: Collection[int] = ()) -> list[int]:
+    """Return ``n`` distinct ports, each as :func:`free_port` chooses, none of ``besides``.
+
+    Example:
+        >>> ports = free_ports(3)
+        >>> len(set(ports)), set(free_ports(2, besides=ports)) & set(ports)
+        (3, set())
+    """
+    ports: dict[int, None] = {}
+    while len(ports) < n:
+        if (port := free_port(host)) not in besides:
+            ports[port] = None
+    return list(ports)
 
 
 def is_local_address(host: str) -> bool:

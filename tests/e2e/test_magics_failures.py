@@ -350,3 +350,55 @@ def test_hora_frames_are_hidden_from_engine_tracebacks(ip):
     assert "frames inside hora hidden" in text
     assert "hora/torch/" not in text and "_handles.py" not in text
     assert "also failed on rank 1 (same error)" in text
+
+
+def _ephemeral_low() -> int:
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        return int(f.read().split()[0])
+
+
+def test_the_controller_listens_only_below_the_ephemeral_range(ip):
+    """Every port the controller and its heart monitor listen on was chosen by hora below the
+    OS's ephemeral range: ipyparallel's own choice (a port the OS picked, closed, and bound
+    a second later by the forked heart monitor) could be taken meanwhile by any outgoing
+    connection on the machine, leaving engines that register but never hear a heartbeat."""
+    import psutil
+
+    controller = psutil.Process(cluster().launcher._controller.pid)
+    procs = [controller, *controller.children(recursive=True)]
+    listening = {
+        c.laddr.port
+        for p in procs
+        for c in p.net_connections("tcp")
+        if c.status == psutil.CONN_LISTEN
+    }
+    assert len(procs) >= 2 and len(listening) >= 18, (procs, listening)  # hub + heart monitor
+    assert max(listening) < _ephemeral_low(), sorted(listening)
+
+
+def test_a_heart_monitor_that_cannot_bind_ends_the_start_at_once_and_says_why(monkeypatch):
+    """The forked heart monitor binds its ports last; when one is taken, the controller
+    ends, and the start says so with the monitor's error, instead of engines that register,
+    never hear a heartbeat, and give up after their own 50 missed beats."""
+    import socket
+
+    from hora.engines import launchers
+    from hora.net import free_ports
+
+    chosen = free_ports(18)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", chosen[5]))  # the sixth port the controller draws is its ping's
+    taken.listen()
+    monkeypatch.setattr(launchers, "free_ports", lambda n, *a, **k: chosen[:n])
+    before = set(children_of(os.getpid()))
+    c = Cluster(ClusterOptions(n=2, start_timeout_s=60))
+    try:
+        with pytest.raises(EngineStartError) as exc:
+            c.start()
+    finally:
+        taken.close()
+    text = str(exc.value)
+    assert text.startswith("the controller exited"), text
+    assert f"Address already in use (addr='tcp://127.0.0.1:{chosen[5]}')" in text, text
+    assert "the controller's heart monitor failed" in text, text
+    assert wait_gone(set(children_of(os.getpid())) - before, timeout=5) == []

@@ -33,6 +33,8 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
+from collections.abc import Callable
 
 from hora.env import RankEnv
 from hora.procs import signal_group
@@ -161,11 +163,35 @@ def _session_engine() -> None:
     )
 
 
-def _controller(args: list[str]) -> None:
-    from ipyparallel.controller.app import main
+def _or_end_the_controller(start: Callable[..., None]) -> Callable[..., None]:
+    """The heart monitor's entry, which ends the controller when the monitor fails.
 
+    It runs in the process the controller forks, and fails on a port it cannot bind. Left
+    alone, the controller runs on without a heartbeat: engines register, never hear a beat,
+    and give up only after their own 50 missed beats, with a log that does not say why. Ended,
+    the controller's exit and its log (this traceback) say why at once.
+    """
+
+    def run(*args: object, **kwargs: object) -> None:
+        try:
+            start(*args, **kwargs)
+        except Exception:
+            traceback.print_exc()
+            sys.stderr.write("hora: the controller's heart monitor failed; ending the controller\n")
+            sys.stderr.flush()
+            os.kill(os.getppid(), signal.SIGTERM)
+            os._exit(1)
+
+    return run
+
+
+def _controller(args: list[str]) -> None:
+    from ipyparallel.controller import app
+
+    start = app.start_heartmonitor  # type: ignore[attr-defined]
+    app.start_heartmonitor = _or_end_the_controller(start)  # type: ignore[attr-defined]
     sys.argv = ["ipcontroller", *args]
-    main()
+    app.main()
 
 
 def run(argv: list[str]) -> None:

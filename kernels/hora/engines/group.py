@@ -153,7 +153,19 @@ class EngineGroup:
             return True
 
         self.wait_until("waiting for the controller", deadline, have_file)
-        self.client = ipp.Client(info, timeout=max(1.0, deadline - time.perf_counter()))
+        waits = [0.5]
+
+        def answered() -> bool:
+            # asked again, each time for twice as long, while the controller lives: one that
+            # died after writing its file (its heart monitor failed) is reported at once
+            waits.append(min(2 * waits[-1], max(0.1, deadline - time.perf_counter())))
+            try:
+                self.client = ipp.Client(info, timeout=waits[-1])
+            except TimeoutError:
+                return False
+            return True
+
+        self.wait_until("waiting for the controller to answer", deadline, answered)
         self.wait_until(
             f"waiting for {n} engines to register", deadline, lambda: len(self.client.ids) >= n
         )

@@ -36,7 +36,7 @@ from hora.engines.report import log_tail
 from hora.env import new_rdzv_secret
 from hora.kinds import HolderKind
 from hora.leases import Lease, LeaseDir
-from hora.net import free_port
+from hora.net import free_port, free_ports
 from hora.procs import signal_group
 
 MAX_CPU_SLOTS = 4096  # CPU slot names a kernel looks through beyond the engines it wants
@@ -306,7 +306,8 @@ class LocalLauncher(KernelProcesses):
         self._logs_of, self._rounds = {}, 0
         self._rdzv_secret = new_rdzv_secret()  # a replacement engine gets the same one
         # CurveZMQ: the controller writes its public key only into its private connection files
-        argv = plan.controller_argv(directory)
+        ports = free_ports(plan.CONNECTION_PORTS + plan.INTERNAL_PORTS)
+        argv = plan.controller_argv(directory, ports=ports)
         self._controller = self._spawn(argv, plan.controller_env(dict(os.environ)), "controller")
         self.spawn_engines(range(len(devices)), free_port())
         return Launched(len(devices), deadline)

@@ -230,6 +230,8 @@ ENGINE_CHANNELS = ("control", "mux", "task", "iopub", "hb_ping", "hb_pong")
 CLIENT_CHANNELS = ("control", "mux", "task", "iopub", "notification", "broadcast")
 LEAF_SCHEDULERS = 2  # ipyparallel's broadcast tree of depth 1 has two leaves
 CONNECTION_PORTS = 1 + len(ENGINE_CHANNELS) + LEAF_SCHEDULERS + len(CLIENT_CHANNELS)
+# the controller's own links on the loopback: the broadcast tree's two inner nodes, the monitor
+INTERNAL_PORTS = LEAF_SCHEDULERS + 1
 
 
 def connection_files(
@@ -311,12 +313,28 @@ def controller_env(base: Mapping[str, str], keys: tuple[str, str] | None = None)
 
 
 def controller_argv(
-    profile_dir: Path, python: str = sys.executable, reuse: bool = False, ip: str = "127.0.0.1"
+    profile_dir: Path,
+    python: str = sys.executable,
+    reuse: bool = False,
+    ip: str = "127.0.0.1",
+    ports: Sequence[int] = (),
 ) -> list[str]:
     """Return the controller's command line (schedulers in threads, fast heartbeat, on ``ip``).
 
     With ``reuse`` it binds the connection files already in ``profile_dir``. ``ip`` is the
-    loopback unless engines on other machines (Slurm nodes) must reach it.
+    loopback unless engines on other machines (Slurm nodes) must reach it. ``ports`` are the
+    ports it binds for what the files do not name, in its own order (all of them without
+    ``reuse``: :data:`CONNECTION_PORTS` + :data:`INTERNAL_PORTS`; the internal ones with it).
+    Left to itself, ipyparallel asks the OS for a free port, closes it, and binds it later
+    (its heart monitor, in a process it forks, a second or more later): meanwhile any
+    outgoing connection on the machine may take that port as its source, and a heart monitor
+    that cannot bind leaves engines that register but never hear a heartbeat.
+    Ports from :func:`hora.net.free_port` lie below the OS's ephemeral range, where no
+    outgoing connection takes its port.
+
+    Example:
+        >>> controller_argv(Path("/p"), ports=[20001, 20002])[-1]
+        '--IPController.ports=20001,20002'
     """
     return [
         python,
@@ -331,6 +349,7 @@ def controller_argv(
         f"--HeartMonitor.period={HEARTBEAT_MS}",
         f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
         *(["--reuse"] if reuse else []),
+        *([f"--IPController.ports={','.join(map(str, ports))}"] if ports else []),
     ]
 
 

@@ -36,7 +36,7 @@ from hora.engines.launchers import (
     world_file,
 )
 from hora.errors import EngineRunning, HoraError, SpecError
-from hora.net import free_port, is_local_address, route_source
+from hora.net import free_ports, is_local_address, route_source
 from hora.session_wire import (
     EngineConnection,
     EngineReplacement,
@@ -147,9 +147,8 @@ class SessionLauncher(KernelProcesses):
         directory = self._open()
         self.backend = self.options.backend or "gloo"  # the engines' own init already chose
         self.address = self._address()
-        ports: set[int] = set()
-        while len(ports) < plan.CONNECTION_PORTS:
-            ports.add(free_port(self.address))
+        ports = free_ports(plan.CONNECTION_PORTS, self.address)
+        internal = free_ports(plan.INTERNAL_PORTS, besides=ports)  # on the loopback
         keys = plan.curve_keys()  # the public key goes only to the service, in the request
         engine, client = plan.connection_files(
             sorted(ports), str(uuid.uuid4()), socket.gethostname(), self.address, keys[0]
@@ -160,7 +159,7 @@ class SessionLauncher(KernelProcesses):
             path = security / f"ipcontroller-{plan.CLUSTER_ID}-{name}.json"
             with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
                 json.dump(info, f)
-        argv = plan.controller_argv(directory, reuse=True, ip=self.address)
+        argv = plan.controller_argv(directory, reuse=True, ip=self.address, ports=internal)
         self._controller = self._spawn(argv, plan.controller_env(os.environ, keys), "controller")
         return engine
 
