@@ -4,15 +4,37 @@ from __future__ import annotations
 
 import random
 import socket
+import threading
+import time
 from collections.abc import Collection
 
-__all__ = ["free_port", "free_ports", "is_local_address", "route_source"]
+__all__ = ["PortHold", "free_port", "free_ports", "hold_ports", "is_local_address", "route_source"]
 
 
 _LISTEN_PORTS_LOW = 20000  # hora's rendezvous ports come from [20000, the OS's ephemeral range)
 
 
 _PORT_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+# Ports this process handed out lately, and when. A port is bound seconds after it is drawn
+# (a controller binds its heart monitor's last); until then a second draw here could return
+# it again (a rendezvous port drawn just after the controller's), and one of the two binds
+# would fail. Each port is held back from later draws for _HOLD_S.
+_HOLD_S = 300.0
+_GIVEN: dict[int, float] = {}
+_GIVEN_LOCK = threading.Lock()
+
+
+def _hand_out(port: int) -> bool:
+    """Note ``port`` as handed out now; False if this process handed it out within ``_HOLD_S``."""
+    now = time.monotonic()
+    with _GIVEN_LOCK:
+        for old in [p for p, at in _GIVEN.items() if now - at > _HOLD_S]:
+            del _GIVEN[old]
+        if port in _GIVEN:
+            return False
+        _GIVEN[port] = now
+        return True
 
 
 def _ephemeral_low(path: str = _PORT_RANGE) -> int:
@@ -30,8 +52,9 @@ def free_port(host: str = "127.0.0.1") -> int:
     The port is drawn at random below the OS's ephemeral range (from 20000 up to
     ``ip_local_port_range``'s first port), so the outgoing connections of other processes
     never take it between this choice and the bind that follows seconds later (a port the
-    OS picks, as ``bind(0)`` does, lies in that range, where any of them may). With no such
-    range (a machine configured otherwise) the OS picks one.
+    OS picks, as ``bind(0)`` does, lies in that range, where any of them may). A port this
+    process handed out in the last five minutes is not handed out again (it may not be bound
+    yet). With no such range (a machine configured otherwise) the OS picks one.
 
     Args:
         host: the address to probe.
@@ -53,6 +76,7 @@ def free_port(host: str = "127.0.0.1") -> int:
                     s.bind((host, port))
                 except OSError:
                     continue
+            if _hand_out(port):
                 return port
     with socket.socket() as s:
         s.bind((host, 0))
@@ -72,6 +96,60 @@ def free_ports(n: int, host: str = "127.0.0.1", besides: Collection[int] = ()) -
         if (port := free_port(host)) not in besides:
             ports[port] = None
     return list(ports)
+
+
+class PortHold:
+    """Ports kept bound here, not listening, until a process started later binds them.
+
+    Each socket has ``SO_REUSEADDR`` and does not listen, so the process the ports are for
+    (a controller: ZeroMQ binds with ``SO_REUSEADDR``) binds and listens on them at once,
+    while :func:`free_port`, in this process or any other (a second notebook, the service,
+    another user's kernel), fails its probe on them and draws another: two of hora's draws
+    on one machine never give the same port while it is held. Release it once the ports are
+    bound (a held port is otherwise lost to the machine's other hora processes).
+    """
+
+    def __init__(self, sockets: list[socket.socket]) -> None:
+        self._sockets = sockets
+        self.ports: list[int] = [int(s.getsockname()[1]) for s in sockets]
+
+    def release(self) -> None:
+        """Close the placeholders (harmless twice)."""
+        for s in self._sockets:
+            s.close()
+        self._sockets = []
+
+
+def hold_ports(n: int, host: str = "127.0.0.1", besides: Collection[int] = ()) -> PortHold:
+    """Return ``n`` distinct ports as :func:`free_ports` chooses, held until released.
+
+    Example:
+        >>> hold = hold_ports(2)
+        >>> probe = socket.socket()
+        >>> probe.bind(("127.0.0.1", hold.ports[0]))
+        Traceback (most recent call last):
+        OSError: [Errno 98] Address already in use
+        >>> probe.close(); hold.release()
+    """
+    held: list[socket.socket] = []
+    try:
+        while len(held) < n:
+            port = free_port(host)
+            if port in besides or any(port == s.getsockname()[1] for s in held):
+                continue
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError:  # taken since the probe: draw another
+                s.close()
+                continue
+            held.append(s)
+    except BaseException:
+        for s in held:
+            s.close()
+        raise
+    return PortHold(held)
 
 
 def is_local_address(host: str) -> bool:

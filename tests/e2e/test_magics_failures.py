@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 from _magics_util import alive, children_of, group_members, wait_gone
@@ -383,13 +385,14 @@ def test_a_heart_monitor_that_cannot_bind_ends_the_start_at_once_and_says_why(mo
     import socket
 
     from hora.engines import launchers
-    from hora.net import free_ports
 
-    chosen = free_ports(18)
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", chosen[5]))  # the sixth port the controller draws is its ping's
+    hold = launchers.hold_ports(18)
+    ping = hold.ports[5]  # the sixth port the controller binds is its heart monitor's ping
+    taken = socket.socket()  # a process that ignores hora's placeholder (SO_REUSEADDR) and
+    taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # listens there first
+    taken.bind(("127.0.0.1", ping))
     taken.listen()
-    monkeypatch.setattr(launchers, "free_ports", lambda n, *a, **k: chosen[:n])
+    monkeypatch.setattr(launchers, "hold_ports", lambda n, *a, **k: hold)
     before = set(children_of(os.getpid()))
     c = Cluster(ClusterOptions(n=2, start_timeout_s=60))
     try:
@@ -399,6 +402,66 @@ def test_a_heart_monitor_that_cannot_bind_ends_the_start_at_once_and_says_why(mo
         taken.close()
     text = str(exc.value)
     assert text.startswith("the controller exited"), text
-    assert f"Address already in use (addr='tcp://127.0.0.1:{chosen[5]}')" in text, text
+    assert f"Address already in use (addr='tcp://127.0.0.1:{ping}')" in text, text
     assert "the controller's heart monitor failed" in text, text
     assert wait_gone(set(children_of(os.getpid())) - before, timeout=5) == []
+
+
+_BIND_EACH = """
+import socket, sys
+for port in map(int, sys.argv[1:]):
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+    print(port)
+"""
+
+
+def _bindable_elsewhere(ports):
+    """The ``ports`` another process can bind as :func:`hora.net.free_port` probes them."""
+    out = subprocess.run(
+        [sys.executable, "-c", _BIND_EACH, *map(str, ports)],
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout  # fmt: skip
+    return sorted(map(int, out.split()))
+
+
+def _my_sockets():
+    """The inodes of this process's open sockets."""
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # the directory's own fd, gone by now
+            continue
+    return {link for link in links if link.startswith("socket:")}
+
+
+def test_the_controllers_ports_are_held_from_the_draw_until_it_listens(monkeypatch):
+    """From hora's draw until the controller binds them (its heart monitor a second or more
+    later), the ports are held: another process's draw (a second notebook, the service, a
+    test beside this one) cannot get them, as one did in CI once (a heart monitor's port
+    taken, the controller ended). Once the cluster has started, nothing holds them."""
+    from hora.engines import launchers
+
+    held = []
+    real = launchers.hold_ports
+
+    def spy(n, *a, **k):
+        before = _my_sockets()
+        hold = real(n, *a, **k)
+        held.extend(_my_sockets() - before)
+        assert len(held) == n == len(hold.ports)
+        assert _bindable_elsewhere(hold.ports) == [], "a held port was free to another process"
+        return hold
+
+    monkeypatch.setattr(launchers, "hold_ports", spy)
+    c = Cluster(ClusterOptions(n=2, timeout_s=15))
+    c.start()
+    try:
+        assert held and not _my_sockets() & set(held), "the placeholders outlived the start"
+        assert c.run("print(hvd.size())").stdout == {0: "2\n", 1: "2\n"}
+    finally:
+        c.stop()

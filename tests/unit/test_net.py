@@ -52,3 +52,49 @@ def test_an_unreadable_range_falls_back_to_linuxs_default(
     assert net._ephemeral_low(str(where)) == 32768
     where.write_text("40000\t60999\n")
     assert net._ephemeral_low(str(where)) == 40000
+
+
+def test_a_port_handed_out_is_not_handed_out_again_before_it_is_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the launcher draws the controller's ports, then the engines' rendezvous port, before
+    # anything binds them: the same draw twice must not give the same port twice
+    monkeypatch.setattr(net, "_GIVEN", {})
+    first = net.free_port()
+    draws = iter([first, first])
+    real = net.random.randrange
+    monkeypatch.setattr(net.random, "randrange", lambda a, b: next(draws, None) or real(a, b))
+    second = net.free_port()
+    assert second != first
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", first))  # it was free all along: only the hold refused it
+    monkeypatch.setattr(net.time, "monotonic", lambda: 1e12)  # long after: given again
+    draws = iter([first])
+    assert net.free_port() == first
+
+
+def test_a_held_port_is_refused_to_other_draws_but_binds_for_the_process_it_is_for() -> None:
+    import subprocess
+    import sys
+
+    import zmq
+
+    hold = net.hold_ports(3, besides=[net.free_port()])
+    assert len(set(hold.ports)) == 3
+    probe = "import socket, sys; socket.socket().bind(('127.0.0.1', int(sys.argv[1])))"
+    other = subprocess.run([sys.executable, "-c", probe, str(hold.ports[0])], capture_output=True)
+    assert b"Address already in use" in other.stderr  # free_port's probe elsewhere fails
+    ctx = zmq.Context()
+    try:
+        server = ctx.socket(zmq.ROUTER)
+        server.bind(f"tcp://127.0.0.1:{hold.ports[1]}")  # the controller binds and listens
+        client = ctx.socket(zmq.DEALER)
+        client.connect(f"tcp://127.0.0.1:{hold.ports[1]}")
+        client.send(b"beat")
+        assert server.poll(5000) and server.recv_multipart()[-1] == b"beat"
+    finally:
+        ctx.destroy(linger=0)
+    hold.release()
+    hold.release()  # harmless twice
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", hold.ports[2]))  # never bound by anyone else: free once released

@@ -36,7 +36,7 @@ from hora.engines.report import log_tail
 from hora.env import new_rdzv_secret
 from hora.kinds import HolderKind
 from hora.leases import Lease, LeaseDir
-from hora.net import free_port, free_ports
+from hora.net import PortHold, free_port, hold_ports
 from hora.procs import signal_group
 
 MAX_CPU_SLOTS = 4096  # CPU slot names a kernel looks through beyond the engines it wants
@@ -150,6 +150,7 @@ class KernelProcesses:
         self._procs: list[subprocess.Popen[bytes]] = []
         self._logs: list[IO[bytes]] = []
         self._pending: list[tuple[int, EngineProcess]] = []
+        self._holds: list[PortHold] = []
 
     @property
     def workdir(self) -> Path | None:
@@ -160,6 +161,17 @@ class KernelProcesses:
     def pids(self) -> list[int]:
         """The pids of the processes started here (controller, local engines)."""
         return [p.pid for p in self._procs]
+
+    def _hold(self, n: int, host: str = "127.0.0.1", besides: Sequence[int] = ()) -> list[int]:
+        """``n`` ports for the controller, held (:class:`hora.net.PortHold`) until started."""
+        hold = hold_ports(n, host, besides)
+        self._holds.append(hold)
+        return hold.ports
+
+    def _release_ports(self) -> None:
+        for hold in self._holds:
+            hold.release()
+        self._holds = []
 
     def _open(self) -> Path:
         self._dir = Path(tempfile.mkdtemp(prefix="hora-engines-"))
@@ -206,7 +218,8 @@ class KernelProcesses:
                 )
 
     def started(self, devices: Sequence[str]) -> None:
-        """Nothing to note: the backend was chosen at launch."""
+        """The controller has bound its ports: let the placeholders go."""
+        self._release_ports()
 
     def ended(self, procs: Sequence[EngineProcess]) -> str | None:
         """None: engines started here can always be replaced."""
@@ -229,6 +242,7 @@ class KernelProcesses:
         # engines are killed outright: their state is discarded anyway, and SIGTERM makes a
         # torch engine spend a second in teardown (and sometimes abort) for nothing
         kill(self._procs)
+        self._release_ports()
         for f in self._logs:
             f.close()
         if self._dir is not None:
@@ -306,7 +320,7 @@ class LocalLauncher(KernelProcesses):
         self._logs_of, self._rounds = {}, 0
         self._rdzv_secret = new_rdzv_secret()  # a replacement engine gets the same one
         # CurveZMQ: the controller writes its public key only into its private connection files
-        ports = free_ports(plan.CONNECTION_PORTS + plan.INTERNAL_PORTS)
+        ports = self._hold(plan.CONNECTION_PORTS + plan.INTERNAL_PORTS)
         argv = plan.controller_argv(directory, ports=ports)
         self._controller = self._spawn(argv, plan.controller_env(dict(os.environ)), "controller")
         self.spawn_engines(range(len(devices)), free_port())

@@ -36,7 +36,7 @@ from hora.engines.launchers import (
     world_file,
 )
 from hora.errors import EngineRunning, HoraError, SpecError
-from hora.net import free_ports, is_local_address, route_source
+from hora.net import is_local_address, route_source
 from hora.session_wire import (
     EngineConnection,
     EngineReplacement,
@@ -147,8 +147,8 @@ class SessionLauncher(KernelProcesses):
         directory = self._open()
         self.backend = self.options.backend or "gloo"  # the engines' own init already chose
         self.address = self._address()
-        ports = free_ports(plan.CONNECTION_PORTS, self.address)
-        internal = free_ports(plan.INTERNAL_PORTS, besides=ports)  # on the loopback
+        ports = self._hold(plan.CONNECTION_PORTS, self.address)
+        internal = self._hold(plan.INTERNAL_PORTS, besides=ports)  # on the loopback
         keys = plan.curve_keys()  # the public key goes only to the service, in the request
         engine, client = plan.connection_files(
             sorted(ports), str(uuid.uuid4()), socket.gethostname(), self.address, keys[0]
@@ -306,6 +306,7 @@ class SessionLauncher(KernelProcesses):
 
     def started(self, devices: Sequence[str]) -> None:
         """The engines chose their backend by their devices; they are idle from now."""
+        super().started(devices)
         self.backend = "nccl" if devices[0].startswith("cuda") else "gloo"
         self.last_active = time.monotonic()
 
