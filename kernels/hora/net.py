@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Collection
 
-__all__ = ["PortHold", "free_port", "free_ports", "hold_ports", "is_local_address", "route_source"]
+__all__ = ["PortHold", "free_port", "hold_ports", "is_local_address", "route_source"]
 
 
 _LISTEN_PORTS_LOW = 20000  # hora's rendezvous ports come from [20000, the OS's ephemeral range)
@@ -83,21 +83,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def free_ports(n: int, host: str = "127.0.0.1", besides: Collection[int] = ()) -> list[int]:
-    """Return ``n`` distinct ports, each as :func:`free_port` chooses, none of ``besides``.
-
-    Example:
-        >>> ports = free_ports(3)
-        >>> len(set(ports)), set(free_ports(2, besides=ports)) & set(ports)
-        (3, set())
-    """
-    ports: dict[int, None] = {}
-    while len(ports) < n:
-        if (port := free_port(host)) not in besides:
-            ports[port] = None
-    return list(ports)
-
-
 class PortHold:
     """Ports kept bound here, not listening, until a process started later binds them.
 
@@ -121,7 +106,9 @@ class PortHold:
 
 
 def hold_ports(n: int, host: str = "127.0.0.1", besides: Collection[int] = ()) -> PortHold:
-    """Return ``n`` distinct ports as :func:`free_ports` chooses, held until released.
+    """Return ``n`` distinct ports, held (:class:`PortHold`) until released.
+
+    Each is drawn as :func:`free_port` draws one; none is one of ``besides``.
 
     Example:
         >>> hold = hold_ports(2)
