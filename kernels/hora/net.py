@@ -6,7 +6,6 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Collection
 
 __all__ = ["PortHold", "free_port", "hold_ports", "is_local_address", "route_source"]
 
@@ -67,20 +66,36 @@ def free_port(host: str = "127.0.0.1") -> int:
         >>> 0 < free_port() < 65536
         True
     """
+    with _drawn(host) as s:
+        return int(s.getsockname()[1])
+
+
+def _drawn(host: str) -> socket.socket:
+    """A socket bound (plainly) to a port drawn as :func:`free_port` says; the caller closes it.
+
+    A plain bind is the probe: it fails on a port any process listens on or holds
+    (:class:`PortHold`), and on one this process handed out lately.
+    """
     low = _ephemeral_low()
     if low - _LISTEN_PORTS_LOW >= 1000:
         for _ in range(64):
             port = random.randrange(_LISTEN_PORTS_LOW, low)
-            with socket.socket() as s:
-                try:
-                    s.bind((host, port))
-                except OSError:
-                    continue
+            s = socket.socket()
+            try:
+                s.bind((host, port))
+            except OSError:
+                s.close()
+                continue
             if _hand_out(port):
-                return port
-    with socket.socket() as s:
+                return s
+            s.close()
+    s = socket.socket()
+    try:
         s.bind((host, 0))
-        return int(s.getsockname()[1])
+    except BaseException:
+        s.close()
+        raise
+    return s
 
 
 class PortHold:
@@ -105,10 +120,12 @@ class PortHold:
         self._sockets = []
 
 
-def hold_ports(n: int, host: str = "127.0.0.1", besides: Collection[int] = ()) -> PortHold:
+def hold_ports(n: int, host: str = "127.0.0.1") -> PortHold:
     """Return ``n`` distinct ports, held (:class:`PortHold`) until released.
 
-    Each is drawn as :func:`free_port` draws one; none is one of ``besides``.
+    Each is drawn as :func:`free_port` draws one, and the probe's own socket is kept, given
+    ``SO_REUSEADDR`` once bound (see :class:`PortHold`); the ports differ from each other and
+    from every port this process handed out lately, whatever ``host`` each was held on.
 
     Example:
         >>> hold = hold_ports(2)
@@ -121,17 +138,8 @@ def hold_ports(n: int, host: str = "127.0.0.1", besides: Collection[int] = ()) -
     held: list[socket.socket] = []
     try:
         while len(held) < n:
-            port = free_port(host)
-            if port in besides or any(port == s.getsockname()[1] for s in held):
-                continue
-            s = socket.socket()
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((host, port))
-            except OSError:  # taken since the probe: draw another
-                s.close()
-                continue
-            held.append(s)
+            held.append(_drawn(host))
+            held[-1].setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     except BaseException:
         for s in held:
             s.close()

@@ -162,9 +162,9 @@ class KernelProcesses:
         """The pids of the processes started here (controller, local engines)."""
         return [p.pid for p in self._procs]
 
-    def _hold(self, n: int, host: str = "127.0.0.1", besides: Sequence[int] = ()) -> list[int]:
+    def _hold(self, n: int, host: str = "127.0.0.1") -> list[int]:
         """``n`` ports for the controller, held (:class:`hora.net.PortHold`) until started."""
-        hold = hold_ports(n, host, besides)
+        hold = hold_ports(n, host)
         self._holds.append(hold)
         return hold.ports
 

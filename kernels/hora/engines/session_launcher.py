@@ -148,7 +148,7 @@ class SessionLauncher(KernelProcesses):
         self.backend = self.options.backend or "gloo"  # the engines' own init already chose
         self.address = self._address()
         ports = self._hold(plan.CONNECTION_PORTS, self.address)
-        internal = self._hold(plan.INTERNAL_PORTS, besides=ports)  # on the loopback
+        internal = self._hold(plan.INTERNAL_PORTS)  # on the loopback; never one of ``ports``
         keys = plan.curve_keys()  # the public key goes only to the service, in the request
         engine, client = plan.connection_files(
             sorted(ports), str(uuid.uuid4()), socket.gethostname(), self.address, keys[0]
