@@ -3,7 +3,8 @@
 Steps (in this order; each a program that ends with one JSON line ``{"step": ..., "pass":
 ...}``, except the CUDA-marked tests, read from pytest's summary):
 
-1. ``cuda_tests``: the tests marked ``cuda`` (``pytest -m cuda tests``).
+1. ``cuda_tests``: the tests marked ``cuda`` (``pytest -m cuda`` on the modules that mark
+   any, so that collecting needs no more than hora's own dependencies).
 2. ``nccl_world1``: hora.torch on NCCL at world size 1 (bench/gpu/nccl_world1.py).
 3. ``notebook``: ``%%distributed -n 1`` on the GPU through nbclient; the model stays on the
    GPU between cells (bench/gpu/notebook_gpu.py).
@@ -90,9 +91,19 @@ def _script(name: str) -> Callable[[Context], tuple[list[str] | None, str]]:
     return argv
 
 
+def cuda_test_files(root: Path) -> list[Path]:
+    """The test modules that mark tests ``cuda`` (collecting only these needs only hora's own
+    dependencies, not the whole suite's: a GPU machine has torch but not, say, playwright)."""
+    return sorted(p for p in (root / "tests").rglob("test_*.py")
+                  if "pytest.mark.cuda" in p.read_text(errors="replace"))
+
+
 def _cuda_tests(ctx: Context) -> tuple[list[str] | None, str]:
+    files = cuda_test_files(ctx.root)
+    if not files:
+        return None, "no test is marked cuda"
     return [ctx.python, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
-            str(ctx.root / "tests")], ""
+            *map(str, files)], ""
 
 
 def _park(ctx: Context) -> tuple[list[str] | None, str]:

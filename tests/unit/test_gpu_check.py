@@ -48,3 +48,27 @@ def test_a_step_whose_program_cannot_run_fails_the_dry_run(tmp_path: Path) -> No
     assert last["failed"] == ["nccl_world1"]
     row = next(ln for ln in report.splitlines() if ln.startswith("| nccl_world1 |"))
     assert "cannot run" in row
+
+
+def test_the_cuda_step_collects_only_the_modules_that_mark_tests_cuda(tmp_path: Path) -> None:
+    # a GPU machine has torch but not the whole suite's dependencies (playwright, schemathesis):
+    # collecting every module there would fail on imports that no CUDA test needs
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("_gpu_check", ROOT / "bench/gpu/check.py")
+    assert spec is not None and spec.loader is not None
+    check = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # for its dataclasses
+    spec.loader.exec_module(check)
+    tests = tmp_path / "tests" / "e2e"
+    tests.mkdir(parents=True)
+    (tests / "test_gpu.py").write_text("import pytest\npytestmark = pytest.mark.cuda\n")
+    (tests / "test_web.py").write_text("import playwright\n")
+    ctx = check.Context(tmp_path, "python", gpus=1, docker=False, image=None)
+    argv, _ = check._cuda_tests(ctx)
+    assert argv[-5:] == ["-m", "cuda", "-p", "no:cacheprovider",
+                         str(tests / "test_gpu.py")]
+    assert check._cuda_tests(check.Context(tmp_path / "none", "python", 1, False, None)) == (
+        None, "no test is marked cuda")
+    # the real suite: the NCCL engine test is among them
+    assert ROOT / "tests/e2e/test_magics_cuda.py" in check.cuda_test_files(ROOT)
