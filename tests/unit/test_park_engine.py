@@ -184,3 +184,27 @@ def test_a_resumed_engine_reads_its_part_while_it_starts(
 def test_at_another_size_every_rank_restores_rank_0s_part() -> None:
     assert [park.part_of(r, 3, 2) for r in range(3)] == [0, 0, 0]
     assert [park.part_of(r, 2, 2) for r in range(2)] == [0, 1]
+
+
+def test_storages_written_on_a_gpu_are_moved_to_the_ranks_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A snapshot of CUDA tensors records each storage's location as "cuda:N"; the restore moves
+    # such storages to the rank's device (bench/gpu/park_cuda.py found the call refused on an
+    # H200). No GPU here: the location is written as "cuda:0" and the rank's device is the CPU.
+    tensors = {"w": torch.arange(6.0).reshape(2, 3)}
+    buf = io.BytesIO()
+    with monkeypatch.context() as m:
+        m.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        torch.save(tensors, buf)
+    buf.seek(0)
+    seen: list[str] = []
+    place = park._to_device(torch.device("cpu"))
+
+    def spy(storage: Any, location: str) -> Any:
+        seen.append(location)
+        return place(storage, location)
+
+    back = torch.load(buf, map_location=spy, weights_only=False)
+    assert seen == ["cuda:0"]
+    assert back["w"].device == torch.device("cpu") and torch.equal(back["w"], tensors["w"])

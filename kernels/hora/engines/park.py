@@ -486,7 +486,7 @@ def _verified(path: Path, size: int, crc: int, timeout: float) -> float:
 
 def _to_device(device: Any) -> Any:
     def place(storage: Any, location: str) -> Any:
-        return storage.to(device) if location.startswith("cuda") else storage
+        return storage.to(device=device) if location.startswith("cuda") else storage
 
     return place
 
