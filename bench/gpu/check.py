@@ -127,7 +127,7 @@ STEPS = [
     Step("notebook", "%%distributed -n 1 on the GPU through nbclient",
          _script("notebook_gpu.py"), 120, True),
     Step("optimizer_overhead", "DistributedOptimizer at 1 rank vs plain single-GPU training",
-         _script("optimizer_overhead.py"), 90, True),
+         _script("optimizer_overhead.py"), 150, True),
     Step("preflight_nccl", "the preflight's NCCL row", _script("preflight_nccl.py"), 60),
     Step("park_cuda", "park/resume of CUDA tensors", _park, 120, True),
     Step("gpu_image", "hora image build --gpu, torch.cuda.is_available() inside", _image, 420),
