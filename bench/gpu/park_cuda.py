@@ -174,6 +174,10 @@ def run(cells: Cells, mb: float, pairs: int) -> dict[str, Any]:
         "pass": bool(checked["ok"]), "checks": checked, "bytes": checked["bytes"],
         "park_ratio": statistics.median(park_r), "resume_ratio": statistics.median(resume_r),
         "gpu": os.environ.get("CUDA_VISIBLE_DEVICES", "all"),
+        "summary": (f"{checked['bytes'] / 1e6:.0f} MB back on {cells.device}, shared, same next "
+                    f"draw; park {statistics.median(park_r):.2f}x, resume "
+                    f"{statistics.median(resume_r):.2f}x of by hand" if checked["ok"] else
+                    "not everything came back as it was: see checks"),
     }
 
 

@@ -6,9 +6,11 @@ a step whose program cannot run fails the dry run instead of being skipped quiet
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +55,6 @@ def test_a_step_whose_program_cannot_run_fails_the_dry_run(tmp_path: Path) -> No
 def test_the_cuda_step_collects_only_the_modules_that_mark_tests_cuda(tmp_path: Path) -> None:
     # a GPU machine has torch but not the whole suite's dependencies (playwright, schemathesis):
     # collecting every module there would fail on imports that no CUDA test needs
-    import importlib.util
-    import sys
-
     spec = importlib.util.spec_from_file_location("_gpu_check", ROOT / "bench/gpu/check.py")
     assert spec is not None and spec.loader is not None
     check = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # for its dataclasses
@@ -72,3 +71,25 @@ def test_the_cuda_step_collects_only_the_modules_that_mark_tests_cuda(tmp_path: 
         None, "no test is marked cuda")
     # the real suite: the NCCL engine test is among them
     assert ROOT / "tests/e2e/test_magics_cuda.py" in check.cuda_test_files(ROOT)
+
+
+def test_the_optimizer_overhead_is_timed_only_where_identical_runs_agree() -> None:
+    # figures of the launch-bound and the GPU-bound shape as an H200 gave them (bench/RESULTS.md)
+    where = ROOT / "bench" / "gpu" / "optimizer_overhead.py"
+    spec = importlib.util.spec_from_file_location("_overhead", where)
+    assert spec is not None and spec.loader is not None
+    overhead = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(overhead)
+
+    def shape(o: float, aa: tuple[float, float], wrapper_us: float) -> dict[str, Any]:
+        return {"overhead": {"median": o}, "aa": {"min": aa[0], "max": aa[1]},
+                "wrapper_us": wrapper_us, "step_us": 1500.0}
+
+    # the A/A rounds agree within 2 %: the timed median decides, either way
+    assert overhead.judge(shape(0.0002, (-0.001, 0.001), 6.0)) == (True, "timed")
+    assert overhead.judge(shape(0.03, (-0.001, 0.001), 6.0)) == (False, "timed")
+    # two identical trainings differ by +-20 %: the wrapper's cost a step decides
+    ok, by = overhead.judge(shape(0.0234, (-0.193, 0.198), 1.7))
+    assert ok and by.startswith("wrapper")
+    ok, by = overhead.judge(shape(0.0, (-0.193, 0.198), 45.0))  # 3 % of a step
+    assert not ok and by.startswith("wrapper")
