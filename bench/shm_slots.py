@@ -12,7 +12,8 @@ Prints, per size, the copy's GB/s and each slot's busbw (median over the rounds)
 JSON line: the best slot against the current one (``SLOT_MAX`` as shipped), per size. The
 "target" is the current slot being within 10 % of the best at every size >= 4 MB.
 
-Usage: python bench/shm_slots.py [--pairs 9] [--slots 512,1024,2048,4096] (KiB)
+Usage: python bench/shm_slots.py [--quick] [--pairs 9] [--slots 512,1024,2048,4096] (KiB)
+(``--quick``: 1 and 4 MiB slots, 4 and 16 MB, 3 rounds.)
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from _world import run_ranks
 
 MB = 1024 * 1024
 SIZES = [1 * MB, 4 * MB, 16 * MB, 64 * MB, 256 * MB]
+QUICK_SIZES = [4 * MB, 16 * MB]
 SHM = Path(__file__).resolve().parent.parent / "kernels" / "hora" / "torch" / "_shm.py"
 
 
@@ -65,7 +67,7 @@ def worker(args: argparse.Namespace) -> None:
     rings = {str(s): _ring(s, comm) for s in slots}
     rows = ["copy", *rings]
     out: dict[str, Any] = {"load": [os.getloadavg()[0]], "sizes": {}}
-    for nbytes in SIZES:
+    for nbytes in QUICK_SIZES if args.quick else SIZES:
         t, src, dst = (torch.ones(nbytes // 4) for _ in range(3))
         x = torch.arange(t.numel(), dtype=torch.float32) % 251 + hvd.rank()
         ref = x.clone()
@@ -98,6 +100,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="2 slots, 2 sizes, 3 rounds")
     p.add_argument("--pairs", type=int, default=9, help="timed rounds per size")
     p.add_argument("--slots", default="512,1024,2048,4096", help="slot sizes, KiB")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -108,8 +111,12 @@ def main() -> int:
         return 0
     from hora.torch import _shm
 
+    if args.quick:
+        args.pairs, args.slots = 3, "1024,4096"
+
     current = str(_shm.slot_bytes(2))
-    data = run_ranks(__file__, 2, ["--pairs", str(args.pairs), "--slots", args.slots])
+    data = run_ranks(__file__, 2, ["--pairs", str(args.pairs), "--slots", args.slots]
+                     + (["--quick"] if args.quick else []))
     names = [str(int(s) * 1024) for s in args.slots.split(",")]
     print(f"2 ranks, 1 thread each; load average {data['load'][0]:.1f} -> {data['load'][1]:.1f};"
           " busbw GB/s by slot (median over rounds); copy: GB/s of a copy of the size")
