@@ -98,3 +98,26 @@ def test_a_held_port_is_refused_to_other_draws_but_binds_for_the_process_it_is_f
     hold.release()  # harmless twice
     with socket.socket() as s:
         s.bind(("127.0.0.1", hold.ports[2]))  # never bound by anyone else: free once released
+
+
+def test_a_hold_that_fails_midway_lets_go_of_the_ports_it_had(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # hold_ports(n) draws one port after another; when a draw fails (no address to bind, a
+    # KeyboardInterrupt), the ports held so far go back at once instead of staying bound
+    real, made, ports = net._drawn, [], []
+
+    def drawn(host: str) -> socket.socket:
+        if len(made) == 2:
+            raise OSError("no port left")
+        made.append(real(host))
+        ports.append(made[-1].getsockname()[1])
+        return made[-1]
+
+    monkeypatch.setattr(net, "_drawn", drawn)
+    with pytest.raises(OSError, match="no port left"):
+        net.hold_ports(3)
+    assert len(made) == 2 and all(s.fileno() == -1 for s in made)
+    for port in ports:
+        with socket.socket() as again:
+            again.bind(("127.0.0.1", port))  # free again: a plain bind succeeds
