@@ -6,6 +6,7 @@ gloo and one OpenMP thread; rank 0 writes its JSON result to FILE.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -41,3 +42,23 @@ def run_ranks(script: str, np: int, worker_args: list[str]) -> dict[str, Any]:
         if any(codes):
             raise SystemExit(f"bench ranks failed: exit codes {codes}")
         return dict(json.loads(Path(out).read_text()))
+
+
+def ring_from_file(path: str | Path, comm: Any, module: str, **settings: Any) -> Any:
+    """A shared-memory ring of the ``_shm`` module in ``path`` (another commit's, or this
+    checkout's with ``settings`` such as ``SLOT_MAX`` changed), set up on ``comm``'s ranks in
+    a segment of its own. Every rank must call it at the same point."""
+    spec = importlib.util.spec_from_file_location(module, path)
+    assert spec is not None and spec.loader is not None  # noqa: S101  (a file we chose)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for name, value in settings.items():
+        setattr(mod, name, value)
+
+    class _Comm:  # what ring_of reads of a process set
+        shm, shm_decided = None, False
+        size, index, ranks, side = comm.size, comm.index, comm.ranks, comm.side
+
+    ring = mod.ring_of(_Comm(), "bench")
+    assert ring is not None, f"the ring of {path} is not usable here"  # noqa: S101
+    return ring

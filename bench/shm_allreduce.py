@@ -39,7 +39,6 @@ Usage: python bench/shm_allreduce.py [--quick] [--ranks 2,3] [--pairs 5] [--befo
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -50,7 +49,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _world import run_ranks
+from _world import ring_from_file, run_ranks
 
 MB = 1024 * 1024
 FULL_SIZES = [1 * MB, 4 * MB, 16 * MB, 64 * MB, 256 * MB]
@@ -71,20 +70,7 @@ def _calls(nbytes: int) -> int:
 
 def _load_before(path: str | None, comm: Any) -> Any:
     """The ring of the ``--before`` commit, set up on the same ranks (its own segment)."""
-    if not path:
-        return None
-    spec = importlib.util.spec_from_file_location("hora_shm_before", path)
-    assert spec is not None and spec.loader is not None  # noqa: S101  (a file we just wrote)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-
-    class _Comm:  # what its ring_of reads of a process set
-        shm, shm_decided = None, False
-        size, index, ranks, side = comm.size, comm.index, comm.ranks, comm.side
-
-    ring = mod.ring_of(_Comm(), "bench")
-    assert ring is not None, "the --before ring is not usable here"  # noqa: S101
-    return ring
+    return ring_from_file(path, comm, "hora_shm_before") if path else None
 
 
 class Rows:

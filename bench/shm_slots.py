@@ -19,7 +19,6 @@ Usage: python bench/shm_slots.py [--quick] [--pairs 9] [--slots 512,1024,2048,40
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -28,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _world import run_ranks
+from _world import ring_from_file, run_ranks
 
 MB = 1024 * 1024
 SIZES = [1 * MB, 4 * MB, 16 * MB, 64 * MB, 256 * MB]
@@ -38,18 +37,11 @@ SHM = Path(__file__).resolve().parent.parent / "kernels" / "hora" / "torch" / "_
 
 def _ring(slot: int, comm: Any) -> Any:
     """A ring of this checkout's code with slots of ``slot`` bytes, in its own segment."""
-    spec = importlib.util.spec_from_file_location(f"hora_shm_{slot}", SHM)
-    assert spec is not None and spec.loader is not None  # noqa: S101  (this checkout's file)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    mod.SLOT_MAX, mod.SLOT_MIN = slot, min(mod.SLOT_MIN, slot)
+    from hora.torch import _shm
 
-    class _Comm:  # what ring_of reads of a process set
-        shm, shm_decided = None, False
-        size, index, ranks, side = comm.size, comm.index, comm.ranks, comm.side
-
-    ring = mod.ring_of(_Comm(), "bench")
-    assert ring is not None and ring.slot == slot, "no ring of that slot here"  # noqa: S101
+    ring = ring_from_file(SHM, comm, f"hora_shm_{slot}", SLOT_MAX=slot,
+                          SLOT_MIN=min(_shm.SLOT_MIN, slot))
+    assert ring.slot == slot, f"a ring of {ring.slot}-byte slots, not {slot}"  # noqa: S101
     return ring
 
 
