@@ -22,6 +22,16 @@ STEPS = ["cuda_tests", "nccl_world1", "notebook", "optimizer_overhead", "preflig
 CHECK = ROOT / "bench" / "gpu" / "check.sh"
 
 
+def _bench(name: str) -> Any:
+    """bench/gpu/NAME.py as a module (registered, so that its dataclasses resolve)."""
+    where = ROOT / "bench" / "gpu" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_gpu_{name}", where)
+    assert spec is not None and spec.loader is not None
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _run(tmp: Path, *args: str, check_sh: Path = CHECK) -> tuple[int, dict[str, Any], str]:
     report = tmp / "report.md"
     proc = subprocess.run([str(check_sh), "--dry-run", "--report", str(report), *args],
@@ -55,10 +65,7 @@ def test_a_step_whose_program_cannot_run_fails_the_dry_run(tmp_path: Path) -> No
 def test_the_cuda_step_collects_only_the_modules_that_mark_tests_cuda(tmp_path: Path) -> None:
     # a GPU machine has torch but not the whole suite's dependencies (playwright, schemathesis):
     # collecting every module there would fail on imports that no CUDA test needs
-    spec = importlib.util.spec_from_file_location("_gpu_check", ROOT / "bench/gpu/check.py")
-    assert spec is not None and spec.loader is not None
-    check = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # for its dataclasses
-    spec.loader.exec_module(check)
+    check = _bench("check")
     tests = tmp_path / "tests" / "e2e"
     tests.mkdir(parents=True)
     (tests / "test_gpu.py").write_text("import pytest\npytestmark = pytest.mark.cuda\n")
@@ -75,11 +82,7 @@ def test_the_cuda_step_collects_only_the_modules_that_mark_tests_cuda(tmp_path: 
 
 def test_the_optimizer_overhead_is_timed_only_where_identical_runs_agree() -> None:
     # figures of the launch-bound and the GPU-bound shape as an H200 gave them (bench/RESULTS.md)
-    where = ROOT / "bench" / "gpu" / "optimizer_overhead.py"
-    spec = importlib.util.spec_from_file_location("_overhead", where)
-    assert spec is not None and spec.loader is not None
-    overhead = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(overhead)
+    overhead = _bench("optimizer_overhead")
 
     def shape(o: float, aa: tuple[float, float], wrapper_us: float) -> dict[str, Any]:
         return {"overhead": {"median": o}, "aa": {"min": aa[0], "max": aa[1]},
