@@ -22,8 +22,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     ),
     "diagnosis": ("_stall", "timeline", "_preflight_figures"),
     "launch": (
-        "_handles", "_shm_ops", "_lane", "_shm", "_arena", "_hier", "_comm", "_wire",
-        "_negotiation", "_engine", "_process_sets",
+        "_handles", "_shm_ops", "_lane", "_cpus", "_segfile", "_shm", "_arena", "_hier", "_comm",
+        "_wire", "_negotiation", "_engine", "_process_sets",
     ),
     "ops": ("_collective", "_ops", "_gather", "_objects", "_grouped"),
     "api": (

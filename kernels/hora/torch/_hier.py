@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hora.torch import _shm, _state
+from hora.torch import _cpus, _shm, _state
 from hora.torch._stall import run_guarded
 
 log = logging.getLogger(__name__)
@@ -108,11 +108,11 @@ class Hier:
 def ring_of(comm: Any, op: str) -> _shm.Ring | Hier | None:
     """The process set's shared-memory path, decided together at every member's first call.
 
-    The members tell each other their host (:func:`hora.torch._shm.host_key`) and whether
-    they want the hierarchical path: on one host, the host's segment
-    (:func:`hora.torch._shm.ring_of`); on several, the hierarchical path when every member
-    wants it and it can be set up, else None (gloo carries the buckets flat). Every member
-    gets the same kind of answer.
+    The members tell each other their host (:func:`hora.torch._shm.host_key`), whether
+    they want the hierarchical path and the CPUs they can run on (:mod:`hora.torch._cpus`):
+    on one host, the host's segment (:func:`hora.torch._shm.ring_of`); on several, the
+    hierarchical path when every member wants it and it can be set up, else None (gloo
+    carries the buckets flat). Every member gets the same kind of answer.
     """
     if comm.shm_decided:
         return comm.shm  # type: ignore[no-any-return]
@@ -120,11 +120,11 @@ def ring_of(comm: Any, op: str) -> _shm.Ring | Hier | None:
         comm.shm_decided = True
         return None
     rows: list[Any] = [None] * comm.size
-    run_guarded(op, "shm", dist.all_gather_object, rows, (_shm.host_key(), wanted()),
-                group=comm.side)  # fmt: skip
+    run_guarded(op, "shm", dist.all_gather_object, rows, (_shm.host_key(), wanted(),
+                _cpus.mine()), group=comm.side)  # fmt: skip
     hosts = [r[0] for r in rows]
     if len(set(hosts)) == 1:
-        return _shm.ring_of(comm, op)
+        return _shm.ring_of(comm, op, cpus=_cpus.at_once(r[2] for r in rows))
     comm.shm_decided = True
     comm.shm = _across(comm, op, hosts) if all(r[1] for r in rows) else None
     return comm.shm  # type: ignore[no-any-return]

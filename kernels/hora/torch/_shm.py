@@ -14,7 +14,9 @@ summed slice back. Each slice is summed by exactly one member and copied by all,
 member ends with the same bits. The ring is cut into ``NBUF`` buffers used in turn, one per
 barrier: a tensor larger than a slot goes in chunks, pipelined so that one barrier separates
 the copy-in of a chunk, the sum of the one before and the copy-out of the one before that,
-and nothing is overwritten before every member has read it.
+and nothing is overwritten before every member has read it. Members that outnumber the CPUs
+they can run on (:mod:`hora.torch._cpus`) take bigger slots: each barrier costs them about a
+scheduler time slice, so fewer barriers.
 
 A barrier is a per-rank counter in the segment. Next to it each rank writes what it reduces
 (element count, chunk, a checksum of name and dtype, the operation's number), and a flag once
@@ -47,7 +49,6 @@ import logging
 import mmap
 import os
 import platform
-import secrets
 import signal
 import socket
 import threading
@@ -59,13 +60,12 @@ import torch
 import torch.distributed as dist
 
 from hora.errors import CollectiveTimeout, HoraError, PeerFailedError, TensorMismatchError
-from hora.torch import _lane, _shm_ops, _state
+from hora.torch import _cpus, _lane, _shm_ops, _state
+from hora.torch._segfile import SHM_DIR, create, open_segment
 from hora.torch._stall import run_guarded
 
 log = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
-MAGIC = 0x686F7261_73686D32  # "horashm2"
 LINE = 64  # one counter (and its signatures) per cache line
 ALIGN = 4096
 NBUF = 3  # buffers used in turn, one per barrier (a chunk is read up to two barriers later)
@@ -79,6 +79,11 @@ PID_CHECK_S = 0.5
 SEGMENT_BUDGET = 24 * 1024 * 1024
 SLOT_MAX = 4 * 1024 * 1024
 SLOT_MIN = 256 * 1024
+# Members that outnumber their CPUs (hora.torch._cpus) pay about a time slice a barrier: a
+# slot of up to 8 MiB, a ring of up to 96 MiB (a segment that /dev/shm cannot hold falls back
+# to the sizes above).
+CROWDED_BUDGET = 96 * 1024 * 1024
+CROWDED_SLOT_MAX = 8 * 1024 * 1024
 
 # The C functions the signal module wraps: its wrappers turn every handler they return into
 # an enum member (or fail to, by an exception), 14 us for the three calls an operation makes
@@ -128,15 +133,18 @@ def host_key(environ: dict[str, str] | None = None) -> str:
     return env.get("HORA_HOST_KEY") or socket.gethostname()
 
 
-def slot_bytes(members: int) -> int:
+def slot_bytes(members: int, crowded: bool = False) -> int:
     """Bytes of one rank's slot in one buffer of the segment, for ``members`` ranks.
 
+    ``crowded``: the members outnumber the CPUs they can run on (bigger slots, fewer barriers).
+
     Example:
-        >>> slot_bytes(2) // 1024, slot_bytes(64) // 1024
-        (4096, 256)
+        >>> slot_bytes(2) // 1024, slot_bytes(64) // 1024, slot_bytes(3, crowded=True) // 1024
+        (4096, 256, 8192)
     """
-    per = SEGMENT_BUDGET // (NBUF * max(members, 1))
-    per = max(SLOT_MIN, min(SLOT_MAX, per))
+    budget, most = (CROWDED_BUDGET, CROWDED_SLOT_MAX) if crowded else (SEGMENT_BUDGET, SLOT_MAX)
+    per = budget // (NBUF * max(members, 1))
+    per = max(SLOT_MIN, min(most, per))
     return per - per % ALIGN
 
 
@@ -146,14 +154,17 @@ def header_bytes(members: int) -> int:
     return -(-raw // ALIGN) * ALIGN
 
 
-def ring_bytes(members: int) -> int:
-    """Bytes of one ring (control part and buffers) for ``members`` ranks."""
-    return header_bytes(members) + NBUF * members * slot_bytes(members)
+def ring_bytes(members: int, slot: int | None = None) -> int:
+    """Bytes of one ring (control part and buffers) for ``members`` ranks.
+
+    ``slot``: bytes of a slot (:func:`slot_bytes` by default).
+    """
+    return header_bytes(members) + NBUF * members * (slot or slot_bytes(members))
 
 
-def segment_bytes(members: int, rings: int = 2) -> int:
+def segment_bytes(members: int, rings: int = 2, slot: int | None = None) -> int:
     """Bytes of a segment of ``rings`` rings (a set's ring and its lane) for ``members`` ranks."""
-    return rings * ring_bytes(members)
+    return rings * ring_bytes(members, slot)
 
 
 def _start_time(pid: int) -> int:
@@ -460,11 +471,12 @@ class Ring:
                     f"its process (pid {pid}) exited during {op} {name!r}"))
 
 
-def ring_of(comm: Any, op: str) -> Ring | None:
+def ring_of(comm: Any, op: str, cpus: int | None = None) -> Ring | None:
     """The process set's segment, set up together by its members on the first call.
 
     For members on one host; :func:`hora.torch._hier.ring_of` is the entry that also
-    handles members on several hosts.
+    handles members on several hosts, and tells ``cpus``: how many members can run at once
+    (:func:`hora.torch._cpus.at_once`; the members find it out together when it is None).
 
     Every member must make the first call at the same point (the engine's first round or
     the optimizer's first bucket). Returns None, on every member alike, when any member
@@ -477,17 +489,18 @@ def ring_of(comm: Any, op: str) -> Ring | None:
     if comm.size < 2 or comm.side is None:
         return None
     n, me = comm.size, comm.index
-    size = segment_bytes(n)
+    if cpus is None:
+        rows: list[Any] = [None] * n
+        run_guarded(op, "shm", dist.all_gather_object, rows, _cpus.mine(), group=comm.side)
+        cpus = _cpus.at_once(rows)
     want = enabled()
-    path = ""
-    if me == 0 and want:
-        path = create(size)
-    box = [path]
+    box = [_create_for(n, n > cpus) if me == 0 and want else ("", 0)]
     run_guarded(op, "shm", dist.broadcast_object_list, box, src=comm.ranks[0], group=comm.side)
-    path = box[0] or ""
+    path, slot = box[0] or ("", 0)
+    size = segment_bytes(n, slot=slot)
     mm = open_segment(path, size) if (want and path) else None
-    ring = Ring(mm, comm.ranks, me, slot_bytes(n)) if mm is not None else None
-    lane = (Ring(mm, comm.ranks, me, slot_bytes(n), base=ring_bytes(n))
+    ring = Ring(mm, comm.ranks, me, slot) if mm is not None else None
+    lane = (Ring(mm, comm.ranks, me, slot, base=ring_bytes(n, slot))
             if mm is not None else None)
     if ring is not None:
         ring.publish_pid()
@@ -511,42 +524,13 @@ def ring_of(comm: Any, op: str) -> Ring | None:
     return ring
 
 
-def create(size: int, magic: int = MAGIC) -> str:
-    """Create and fully reserve a segment file; '' when /dev/shm cannot hold it."""
-    path = os.path.join(SHM_DIR, f"hora-{os.getpid()}-{secrets.token_hex(8)}")
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    except OSError as e:
-        log.debug("shared memory: cannot create %s: %s", path, e)
-        return ""
-    try:
-        os.posix_fallocate(fd, 0, size)  # ENOSPC now, never SIGBUS on first touch
-        os.pwrite(fd, magic.to_bytes(8, "little"), 0)
-    except OSError as e:
-        log.debug("shared memory: cannot reserve %d bytes in %s: %s", size, SHM_DIR, e)
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        return ""
-    os.close(fd)
-    return path
+def _create_for(members: int, crowded: bool) -> tuple[str, int]:
+    """A new segment for ``members`` and its slot size (``("", 0)`` when none fits).
 
-
-def open_segment(path: str, size: int, magic: int = MAGIC) -> mmap.mmap | None:
-    """Map a segment; None when it is not there (another host or IPC namespace)."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        if os.fstat(fd).st_size != size:
-            return None
-        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    if int.from_bytes(mm[:8], "little") != magic:
-        mm.close()
-        return None
-    return mm
+    A crowded set's bigger segment where /dev/shm holds it, else the usual one.
+    """
+    for slot in dict.fromkeys((slot_bytes(members, crowded), slot_bytes(members))):
+        path = create(segment_bytes(members, slot=slot))
+        if path:
+            return path, slot
+    return "", 0
