@@ -7,6 +7,12 @@ ranks, and has the same bits on every rank):
 
 * ``copy``: every rank copies a buffer of the size into another at the same time (both
   already written once: no first-touch faults). Its per-rank rate ``B`` sets the bound.
+
+A block's time is its slowest rank's (every rank times its own; they are gathered at the
+end): a collective is done when its last rank is, and ``n`` copies "at the same time" take
+until the last one ends. With more ranks than cores, one rank's own copy can run alone on a
+core while the others share the rest; the time to the last rank counts the sharing that the
+ranks of a reduction meet at every barrier. The copy row also shows rank 0's own rate.
 * ``ring``: the set's ring itself, ``ring.allreduce_(t)`` in the calling thread: the data's
   moves alone, without the negotiation round and the lane's thread around them.
 * ``hvd.allreduce_``: ``hvd.allreduce_(t, op=Sum)`` (in place; a negotiation round, then the
@@ -151,6 +157,18 @@ def _copy_alone_and_together(torch: Any, dist: Any, rank: int, reps: int) -> dic
     return out
 
 
+def _slowest(dist: Any, result: dict[str, Any]) -> None:
+    """Each block's time becomes its slowest rank's; the copy's rank-0 time is kept too."""
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, result["sizes"])
+    for nbytes, info in result["sizes"].items():
+        per_rank = [sizes[nbytes]["rounds"] for sizes in every]
+        for i, mine in enumerate(info["rounds"]):
+            own = mine["copy"]
+            info["rounds"][i] = {row: max(r[i][row] for r in per_rank) for row in mine}
+            info["rounds"][i]["copy0"] = own
+
+
 def worker(args: argparse.Namespace) -> None:
     import hora.torch as hvd
     import torch
@@ -166,6 +184,7 @@ def worker(args: argparse.Namespace) -> None:
     before = _load_before(args.before_file, comm)
     rows_run = ROWS + (["before"] if before is not None else [])
     result: dict[str, Any] = {"np": hvd.size(), "torch": torch.__version__, "rows": rows_run,
+                              "slot": comm.shm.slot,
                               "load": [os.getloadavg()[0]], "sizes": {},
                               "copy256": _copy_alone_and_together(torch, dist, hvd.rank(), 5)}
     for nbytes in QUICK_SIZES if args.quick else FULL_SIZES:
@@ -181,6 +200,7 @@ def worker(args: argparse.Namespace) -> None:
         result["sizes"][nbytes] = {"calls": calls, "rounds": rounds[1:], "check": check}
         del rows
     result["load"].append(os.getloadavg()[0])
+    _slowest(dist, result)
     if hvd.rank() == 0:
         Path(args.out).write_text(json.dumps(result))
     hvd.shutdown()
@@ -199,9 +219,9 @@ def report(data: dict[str, Any]) -> list[dict[str, Any]]:
           f" -> {data['load'][1]:.1f}; copy at 256 MB: {c['one']:.2f} GB/s alone, "
           f"{c['two']:.2f} GB/s per process with two at once")
     print(f"passes per allreduce: {passes(n, False):.3f} copies (tensor), "
-          f"{passes(n, True):.3f} (bucket in shared memory)")
+          f"{passes(n, True):.3f} (bucket in shared memory); slot {data['slot'] // 1024} KiB")
     print(f"{'size':>7} {'row':>10} {'busbw':>7} {'bound':>7} {'of bound':>9} {'min':>6} "
-          f"{'max':>6} {'vs gloo':>8} {'vs before':>9}  (GB/s; copy row: per rank, all at once)")
+          f"{'max':>6} {'vs gloo':>8} {'vs before':>9}  (GB/s; copy row: per rank, to the last)")
     out = []
     for key, info in data["sizes"].items():
         nbytes = int(key)
@@ -216,8 +236,9 @@ def _row(nbytes: int, row: str, rounds: list[dict[str, float]], n: int, busf: fl
     med = statistics.median
     if row == "copy":
         bw = med(nbytes / r["copy"] / 1e9 for r in rounds)
-        print(f"{_fmt(nbytes):>7} {row:>10} {bw:7.2f}")
-        return {"bytes": nbytes, "row": row, "busbw": bw}
+        own = med(nbytes / r["copy0"] / 1e9 for r in rounds)
+        print(f"{_fmt(nbytes):>7} {row:>10} {bw:7.2f}   (rank 0's own copy: {own:.2f})")
+        return {"bytes": nbytes, "row": row, "busbw": bw, "rank0": own}
     bw = med(nbytes / r[row] / 1e9 * busf for r in rounds)
     k = passes(n, row == "bucket")
     fracs = [(nbytes / r[row] * busf) / (nbytes / r["copy"] / k * busf) for r in rounds]
