@@ -3,8 +3,9 @@
 The shared-memory ring (:mod:`hora.torch._shm`) passes one barrier a chunk, and every member
 must reach it. When the members outnumber the CPUs they may run on (three ranks on two cores,
 a job whose cgroup caps it below its rank count), one of them is always waiting for a CPU, and
-each barrier costs about a scheduler time slice, however the wait is made. The ring then takes
-bigger chunks, so fewer barriers (``bench/RESULTS.md`` section 17). What limits the members:
+in some states of a host each barrier costs about a millisecond, however the wait is made. The
+ring then takes bigger chunks, so fewer barriers (``bench/RESULTS.md`` section 17). What
+limits the members:
 their CPU affinity (``sched_getaffinity``, the union over the members) and the CPU cap of each
 one's cgroup (``cpu.max``, cgroup v2, on its own group and every group above it; the lowest
 over the members).

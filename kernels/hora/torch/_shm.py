@@ -15,8 +15,8 @@ member ends with the same bits. The ring is cut into ``NBUF`` buffers used in tu
 barrier: a tensor larger than a slot goes in chunks, pipelined so that one barrier separates
 the copy-in of a chunk, the sum of the one before and the copy-out of the one before that,
 and nothing is overwritten before every member has read it. Members that outnumber the CPUs
-they can run on (:mod:`hora.torch._cpus`) take bigger slots: each barrier costs them about a
-scheduler time slice, so fewer barriers.
+they can run on (:mod:`hora.torch._cpus`) take bigger slots: a barrier can cost them a
+millisecond, so fewer barriers.
 
 A barrier is a per-rank counter in the segment. Next to it each rank writes what it reduces
 (element count, chunk, a checksum of name and dtype, the operation's number), and a flag once
@@ -79,7 +79,7 @@ PID_CHECK_S = 0.5
 SEGMENT_BUDGET = 24 * 1024 * 1024
 SLOT_MAX = 4 * 1024 * 1024
 SLOT_MIN = 256 * 1024
-# Members that outnumber their CPUs (hora.torch._cpus) pay about a time slice a barrier: a
+# Members that outnumber their CPUs (hora.torch._cpus) can pay a millisecond a barrier: a
 # slot of up to 8 MiB, a ring of up to 96 MiB (a segment that /dev/shm cannot hold falls back
 # to the sizes above).
 CROWDED_BUDGET = 96 * 1024 * 1024
