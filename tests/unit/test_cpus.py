@@ -76,7 +76,7 @@ def test_a_crowded_set_has_bigger_slots_within_its_budget() -> None:
 
 
 def _create_under_limit(members: int, limit: int) -> tuple[str, int]:
-    """``_create_for(members, crowded=True)`` in a child whose files may not pass ``limit``."""
+    """``create_for(members, crowded=True)`` in a child whose files may not pass ``limit``."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -84,7 +84,7 @@ def _create_under_limit(members: int, limit: int) -> tuple[str, int]:
         try:
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a signal
             resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-            path, slot = _shm._create_for(members, crowded=True)
+            path, slot = _shm.create_for(members, crowded=True)
             os.write(w, f"{path} {slot}".encode())
             code = 0
         finally:

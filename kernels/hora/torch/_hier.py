@@ -126,35 +126,39 @@ def ring_of(comm: Any, op: str) -> _shm.Ring | Hier | None:
     if len(set(hosts)) == 1:
         return _shm.ring_of(comm, op, cpus=_cpus.at_once(r[2] for r in rows))
     comm.shm_decided = True
-    comm.shm = _across(comm, op, hosts) if all(r[1] for r in rows) else None
+    comm.shm = _across(comm, op, rows) if all(r[1] for r in rows) else None
     return comm.shm  # type: ignore[no-any-return]
 
 
-def _across(comm: Any, op: str, hosts: list[Any]) -> Hier | None:
-    """Set up the path over hosts; None on every member when it cannot be used."""
-    groups = by_host(hosts)
+def _across(comm: Any, op: str, rows: list[Any]) -> Hier | None:
+    """Set up the path over hosts; None on every member when it cannot be used.
+
+    ``rows``: every member's (host, wants the path, its CPUs), as gathered by :func:`ring_of`.
+    """
+    groups = by_host([r[0] for r in rows])
     if comm.set_id != 0 or max(len(g) for g in groups) < 2:
         return None
     me = comm.index
     mine = next(g for g in groups if me in g)
     n = len(mine)
-    slot = _shm.slot_bytes(n)
-    size = _shm.segment_bytes(n, rings=1)  # the buckets' ring only: no lane over hosts
+    crowded = n > _cpus.at_once(rows[i][2] for i in mine)
     want = _shm.enabled()
-    path = _shm.create(size) if (want and n > 1 and me == mine[0]) else ""
-    paths: list[Any] = [None] * comm.size
-    run_guarded(op, "shm", dist.all_gather_object, paths, path, group=comm.side)
+    # the buckets' ring only: no lane over hosts
+    made = _shm.create_for(n, crowded, rings=1) if (want and n > 1 and me == mine[0]) else ("", 0)
+    made_by: list[Any] = [None] * comm.size
+    run_guarded(op, "shm", dist.all_gather_object, made_by, made, group=comm.side)
+    path, slot = made_by[mine[0]]
     local = None
-    if n > 1 and want and paths[mine[0]]:
-        mm = _shm.open_segment(paths[mine[0]], size)
+    if n > 1 and want and path:
+        mm = _shm.open_segment(path, _shm.segment_bytes(n, rings=1, slot=slot))
         if mm is not None:
             local = _shm.Ring(mm, [comm.ranks[i] for i in mine], mine.index(me), slot)
             local.publish_pid()
     flag = torch.tensor([1 if (n == 1 or local is not None) else 0], dtype=torch.int64)
     run_guarded(op, "shm", dist.all_reduce, flag, op=dist.ReduceOp.MIN, group=comm.side)
-    if path:
+    if made[0]:
         with contextlib.suppress(OSError):
-            os.unlink(path)
+            os.unlink(made[0])
     if int(flag.item()) == 0:
         if local is not None:
             local.close()

@@ -494,7 +494,7 @@ def ring_of(comm: Any, op: str, cpus: int | None = None) -> Ring | None:
         run_guarded(op, "shm", dist.all_gather_object, rows, _cpus.mine(), group=comm.side)
         cpus = _cpus.at_once(rows)
     want = enabled()
-    box = [_create_for(n, n > cpus) if me == 0 and want else ("", 0)]
+    box = [create_for(n, n > cpus) if me == 0 and want else ("", 0)]
     run_guarded(op, "shm", dist.broadcast_object_list, box, src=comm.ranks[0], group=comm.side)
     path, slot = box[0] or ("", 0)
     size = segment_bytes(n, slot=slot)
@@ -524,13 +524,14 @@ def ring_of(comm: Any, op: str, cpus: int | None = None) -> Ring | None:
     return ring
 
 
-def _create_for(members: int, crowded: bool) -> tuple[str, int]:
-    """A new segment for ``members`` and its slot size (``("", 0)`` when none fits).
+def create_for(members: int, crowded: bool, rings: int = 2) -> tuple[str, int]:
+    """A new segment of ``rings`` rings for ``members``, and its slot size.
 
-    A crowded set's bigger segment where /dev/shm holds it, else the usual one.
+    A crowded set's bigger segment where /dev/shm holds it, else the usual one; ``("", 0)``
+    when neither fits.
     """
     for slot in dict.fromkeys((slot_bytes(members, crowded), slot_bytes(members))):
-        path = create(segment_bytes(members, slot=slot))
+        path = create(segment_bytes(members, rings, slot))
         if path:
             return path, slot
     return "", 0
