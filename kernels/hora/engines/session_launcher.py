@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -210,9 +212,10 @@ class SessionLauncher(KernelProcesses):
                 runtime=self.runtime, image=self.image, **where,
             )  # fmt: skip
             path = "/v1/sessions"
-        self.session = SessionInfo.model_validate(
-            self.service.request("POST", path, json=wire(req)).json()
-        )
+        with interrupt_after():  # the answer names the session that stop() withdraws
+            self.session = SessionInfo.model_validate(
+                self.service.request("POST", path, json=wire(req)).json()
+            )
         self.asked = self.session.id
         beat = Client(self.service.url, self.service.token)
         period = max(0.2, self.session.lease_s / 3)
@@ -416,3 +419,28 @@ class SessionLauncher(KernelProcesses):
 
 def _ended_reason(ended: SessionInfo) -> str:
     return f"the hora service ended session {ended.id}: {ended.reason or ended.state}"
+
+
+@contextmanager
+def interrupt_after() -> Iterator[None]:
+    """Hold the notebook's interrupt (SIGINT) until the block ends, then raise it there.
+
+    Around a request whose answer must be kept: the session a POST creates (or resumes) is
+    what an interrupted start withdraws. Interrupted while the answer was on its way, the
+    kernel would not know the session, which would stay queued on the service until its
+    lease ran out (or, for a resume, be ended instead of put back). The request has its own
+    timeout. Only in the main thread, where Python runs signal handlers; an error from the
+    block goes out instead of a held interrupt.
+    """
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is None):
+        yield
+        return
+    held: list[int] = []
+    before = signal.signal(signal.SIGINT, lambda signum, _frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+    if held:
+        raise KeyboardInterrupt
