@@ -1,12 +1,13 @@
 """An interrupt during the request that creates a notebook's session is held until its answer
 is kept (hora.engines.session_launcher.interrupt_after).
 
-Real signals to this process: a SIGINT (what Jupyter's interrupt sends to a local kernel)
-inside the block does not cut it short; it is raised as KeyboardInterrupt once the block
-ends, and the handler that was there before is back. Without the hold, an interrupt between
-the service queueing the session and the kernel reading the answer left the session queued
-on the service, unknown to the kernel, until its lease ran out (seen once in CI's
-``test_ctrl_c_while_queued_withdraws_the_request``).
+Real signals to this process, with Python's own SIGINT handler installed (a kernel's, which
+raises KeyboardInterrupt): a SIGINT (what Jupyter's interrupt sends to a local kernel) inside
+the block does not cut it short; it reaches that handler once the block ends, and the handler
+is back. Where SIGINT is ignored (CI runs the unit tests so), it stays ignored. Without the
+hold, an interrupt between the service queueing the session and the kernel reading the answer
+left the session queued on the service, unknown to the kernel, until its lease ran out (seen
+once in CI's ``test_ctrl_c_while_queued_withdraws_the_request``).
 """
 
 from __future__ import annotations
@@ -14,9 +15,18 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from collections.abc import Iterator
 
 import pytest
 from hora.engines.session_launcher import interrupt_after
+
+
+@pytest.fixture(autouse=True)
+def _python_handler() -> Iterator[None]:
+    """Python's default SIGINT handler for the test, whatever this process had before."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
 
 
 def _interrupt_here() -> None:
@@ -64,3 +74,11 @@ def test_outside_the_main_thread_it_holds_nothing() -> None:
     t.start()
     t.join(timeout=10)
     assert seen == [before]
+
+
+def test_where_sigint_is_ignored_it_stays_ignored() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with interrupt_after():
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        _interrupt_here()
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN

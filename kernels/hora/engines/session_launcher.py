@@ -423,24 +423,26 @@ def _ended_reason(ended: SessionInfo) -> str:
 
 @contextmanager
 def interrupt_after() -> Iterator[None]:
-    """Hold the notebook's interrupt (SIGINT) until the block ends, then raise it there.
+    """Hold the notebook's interrupt (SIGINT) until the block ends, then deliver it again.
 
     Around a request whose answer must be kept: the session a POST creates (or resumes) is
     what an interrupted start withdraws. Interrupted while the answer was on its way, the
     kernel would not know the session, which would stay queued on the service until its
     lease ran out (or, for a resume, be ended instead of put back). The request has its own
-    timeout. Only in the main thread, where Python runs signal handlers; an error from the
-    block goes out instead of a held interrupt.
+    timeout. A held interrupt goes, after the block, to the handler that was there before
+    (a kernel's raises KeyboardInterrupt). Only in the main thread, where Python runs signal
+    handlers, and not where SIGINT is ignored; an error from the block goes out instead.
     """
+    before = signal.getsignal(signal.SIGINT)
     if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is None):
+            or before in (None, signal.SIG_IGN)):
         yield
         return
     held: list[int] = []
-    before = signal.signal(signal.SIGINT, lambda signum, _frame: held.append(signum))
+    signal.signal(signal.SIGINT, lambda signum, _frame: held.append(signum))
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, before)
     if held:
-        raise KeyboardInterrupt
+        signal.raise_signal(signal.SIGINT)
