@@ -62,3 +62,14 @@ def ring_from_file(path: str | Path, comm: Any, module: str, **settings: Any) ->
     ring = mod.ring_of(_Comm(), "bench")
     assert ring is not None, f"the ring of {path} is not usable here"  # noqa: S101
     return ring
+
+
+def slowest_rounds(dist: Any, rounds: list[dict[str, float]]) -> list[dict[str, float]]:
+    """Every rank's block times of ``rounds`` gathered; each block at its slowest rank's time.
+
+    A collective is done when its last rank is, and ``n`` copies "at once" take until the last
+    one ends. Every rank must call it at the same point.
+    """
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, rounds)
+    return [{row: max(e[i][row] for e in every) for row in mine} for i, mine in enumerate(rounds)]

@@ -55,7 +55,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _world import ring_from_file, run_ranks
+from _world import ring_from_file, run_ranks, slowest_rounds
 
 MB = 1024 * 1024
 FULL_SIZES = [1 * MB, 4 * MB, 16 * MB, 64 * MB, 256 * MB]
@@ -157,18 +157,6 @@ def _copy_alone_and_together(torch: Any, dist: Any, rank: int, reps: int) -> dic
     return out
 
 
-def _slowest(dist: Any, result: dict[str, Any]) -> None:
-    """Each block's time becomes its slowest rank's; the copy's rank-0 time is kept too."""
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, result["sizes"])
-    for nbytes, info in result["sizes"].items():
-        per_rank = [sizes[nbytes]["rounds"] for sizes in every]
-        for i, mine in enumerate(info["rounds"]):
-            own = mine["copy"]
-            info["rounds"][i] = {row: max(r[i][row] for r in per_rank) for row in mine}
-            info["rounds"][i]["copy0"] = own
-
-
 def worker(args: argparse.Namespace) -> None:
     import hora.torch as hvd
     import torch
@@ -197,10 +185,12 @@ def worker(args: argparse.Namespace) -> None:
         for r in range(args.pairs + 1):
             order = rows_run if r % 2 == 0 else rows_run[::-1]
             rounds.append({row: _block(rows, row, calls) for row in order})
-        result["sizes"][nbytes] = {"calls": calls, "rounds": rounds[1:], "check": check}
+        slowest = slowest_rounds(dist, rounds[1:])
+        for mine, slow in zip(rounds[1:], slowest, strict=True):
+            slow["copy0"] = mine["copy"]  # rank 0's own copy, beside the one to the last rank
+        result["sizes"][nbytes] = {"calls": calls, "rounds": slowest, "check": check}
         del rows
     result["load"].append(os.getloadavg()[0])
-    _slowest(dist, result)
     if hvd.rank() == 0:
         Path(args.out).write_text(json.dumps(result))
     hvd.shutdown()

@@ -3,7 +3,7 @@
 The ring (``kernels/hora/torch/_shm.py``) cuts a tensor into chunks of one slot (4 MiB a rank
 for two ranks) and passes one barrier a chunk. A smaller slot keeps each chunk's three passes
 (copy in, sum a slice, copy out) in the caches, at the cost of more barriers; ranks that
-outnumber their CPUs pay about a time slice a barrier, and take bigger slots. This runs
+outnumber their CPUs can pay a millisecond a barrier, and take bigger slots. This runs
 ``--ranks`` ranks (2 by default; gloo, 1 thread each) that set up one ring per slot size in
 ``--slots`` (each the module's own code with its slot sizes set, in its own segment), check
 that each gives gloo's sum (exactly at 2 ranks), then time ``ring.allreduce_(t)`` at 1 to
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _world import ring_from_file, run_ranks
+from _world import ring_from_file, run_ranks, slowest_rounds
 
 MB = 1024 * 1024
 SIZES = [1 * MB, 4 * MB, 16 * MB, 64 * MB, 256 * MB]
@@ -64,7 +64,7 @@ def worker(args: argparse.Namespace) -> None:
     slots = [int(s) * 1024 for s in args.slots.split(",")]
     rings = {str(s): _ring(s, comm) for s in slots}
     rows = ["copy", *rings]
-    out: dict[str, Any] = {"load": [os.getloadavg()[0]], "sizes": {}}
+    out: dict[str, Any] = {"load": [os.getloadavg()[0]], "sizes": {}, "slot": comm.shm.slot}
     for nbytes in QUICK_SIZES if args.quick else SIZES:
         t, src, dst = (torch.ones(nbytes // 4) for _ in range(3))
         x = torch.arange(t.numel(), dtype=torch.float32) % 251 + hvd.rank()
@@ -90,10 +90,7 @@ def worker(args: argparse.Namespace) -> None:
                         rings[row].allreduce_(t, "allreduce", "bench")
                 timed[row] = (time.perf_counter() - t0) / calls
             rounds.append(timed)
-        every: list[Any] = [None] * hvd.size()
-        dist.all_gather_object(every, rounds[1:])
-        out["sizes"][str(nbytes)] = [{row: max(e[i][row] for e in every) for row in rows}
-                                     for i in range(args.pairs)]
+        out["sizes"][str(nbytes)] = slowest_rounds(dist, rounds[1:])
     out["load"].append(os.getloadavg()[0])
     if hvd.rank() == 0:
         Path(args.out).write_text(json.dumps(out))
@@ -112,20 +109,16 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
-    from hora.torch import _cpus, _shm
-
     if args.quick:
         args.pairs, args.slots = 3, "1024,4096"
     n = args.ranks
-    crowded = n > _cpus.at_once([_cpus.mine()])  # the ranks inherit this process's CPUs
-    current = str(_shm.slot_bytes(n, crowded))
     data = run_ranks(__file__, n, ["--pairs", str(args.pairs), "--slots", args.slots]
                      + (["--quick"] if args.quick else []))
+    current = str(data["slot"])  # the slot hora's own ring took in these ranks
     names = [str(int(s) * 1024) for s in args.slots.split(",")]
-    print(f"{n} ranks, 1 thread each{', more than their CPUs' if crowded else ''}; hora's slot"
-          f" {int(current) // 1024} KiB; load average {data['load'][0]:.1f} ->"
-          f" {data['load'][1]:.1f}; busbw GB/s by slot (median over rounds); copy: GB/s of a"
-          " copy of the size, to the last rank")
+    print(f"{n} ranks, 1 thread each; hora's slot {int(current) // 1024} KiB; load average"
+          f" {data['load'][0]:.1f} -> {data['load'][1]:.1f}; busbw GB/s by slot (median over"
+          " rounds); copy: GB/s of a copy of the size, to the last rank")
     print(f"{'size':>7} {'copy':>6} " + " ".join(f"{int(n) // 1024:>6}K" for n in names))
     best_vs_current: dict[int, float] = {}
     busbw: dict[int, tuple[float, float]] = {}  # size in MB: (best slot's, the current's)

@@ -496,7 +496,7 @@ def ring_of(comm: Any, op: str, cpus: int | None = None) -> Ring | None:
     want = enabled()
     box = [create_for(n, n > cpus) if me == 0 and want else ("", 0)]
     run_guarded(op, "shm", dist.broadcast_object_list, box, src=comm.ranks[0], group=comm.side)
-    path, slot = box[0] or ("", 0)
+    path, slot = box[0]
     size = segment_bytes(n, slot=slot)
     mm = open_segment(path, size) if (want and path) else None
     ring = Ring(mm, comm.ranks, me, slot) if mm is not None else None
