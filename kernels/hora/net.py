@@ -15,25 +15,46 @@ _LISTEN_PORTS_LOW = 20000  # hora's rendezvous ports come from [20000, the OS's 
 
 _PORT_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 
-# Ports this process handed out lately, and when. A port is bound seconds after it is drawn
-# (a controller binds its heart monitor's last); until then a second draw here could return
-# it again (a rendezvous port drawn just after the controller's), and one of the two binds
-# would fail. Each port is held back from later draws for _HOLD_S.
+# A port is bound seconds after it is drawn (a controller binds its heart monitor's last, a
+# job's rank 0 after importing torch). Until then another draw, in this process or in any
+# other on the machine (the service, a second notebook, another user's kernel), could return
+# it again, and one of the two binds would fail. So each draw also claims its port for
+# _HOLD_S by binding an abstract Unix socket named after it: the name is machine-wide (per
+# network namespace, like the port itself), needs no file or permission, and goes with the
+# process that holds it. A draw skips a port whose name is taken. At most _CLAIMS_MAX are
+# kept; the oldest (bound long since) go first.
 _HOLD_S = 300.0
-_GIVEN: dict[int, float] = {}
-_GIVEN_LOCK = threading.Lock()
+_CLAIMS_MAX = 256
+_CLAIM_PREFIX = "\0hora.net.port."
+_CLAIMS: dict[int, tuple[float, socket.socket]] = {}
+_CLAIMS_LOCK = threading.Lock()
 
 
-def _hand_out(port: int) -> bool:
-    """Note ``port`` as handed out now; False if this process handed it out within ``_HOLD_S``."""
+def _claim(port: int) -> bool:
+    """Claim ``port`` machine-wide for ``_HOLD_S``; False if a draw anywhere claimed it."""
     now = time.monotonic()
-    with _GIVEN_LOCK:
-        for old in [p for p, at in _GIVEN.items() if now - at > _HOLD_S]:
-            del _GIVEN[old]
-        if port in _GIVEN:
+    with _CLAIMS_LOCK:
+        old = [p for p, (at, _) in _CLAIMS.items() if now - at > _HOLD_S]
+        over = len(_CLAIMS) + 1 - _CLAIMS_MAX
+        old += sorted(_CLAIMS, key=lambda p: _CLAIMS[p][0])[: max(0, over)]
+        for p in set(old):
+            _CLAIMS.pop(p)[1].close()
+        name = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            name.bind(f"{_CLAIM_PREFIX}{port}")
+        except OSError:  # claimed by a draw elsewhere (or here): skip the port
+            name.close()
             return False
-        _GIVEN[port] = now
+        _CLAIMS[port] = (now, name)
         return True
+
+
+def _unclaim(port: int) -> None:
+    """Give a claim back (its probe failed: the port is not handed out)."""
+    with _CLAIMS_LOCK:
+        held = _CLAIMS.pop(port, None)
+    if held is not None:
+        held[1].close()
 
 
 def _ephemeral_low(path: str = _PORT_RANGE) -> int:
@@ -51,9 +72,10 @@ def free_port(host: str = "127.0.0.1") -> int:
     The port is drawn at random below the OS's ephemeral range (from 20000 up to
     ``ip_local_port_range``'s first port), so the outgoing connections of other processes
     never take it between this choice and the bind that follows seconds later (a port the
-    OS picks, as ``bind(0)`` does, lies in that range, where any of them may). A port this
-    process handed out in the last five minutes is not handed out again (it may not be bound
-    yet). With no such range (a machine configured otherwise) the OS picks one.
+    OS picks, as ``bind(0)`` does, lies in that range, where any of them may). A port any
+    process on the machine drew in the last five minutes, while that process lives, is not
+    handed out again (it may not be bound yet): each draw claims its port under an abstract
+    Unix socket name. With no such range (a machine configured otherwise) the OS picks one.
 
     Args:
         host: the address to probe.
@@ -74,21 +96,22 @@ def _drawn(host: str) -> socket.socket:
     """A socket bound (plainly) to a port drawn as :func:`free_port` says; the caller closes it.
 
     A plain bind is the probe: it fails on a port any process listens on or holds
-    (:class:`PortHold`), and on one this process handed out lately.
+    (:class:`PortHold`); a port another draw claimed lately (:func:`_claim`) is not probed.
     """
     low = _ephemeral_low()
     if low - _LISTEN_PORTS_LOW >= 1000:
         for _ in range(64):
             port = random.randrange(_LISTEN_PORTS_LOW, low)
+            if not _claim(port):
+                continue
             s = socket.socket()
             try:
                 s.bind((host, port))
             except OSError:
                 s.close()
+                _unclaim(port)
                 continue
-            if _hand_out(port):
-                return s
-            s.close()
+            return s
     s = socket.socket()
     try:
         s.bind((host, 0))
@@ -125,7 +148,8 @@ def hold_ports(n: int, host: str = "127.0.0.1") -> PortHold:
 
     Each is drawn as :func:`free_port` draws one, and the probe's own socket is kept, given
     ``SO_REUSEADDR`` once bound (see :class:`PortHold`); the ports differ from each other and
-    from every port this process handed out lately, whatever ``host`` each was held on.
+    from every port a live process on the machine drew lately, whatever ``host`` each was
+    held on.
 
     Example:
         >>> hold = hold_ports(2)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -54,29 +57,69 @@ def test_an_unreadable_range_falls_back_to_linuxs_default(
     assert net._ephemeral_low(str(where)) == 40000
 
 
-def test_a_port_handed_out_is_not_handed_out_again_before_it_is_bound(
+_DRAW = """
+import random, sys
+from hora import net
+real, forced = random.randrange, iter([int(sys.argv[1])])
+random.randrange = lambda a, b: next(forced, None) or real(a, b)
+print(net.free_port(), flush=True)
+sys.stdin.readline()  # stay alive (and keep the claim) until told
+"""
+
+
+def _drawing(port: int) -> subprocess.Popen[str]:
+    """Another process whose first draw is forced to try ``port``; it prints what it got."""
+    return subprocess.Popen(
+        [sys.executable, "-c", _DRAW, str(port)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(net.__file__).parents[1])},
+    )  # fmt: skip
+
+
+def _forced(monkeypatch: pytest.MonkeyPatch, *ports: int) -> None:
+    draws, real = iter(ports), net.random.randrange
+    monkeypatch.setattr(net.random, "randrange", lambda a, b: next(draws, None) or real(a, b))
+
+
+def test_a_port_drawn_anywhere_is_not_drawn_again_while_its_claim_lasts(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # the launcher draws the controller's ports, then the engines' rendezvous port, before
-    # anything binds them: the same draw twice must not give the same port twice
-    monkeypatch.setattr(net, "_GIVEN", {})
+    # a port is bound seconds after it is drawn (the controller's, a job's MASTER_PORT): a
+    # second draw meanwhile, in this process or another (the service and a notebook kernel
+    # on one machine), must not give it again; CI saw both binds race for one port
+    monkeypatch.setattr(net, "_CLAIMS", {})
     first = net.free_port()
-    draws = iter([first, first])
-    real = net.random.randrange
-    monkeypatch.setattr(net.random, "randrange", lambda a, b: next(draws, None) or real(a, b))
-    second = net.free_port()
-    assert second != first
+    _forced(monkeypatch, first)
+    assert net.free_port() != first  # this process
+    other = _drawing(first)
+    got, _ = other.communicate("\n", timeout=30)
+    assert int(got) != first  # another process
     with socket.socket() as s:
-        s.bind(("127.0.0.1", first))  # it was free all along: only the hold refused it
-    monkeypatch.setattr(net.time, "monotonic", lambda: 1e12)  # long after: given again
-    draws = iter([first])
+        s.bind(("127.0.0.1", first))  # it was free all along: only the claim refused it
+    other = _drawing(0)
+    try:
+        theirs = int(other.stdout.readline())  # type: ignore[union-attr]
+        _forced(monkeypatch, theirs)
+        assert net.free_port() != theirs  # claimed by a live process elsewhere
+    finally:
+        other.communicate("\n", timeout=30)
+    _forced(monkeypatch, theirs)
+    assert net.free_port() == theirs  # the claim went with the process
+    monkeypatch.setattr(net.time, "monotonic", lambda: 1e12)  # long after: drawn again
+    _forced(monkeypatch, first)
     assert net.free_port() == first
 
 
-def test_a_held_port_is_refused_to_other_draws_but_binds_for_the_process_it_is_for() -> None:
-    import subprocess
-    import sys
+def test_claims_beyond_the_cap_let_go_of_the_oldest(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(net, "_CLAIMS", {})
+    monkeypatch.setattr(net, "_CLAIMS_MAX", 2)
+    ports = [net.free_port() for _ in range(3)]
+    assert sorted(net._CLAIMS) == sorted(ports[1:])
+    _forced(monkeypatch, ports[0])
+    assert net.free_port() == ports[0]  # its claim was let go: drawn again
 
+
+def test_a_held_port_is_refused_to_other_draws_but_binds_for_the_process_it_is_for() -> None:
     import zmq
 
     hold = net.hold_ports(3)
