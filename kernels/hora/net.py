@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import random
 import socket
 import threading
@@ -31,7 +32,11 @@ _CLAIMS_LOCK = threading.Lock()
 
 
 def _claim(port: int) -> bool:
-    """Claim ``port`` machine-wide for ``_HOLD_S``; False if a draw anywhere claimed it."""
+    """Claim ``port`` machine-wide for ``_HOLD_S``; False if a draw anywhere claimed it.
+
+    Where no claim can be made (no descriptor left, Unix sockets refused), True: the probe
+    alone decides, as before claims existed.
+    """
     now = time.monotonic()
     with _CLAIMS_LOCK:
         old = [p for p, (at, _) in _CLAIMS.items() if now - at > _HOLD_S]
@@ -39,12 +44,15 @@ def _claim(port: int) -> bool:
         old += sorted(_CLAIMS, key=lambda p: _CLAIMS[p][0])[: max(0, over)]
         for p in set(old):
             _CLAIMS.pop(p)[1].close()
-        name = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            name = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        except OSError:
+            return True
         try:
             name.bind(f"{_CLAIM_PREFIX}{port}")
-        except OSError:  # claimed by a draw elsewhere (or here): skip the port
+        except OSError as e:
             name.close()
-            return False
+            return e.errno != errno.EADDRINUSE  # in use: claimed by a draw here or elsewhere
         _CLAIMS[port] = (now, name)
         return True
 

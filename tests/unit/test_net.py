@@ -110,6 +110,17 @@ def test_a_port_drawn_anywhere_is_not_drawn_again_while_its_claim_lasts(
     assert net.free_port() == first
 
 
+def test_where_no_claim_can_be_made_the_probe_alone_decides(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(net, "_CLAIMS", {})
+    monkeypatch.setattr(net, "_CLAIM_PREFIX", "\0" + "x" * 200)  # too long: bind refuses it
+    port = net.free_port()
+    assert net._LISTEN_PORTS_LOW <= port < net._ephemeral_low() and net._CLAIMS == {}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
 def test_claims_beyond_the_cap_let_go_of_the_oldest(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(net, "_CLAIMS", {})
     monkeypatch.setattr(net, "_CLAIMS_MAX", 2)
