@@ -1,7 +1,8 @@
 """The CPUs a host's ranks can run on at once (hora.torch._cpus), and the slot that follows.
 
-``cgroup_cap`` reads a cgroup v2 tree laid out in a temporary directory (the files the kernel
-shows under /sys/fs/cgroup: ``cpu.max`` is ``QUOTA PERIOD`` or ``max PERIOD``); the fallback
+``cgroup_cap`` reads cgroup v2 and v1 trees laid out in a temporary directory (the files the
+kernel shows under /sys/fs/cgroup: ``cpu.max`` is ``QUOTA PERIOD`` or ``max PERIOD``; v1's
+``cpu.cfs_quota_us`` is -1 or the quota); the fallback
 of a crowded set's segment to the usual size meets a real limit of the kernel on file size
 (``RLIMIT_FSIZE``, in a forked child) that lets the usual segment fit and not the bigger one.
 """
@@ -41,11 +42,38 @@ def test_no_cap_no_cgroup_v2_or_unreadable_files_mean_none(tmp_path: Path) -> No
     root = _tree(tmp_path, {"/user.slice": "max 100000"})
     self_file = tmp_path / "cgroup-self"
     assert _cpus.cgroup_cap(str(self_file), str(root)) is None
-    self_file.write_text("12:cpu,cpuacct:/user.slice\n")  # cgroup v1 only
+    self_file.write_text("12:cpu,cpuacct:/user.slice\n")  # cgroup v1, not mounted here
     assert _cpus.cgroup_cap(str(self_file), str(root)) is None
     assert _cpus.cgroup_cap(str(tmp_path / "missing"), str(root)) is None
     (root / "user.slice" / "cpu.max").write_text("garbage\n")
     self_file.write_text("0::/user.slice/job\n")
+    assert _cpus.cgroup_cap(str(self_file), str(root)) is None
+
+
+def _v1_tree(tmp_path: Path, quotas: dict[str, int], mount: str = "cpu,cpuacct") -> Path:
+    root = tmp_path / "cgroup-v1"
+    for group, quota in {"": -1, **quotas}.items():
+        d = root / mount / group.lstrip("/")
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "cpu.cfs_quota_us").write_text(f"{quota}\n")
+        (d / "cpu.cfs_period_us").write_text("100000\n")
+    return root
+
+
+def test_cgroup_v1_quotas_count_too(tmp_path: Path) -> None:
+    # an older Slurm or Docker host: the cpu controller on v1, quota -1 where none is set
+    self_file = tmp_path / "cgroup-self"
+    self_file.write_text("12:cpu,cpuacct:/slurm/job_7\n4:memory:/slurm/job_7\n0::/\n")
+    root = _v1_tree(tmp_path, {"/slurm": -1, "/slurm/job_7": 250000})
+    assert _cpus.cgroup_cap(str(self_file), str(root)) == 2.5
+    root = _v1_tree(tmp_path, {"/slurm": 50000, "/slurm/job_7": -1})
+    assert _cpus.cgroup_cap(str(self_file), str(root)) == 0.5  # a group above caps it
+    (root / "cpu.max").write_text("30000 100000\n")  # v2's file at the root, both kinds: lowest
+    assert _cpus.cgroup_cap(str(self_file), str(root)) == 0.3
+    (root / "cpu.max").unlink()
+    root = _v1_tree(tmp_path / "plain", {"/slurm/job_7": 300000}, mount="cpu")  # mounted as cpu
+    assert _cpus.cgroup_cap(str(self_file), str(root)) == 3.0
+    root = _v1_tree(tmp_path / "none", {"/slurm/job_7": -1})
     assert _cpus.cgroup_cap(str(self_file), str(root)) is None
 
 

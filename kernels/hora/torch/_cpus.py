@@ -7,19 +7,21 @@ in some states of a host each barrier costs about a millisecond, however the wai
 ring then takes bigger chunks, so fewer barriers (``bench/RESULTS.md`` section 17). What
 limits the members:
 their CPU affinity (``sched_getaffinity``, the union over the members) and the CPU cap of each
-one's cgroup (``cpu.max``, cgroup v2, on its own group and every group above it; the lowest
-over the members).
+one's cgroup (cgroup v2's ``cpu.max`` or v1's CFS quota, on its own group and every group above
+it; the lowest over the members).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 CGROUP_ROOT = "/sys/fs/cgroup"
 PROC_CGROUP = "/proc/self/cgroup"
+
+CapReader = Callable[[Path], "float | None"]  # one group's cap, in CPUs (None: none)
 
 
 def mine() -> tuple[list[int], float | None]:
@@ -28,10 +30,13 @@ def mine() -> tuple[list[int], float | None]:
 
 
 def cgroup_cap(proc_cgroup: str = PROC_CGROUP, root: str = CGROUP_ROOT) -> float | None:
-    """The CPU time this process's cgroup (v2) and those above it allow, in CPUs.
+    """The CPU time this process's cgroup and those above it allow, in CPUs.
 
-    The lowest ``quota / period`` of ``cpu.max`` from the process's own group up to the root;
-    None where no group caps it, on cgroup v1, or where the files cannot be read.
+    The lowest ``quota / period`` from the process's own group up to the root of its
+    hierarchy: ``cpu.max`` on cgroup v2; ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us`` on
+    v1's ``cpu`` controller (mounted at ``root/cpu,cpuacct`` or ``root/cpu``; an older Slurm
+    or Docker host); both, the lowest, on a host with both. None where no group caps it or
+    the files cannot be read.
 
     Example:
         >>> cap = cgroup_cap()
@@ -42,25 +47,54 @@ def cgroup_cap(proc_cgroup: str = PROC_CGROUP, root: str = CGROUP_ROOT) -> float
         lines = Path(proc_cgroup).read_text().splitlines()
     except OSError:
         return None
-    rel = next((ln[3:] for ln in lines if ln.startswith("0::")), None)
-    if rel is None:
-        return None
-    caps = []
-    top = Path(os.path.normpath(root))
+    caps = [cap for top, rel, read in _hierarchies(lines, root) for cap in _walk(top, rel, read)]
+    return min(caps) if caps else None
+
+
+def _hierarchies(lines: list[str], root: str) -> Iterator[tuple[Path, str, CapReader]]:
+    """(mount point, group path, reader) of the hierarchies ``/proc/self/cgroup`` names."""
+    for line in lines:
+        hid, controllers, rel = (line.split(":", 2) + ["", ""])[:3]
+        if hid == "0" and not controllers:
+            yield Path(root), rel, _v2_cap
+        elif "cpu" in controllers.split(","):
+            top = next((Path(root, name) for name in (controllers, "cpu,cpuacct", "cpu")
+                        if Path(root, name).is_dir()), None)
+            if top is not None:
+                yield top, rel, _v1_cap
+
+
+def _walk(top: Path, rel: str, read: CapReader) -> list[float]:
+    """The caps ``read`` finds from group ``rel`` under ``top`` up to ``top`` (never above)."""
+    top = Path(os.path.normpath(top))
     group = Path(os.path.normpath(os.path.join(top, rel.lstrip("/"))))
     if group != top and top not in group.parents:
-        return None
+        return []
+    caps = []
     while True:
-        try:
-            quota, period = Path(group, "cpu.max").read_text().split()[:2]
-            if quota != "max" and int(period) > 0:
-                caps.append(int(quota) / int(period))
-        except (OSError, ValueError):
-            pass
+        cap = read(group)
+        if cap is not None:
+            caps.append(cap)
         if group == top:
-            break
+            return caps
         group = group.parent
-    return min(caps) if caps else None
+
+
+def _v2_cap(group: Path) -> float | None:
+    try:
+        quota, period = Path(group, "cpu.max").read_text().split()[:2]
+        return int(quota) / int(period) if quota != "max" and int(period) > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+def _v1_cap(group: Path) -> float | None:
+    try:
+        quota = int(Path(group, "cpu.cfs_quota_us").read_text())
+        period = int(Path(group, "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None  # -1: no quota
 
 
 def at_once(rows: Iterable[tuple[list[int], float | None]]) -> int:
