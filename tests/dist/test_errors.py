@@ -317,7 +317,9 @@ def _rank_body_rank0_dies(rank: int, size: int, sync_dir: str) -> None:
     except Exception as e:  # noqa: BLE001
         out["repeat"] = _err(e, t0)
     if rank == 0:
-        Path(sync_dir, "repeat0").write_text(json.dumps(out["repeat"]))
+        part = Path(sync_dir, "repeat0.part")  # whole or absent: rank 1 reads it once it exists
+        part.write_text(json.dumps(out["repeat"]))
+        os.replace(part, Path(sync_dir, "repeat0"))
         os._exit(17)
     _wait_files(sync_dir, ["repeat0"])
     out["repeat_rank0"] = json.loads(Path(sync_dir, "repeat0").read_text())
