@@ -39,11 +39,11 @@ def _claim(port: int) -> bool:
     """
     now = time.monotonic()
     with _CLAIMS_LOCK:
-        old = [p for p, (at, _) in _CLAIMS.items() if now - at > _HOLD_S]
-        over = len(_CLAIMS) + 1 - _CLAIMS_MAX
-        old += sorted(_CLAIMS, key=lambda p: _CLAIMS[p][0])[: max(0, over)]
-        for p in set(old):
-            _CLAIMS.pop(p)[1].close()
+        while _CLAIMS:  # in the order made, so the oldest first: expired, or over the cap
+            oldest = next(iter(_CLAIMS))
+            if len(_CLAIMS) < _CLAIMS_MAX and now - _CLAIMS[oldest][0] <= _HOLD_S:
+                break
+            _CLAIMS.pop(oldest)[1].close()
         try:
             name = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         except OSError:

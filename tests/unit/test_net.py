@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -68,7 +69,8 @@ sys.stdin.readline()  # stay alive (and keep the claim) until told
 
 
 def _drawing(port: int) -> subprocess.Popen[str]:
-    """Another process whose first draw is forced to try ``port``; it prints what it got."""
+    """Another process whose first draw is forced to try ``port`` (0: a draw at random); it
+    prints what it got."""
     return subprocess.Popen(
         [sys.executable, "-c", _DRAW, str(port)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -98,7 +100,10 @@ def test_a_port_drawn_anywhere_is_not_drawn_again_while_its_claim_lasts(
         s.bind(("127.0.0.1", first))  # it was free all along: only the claim refused it
     other = _drawing(0)
     try:
-        theirs = int(other.stdout.readline())  # type: ignore[union-attr]
+        assert other.stdout is not None
+        ready, _, _ = select.select([other.stdout], [], [], 30)
+        assert ready, "the other process printed no port within 30 s"
+        theirs = int(other.stdout.readline())
         _forced(monkeypatch, theirs)
         assert net.free_port() != theirs  # claimed by a live process elsewhere
     finally:
