@@ -79,7 +79,10 @@ def lying_heartbeats(srv: ServiceServer, user: str, sid: int) -> Iterator[None]:
     def run() -> None:
         with srv.client(user) as c:
             while not stop.wait(0.3):
-                c.post(f"/v1/sessions/{sid}/heartbeat", json={"idle_s": 0})
+                try:
+                    c.post(f"/v1/sessions/{sid}/heartbeat", json={"idle_s": 0})
+                except httpx.HTTPError:
+                    pass  # a slow answer under load: the kernel keeps lying
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -126,7 +129,9 @@ def test_a_lying_kernel_loses_its_idle_session_and_others_see_no_idle_time(
     tmp_path: Path,
 ) -> None:
     env = {
-        "HORA_SESSION_LEASE_S": "5",
+        # a lease long enough that a loaded machine's stall never ends the session for
+        # silence: what ends it here must be its idleness (the lease has its own test)
+        "HORA_SESSION_LEASE_S": "60",
         "HORA_SESSION_IDLE_TIMEOUT_MAX_S": "6",  # the admin's maximum
         "HORA_SESSION_IDLE_ACTION": "stop",  # no kernel here to park it
         "HORA_SESSION_BUSY_CPU": "0.05",
