@@ -126,6 +126,26 @@ def test_where_no_claim_can_be_made_the_probe_alone_decides(
         s.bind(("127.0.0.1", port))
 
 
+def test_where_unix_sockets_are_refused_the_probe_alone_decides(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sandbox that refuses AF_UNIX sockets (seccomp, a restricted container): stood in for
+    here, since this machine allows them; the draw still hands out a free port."""
+    real = socket.socket
+
+    def refusing(family: int = socket.AF_INET, *args: object, **kwargs: object) -> socket.socket:
+        if family == socket.AF_UNIX:
+            raise PermissionError(1, "Operation not permitted")
+        return real(family, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(net, "_CLAIMS", {})
+    monkeypatch.setattr(net.socket, "socket", refusing)
+    port = net.free_port()
+    assert net._LISTEN_PORTS_LOW <= port < net._ephemeral_low() and net._CLAIMS == {}
+    with real() as s:
+        s.bind(("127.0.0.1", port))
+
+
 def test_claims_beyond_the_cap_let_go_of_the_oldest(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(net, "_CLAIMS", {})
     monkeypatch.setattr(net, "_CLAIMS_MAX", 2)
