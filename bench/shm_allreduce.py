@@ -18,6 +18,13 @@ end): a collective is done when its last rank is, and ``n`` copies "at the same 
 until the last one ends. With more ranks than cores, one rank's own copy can run alone on a
 core while the others share the rest; the time to the last rank counts the sharing that the
 ranks of a reduction meet at every barrier. The copy row also shows rank 0's own rate.
+* ``own`` and ``cross``: the same moves between the ranks' caches, without hora: every rank
+  copies ``S`` into its own region of a file all of them map, a barrier, then copies ``S``
+  out of a region (its own for ``own``; the previous rank's, just written by another core,
+  for ``cross``), a barrier (the ring's, as between its chunks). Reported as two copies'
+  bytes per second, with ``cross / own``: what reading another core's fresh data costs at
+  that moment. It is a diagnosis, not a bound: the rows of a round that miss the target can
+  be set beside the same round's ``cross / own``.
 * ``ring``: the set's ring itself, ``ring.allreduce_(t)`` in the calling thread: the data's
   moves alone, without the negotiation round and the lane's thread around them.
 * ``hvd.allreduce_``: ``hvd.allreduce_(t, op=Sum)`` (in place; a negotiation round, then the
@@ -52,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import statistics
 import subprocess
@@ -67,7 +75,8 @@ MB = 1024 * 1024
 FULL_SIZES = [1 * MB, 4 * MB, 16 * MB, 64 * MB, 256 * MB]
 QUICK_SIZES = [4 * MB, 16 * MB]
 TARGET, TARGET_BEFORE = 0.7, 3.0
-ROWS = ["deep", "copy", "ring", "allreduce", "bucket", "gloo"]
+ROWS = ["deep", "copy", "own", "cross", "ring", "allreduce", "bucket", "gloo"]
+COPY_ROWS = ("copy", "deep", "own", "cross")
 DEEP = 256 * MB  # past the caches: the copy that sets the bound
 
 
@@ -94,6 +103,9 @@ class Rows:
         self.torch, self.dist, self.hvd, self.ring, self.before = torch, dist, hvd, ring, before
         self.deep = deep
         numel = nbytes // 4
+        self.regions, self.map = _shared_regions(torch, dist, numel)
+        me, n = dist.get_rank(), dist.get_world_size()
+        self.mine, self.prev = self.regions[me], self.regions[(me - 1) % n]
         self.src, self.dst = torch.ones(numel), torch.zeros(numel)
         self.t = torch.ones(numel)
         self.param = torch.nn.Parameter(torch.zeros(numel))
@@ -102,6 +114,10 @@ class Rows:
         self.opt = hvd.DistributedOptimizer(sgd, named_parameters=[("p", self.param)])
         for _ in range(2):  # the first synchronize moves the bucket into shared memory
             self.bucket()
+
+    def barrier(self) -> None:
+        """The ring's own barrier (what separates its chunks), as one operation of its own."""
+        self.ring.run("barrier", "bench", self.ring.step, "barrier", "bench", 0, 0, 0)
 
     def bucket(self) -> None:
         self.param.grad = self.grad
@@ -112,6 +128,11 @@ class Rows:
             self.dst.copy_(self.src)
         elif row == "deep":
             self.deep[1].copy_(self.deep[0])
+        elif row in ("own", "cross"):
+            self.mine.copy_(self.src)
+            self.barrier()
+            self.dst.copy_(self.mine if row == "own" else self.prev)
+            self.barrier()
         elif row == "ring":
             self.ring.allreduce_(self.t, "allreduce", "bench")
         elif row == "allreduce":
@@ -141,6 +162,25 @@ class Rows:
             self.before.allreduce_(got["before"], "allreduce", "check")
         tol = 0.0 if n == 2 else 1e-6
         return {k: bool(torch.allclose(v, ref, rtol=tol, atol=tol)) for k, v in got.items()}
+
+
+def _shared_regions(torch: Any, dist: Any, numel: int) -> tuple[list[Any], mmap.mmap]:
+    """A region of ``numel`` floats per rank in one file every rank maps (rank 0 makes it)."""
+    n, size = dist.get_world_size(), numel * 4
+    path = [None]
+    if dist.get_rank() == 0:
+        fd, path[0] = tempfile.mkstemp(prefix="hora-bench-cross-", dir="/dev/shm")
+        os.ftruncate(fd, n * size)
+        os.close(fd)
+    dist.broadcast_object_list(path, src=0)
+    with open(str(path[0]), "r+b") as f:
+        mm = mmap.mmap(f.fileno(), n * size)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.unlink(str(path[0]))
+    flat = torch.frombuffer(mm, dtype=torch.float32, count=n * numel)
+    flat.fill_(0.0)  # every page touched once: no first-touch faults in the rounds
+    return [flat[j * numel : (j + 1) * numel] for j in range(n)], mm
 
 
 def _block(rows: Rows, row: str, calls: int) -> float:
@@ -237,13 +277,18 @@ def report(data: dict[str, Any]) -> list[dict[str, Any]]:
 def _row(nbytes: int, row: str, rounds: list[dict[str, float]], n: int, busf: float,
          has_before: bool) -> dict[str, Any]:
     med = statistics.median
-    if row in ("copy", "deep"):
-        size = DEEP if row == "deep" else nbytes
+    if row in COPY_ROWS:
+        size = {"deep": DEEP, "copy": nbytes}.get(row, 2 * nbytes)  # own, cross: two copies
         bw = med(size / r[row] / 1e9 for r in rounds)
-        own = (f"(rank 0's own copy: {med(nbytes / r['copy0'] / 1e9 for r in rounds):.2f})"
-               if row == "copy" else "(256 MB, past the caches: sets the bound)")
-        print(f"{_fmt(nbytes):>7} {row:>10} {bw:7.2f}   {own}")
-        return {"bytes": nbytes, "row": row, "busbw": bw}
+        cross = med(r["own"] / r["cross"] for r in rounds)
+        note = {
+            "copy": f"(rank 0's own copy: {med(nbytes / r['copy0'] / 1e9 for r in rounds):.2f})",
+            "deep": "(256 MB, past the caches: sets the bound)",
+            "own": "(in, barrier, out of its own region, barrier)",
+            "cross": f"(out of the previous rank's region; cross / own {cross:.3f})",
+        }[row]
+        print(f"{_fmt(nbytes):>7} {row:>10} {bw:7.2f}   {note}")
+        return {"bytes": nbytes, "row": row, "busbw": bw, "cross_own": cross}
     bw = med(nbytes / r[row] / 1e9 * busf for r in rounds)
     k = passes(n, row == "bucket")
     fracs = [(nbytes / r[row]) / (DEEP / r["deep"] / k) for r in rounds]
@@ -304,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
         "ratio": round(worst["fraction"], 3), "target": TARGET, "pass": ok,
         "of_size_copy": round(min(r["of_size_copy"] for r in hora), 3),
         "worst": f"{worst['np']} ranks {_fmt(worst['bytes'])} {worst['row']}",
+        "cross_own_there": round(next(r["cross_own"] for r in rows if r["row"] == "cross"
+                                      and r["bytes"] == worst["bytes"]
+                                      and r["np"] == worst["np"]), 3),
         **({"vs_before_at_4MB": [round(x, 2) for x in at4], "target_before": TARGET_BEFORE}
            if args.before else {})}))
     return 0 if ok else 1
