@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import statistics
 import subprocess
@@ -103,9 +102,9 @@ class Rows:
         self.torch, self.dist, self.hvd, self.ring, self.before = torch, dist, hvd, ring, before
         self.deep = deep
         numel = nbytes // 4
-        self.regions, self.map = _shared_regions(torch, dist, numel)
+        regions = _shared_regions(torch, dist, numel)  # the views keep the mapping alive
         me, n = dist.get_rank(), dist.get_world_size()
-        self.mine, self.prev = self.regions[me], self.regions[(me - 1) % n]
+        self.mine, self.prev = regions[me], regions[(me - 1) % n]
         self.src, self.dst = torch.ones(numel), torch.zeros(numel)
         self.t = torch.ones(numel)
         self.param = torch.nn.Parameter(torch.zeros(numel))
@@ -164,23 +163,24 @@ class Rows:
         return {k: bool(torch.allclose(v, ref, rtol=tol, atol=tol)) for k, v in got.items()}
 
 
-def _shared_regions(torch: Any, dist: Any, numel: int) -> tuple[list[Any], mmap.mmap]:
-    """A region of ``numel`` floats per rank in one file every rank maps (rank 0 makes it)."""
-    n, size = dist.get_world_size(), numel * 4
-    path = [None]
-    if dist.get_rank() == 0:
-        fd, path[0] = tempfile.mkstemp(prefix="hora-bench-cross-", dir="/dev/shm")
-        os.ftruncate(fd, n * size)
-        os.close(fd)
+def _shared_regions(torch: Any, dist: Any, numel: int) -> list[Any]:
+    """A region of ``numel`` floats per rank in one segment file every rank maps, made as
+    hora makes its own (``hora.torch._segfile``: rank 0 creates it, every rank maps it)."""
+    from hora.torch import _segfile, _shm
+
+    n = dist.get_world_size()
+    size = _shm.ALIGN + n * numel * 4  # the segment's header page, then the regions
+    path = [_segfile.create(size) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(path, src=0)
-    with open(str(path[0]), "r+b") as f:
-        mm = mmap.mmap(f.fileno(), n * size)
+    mm = _segfile.open_segment(str(path[0]), size) if path[0] else None
     dist.barrier()
-    if dist.get_rank() == 0:
-        os.unlink(str(path[0]))
-    flat = torch.frombuffer(mm, dtype=torch.float32, count=n * numel)
+    if dist.get_rank() == 0 and path[0]:
+        os.unlink(str(path[0]))  # every rank has mapped it (or failed to)
+    if mm is None:
+        raise SystemExit(f"cannot map a {size}-byte segment in /dev/shm for the cross rows")
+    flat = torch.frombuffer(mm, dtype=torch.float32, offset=_shm.ALIGN, count=n * numel)
     flat.fill_(0.0)  # every page touched once: no first-touch faults in the rounds
-    return [flat[j * numel : (j + 1) * numel] for j in range(n)], mm
+    return [flat[j * numel : (j + 1) * numel] for j in range(n)]
 
 
 def _block(rows: Rows, row: str, calls: int) -> float:
