@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ from hora import net
 from hora.spec import JobSpec, JobState
 from hora_service.manager import JobManager
 from hora_service.runtimes import AttemptPlan, Exit, RankProcess
-from hora_service.runtimes.core import read_pid
+from hora_service.runtimes.core import read_pid, write_pid
 from hora_service.runtimes.local import AdoptedRank, LocalRuntime
 from hora_service.runtimes.paths import JobPaths
 from hora_service.settings import Settings
@@ -78,6 +79,34 @@ def test_adopted_rank_follows_a_process_it_did_not_start(tmp_path: Path) -> None
     gate.touch()
     assert [wait_done(r) for r in started] == [0, 0]
     assert [r.poll() for r in adopted] == [0, 0]  # read from the exit files
+
+
+def test_a_rank_caught_in_exec_is_running(tmp_path: Path) -> None:
+    """Popen returns before the kernel has put the new program's arguments in place (an
+    empty ``/proc/PID/cmdline``): a rank polled in that window is running, not lost."""
+    p = plan(tmp_path, [PY, "-c", "pass"])
+    p.run_dir.mkdir()
+    argv = [PY, "-I", "-S", "-c", "import time; time.sleep(30)", str(p.run_dir)]
+    for _ in range(20):  # each start is one chance to look inside the window
+        rank = AdoptedRank(0, p.paths)
+        proc = subprocess.Popen(argv)
+        try:
+            rank.pid = proc.pid  # as if read from its pid file: poll at once, in the window
+            assert rank.poll() is Exit.running
+        finally:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_kernel_thread_with_the_ranks_pid_is_not_the_rank(tmp_path: Path) -> None:
+    """A kernel thread has no arguments either, but it is not young: the rank is lost."""
+    kthreads = [q.pid for q in psutil.process_iter(["ppid"]) if 2 in (q.pid, q.info["ppid"])]
+    assert kthreads, "no kernel thread visible (kthreadd is pid 2 outside a pid namespace)"
+    p = plan(tmp_path, [PY, "-c", "pass"])
+    p.run_dir.mkdir()
+    write_pid(p.paths, 0, kthreads[0])
+    assert psutil.Process(kthreads[0]).cmdline() == []
+    assert AdoptedRank(0, p.paths).poll() is Exit.lost
 
 
 def test_rank_with_no_pid_file_is_waited_for_then_lost(tmp_path: Path) -> None:

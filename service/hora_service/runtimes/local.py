@@ -38,6 +38,9 @@ logger = logging.getLogger(__name__)
 
 SHIM = Path(__file__).with_name("shim.py")
 PID_WAIT_S = 5.0
+# A process this young with no arguments yet is in the middle of exec: the kernel releases
+# the parent (and Popen returns) before it puts the new program's arguments in place.
+EXEC_GRACE_S = 5.0
 
 
 def rank_argv(plan: AttemptPlan, rank: int, python: str = sys.executable) -> list[str]:
@@ -117,8 +120,11 @@ class AdoptedRank(RankProcess):
             proc = psutil.Process(pid)
             if proc.status() == psutil.STATUS_ZOMBIE:
                 return False
+            argv = proc.cmdline()
+            if not argv:  # exec under way (or a kernel thread, which is never young for long)
+                return time.time() - proc.create_time() < EXEC_GRACE_S
             # the pid may have been reused: the shim's command line names this run dir
-            return str(self.paths.run_dir) in proc.cmdline()
+            return str(self.paths.run_dir) in argv
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             return False
 
