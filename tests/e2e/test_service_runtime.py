@@ -100,8 +100,11 @@ def test_a_rank_caught_in_exec_is_running(tmp_path: Path) -> None:
 
 def test_a_kernel_thread_with_the_ranks_pid_is_not_the_rank(tmp_path: Path) -> None:
     """A kernel thread has no arguments either, but it is not young: the rank is lost."""
-    kthreads = [q.pid for q in psutil.process_iter(["ppid"]) if 2 in (q.pid, q.info["ppid"])]
-    assert kthreads, "no kernel thread visible (kthreadd is pid 2 outside a pid namespace)"
+    kthreads = [  # kthreadd (pid 2, parent 0) and its children: no command line
+        q.pid for q in psutil.process_iter(["ppid", "cmdline"])
+        if q.pid > 1 and q.info["ppid"] in (0, 2) and not q.info["cmdline"]
+    ]  # fmt: skip
+    assert kthreads, "no kernel thread visible (they are, outside a pid namespace)"
     p = plan(tmp_path, [PY, "-c", "pass"])
     p.run_dir.mkdir()
     write_pid(p.paths, 0, kthreads[0])
