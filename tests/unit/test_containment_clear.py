@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -71,3 +72,31 @@ def test_a_start_reaps_a_stray_in_one_pass() -> None:
         assert proc.returncode == -9
     finally:
         proc.kill()
+
+
+def test_a_child_without_the_tag_is_found_and_killed_through_its_parent() -> None:
+    """A child started with another environment (or caught in exec, when its environment
+    cannot be read yet) carries no tag; it is the attempt's as its tagged parent's child."""
+    box = Containment("tag", instance=f"w{os.getpid()}").container(7, 1)
+    code = "import subprocess as s, time; s.Popen(['/bin/sleep', '300'], env={}); time.sleep(300)"
+    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, TAG_VAR: box.tag})
+    reaper = _reaper(proc)
+    kids: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 10
+        while not (kids := psutil.Process(proc.pid).children()) or kids[0].cmdline() != [
+            "/bin/sleep", "300"
+        ]:  # until the child runs sleep: its environment is then the one it keeps
+            assert time.monotonic() < deadline, "the child never ran sleep"
+            time.sleep(0.02)
+        assert TAG_VAR not in kids[0].environ()
+        assert box.pids() == {proc.pid, kids[0].pid}
+        assert box.clear(wait_s=10.0) is True
+        reaper.join(10)
+        assert proc.returncode == -9
+        assert not kids[0].is_running() or kids[0].status() == psutil.STATUS_ZOMBIE
+    finally:
+        proc.kill()
+        for kid in kids:
+            with contextlib.suppress(psutil.Error):
+                kid.kill()

@@ -17,8 +17,10 @@ Backends, chosen by :func:`detect` (setting ``containment``):
 * ``cgroup2`` on the ``/sys/fs/cgroup/unified`` mount of a hybrid setup, when v1 is not usable.
 * ``tag`` otherwise (no cgroup can be created, e.g. the service is not root): every rank's
   environment carries ``HORA_ATTEMPT=<instance>/<job>/<attempt>``, inherited by its
-  descendants, and the attempt is every process whose environment carries it. A process that
-  clears its own environment escapes this fallback; a cgroup cannot be escaped.
+  descendants, and the attempt is every process whose environment carries it, and every
+  descendant of one (a child started with another environment, or caught in the middle of
+  ``exec``). A process that drops the tag and whose tagged ancestors have all ended escapes
+  this fallback; a cgroup cannot be escaped.
 
 ``<instance>`` is derived from the data directory, so that two services on one machine never
 share a cgroup and a restarted service finds its attempts again.
@@ -252,12 +254,24 @@ def _kill_all(pids: set[int]) -> None:
 
 
 def _tagged(tag: str) -> set[int]:
+    """The live processes whose environment carries ``tag``, and their descendants.
+
+    A descendant is the attempt's whatever its environment says: a child started with
+    another environment, or one in the middle of ``exec`` (whose environment cannot be read
+    until the new program's arguments and environment are in place).
+    """
     me = os.getpid()
     found: set[int] = set()
-    for proc in psutil.process_iter(["pid"]):
+    parents: dict[int, int] = {}
+    for proc in psutil.process_iter(["ppid", "status"]):
+        if proc.pid == me or proc.info["status"] in (None, psutil.STATUS_ZOMBIE):
+            continue
+        parents[proc.pid] = proc.info["ppid"]
         try:
-            if proc.pid != me and proc.environ().get(TAG_VAR) == tag:
+            if proc.environ().get(TAG_VAR) == tag:
                 found.add(proc.pid)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
             pass
+    while more := {pid for pid, up in parents.items() if up in found and pid not in found}:
+        found |= more
     return found
