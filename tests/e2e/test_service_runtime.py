@@ -70,13 +70,15 @@ def test_adopted_rank_follows_a_process_it_did_not_start(tmp_path: Path) -> None
     code = f"import os, time\nwhile not os.path.exists({str(gate)!r}): time.sleep(0.02)\n"
     p = plan(tmp_path, [PY, "-c", code], workers=2)
     started = LocalRuntime().start(p, dict(os.environ))
-    deadline = time.monotonic() + 20
-    while not all(read_pid(p.paths, r) for r in (0, 1)):
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    adopted = LocalRuntime().adopt(p)
-    assert [r.poll() for r in adopted] == [Exit.running, Exit.running]
-    gate.touch()
+    try:
+        deadline = time.monotonic() + 20
+        while not all(read_pid(p.paths, r) for r in (0, 1)):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        adopted = LocalRuntime().adopt(p)
+        assert [r.poll() for r in adopted] == [Exit.running, Exit.running]
+    finally:
+        gate.touch()  # the ranks end, whatever failed above
     assert [wait_done(r) for r in started] == [0, 0]
     assert [r.poll() for r in adopted] == [0, 0]  # read from the exit files
 
