@@ -102,8 +102,8 @@ class Rows:
         self.torch, self.dist, self.hvd, self.ring, self.before = torch, dist, hvd, ring, before
         self.deep = deep
         numel = nbytes // 4
-        regions = _shared_regions(torch, dist, numel)  # the views keep the mapping alive
-        me, n = dist.get_rank(), dist.get_world_size()
+        regions = _shared_regions(torch, ring, numel)  # the views keep the mapping alive
+        me, n = ring.index, ring.size
         self.mine, self.prev = regions[me], regions[(me - 1) % n]
         self.src, self.dst = torch.ones(numel), torch.zeros(numel)
         self.t = torch.ones(numel)
@@ -163,24 +163,18 @@ class Rows:
         return {k: bool(torch.allclose(v, ref, rtol=tol, atol=tol)) for k, v in got.items()}
 
 
-def _shared_regions(torch: Any, dist: Any, numel: int) -> list[Any]:
-    """A region of ``numel`` floats per rank in one segment file every rank maps, made as
-    hora makes its own (``hora.torch._segfile``: rank 0 creates it, every rank maps it)."""
-    from hora.torch import _segfile, _shm
+def _shared_regions(torch: Any, ring: Any, numel: int) -> list[Any]:
+    """A region of ``numel`` floats per rank in one file every rank maps, set up through the
+    ring exactly as the optimizer's arena is (``hora.torch._arena._share``)."""
+    from hora.torch import _arena, _shm
 
-    n = dist.get_world_size()
-    size = _shm.ALIGN + n * numel * 4  # the segment's header page, then the regions
-    path = [_segfile.create(size) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(path, src=0)
-    mm = _segfile.open_segment(str(path[0]), size) if path[0] else None
-    dist.barrier()
-    if dist.get_rank() == 0 and path[0]:
-        os.unlink(str(path[0]))  # every rank has mapped it (or failed to)
+    size = _shm.ALIGN + ring.size * numel * 4  # the segment's header page, then the regions
+    mm = ring.run("bench", "regions", _arena._share, ring, size, "bench")
     if mm is None:
         raise SystemExit(f"cannot map a {size}-byte segment in /dev/shm for the cross rows")
-    flat = torch.frombuffer(mm, dtype=torch.float32, offset=_shm.ALIGN, count=n * numel)
+    flat = torch.frombuffer(mm, dtype=torch.float32, offset=_shm.ALIGN, count=ring.size * numel)
     flat.fill_(0.0)  # every page touched once: no first-touch faults in the rounds
-    return [flat[j * numel : (j + 1) * numel] for j in range(n)]
+    return [flat[j * numel : (j + 1) * numel] for j in range(ring.size)]
 
 
 def _block(rows: Rows, row: str, calls: int) -> float:
@@ -280,15 +274,18 @@ def _row(nbytes: int, row: str, rounds: list[dict[str, float]], n: int, busf: fl
     if row in COPY_ROWS:
         size = {"deep": DEEP, "copy": nbytes}.get(row, 2 * nbytes)  # own, cross: two copies
         bw = med(size / r[row] / 1e9 for r in rounds)
-        cross = med(r["own"] / r["cross"] for r in rounds)
-        note = {
-            "copy": f"(rank 0's own copy: {med(nbytes / r['copy0'] / 1e9 for r in rounds):.2f})",
-            "deep": "(256 MB, past the caches: sets the bound)",
-            "own": "(in, barrier, out of its own region, barrier)",
-            "cross": f"(out of the previous rank's region; cross / own {cross:.3f})",
-        }[row]
+        out = {"bytes": nbytes, "row": row, "busbw": bw}
+        if row == "copy":
+            note = f"(rank 0's own copy: {med(nbytes / r['copy0'] / 1e9 for r in rounds):.2f})"
+        elif row == "deep":
+            note = "(256 MB, past the caches: sets the bound)"
+        elif row == "own":
+            note = "(in, barrier, out of its own region, barrier)"
+        else:
+            out["cross_own"] = med(r["own"] / r["cross"] for r in rounds)
+            note = f"(out of the previous rank's region; cross / own {out['cross_own']:.3f})"
         print(f"{_fmt(nbytes):>7} {row:>10} {bw:7.2f}   {note}")
-        return {"bytes": nbytes, "row": row, "busbw": bw, "cross_own": cross}
+        return out
     bw = med(nbytes / r[row] / 1e9 * busf for r in rounds)
     k = passes(n, row == "bucket")
     fracs = [(nbytes / r[row]) / (DEEP / r["deep"] / k) for r in rounds]
