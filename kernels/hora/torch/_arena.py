@@ -1,7 +1,7 @@
 """The DistributedOptimizer's CPU buckets in shared memory, reduced in place (data plane).
 
-Through the ring's slots (:mod:`hora.torch._shm_ops`) a bucket is copied in, summed and
-copied out: two passes over it besides the sum. When the members of a process set share a
+Through the ring's slots (:mod:`hora.torch._shm_ops`) a bucket is copied in (all but the
+slice this member sums), summed and copied out. When the members of a process set share a
 ring, their fusion buckets can live in shared memory themselves: an *arena* is one file with
 a region per member, every member maps all of them, and a member's bucket buffers (the ones
 its gradients are packed into, and that ``param.grad`` points at after ``synchronize()``)

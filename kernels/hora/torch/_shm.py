@@ -8,9 +8,10 @@ node: the engine's negotiation rounds (:meth:`Ring.allgather_ints`, one barrier)
 ``hvd.allreduce`` calls and the DistributedOptimizer's gradient buckets
 (:mod:`hora.torch._shm_ops`, :mod:`hora.torch._arena`).
 
-An allreduce is a reduce-scatter and an allgather in shared memory: each member copies its
-tensor into its own slot, sums one slice of every slot into its own slot, and copies every
-summed slice back. Each slice is summed by exactly one member and copied by all, so every
+An allreduce is a reduce-scatter and an allgather in shared memory: each member copies the
+slices of its tensor that the others sum into its own slot, sums its own slice (read from its
+tensor) and that slice of every other slot into its own slot, and copies every summed slice
+back. Each slice is summed by exactly one member and copied by all, so every
 member ends with the same bits. The ring is cut into ``NBUF`` buffers used in turn, one per
 barrier: a tensor larger than a slot goes in chunks, pipelined so that one barrier separates
 the copy-in of a chunk, the sum of the one before and the copy-out of the one before that,

@@ -6,15 +6,17 @@ the segment's tensors; the only Python loop is over chunks of a slot's size (4 M
 ranks).
 
 **Allreduce**, ``n`` members, a tensor of ``S`` bytes cut into chunks of a slot: every member
-copies chunk ``k`` into its slot of a buffer (*A*), sums slice ``me`` of every member's slot
-into its own (*R*: a reduce-scatter) and copies every member's summed slice into its tensor
-(*O*: an allgather). With three buffers used in turn, one barrier ends each step
+copies the slices of chunk ``k`` that the others sum into its slot of a buffer (*A*: every
+slice but its own), sums slice ``me`` of its own chunk and of every other member's slot into
+its own slot (*R*: a reduce-scatter; its own slice is read where it is, never copied in) and
+copies every member's summed slice into its tensor (*O*: an allgather). With three buffers
+used in turn, one barrier ends each step
 ``[O(k-2), R(k-1), A(k)]``: a chunk is summed one barrier after every member wrote it,
 copied out one barrier after every member summed it, and its buffer is written again only
 after every member copied it out. A tensor of ``T`` chunks passes ``T + 1`` barriers.
 
-Passes over memory for one member (in units of ``S``): *A* reads 1 and writes 1, *R* reads 1
-and writes ``1/n``, *O* reads 1 and writes 1; ``docs/dev/benchmarks.md`` turns that into the
+Passes over memory for one member (in units of ``S``): *A* reads and writes ``(n-1)/n``, *R*
+reads 1 and writes ``1/n``, *O* reads 1 and writes 1; ``docs/dev/benchmarks.md`` turns that into the
 bound the benchmark compares with. A tensor of at most ``SMALL_BYTES`` (64 KiB) passes one
 barrier instead: every member copies it in, then reduces every member's slot, in member order,
 into its own tensor (:func:`_allreduce_small`).
@@ -46,13 +48,14 @@ class Ring(Protocol):
         """Sign, pass the next barrier, check that every member signed the same."""
 
 
-Reduce = Callable[[torch.Tensor, torch.Tensor], object]
+Reduce = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]
 
+# reduce(a, b, out): ``out = a (op) b``, with ``out`` possibly ``a`` itself
 REDUCERS: dict[str, Reduce] = {
-    "sum": torch.Tensor.add_,
-    "min": lambda acc, x: torch.minimum(acc, x, out=acc),
-    "max": lambda acc, x: torch.maximum(acc, x, out=acc),
-    "product": torch.Tensor.mul_,
+    "sum": lambda a, b, out: torch.add(a, b, out=out),
+    "min": lambda a, b, out: torch.minimum(a, b, out=out),
+    "max": lambda a, b, out: torch.maximum(a, b, out=out),
+    "product": lambda a, b, out: torch.mul(a, b, out=out),
 }
 
 # up to this many bytes an allreduce passes one barrier and every member reduces every slot
@@ -90,15 +93,32 @@ def bounds(m: int, n: int, i: int) -> tuple[int, int]:
     return lo, lo + base + (1 if i < extra else 0)
 
 
-def reduce_slice(slots: list[torch.Tensor], me: int, fn: Reduce) -> None:
-    """Reduce slice ``me`` of every member's ``slots`` into member ``me``'s, in place."""
+def reduce_slice(slots: list[torch.Tensor], me: int, fn: Reduce,
+                 mine: torch.Tensor | None = None) -> None:
+    """Reduce slice ``me`` of every member's ``slots`` into member ``me``'s, in place.
+
+    With ``mine`` (this member's data, of a slot's length), slice ``me`` of ``mine`` stands for
+    that of its own slot, which is then only written: the same operations in the same order.
+    """
     lo, hi = bounds(slots[0].numel(), len(slots), me)
     if hi <= lo:
         return
     acc = slots[me][lo:hi]
+    first = acc if mine is None else mine[lo:hi]
     for j, s in enumerate(slots):
         if j != me:
-            fn(acc, s[lo:hi])
+            fn(first, s[lo:hi], acc)
+            first = acc
+
+
+def copy_others(slot: torch.Tensor, src: torch.Tensor, n: int, me: int) -> None:
+    """Copy every slice of ``src`` but slice ``me`` into ``slot``: what the others sum."""
+    m = src.numel()
+    lo, hi = bounds(m, n, me)
+    if lo > 0:
+        slot[:lo].copy_(src[:lo])
+    if hi < m:
+        slot[hi:m].copy_(src[hi:m])
 
 
 def gather_slices(slots: list[torch.Tensor], dst: torch.Tensor, skip: int = -1) -> None:
@@ -134,11 +154,12 @@ def allreduce(ring: Ring, t: torch.Tensor, op: str, name: str, reduce: str, tag:
             start, m = chunks[k - 2]
             gather_slices(held[k - 2], flat[start : start + m])
         if 1 <= k <= last:  # R: every member wrote chunk k-1 one barrier ago
-            reduce_slice(held[k - 1], me, fn)
+            start, m = chunks[k - 1]
+            reduce_slice(held[k - 1], me, fn, src[start : start + m])
         if k < last:  # A
             start, m = chunks[k]
             slots = [s.view(dtype)[:m] for s in ring.next_buffer()]
-            slots[me].copy_(src[start : start + m])
+            copy_others(slots[me], src[start : start + m], len(slots), me)
             held.append(slots)
         if k <= last:
             ring.step(op, name, total, chunks[k][0] if k < last else total, check)
@@ -160,7 +181,7 @@ def _allreduce_small(ring: Ring, flat: torch.Tensor, src: torch.Tensor, op: str,
     ring.step(op, name, total, 0, check)
     flat.copy_(slots[0])
     for s in slots[1:]:
-        fn(flat, s)
+        fn(flat, s, flat)
 
 
 def broadcast(ring: Ring, t: torch.Tensor, op: str, name: str) -> None:
