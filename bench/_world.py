@@ -44,14 +44,21 @@ def run_ranks(script: str, np: int, worker_args: list[str]) -> dict[str, Any]:
         return dict(json.loads(Path(out).read_text()))
 
 
-def ring_from_file(path: str | Path, comm: Any, module: str, **settings: Any) -> Any:
-    """A shared-memory ring of the ``_shm`` module in ``path`` (another commit's, or this
-    checkout's with ``settings`` such as ``SLOT_MAX`` changed), set up on ``comm``'s ranks in
-    a segment of its own. Every rank must call it at the same point."""
+def load_module(path: str | Path, module: str) -> Any:
+    """The Python file at ``path`` (another commit's copy of a module), as module ``module``."""
     spec = importlib.util.spec_from_file_location(module, path)
     assert spec is not None and spec.loader is not None  # noqa: S101  (a file we chose)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def ring_from_file(path: str | Path, comm: Any, module: str, **settings: Any) -> Any:
+    """A shared-memory ring of the ``_shm`` module in ``path`` (another commit's, or this
+    checkout's with ``settings`` such as ``SLOT_MAX`` changed, or ``_shm_ops`` another
+    commit's), set up on ``comm``'s ranks in a segment of its own. Every rank must call it at
+    the same point."""
+    mod = load_module(path, module)
     for name, value in settings.items():
         setattr(mod, name, value)
 

@@ -24,7 +24,10 @@ ranks of a reduction meet at every barrier. The copy row also shows rank 0's own
   for ``cross``), a barrier (the ring's, as between its chunks). Reported as two copies'
   bytes per second, with ``cross / own``: what reading another core's fresh data costs at
   that moment. It is a diagnosis, not a bound: the rows of a round that miss the target can
-  be set beside the same round's ``cross / own``.
+  be set beside the same round's ``cross / own``. The ``cross`` row also gives the busbw of
+  a reduction that would take its time (and, with ``--before``, that reduction against
+  ``before``): a 2-rank allreduce reads ``S`` of the other rank's fresh data too, and writes
+  ``S`` into shared memory (its own slice's sum among it) and ``S`` into its tensor.
 * ``ring``: the set's ring itself, ``ring.allreduce_(t)`` in the calling thread: the data's
   moves alone, without the negotiation round and the lane's thread around them.
 * ``hvd.allreduce_``: ``hvd.allreduce_(t, op=Sum)`` (in place; a negotiation round, then the
@@ -35,14 +38,16 @@ ranks of a reduction meet at every barrier. The copy row also shows rank 0's own
   shared memory; op Average, as the optimizer's default).
 * ``gloo``: ``dist.all_reduce(t)`` on the same ranks.
 * ``before`` (with ``--before REF``): the ring of commit REF (``kernels/hora/torch/_shm.py``
-  loaded from git next to the current one), ``ring.allreduce_(t)``, which is what that
-  commit's optimizer and preflight used for a bucket.
+  loaded from git next to the current one, with REF's ``_shm_ops.py`` where it has one),
+  ``ring.allreduce_(t)``, which is what that commit's optimizer and preflight used for a
+  bucket.
 
 The bound (docs/dev/benchmarks.md): an allreduce of ``S`` bytes by reduce-scatter and
-allgather in shared memory makes each rank move ``k`` times what a copy of ``S`` moves:
-``k = 2 + (n+1)/(2n)`` for a tensor outside shared memory (copy in, sum a slice, copy out)
-and ``k = 1 + (n+1)/(2n) + (n-1)/n`` for a bucket that lives in shared memory (pack, sum a
-slice, gather the others' slices). With every rank copying at ``B`` at the same time, busbw
+allgather in shared memory makes each rank move ``k = 1 + (n+1)/(2n) + (n-1)/n`` times what
+a copy of ``S`` moves, for a tensor outside shared memory (copy in the slices the others sum,
+sum its own slice, copy every summed slice out) and for a bucket that lives in shared memory
+(pack, sum a slice, gather the others' slices) alike. With every rank copying at ``B`` at the
+same time, busbw
 can be at most ``B / k x 2(n-1)/n``. Reported: each row's busbw (median over rounds), its
 fraction of the bound (the median of per-round fractions, the bound from the same round's
 ``deep`` copy; beside it the same from the size's own copy), and ratios to gloo and to
@@ -68,7 +73,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _world import ring_from_file, run_ranks, slowest_rounds
+from _world import load_module, ring_from_file, run_ranks, slowest_rounds
 
 MB = 1024 * 1024
 FULL_SIZES = [1 * MB, 4 * MB, 16 * MB, 64 * MB, 256 * MB]
@@ -79,10 +84,10 @@ COPY_ROWS = ("copy", "deep", "own", "cross")
 DEEP = 256 * MB  # past the caches: the copy that sets the bound
 
 
-def passes(n: int, bucket: bool) -> float:
+def passes(n: int) -> float:
     """Copies' worth of memory traffic per rank for one allreduce (see the docstring)."""
     scatter = (n + 1) / (2 * n)  # read n slices of S/n, write one
-    return 1 + scatter + ((n - 1) / n if bucket else 1)
+    return 1 + scatter + (n - 1) / n
 
 
 def _calls(nbytes: int) -> int:
@@ -90,8 +95,15 @@ def _calls(nbytes: int) -> int:
 
 
 def _load_before(path: str | None, comm: Any) -> Any:
-    """The ring of the ``--before`` commit, set up on the same ranks (its own segment)."""
-    return ring_from_file(path, comm, "hora_shm_before") if path else None
+    """The ring of the ``--before`` commit, set up on the same ranks (its own segment), with
+    that commit's ``_shm_ops`` where it has one (written beside its ``_shm``)."""
+    if not path:
+        return None
+    ops = Path(path).with_name("_shm_ops_before.py")
+    if not ops.exists():
+        return ring_from_file(path, comm, "hora_shm_before")
+    return ring_from_file(path, comm, "hora_shm_before",
+                          _shm_ops=load_module(ops, "hora_shm_ops_before"))
 
 
 class Rows:
@@ -254,8 +266,8 @@ def report(data: dict[str, Any]) -> list[dict[str, Any]]:
     print(f"\n{n} ranks, 1 thread each, torch {data['torch']}; load average {data['load'][0]:.1f}"
           f" -> {data['load'][1]:.1f}; copy at 256 MB: {c['one']:.2f} GB/s alone, "
           f"{c['two']:.2f} GB/s per process with two at once")
-    print(f"passes per allreduce: {passes(n, False):.3f} copies (tensor), "
-          f"{passes(n, True):.3f} (bucket in shared memory); slot {data['slot'] // 1024} KiB")
+    print(f"passes per allreduce: {passes(n):.3f} copies (a tensor or a bucket in shared "
+          f"memory); slot {data['slot'] // 1024} KiB")
     print(f"{'size':>7} {'row':>10} {'busbw':>7} {'bound':>7} {'of bound':>9} {'min':>6} "
           f"{'max':>6} {'of size copy':>12} {'vs gloo':>8} {'vs before':>9}  (GB/s; copy rows:"
           " per rank, to the last; deep: 256 MB)")
@@ -283,11 +295,16 @@ def _row(nbytes: int, row: str, rounds: list[dict[str, float]], n: int, busf: fl
             note = "(in, barrier, out of its own region, barrier)"
         else:
             out["cross_own"] = med(r["own"] / r["cross"] for r in rounds)
-            note = f"(out of the previous rank's region; cross / own {out['cross_own']:.3f})"
+            out["vs_before"] = med(r["before"] / r["cross"] for r in rounds) if has_before \
+                else float("nan")
+            as_red = med(nbytes / r["cross"] / 1e9 * busf for r in rounds)
+            note = (f"(out of the previous rank's region; cross / own {out['cross_own']:.3f}; "
+                    f"as a reduction's busbw {as_red:.2f}"
+                    + (f", {out['vs_before']:.2f}x before)" if has_before else ")"))
         print(f"{_fmt(nbytes):>7} {row:>10} {bw:7.2f}   {note}")
         return out
     bw = med(nbytes / r[row] / 1e9 * busf for r in rounds)
-    k = passes(n, row == "bucket")
+    k = passes(n)
     fracs = [(nbytes / r[row]) / (DEEP / r["deep"] / k) for r in rounds]
     by_size = med((nbytes / r[row]) / (nbytes / r["copy"] / k) for r in rounds)
     bound = med(DEEP / r["deep"] / 1e9 / k * busf for r in rounds)
@@ -303,13 +320,15 @@ def launch(args: argparse.Namespace, n: int) -> dict[str, Any]:
     worker_args = ["--pairs", str(args.pairs)] + (["--quick"] if args.quick else [])
     if not args.before:
         return run_ranks(__file__, n, worker_args)
-    root = Path(__file__).resolve().parent.parent
-    src = subprocess.run(["git", "show", f"{args.before}:kernels/hora/torch/_shm.py"],
-                         cwd=root, capture_output=True, text=True, check=True).stdout
     with tempfile.TemporaryDirectory(prefix="hora-before-") as tmp:
-        path = Path(tmp, "shm_before.py")
-        path.write_text(src)
-        return run_ranks(__file__, n, [*worker_args, "--before-file", str(path)])
+        for name in ("_shm", "_shm_ops"):  # _shm_ops only from 237772a on
+            got = subprocess.run(["git", "show", f"{args.before}:kernels/hora/torch/{name}.py"],
+                                 cwd=Path(__file__).resolve().parent.parent,
+                                 capture_output=True, text=True, check=name == "_shm")
+            if got.returncode == 0:
+                Path(tmp, f"{name}_before.py").write_text(got.stdout)
+        before = str(Path(tmp, "_shm_before.py"))
+        return run_ranks(__file__, n, [*worker_args, "--before-file", before])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -349,7 +368,9 @@ def main(argv: list[str] | None = None) -> int:
         "cross_own_there": round(next(r["cross_own"] for r in rows if r["row"] == "cross"
                                       and r["bytes"] == worst["bytes"]
                                       and r["np"] == worst["np"]), 3),
-        **({"vs_before_at_4MB": [round(x, 2) for x in at4], "target_before": TARGET_BEFORE}
+        **({"vs_before_at_4MB": [round(x, 2) for x in at4], "target_before": TARGET_BEFORE,
+            "cross_vs_before_at_4MB": [round(r["vs_before"], 2) for r in rows
+                                       if r["row"] == "cross" and r["bytes"] == 4 * MB]}
            if args.before else {})}))
     return 0 if ok else 1
 
