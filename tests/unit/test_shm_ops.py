@@ -36,13 +36,12 @@ def test_summing_from_the_members_own_data_gives_the_bits_of_its_slot(
     g = torch.Generator().manual_seed(n)
     data = [(torch.randn(11, generator=g) * 100).to(dtype) for _ in range(n)]
     kept = [d.clone() for d in data]
-    fn = _shm_ops.REDUCERS[reduce]
     for me in range(n):
         whole = [d.clone() for d in data]  # every slice copied in, as before
-        _shm_ops.reduce_slice(whole, me, fn)
+        _shm_ops.reduce_slice(whole, me, reduce)
         part = [d.clone() for d in data]
         part[me].fill_(SENTINEL)  # its own slice was never copied in
-        _shm_ops.reduce_slice(part, me, fn, data[me])
+        _shm_ops.reduce_slice(part, me, reduce, data[me])
         lo, hi = _shm_ops.bounds(11, n, me)
         assert torch.equal(part[me][lo:hi], whole[me][lo:hi]), me
         assert torch.equal(data[me], kept[me]), "its own data is only read"

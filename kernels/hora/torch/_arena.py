@@ -104,7 +104,7 @@ class Arena:
         ring, me, total = self.ring, self.ring.index, self.total
         ring.step(op, name, total, 0, _REDUCE)
         for slots in self.runs:
-            _shm_ops.reduce_slice(slots, me, _shm_ops.REDUCERS["sum"])
+            _shm_ops.reduce_slice(slots, me, "sum")
         ring.step(op, name, total, 1, _REDUCE)
         for slots in self.runs:
             _shm_ops.gather_slices(slots, slots[me], skip=me)

@@ -48,11 +48,17 @@ class Ring(Protocol):
         """Sign, pass the next barrier, check that every member signed the same."""
 
 
-Reduce = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]
+Reduce = Callable[[torch.Tensor, torch.Tensor], object]
 
-# reduce(a, b, out): ``out = a (op) b``, with ``out`` possibly ``a`` itself
-REDUCERS: dict[str, Reduce] = {
-    "sum": lambda a, b, out: torch.add(a, b, out=out),
+REDUCERS: dict[str, Reduce] = {  # acc (op)= x, in place
+    "sum": torch.Tensor.add_,
+    "min": lambda acc, x: torch.minimum(acc, x, out=acc),
+    "max": lambda acc, x: torch.maximum(acc, x, out=acc),
+    "product": torch.Tensor.mul_,
+}
+
+INTO: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]] = {
+    "sum": lambda a, b, out: torch.add(a, b, out=out),  # out = a (op) b
     "min": lambda a, b, out: torch.minimum(a, b, out=out),
     "max": lambda a, b, out: torch.maximum(a, b, out=out),
     "product": lambda a, b, out: torch.mul(a, b, out=out),
@@ -93,7 +99,7 @@ def bounds(m: int, n: int, i: int) -> tuple[int, int]:
     return lo, lo + base + (1 if i < extra else 0)
 
 
-def reduce_slice(slots: list[torch.Tensor], me: int, fn: Reduce,
+def reduce_slice(slots: list[torch.Tensor], me: int, reduce: str,
                  mine: torch.Tensor | None = None) -> None:
     """Reduce slice ``me`` of every member's ``slots`` into member ``me``'s, in place.
 
@@ -104,11 +110,12 @@ def reduce_slice(slots: list[torch.Tensor], me: int, fn: Reduce,
     if hi <= lo:
         return
     acc = slots[me][lo:hi]
-    first = acc if mine is None else mine[lo:hi]
-    for j, s in enumerate(slots):
-        if j != me:
-            fn(first, s[lo:hi], acc)
-            first = acc
+    others = [s[lo:hi] for j, s in enumerate(slots) if j != me]
+    if mine is not None:
+        INTO[reduce](mine[lo:hi], others.pop(0), acc)
+    fn = REDUCERS[reduce]
+    for x in others:
+        fn(acc, x)
 
 
 def copy_others(slot: torch.Tensor, src: torch.Tensor, n: int, me: int) -> None:
@@ -155,7 +162,7 @@ def allreduce(ring: Ring, t: torch.Tensor, op: str, name: str, reduce: str, tag:
             gather_slices(held[k - 2], flat[start : start + m])
         if 1 <= k <= last:  # R: every member wrote chunk k-1 one barrier ago
             start, m = chunks[k - 1]
-            reduce_slice(held[k - 1], me, fn, src[start : start + m])
+            reduce_slice(held[k - 1], me, reduce, src[start : start + m])
         if k < last:  # A
             start, m = chunks[k]
             slots = [s.view(dtype)[:m] for s in ring.next_buffer()]
@@ -181,7 +188,7 @@ def _allreduce_small(ring: Ring, flat: torch.Tensor, src: torch.Tensor, op: str,
     ring.step(op, name, total, 0, check)
     flat.copy_(slots[0])
     for s in slots[1:]:
-        fn(flat, s, flat)
+        fn(flat, s)
 
 
 def broadcast(ring: Ring, t: torch.Tensor, op: str, name: str) -> None:
