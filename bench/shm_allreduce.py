@@ -47,12 +47,11 @@ allgather in shared memory makes each rank move ``k = 1 + (n+1)/(2n) + (n-1)/n``
 a copy of ``S`` moves, for a tensor outside shared memory (copy in the slices the others sum,
 sum its own slice, copy every summed slice out) and for a bucket that lives in shared memory
 (pack, sum a slice, gather the others' slices) alike. With every rank copying at ``B`` at the
-same time, busbw
-can be at most ``B / k x 2(n-1)/n``. Reported: each row's busbw (median over rounds), its
-fraction of the bound (the median of per-round fractions, the bound from the same round's
-``deep`` copy; beside it the same from the size's own copy), and ratios to gloo and to
-``before``. Also the copy rate at 256 MB of one process alone and of two at once, best of
-five before the rounds, as the machine's figure.
+same time, busbw can be at most ``B / k x 2(n-1)/n``. Reported: each row's busbw (median
+over rounds), its fraction of the bound (the median of per-round fractions, the bound from
+the same round's ``deep`` copy; beside it the same from the size's own copy), and ratios to
+gloo and to ``before``. Also the copy rate at 256 MB of one process alone and of two at
+once, best of five before the rounds, as the machine's figure.
 
 Targets (issue 29): busbw >= 0.7 of the bound at every size >= 16 MB for both hora rows;
 hora >= 3x ``before`` at 4 MB (when ``--before`` is given).
