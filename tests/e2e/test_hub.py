@@ -355,9 +355,11 @@ def test_a_team_on_the_hub(stack: tuple[ServiceServer, Hub], team: dict[str, Acc
     hub_admins_when_asked(srv, hub, carol)
 
 
+# 'started' inside the try: the interrupt, sent once both lines arrived, can land while the
+# flushing print still waits for the IO thread
 SLEEPS = (
-    "%%distributed --all\nimport time\nprint('started', flush=True)\n"
-    "try:\n    time.sleep(300)\n"
+    "%%distributed --all\nimport time\n"
+    "try:\n    print('started', flush=True)\n    time.sleep(300)\n"
     "except KeyboardInterrupt:\n    print('interrupted', flush=True)\n    raise"
 )
 

@@ -118,10 +118,12 @@ def test_failing_cell_is_an_error_reply(kernel):
 
 
 def test_interrupt_reaches_every_rank_and_engines_stay_usable(kernel):
-    # each rank reports the KeyboardInterrupt it got: the interrupt must reach all of them
+    # each rank reports the KeyboardInterrupt it got: the interrupt must reach all of them.
+    # 'started' is printed inside the try: a flushing print returns only after the IO thread
+    # sent its text, so the interrupt, sent once both lines arrived, can land inside it
     msg_id = kernel.send(
-        "%%distributed --all\nimport time\nprint('started', flush=True)\n"
-        "try:\n    time.sleep(120)\n"
+        "%%distributed --all\nimport time\n"
+        "try:\n    print('started', flush=True)\n    time.sleep(120)\n"
         "except KeyboardInterrupt:\n    print('interrupted', flush=True)\n    raise"
     )
     started = time.monotonic()
