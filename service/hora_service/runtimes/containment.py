@@ -253,6 +253,24 @@ def _kill_all(pids: set[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def process_tags() -> dict[int, tuple[int, str | None]]:
+    """Every live process but this one (zombies left out): its parent and its ``TAG_VAR``.
+
+    The tag is None where the environment has none or cannot be read (another user's
+    process, one in the middle of ``exec``).
+    """
+    me = os.getpid()
+    out: dict[int, tuple[int, str | None]] = {}
+    for proc in psutil.process_iter(["ppid", "status"]):
+        if proc.pid == me or proc.info["status"] in (None, psutil.STATUS_ZOMBIE):
+            continue
+        tag = None
+        with contextlib.suppress(psutil.Error, OSError):
+            tag = proc.environ().get(TAG_VAR)
+        out[proc.pid] = (proc.info["ppid"], tag)
+    return out
+
+
 def _tagged(tag: str) -> set[int]:
     """The live processes whose environment carries ``tag``, and their descendants.
 
@@ -260,18 +278,8 @@ def _tagged(tag: str) -> set[int]:
     another environment, or one in the middle of ``exec`` (whose environment cannot be read
     until the new program's arguments and environment are in place).
     """
-    me = os.getpid()
-    found: set[int] = set()
-    parents: dict[int, int] = {}
-    for proc in psutil.process_iter(["ppid", "status"]):
-        if proc.pid == me or proc.info["status"] in (None, psutil.STATUS_ZOMBIE):
-            continue
-        parents[proc.pid] = proc.info["ppid"]
-        try:
-            if proc.environ().get(TAG_VAR) == tag:
-                found.add(proc.pid)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
-            pass
-    while more := {pid for pid, up in parents.items() if up in found and pid not in found}:
+    procs = process_tags()
+    found = {pid for pid, (_, t) in procs.items() if t == tag}
+    while more := {pid for pid, (up, _) in procs.items() if up in found and pid not in found}:
         found |= more
     return found

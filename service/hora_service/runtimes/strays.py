@@ -24,10 +24,8 @@ import stat
 import tempfile
 from pathlib import Path
 
-import psutil
-
 from hora_service.runtimes import scratch
-from hora_service.runtimes.containment import TAG_VAR, Containment
+from hora_service.runtimes.containment import Containment, process_tags
 
 log = logging.getLogger(__name__)
 
@@ -92,12 +90,10 @@ def _leaves(parent: Path) -> set[Key]:
 
 def _tagged(instance: str) -> set[Key]:
     keys = set()
-    for proc in psutil.process_iter(["pid"]):
-        with contextlib.suppress(psutil.Error, OSError):
-            tag = proc.environ().get(TAG_VAR, "")
-            parts = tag.split("/")
-            if len(parts) == 3 and parts[0] == instance and parts[1].isdigit():
-                keys.add((int(parts[1]), int(parts[2]) if parts[2].isdigit() else 0))
+    for _, tag in process_tags().values():
+        parts = (tag or "").split("/")
+        if len(parts) == 3 and parts[0] == instance and parts[1].isdigit():
+            keys.add((int(parts[1]), int(parts[2]) if parts[2].isdigit() else 0))
     return keys
 
 
