@@ -54,7 +54,9 @@ gloo and to ``before``. Also the copy rate at 256 MB of one process alone and of
 once, best of five before the rounds, as the machine's figure.
 
 Targets (issue 29): busbw >= 0.7 of the bound at every size >= 16 MB for both hora rows;
-hora >= 3x ``before`` at 4 MB (when ``--before`` is given).
+hora >= 3x ``before`` at 4 MB (when ``--before`` is given). With ``--before`` a line per world
+size (and the JSON's ``target_of_size_copy_at_4MB``) gives that target as a fraction of the
+bound from the 4 MB copy (3x ``before``'s ``of size copy``), beside hora's best row there.
 
 Usage: python bench/shm_allreduce.py [--quick] [--ranks 2,3] [--pairs 5] [--before REF]
 """
@@ -354,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     worst = min(hora, key=lambda r: r["fraction"])
     at4 = [r["vs_before"] for r in rows if r["row"] in ("allreduce", "bucket")
            and r["bytes"] == 4 * MB]
+    if args.before:
+        _print_size_copy_yardstick(rows)
     ok = worst["fraction"] >= TARGET and (not args.before or min(at4) >= TARGET_BEFORE)
     gloo = next(r for r in rows if r["row"] == "gloo" and r["bytes"] == worst["bytes"]
                 and r["np"] == worst["np"])
@@ -369,9 +373,26 @@ def main(argv: list[str] | None = None) -> int:
                                       and r["np"] == worst["np"]), 3),
         **({"vs_before_at_4MB": [round(x, 2) for x in at4], "target_before": TARGET_BEFORE,
             "cross_vs_before_at_4MB": [round(r["vs_before"], 2) for r in rows
-                                       if r["row"] == "cross" and r["bytes"] == 4 * MB]}
+                                       if r["row"] == "cross" and r["bytes"] == 4 * MB],
+            "target_of_size_copy_at_4MB": [round(TARGET_BEFORE * r["of_size_copy"], 2)
+                                           for r in rows if r["row"] == "before"
+                                           and r["bytes"] == 4 * MB]}
            if args.before else {})}))
     return 0 if ok else 1
+
+
+def _print_size_copy_yardstick(rows: list[dict[str, Any]]) -> None:
+    """What 3x ``before`` at 4 MB asks, against the busbw that ``passes(n)`` copies at the
+    speed of a copy of that size (every rank copying at once, the same rounds) would give."""
+    for n in sorted({r["np"] for r in rows}):
+        at = {r["row"]: r for r in rows if r["np"] == n and r["bytes"] == 4 * MB}
+        if "before" not in at:
+            continue
+        best = max(("ring", "allreduce", "bucket"), key=lambda row: at[row]["of_size_copy"])
+        print(f"{n} ranks, 4 MB: {TARGET_BEFORE:g}x before is "
+              f"{TARGET_BEFORE * at['before']['of_size_copy']:.2f} of the busbw the size's copy "
+              f"allows ({passes(n):.2f} copies); hora's best row there: {best} "
+              f"{at[best]['of_size_copy']:.2f}")
 
 
 if __name__ == "__main__":
