@@ -99,7 +99,7 @@ class Admission:
         queued = self.state.settings.max_queued_jobs_per_user
         if queued is not None:
             with self.state.lock:
-                waiting = sum(1 for p, _ in self.state.pending.values() if p.user == user)
+                waiting = self.state.pending.waiting(user)
             if waiting >= queued:
                 raise OverLimit(
                     "queued_jobs",

@@ -29,7 +29,7 @@ from hora_service.jobs.state import RETRY_WRITE_S, STOP_JOIN_S, ManagerState
 from hora_service.models import JobRecord
 from hora_service.runtimes import Exit
 from hora_service.runtimes.base import RankStatus, first_failure, rank_status
-from hora_service.scheduling.scheduler import INF, Holding, Placement, queue_order, schedule
+from hora_service.scheduling.scheduler import INF, Holding, Placement, schedule
 from hora_service.store.journal import Write
 from hora_service.users.quotas import within_running_limit
 
@@ -365,7 +365,8 @@ class Monitor:
         if figures is not None and state == JobState.failed:
             reason = figures.explain(reason or "")  # a crossed threshold names its rank
         heir = self.state.handoffs.pop(attempt.job_id, None)
-        if heir in self.state.pending:  # the session's slots go straight to the job it handed to
+        # the session's slots go straight to the job it handed to
+        if heir is not None and heir in self.state.pending:
             self._launch(heir, attempt.plan.slots[: self.state.pending[heir][0].need])
         codes = {r: (c if isinstance(c, int) else None) for r, c in enumerate(attempt.codes)}
         if state == JobState.parked:  # a session whose engines' state is on disk
@@ -396,10 +397,9 @@ class Monitor:
     def schedule(self, now: float) -> None:
         """One scheduling pass (the lock held): place, start, grow or shrink for the queue."""
         t0 = time.perf_counter()
-        ready = sorted(
-            (p for p, due in self.state.pending.values() if due is None or due <= now),
-            key=queue_order,
-        )  # sorted once: the running limit, the pass and the shrink check keep this order
+        ready = [p for p, due in self.state.pending.ordered() if due is None or due <= now]
+        # in queue order (kept by the queue): the running limit, the pass and the shrink check
+        # keep this order
         running = collections.Counter(a.user for a in self.state.attempts.values())
         limit_running = self.state.settings.max_running_jobs_per_user
         ready = within_running_limit(ready, running, limit_running, ordered=True)

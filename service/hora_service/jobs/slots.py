@@ -99,7 +99,7 @@ class SlotViews:
         """Where queued ``job_id`` stands (position 0 when it is not queued)."""
         now = time.time() if now is None else now
         with self.state.lock:
-            order = sorted((p for p, _ in self.state.pending.values()), key=queue_order)
+            order = [p for p, _ in self.state.pending.ordered()]
             mine = [i for i, p in enumerate(order) if p.id == job_id]
             attempts = sorted(self.state.attempts.values(), key=lambda a: a.started)
             held = sum(len(a.plan.slots) for a in attempts)

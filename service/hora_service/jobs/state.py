@@ -25,6 +25,7 @@ from hora_service import identity, runtimes
 from hora_service.jobs.attempt import Attempt, runs_outside
 from hora_service.jobs.bounds import Bounds
 from hora_service.jobs.leases import DataDirLock, SlotLeases
+from hora_service.jobs.pending import PendingQueue
 from hora_service.jobs.preflight_book import PreflightBook
 from hora_service.models import JobRecord
 from hora_service.runtimes import Runtime
@@ -66,7 +67,7 @@ class ManagerState:
         self.lock = threading.RLock()
         self.wake = threading.Event()
         self.stopping = threading.Event()
-        self.pending: dict[int, tuple[Pending, float | None]] = {}
+        self.pending = PendingQueue()
         self.attempts: dict[int, Attempt] = {}
         self.dirty = True
         self.runtimes: dict[RuntimeName, Runtime] = {
