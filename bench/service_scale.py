@@ -4,10 +4,11 @@ Protocol (../shared/BENCH.md): one real uvicorn service per store size (10^2, 10
 10^5 finished jobs, copied from rows the service itself wrote: ``bench/_scale_store.py``),
 all running at once on 127.0.0.1, each with the same live load: ``--sessions`` notebook
 sessions running (one slot each, every slot of the service, so queued jobs stay queued) and
-heartbeating every 10 s (the default lease's third) from a separate process, and the same
-number of queued jobs (``--queued`` 10, 100, 1,000: the queue grows through the API between
-phases). In each phase the sizes are measured in interleaved rounds (A B C D, then D C B A,
-...; one warm-up round), one request at a time on a keep-alive connection:
+heartbeating every 10 s (the default lease's third; every 2 s with ``--quick``) from a
+separate process, and the same number of queued jobs (``--queued`` 10, 100, 1,000: the queue
+grows through the API between phases). In each phase the sizes are measured in interleaved
+rounds (A B C D, then D C B A, ...; one warm-up round), one request at a time on a keep-alive
+connection:
 
 * ``submit``: ``POST /v1/jobs`` (the job joins the queue);
 * ``get``: ``GET /v1/jobs/{id}`` of that job, the first read after its write (not cached);
@@ -75,6 +76,9 @@ TARGET_PASS_MS = 10.0
 # them a longer lease (store.LEASE_S) so that opening 100 sessions a service on a loaded
 # machine does not outlast it before the heartbeats begin
 BEAT_S = 10.0
+# --quick: 10 sessions a service and phases of a few seconds; every 2 s gives each size's
+# heartbeat cell a few dozen samples instead of about one a session
+QUICK_BEAT_S = 2.0
 CONNECTION = {
     "interface": "tcp://127.0.0.1", "registration": 10001, "control": 10002, "mux": 10003,
     "task": 10004, "iopub": 10005, "hb_ping": 10006, "hb_pong": 10007, "key": "bench",
@@ -261,7 +265,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         phase, stop, results = ctx.Value("i", 0), ctx.Event(), ctx.Queue()
         targets = [(n, fleet.servers[n].url, fleet.session_ids[n], dict(fleet.tokens))
                    for n in args.sizes]  # fmt: skip
-        beat = ctx.Process(target=heartbeats, args=(targets, BEAT_S, phase, stop, results))
+        period = QUICK_BEAT_S if args.quick else BEAT_S
+        beat = ctx.Process(target=heartbeats, args=(targets, period, phase, stop, results))
         beat.start()
         try:
             for q in args.queued:
