@@ -41,6 +41,8 @@ def test_order_and_counts_match_a_plain_dict_after_any_changes(steps: list[tuple
         assert dict(q) == plain
         expected = sorted(plain.values(), key=lambda e: queue_order(e[0]))
         assert q.ordered() == expected
+        assert [q.position(p.id) for p, _ in expected] == list(range(len(expected)))
+        assert all(q.position(i) is None for i in range(1, 31) if i not in plain)
         counts = collections.Counter(p.user for p, _ in plain.values())
         assert {u: q.waiting(u) for u in ("ann", "bob", "cy")} == {
             u: counts[u] for u in ("ann", "bob", "cy")

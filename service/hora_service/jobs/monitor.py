@@ -397,9 +397,9 @@ class Monitor:
     def schedule(self, now: float) -> None:
         """One scheduling pass (the lock held): place, start, grow or shrink for the queue."""
         t0 = time.perf_counter()
+        # in queue order, as the queue keeps it: the running limit, the pass and the shrink
+        # check keep this order
         ready = [p for p, due in self.state.pending.ordered() if due is None or due <= now]
-        # in queue order (kept by the queue): the running limit, the pass and the shrink check
-        # keep this order
         running = collections.Counter(a.user for a in self.state.attempts.values())
         limit_running = self.state.settings.max_running_jobs_per_user
         ready = within_running_limit(ready, running, limit_running, ordered=True)

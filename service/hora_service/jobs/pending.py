@@ -21,7 +21,7 @@ _T = TypeVar("_T")
 
 
 class PendingQueue(dict[int, Entry]):
-    """Queued jobs by id (a dict), with :meth:`ordered` and :meth:`waiting`.
+    """Queued jobs by id (a dict), with :meth:`ordered`, :meth:`position` and :meth:`waiting`.
 
     Only item assignment, ``del``, ``pop`` and ``clear`` change it; the other ways a dict
     can change raise, so that the order and the counts cannot drift from the entries.
@@ -31,11 +31,11 @@ class PendingQueue(dict[int, Entry]):
         >>> q[7] = (Pending(7, "ann", 1, priority=1), None)
         >>> q[9] = (Pending(9, "bob", 1, priority=2), None)
         >>> q[8] = (Pending(8, "ann", 1, priority=1), 30.0)
-        >>> [p.id for p, _ in q.ordered()], q.waiting("ann")
-        ([9, 7, 8], 2)
+        >>> [p.id for p, _ in q.ordered()], q.waiting("ann"), q.position(8)
+        ([9, 7, 8], 2, 2)
         >>> _ = q.pop(7)
-        >>> [p.id for p, _ in q.ordered()], q.waiting("ann"), q.waiting("cid")
-        ([9, 8], 1, 0)
+        >>> [p.id for p, _ in q.ordered()], q.waiting("ann"), q.waiting("cid"), q.position(7)
+        ([9, 8], 1, 0, None)
     """
 
     def __init__(self) -> None:
@@ -50,6 +50,11 @@ class PendingQueue(dict[int, Entry]):
     def waiting(self, user: str) -> int:
         """How many of ``user``'s jobs are queued."""
         return self._users.get(user, 0)
+
+    def position(self, job_id: int) -> int | None:
+        """Where ``job_id`` stands in queue order (0: first), or None when it is not queued."""
+        entry = self.get(job_id)
+        return None if entry is None else bisect.bisect_left(self._keys, queue_order(entry[0]))
 
     def __setitem__(self, job_id: int, entry: Entry) -> None:
         if job_id in self:
@@ -89,9 +94,7 @@ class PendingQueue(dict[int, Entry]):
 
     def _forget(self, job_id: int) -> None:
         pending = self[job_id][0]
-        key = queue_order(pending)
-        at = bisect.bisect_left(self._keys, key)
-        del self._keys[at]
+        del self._keys[bisect.bisect_left(self._keys, queue_order(pending))]
         self._users[pending.user] -= 1
         if self._users[pending.user] <= 0:
             del self._users[pending.user]

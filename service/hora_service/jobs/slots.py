@@ -99,11 +99,11 @@ class SlotViews:
         """Where queued ``job_id`` stands (position 0 when it is not queued)."""
         now = time.time() if now is None else now
         with self.state.lock:
-            order = [p for p, _ in self.state.pending.ordered()]
-            mine = [i for i, p in enumerate(order) if p.id == job_id]
+            at = self.state.pending.position(job_id)
+            job = self.state.pending[job_id][0] if at is not None else None
             attempts = sorted(self.state.attempts.values(), key=lambda a: a.started)
             held = sum(len(a.plan.slots) for a in attempts)
-            owner = order[mine[0]].user if mine else None
+            owner = job.user if job is not None else None
             used = sum(len(a.plan.slots) for a in attempts if a.user == owner)
             outside = self._outside()
         free = len(self.state.inventory) - held - sum(len(h.slots) for h in outside)
@@ -114,14 +114,13 @@ class SlotViews:
             )
             + outside
         )
-        if not mine:
+        if job is None or at is None:
             return QueueView(0, 0, free, holders, None, False)
-        job = order[mine[0]]
         quota = self.state.quotas().get(job.user, self.state.settings.user_gpu_quota)
         slots = [Holding(h.id, h.user, h.slots, h.ends_at or INF) for h in holders]
         shadow = reserve(job, free, slots, now).shadow
         return QueueView(
-            mine[0] + 1, job.need, free, holders, shadow if shadow < INF else None,
+            at + 1, job.need, free, holders, shadow if shadow < INF else None,
             quota is not None and used + job.need > quota,
         )  # fmt: skip
 
