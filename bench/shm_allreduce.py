@@ -356,8 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     worst = min(hora, key=lambda r: r["fraction"])
     at4 = [r["vs_before"] for r in rows if r["row"] in ("allreduce", "bucket")
            and r["bytes"] == 4 * MB]
-    if args.before:
-        _print_size_copy_yardstick(rows)
+    yardstick = _size_copy_yardstick(rows) if args.before else []
     ok = worst["fraction"] >= TARGET and (not args.before or min(at4) >= TARGET_BEFORE)
     gloo = next(r for r in rows if r["row"] == "gloo" and r["bytes"] == worst["bytes"]
                 and r["np"] == worst["np"])
@@ -374,25 +373,27 @@ def main(argv: list[str] | None = None) -> int:
         **({"vs_before_at_4MB": [round(x, 2) for x in at4], "target_before": TARGET_BEFORE,
             "cross_vs_before_at_4MB": [round(r["vs_before"], 2) for r in rows
                                        if r["row"] == "cross" and r["bytes"] == 4 * MB],
-            "target_of_size_copy_at_4MB": [round(TARGET_BEFORE * r["of_size_copy"], 2)
-                                           for r in rows if r["row"] == "before"
-                                           and r["bytes"] == 4 * MB]}
+            "target_of_size_copy_at_4MB": [round(x, 2) for x in yardstick]}
            if args.before else {})}))
     return 0 if ok else 1
 
 
-def _print_size_copy_yardstick(rows: list[dict[str, Any]]) -> None:
-    """What 3x ``before`` at 4 MB asks, against the busbw that ``passes(n)`` copies at the
-    speed of a copy of that size (every rank copying at once, the same rounds) would give."""
+def _size_copy_yardstick(rows: list[dict[str, Any]]) -> list[float]:
+    """Per world size, what 3x ``before`` at 4 MB asks, as a fraction of the busbw that
+    ``passes(n)`` copies at the speed of a copy of that size (every rank copying at once, the
+    same rounds) would give; printed beside hora's best row there."""
+    out = []
     for n in sorted({r["np"] for r in rows}):
         at = {r["row"]: r for r in rows if r["np"] == n and r["bytes"] == 4 * MB}
         if "before" not in at:
             continue
+        target = TARGET_BEFORE * at["before"]["of_size_copy"]
         best = max(("ring", "allreduce", "bucket"), key=lambda row: at[row]["of_size_copy"])
-        print(f"{n} ranks, 4 MB: {TARGET_BEFORE:g}x before is "
-              f"{TARGET_BEFORE * at['before']['of_size_copy']:.2f} of the busbw the size's copy "
-              f"allows ({passes(n):.2f} copies); hora's best row there: {best} "
+        print(f"{n} ranks, 4 MB: {TARGET_BEFORE:g}x before is {target:.2f} of the busbw the "
+              f"size's copy allows ({passes(n):.2f} copies); hora's best row there: {best} "
               f"{at[best]['of_size_copy']:.2f}")
+        out.append(target)
+    return out
 
 
 if __name__ == "__main__":
