@@ -56,7 +56,7 @@ from hora_service.jobs.state import (
     STOP_JOIN_S,
     ManagerState,
 )
-from hora_service.models import JobRecord, MetricsSnapshot, SlotInfo
+from hora_service.models import JobRecord, MetricsSnapshot, SlotInfo, User
 from hora_service.runtimes import Runtime
 from hora_service.scheduling.reasons import ReasonBoard
 from hora_service.scheduling.scheduler import Pending
@@ -275,9 +275,10 @@ class JobManager:
         spec: JobSpec,
         kind: JobKind = JobKind.job,
         also: Callable[[Store, Connection, int], None] | None = None,
+        account: User | None = None,
     ) -> tuple[JobRecord, bool]:
         """Queue a job, or find its earlier one (:meth:`Admission.submit_or_find`)."""
-        return self.admission.submit_or_find(user, spec, kind, also)
+        return self.admission.submit_or_find(user, spec, kind, also, account)
 
     def check(self, user: str, spec: JobSpec, kind: JobKind = JobKind.job) -> None:
         """Refuse a spec that can never run on this service (:meth:`Admission.check`)."""

@@ -212,6 +212,11 @@ def test_working_dir_only_another_account_reaches_is_a_422(world: World) -> None
         assert "Permission denied" in msg and f"hora-{world.bob}" in msg, msg
         job, log = run(a, command=read, working_dir="apriv/proj")  # its owner gets in
         assert job["state"] == "succeeded" and "ann's data" in log, (job, log)
+        # a check that passed for ann a moment ago is not bob's (checks are per account)
+        ann_job = submit(a, command=read, working_dir="apriv/proj")
+        field, msg = refused(b, command=read, working_dir="apriv/proj")
+        assert field == "working_dir" and f"hora-{world.bob}" in msg, msg
+        assert wait_state(a, ann_job, DONE)["state"] == "succeeded"
 
 
 def test_a_program_the_account_cannot_execute_is_refused_naming_it(world: World) -> None:

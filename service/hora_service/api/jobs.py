@@ -66,7 +66,7 @@ def submit_job(
     422 naming the field.
     """
     try:
-        job, created = manager.submit_or_find(user.name, spec)
+        job, created = manager.submit_or_find(user.name, spec, account=user)
     except SpecError as e:
         raise unprocessable(e) from None
     if not created:

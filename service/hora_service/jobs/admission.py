@@ -18,7 +18,7 @@ from sqlalchemy import Connection
 
 from hora_service.jobs.attempt import runs_outside
 from hora_service.jobs.state import ManagerState
-from hora_service.models import JobRecord
+from hora_service.models import JobRecord, User
 from hora_service.runtimes.elastic_run import python
 from hora_service.runtimes.paths import JobPaths
 from hora_service.store.db import Store, StoreUnavailable
@@ -50,12 +50,14 @@ class Admission:
         spec: JobSpec,
         kind: JobKind = JobKind.job,
         also: Callable[[Store, Connection, int], None] | None = None,
+        account: User | None = None,
     ) -> tuple[JobRecord, bool]:
         """Queue a job; with a submission id this user used before, find that job instead.
 
         ``kind`` is ``session`` for a notebook's engines
         (:mod:`hora_service.sessions.session_manager`);
-        ``also`` writes what goes with the new row, in the same transaction.
+        ``also`` writes what goes with the new row, in the same transaction;
+        ``account``: the user as the request read it (its quota is not read again).
 
         Returns:
             The job, and True when it was created by this call.
@@ -70,7 +72,7 @@ class Admission:
             sqlalchemy.exc.OperationalError: the same, as SQLite reported it.
         """
         store = self.state.open_store()
-        self.check(user, spec, kind)
+        self.check(user, spec, kind, account)
         self._check_limits(user, spec)
         # the check and the insert are one write transaction; a store that cannot take it
         # within the timeout answers StoreUnavailable (a 503 with Retry-After), never a hang
@@ -107,8 +109,13 @@ class Admission:
                     429,
                 )
 
-    def check(self, user: str, spec: JobSpec, kind: JobKind = JobKind.job) -> None:
-        """Refuse a spec that can never run on this service (see :meth:`submit`)."""
+    def check(
+        self, user: str, spec: JobSpec, kind: JobKind = JobKind.job, account: User | None = None
+    ) -> None:
+        """Refuse a spec that can never run on this service (see :meth:`submit`).
+
+        ``account``: the user ``user`` as the request read it (else the quotas are read).
+        """
         total, need = len(self.state.inventory), spec.total_gpus
         unit = "GPUs" if self.state.slot_kind == SlotKind.gpu else "slots"
         field = "workers" if spec.gpus_per_worker == 1 else "gpus_per_worker"
@@ -118,7 +125,11 @@ class Admission:
                 f"asks for {need} {unit} ({spec.workers} workers x {spec.gpus_per_worker}); "
                 f"this cluster has {total}",
             )
-        quota = self.state.quotas().get(user, self.state.settings.user_gpu_quota)
+        if account is not None and account.name == user:
+            own = account.gpu_quota
+        else:
+            own = self.state.quotas().get(user)
+        quota = own if own is not None else self.state.settings.user_gpu_quota
         if quota is not None and need > quota:
             raise SpecError(field, f"asks for {need} {unit}; your quota is {quota}")
         self._check_elastic(spec, total, unit)
@@ -127,7 +138,8 @@ class Admission:
             raise SpecError("image", "an image is used only by the docker runtime")
         self.state.runtime(spec.runtime).check(spec)
         driver = self.driver_python(spec)
-        self.state.bounds.start_check(spec, self.workdir(spec, user), who, driver, kind)
+        workdir = self.workdir(spec, user)
+        self.state.bounds.start_check(spec, workdir, who, driver, kind, reuse=True)
 
     def driver_python(self, spec: JobSpec) -> str | None:
         """The Python an elastic job's driver runs with (None for other jobs)."""

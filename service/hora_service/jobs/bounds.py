@@ -11,6 +11,8 @@ Control plane; the job manager asks it at submission and at each launch.
 * :meth:`Bounds.start_check`: the job's account can enter the working directory and execute
   the program (:mod:`hora_service.runtimes.startcheck`): a 422 naming the field at submission,
   and a job failed at once with the same reason at launch (the directory may have changed).
+  At submission (``reuse``) a check that passed with the same arguments in the last
+  :data:`~hora_service.runtimes.startcheck.REUSE_S` seconds is not made again.
 * :meth:`Bounds.limits`: the attempt's memory, pids and CPU limits (the user's own, else the
   service's settings; see :mod:`hora_service.runtimes.limits`), and :meth:`Bounds.explain`,
   which says in a failed job's reason which limit it hit.
@@ -54,6 +56,7 @@ class Bounds:
         self.base_env = base_env
         self.total_slots = total_slots
         self.machine = Machine.here()
+        self.passed = startcheck.Passed()
 
     def workdir(self, spec: JobSpec, user: str | None = None) -> Path:
         """The ranks' working directory.
@@ -127,13 +130,16 @@ class Bounds:
         who: RunAs | None,
         driver: str | None = None,
         kind: JobKind = JobKind.job,
+        reuse: bool = False,
     ) -> tuple[Path, ...]:
         """Check as the job's account that it can enter ``workdir`` and run the program.
 
         The program, and the ``VIRTUAL_ENV`` / ``CONDA_PREFIX`` of its env, are checked for
         the local runtime only (in docker they are the image's), as the job will see them:
         with its private ``/tmp`` where it gets one. ``driver``: an elastic job's driver
-        Python, which the account must run too.
+        Python, which the account must run too. ``reuse`` (at submission): a check that
+        passed with the same arguments within :data:`~hora_service.runtimes.startcheck.
+        REUSE_S` seconds stands; a launch checks afresh.
 
         Returns:
             The directories under ``/tmp`` the job was given that its account reaches: they
@@ -158,15 +164,16 @@ class Bounds:
             visible=(str(workdir), str(self.settings.work_root)),
             given=given if private else (),
         )
+        passed = self.passed if reuse else None
         kept = startcheck.check(
             who, workdir, program, path,
             writable=self.uses_default(spec) and who is not None,
             env={k: env[k] for k in startcheck.ENV_DIRS if k in env} if local else None,
-            sight=sight,
+            sight=sight, passed=passed,
         )  # fmt: skip
         if driver is not None and who is not None:
             try:
-                startcheck.check(who, workdir, driver, path)
+                startcheck.check(who, workdir, driver, path, passed=passed)
             except SpecError as e:
                 raise SpecError(
                     "elastic", f"the elastic driver's Python (setting session_python): {e.message}"

@@ -19,6 +19,11 @@ Where a job runs in a virtual or conda environment (``VIRTUAL_ENV``, ``CONDA_PRE
 its env), its account must be able to enter it (field ``env.VIRTUAL_ENV``).
 
 Nothing user-supplied reaches a shell: the paths travel as one JSON argument.
+
+:class:`Passed` remembers the checks that passed for a few seconds (:data:`REUSE_S`), by
+everything they looked at: a burst of submissions of one program from one directory (a sweep,
+a job array) is checked once, not once a job (in multi-user mode each check is a child
+process). Only submission reuses them; a launch always checks afresh.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,9 +42,10 @@ from hora.errors import SpecError
 from hora_service.identity import RunAs
 from hora_service.runtimes.startcheck_child import ENV_DIRS, inspect
 
-__all__ = ["ENV_DIRS", "Sight", "check"]
+__all__ = ["ENV_DIRS", "REUSE_S", "Passed", "Sight", "check"]
 
 CHECK_TIMEOUT_S = 10.0
+REUSE_S = 2.0  # how long a check that passed is taken as still passing (submission only)
 CHILD = Path(__file__).with_name("startcheck_child.py")
 
 
@@ -57,6 +65,45 @@ class Sight:
     given: tuple[str, ...] = ()
 
 
+class Passed:
+    """Checks that passed within the last ``ttl_s`` seconds, by everything they looked at.
+
+    Args:
+        ttl_s: how long a pass holds.
+        most: how many are kept (the oldest goes first).
+        clock: monotonic seconds.
+
+    Example:
+        >>> passed = Passed(ttl_s=2.0, clock=lambda: 10.0)
+        >>> passed.put(("ann", "/tmp"), ())
+        >>> passed.get(("ann", "/tmp")), passed.get(("bob", "/tmp"))
+        ((), None)
+    """
+
+    def __init__(
+        self, ttl_s: float = REUSE_S, most: int = 256, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.ttl_s = ttl_s
+        self.most = most
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._until: dict[Hashable, tuple[float, tuple[Path, ...]]] = {}
+
+    def get(self, key: Hashable) -> tuple[Path, ...] | None:
+        """What the check of ``key`` returned, if it passed within ``ttl_s``; else None."""
+        with self._lock:
+            hit = self._until.get(key)
+        return hit[1] if hit is not None and self.clock() < hit[0] else None
+
+    def put(self, key: Hashable, kept: tuple[Path, ...]) -> None:
+        """Record that the check of ``key`` passed now, returning ``kept``."""
+        with self._lock:
+            self._until.pop(key, None)
+            while len(self._until) >= self.most:
+                del self._until[next(iter(self._until))]
+            self._until[key] = (self.clock() + self.ttl_s, kept)
+
+
 def check(
     who: RunAs | None,
     workdir: Path,
@@ -66,6 +113,7 @@ def check(
     env: Mapping[str, str] | None = None,
     sight: Sight | None = None,
     timeout_s: float = CHECK_TIMEOUT_S,
+    passed: Passed | None = None,
 ) -> tuple[Path, ...]:
     """Check as ``who`` that ``workdir`` can be entered and ``program`` executed.
 
@@ -80,6 +128,8 @@ def check(
         env: the job's ``VIRTUAL_ENV`` and ``CONDA_PREFIX`` to check (None: none).
         sight: how much of ``/tmp`` the job sees (None: all of it).
         timeout_s: how long the check may take.
+        passed: checks that passed lately: one with the same arguments is not made again,
+            and a pass is recorded there (None: always check).
 
     Returns:
         The directories of ``sight.given`` the account reaches (to keep visible).
@@ -94,22 +144,23 @@ def check(
     """
     name = f"account {who.user} (uid {who.uid})" if who is not None else "the job's account"
     sight = sight or Sight()
+    dirs = tuple(sorted((env or {}).items()))
+    key = (who, str(workdir), program, path_env, writable, dirs, sight)
+    if passed is not None and (kept := passed.get(key)) is not None:
+        return kept
     args: dict[str, object] = {
-        "who": name,
-        "workdir": str(workdir),
-        "writable": writable,
-        "program": program,
-        "path": path_env,
-        "env": dict(env or {}),
-        "private_tmp": sight.private_tmp,
-        "visible": list(sight.visible),
-        "given": list(sight.given),
-    }
+        "who": name, "workdir": str(workdir), "writable": writable, "program": program,
+        "path": path_env, "env": dict(env or {}), "private_tmp": sight.private_tmp,
+        "visible": list(sight.visible), "given": list(sight.given),
+    }  # fmt: skip
     found = inspect(args) if who is None else _as_account(who, args, timeout_s)
     if "field" in found:
         raise SpecError(str(found["field"]), str(found["message"]))
     keep = found.get("keep")
-    return tuple(Path(str(p)) for p in keep) if isinstance(keep, list) else ()
+    kept = tuple(Path(str(p)) for p in keep) if isinstance(keep, list) else ()
+    if passed is not None:
+        passed.put(key, kept)
+    return kept
 
 
 def _as_account(who: RunAs, args: dict[str, object], timeout_s: float) -> dict[str, object]:
