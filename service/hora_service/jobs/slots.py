@@ -167,9 +167,9 @@ class SlotViews:
         return [j for j in (self.state.record(i) for i in ids) if j is not None]
 
     def queue_snapshot(self) -> tuple[list[tuple[Pending, float | None]], tuple[Holder, ...]]:
-        """The queued jobs (with their retry time) and the holders, oldest first, at once."""
+        """The queued jobs in queue order (with retry times) and the holders, oldest first."""
         with self.state.lock:
-            pending = list(self.state.pending.values())
+            pending = self.state.pending.ordered()
             attempts = sorted(self.state.attempts.values(), key=lambda a: a.started)
             outside = self._outside()
         holders = tuple(

@@ -20,7 +20,7 @@ from pydantic import TypeAdapter
 from hora_service.manager import Holder, JobManager
 from hora_service.models import JobRecord, User
 from hora_service.scheduling.reasons import PRIORITY_NAME, QueueState, explain_queue
-from hora_service.scheduling.scheduler import INF, Holding, Pending, queue_order
+from hora_service.scheduling.scheduler import INF, Holding, Pending
 from hora_service.store.db import is_unavailable
 
 IdleOf = Callable[[int], float | None]
@@ -45,7 +45,7 @@ def snapshot(
 ) -> tuple[list[Pending], dict[int, WaitReason], list[HolderInfo]]:
     """The queue in order, a reason for each entry (up to ``until``), and the holders."""
     pending, holders = manager.queue_snapshot()
-    order = sorted((p for p, _ in pending), key=queue_order)
+    order = [p for p, _ in pending]  # in queue order already
     shown = [holder_info(h, idle_of) for h in holders]
     state = QueueState(
         queue=order,
