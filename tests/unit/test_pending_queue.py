@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 changes = st.lists(
     st.one_of(
         st.tuples(st.just("set"), st.integers(1, 30), st.sampled_from(["ann", "bob", "cy"]),
-                  st.integers(0, 2), st.sampled_from([None, 5.0])),
+                  st.integers(0, 2), st.sampled_from([None, 5.0, 9.0])),
         st.tuples(st.sampled_from(["del", "pop"]), st.integers(1, 30)),
     ),
     max_size=80,
@@ -43,6 +43,8 @@ def test_order_and_counts_match_a_plain_dict_after_any_changes(steps: list[tuple
         assert q.ordered() == expected
         assert [q.position(p.id) for p, _ in expected] == list(range(len(expected)))
         assert all(q.position(i) is None for i in range(1, 31) if i not in plain)
+        times = [t for _, t in plain.values() if t is not None]
+        assert q.next_due() == (min(times) if times else None)
         counts = collections.Counter(p.user for p, _ in plain.values())
         assert {u: q.waiting(u) for u in ("ann", "bob", "cy")} == {
             u: counts[u] for u in ("ann", "bob", "cy")
@@ -56,7 +58,7 @@ def test_pop_with_a_default_and_clear() -> None:
     assert q.pop(1, None) == (Pending(1, "ann", 1), None)
     q[3] = (Pending(3, "bob", 2), 9.0)
     q.clear()
-    assert q == {} and q.ordered() == [] and q.waiting("bob") == 0
+    assert q == {} and q.ordered() == [] and q.waiting("bob") == 0 and q.next_due() is None
 
 
 @pytest.mark.parametrize("change", ["update", "setdefault", "popitem", "ior"])

@@ -135,8 +135,8 @@ class Monitor:
     def _next_wait(self) -> float:
         wait = self.state.settings.monitor_interval_s
         if not self.state.attempts and not len(self.state.journal) and not self.state.dirty:
-            due = [t for _, t in self.state.pending.values() if t is not None]
-            wait = max(wait, min(due) - time.time()) if due else 5.0
+            due = self.state.pending.next_due()
+            wait = max(wait, due - time.time()) if due is not None else 5.0
         return max(0.0, min(wait, 5.0))
 
     def tick(self, now: float | None = None) -> None:
@@ -158,7 +158,8 @@ class Monitor:
         for attempt in list(self.state.attempts.values()):
             self._poll(attempt, now)
         # nothing new starts until the store has taken what already happened
-        due = any(t is not None and t <= now for _, t in self.state.pending.values())
+        first = self.state.pending.next_due()
+        due = first is not None and first <= now
         if (self.state.dirty or due) and not len(self.state.journal):
             self.state.dirty = False
             self.schedule(now)

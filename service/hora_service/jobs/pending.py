@@ -5,7 +5,9 @@ A scheduling pass walks the queue in :func:`~hora_service.scheduling.scheduler.q
 has waiting. Both would cost a pass over the whole queue, and a sort, each time; with
 thousands of jobs queued that made every submission pay for the queue's length. The order
 and the counts are kept here instead, updated on every change, so a pass reads the queue in
-order without sorting it and a submission counts its user's jobs in constant time.
+order without sorting it and a submission counts its user's jobs in constant time. The
+entries that wait for a time (a retry's backoff) are kept apart too, so that the monitor
+finds the next such time without walking the queue on every tick.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ _T = TypeVar("_T")
 
 
 class PendingQueue(dict[int, Entry]):
-    """Queued jobs by id (a dict), with :meth:`ordered`, :meth:`position` and :meth:`waiting`.
+    """Queued jobs by id (a dict), kept in order, counted by user, with their next due time.
 
     Only item assignment, ``del``, ``pop`` and ``clear`` change it; the other ways a dict
     can change raise, so that the order and the counts cannot drift from the entries.
@@ -31,8 +33,8 @@ class PendingQueue(dict[int, Entry]):
         >>> q[7] = (Pending(7, "ann", 1, priority=1), None)
         >>> q[9] = (Pending(9, "bob", 1, priority=2), None)
         >>> q[8] = (Pending(8, "ann", 1, priority=1), 30.0)
-        >>> [p.id for p, _ in q.ordered()], q.waiting("ann"), q.position(8)
-        ([9, 7, 8], 2, 2)
+        >>> [p.id for p, _ in q.ordered()], q.waiting("ann"), q.position(8), q.next_due()
+        ([9, 7, 8], 2, 2, 30.0)
         >>> _ = q.pop(7)
         >>> [p.id for p, _ in q.ordered()], q.waiting("ann"), q.waiting("cid"), q.position(7)
         ([9, 8], 1, 0, None)
@@ -42,6 +44,7 @@ class PendingQueue(dict[int, Entry]):
         super().__init__()
         self._keys: list[tuple[int, int]] = []  # queue_order of every entry, sorted
         self._users: collections.Counter[str] = collections.Counter()
+        self._due: dict[int, float] = {}  # the entries that wait for a time: that time
 
     def ordered(self) -> list[Entry]:
         """Every entry, in queue order."""
@@ -56,12 +59,18 @@ class PendingQueue(dict[int, Entry]):
         entry = self.get(job_id)
         return None if entry is None else bisect.bisect_left(self._keys, queue_order(entry[0]))
 
+    def next_due(self) -> float | None:
+        """The earliest time an entry waits for (None: every entry may start now)."""
+        return min(self._due.values()) if self._due else None
+
     def __setitem__(self, job_id: int, entry: Entry) -> None:
         if job_id in self:
             self._forget(job_id)
         super().__setitem__(job_id, entry)
         bisect.insort(self._keys, queue_order(entry[0]))
         self._users[entry[0].user] += 1
+        if entry[1] is not None:
+            self._due[job_id] = entry[1]
 
     def __delitem__(self, job_id: int) -> None:
         self._forget(job_id)
@@ -91,6 +100,7 @@ class PendingQueue(dict[int, Entry]):
         super().clear()
         self._keys.clear()
         self._users.clear()
+        self._due.clear()
 
     def _forget(self, job_id: int) -> None:
         pending = self[job_id][0]
@@ -98,6 +108,7 @@ class PendingQueue(dict[int, Entry]):
         self._users[pending.user] -= 1
         if self._users[pending.user] <= 0:
             del self._users[pending.user]
+        self._due.pop(job_id, None)
 
     def _refuse(self, *_args: object, **_kwargs: object) -> NoReturn:
         raise TypeError("a PendingQueue changes by item assignment, del, pop or clear only")
