@@ -11,7 +11,9 @@ temporary directory, put first on ``PYTHONPATH``), then measures them in interle
   before the next), from the service's own transition times (``queued`` -> ``running``);
 * ``rate``: submissions per second, ``--clients`` concurrent clients submitting ``--jobs``
   jobs into the queue (a blocker job holds every slot, so they stay queued; both services'
-  queues grow by the same number of jobs each pair).
+  queues grow by the same number of jobs each pair), and the service's CPU time (its
+  process, every thread: user + system) a submission over the same sample, which tells work
+  from waiting when the rate moves.
 
 Correct first: each service must then hold exactly the jobs it was sent, queued. The ratio of
 a pair is this checkout's figure over the baseline's (rate: higher is better; latency: lower).
@@ -36,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 HERE = Path(__file__).resolve().parent
 _spec = importlib.util.spec_from_file_location("_bench_service", HERE / "service.py")
@@ -84,6 +87,16 @@ def queued(srv: Any) -> int:
         return int(c.get("/v1/jobs", params={"state": "queued", "limit": 1}).json()["total"])
 
 
+def submit_rate(srv: Any, jobs: int, clients: int, cpu_ms: list[float]) -> float:
+    """Submissions per second into ``srv``; appends the service's CPU ms a submission."""
+    proc = psutil.Process(srv.proc.pid)
+    before = proc.cpu_times()
+    rate = asyncio.run(service._submit_many(srv.url, srv.headers, jobs, clients))
+    after = proc.cpu_times()
+    cpu_ms.append((after.user - before.user + after.system - before.system) / jobs * 1000)
+    return rate
+
+
 def pairs(sides: dict[str, Any], n: int, measure: Any) -> dict[str, list[float]]:
     """``measure(server)`` for each side, in ``n`` interleaved pairs after a warm-up pair."""
     out: dict[str, list[float]] = {name: [] for name in sides}
@@ -126,10 +139,12 @@ def main() -> int:
             lat = pairs(sides, npairs, lambda s: latency_ms(s, nlat))
             for srv in sides.values():
                 block(srv)
+            cpu: dict[int, list[float]] = {id(srv): [] for srv in sides.values()}
             rate = pairs(
-                sides, npairs,
-                lambda s: asyncio.run(service._submit_many(s.url, s.headers, jobs, args.clients)),
+                sides, npairs, lambda s: submit_rate(s, jobs, args.clients, cpu[id(s)])
             )  # fmt: skip
+            # the warm-up pair's figures are dropped, as pairs() drops its rates
+            cpu_ms = {name: cpu[id(srv)][1:] for name, srv in sides.items()}
             held = {name: queued(srv) for name, srv in sides.items()}
         finally:
             for srv in sides.values():
@@ -137,29 +152,33 @@ def main() -> int:
     want = jobs * (npairs + 1)
     if any(v != want for v in held.values()):
         raise SystemExit(f"expected {want} jobs queued on each side, found {held}")
-    return report(args, npairs, jobs, nlat, lat, rate)
+    return report(args, npairs, jobs, nlat, lat, rate, cpu_ms)
 
 
 def report(
     args: argparse.Namespace, npairs: int, jobs: int, nlat: int,
-    lat: dict[str, list[float]], rate: dict[str, list[float]],
+    lat: dict[str, list[float]], rate: dict[str, list[float]], cpu_ms: dict[str, list[float]],
 ) -> int:  # fmt: skip
     """Print the table and the final JSON line; 0 when the target is met."""
-    r_rate, r_lat = ratios(rate, True), ratios(lat, False)
+    r_rate, r_lat, r_cpu = ratios(rate, True), ratios(lat, False), ratios(cpu_ms, False)
     print(
         f"hora service submission, this checkout vs {args.baseline} (python "
         f"{sys.version.split()[0]}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; "
         f"{npairs} pairs after 1 warm-up pair)"
     )
     print(f"{'pair':>4} {'submits/s now':>14} {'baseline':>9} {'ratio':>6}   "
+          f"{'CPU ms/submit now':>17} {'baseline':>9} {'saving':>6}   "
           f"{'submit->running ms now':>22} {'baseline':>9} {'speed':>6}")  # fmt: skip
     for i in range(npairs):
         print(f"{i:>4} {rate['now'][i]:>14.1f} {rate['baseline'][i]:>9.1f} {r_rate[i]:>6.2f}   "
+              f"{cpu_ms['now'][i]:>17.3f} {cpu_ms['baseline'][i]:>9.3f} {r_cpu[i]:>6.2f}   "
               f"{lat['now'][i]:>22.2f} {lat['baseline'][i]:>9.2f} {r_lat[i]:>6.2f}")  # fmt: skip
     med = statistics.median(r_rate)
     print(
         f"submit rate ({args.clients} clients, {jobs} jobs a sample): ratio median {med:.2f} "
         f"(min {min(r_rate):.2f}, max {max(r_rate):.2f}); target >= {TARGET}\n"
+        f"the service's CPU a submission, baseline / now: median {statistics.median(r_cpu):.2f} "
+        f"(min {min(r_cpu):.2f}, max {max(r_cpu):.2f})\n"
         f"submit -> running ({nlat} jobs a sample, baseline / now): median "
         f"{statistics.median(r_lat):.2f} (min {min(r_lat):.2f}, max {max(r_lat):.2f})"
     )
@@ -170,6 +189,9 @@ def report(
         "ratio": round(med, 3), "ratio_min": round(min(r_rate), 3),
         "ratio_max": round(max(r_rate), 3), "target": TARGET, "pass": med >= TARGET,
         "latency_ratio": round(statistics.median(r_lat), 3),
+        "cpu_ms_per_submit": round(statistics.median(cpu_ms["now"]), 3),
+        "cpu_ms_per_submit_baseline": round(statistics.median(cpu_ms["baseline"]), 3),
+        "cpu_saving": round(statistics.median(r_cpu), 3),
     }  # fmt: skip
     print(json.dumps(line))
     return 0 if line["pass"] else 1
