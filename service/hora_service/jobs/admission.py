@@ -125,11 +125,7 @@ class Admission:
                 f"asks for {need} {unit} ({spec.workers} workers x {spec.gpus_per_worker}); "
                 f"this cluster has {total}",
             )
-        if account is not None and account.name == user:
-            own = account.gpu_quota
-        else:
-            own = self.state.quotas().get(user)
-        quota = own if own is not None else self.state.settings.user_gpu_quota
+        quota = self.state.quota_of(user, account)
         if quota is not None and need > quota:
             raise SpecError(field, f"asks for {need} {unit}; your quota is {quota}")
         self._check_elastic(spec, total, unit)

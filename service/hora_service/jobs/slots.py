@@ -116,7 +116,7 @@ class SlotViews:
         )
         if job is None or at is None:
             return QueueView(0, 0, free, holders, None, False)
-        quota = self.state.quotas().get(job.user, self.state.settings.user_gpu_quota)
+        quota = self.state.quota_of(job.user)
         slots = [Holding(h.id, h.user, h.slots, h.ends_at or INF) for h in holders]
         shadow = reserve(job, free, slots, now).shadow
         return QueueView(

@@ -27,7 +27,7 @@ from hora_service.jobs.bounds import Bounds
 from hora_service.jobs.leases import DataDirLock, SlotLeases
 from hora_service.jobs.pending import PendingQueue
 from hora_service.jobs.preflight_book import PreflightBook
-from hora_service.models import JobRecord
+from hora_service.models import JobRecord, User
 from hora_service.runtimes import Runtime
 from hora_service.runtimes.containment import Containment, instance_id
 from hora_service.runtimes.core import allowed_env
@@ -136,8 +136,15 @@ class ManagerState:
         """The user mode in effect: ``multi``, ``single`` or ``shared``."""
         return self.users.mode
 
-    def quota_of(self, user: str) -> int | None:
-        """Most slots ``user``'s jobs and sessions may hold (None: no limit)."""
+    def quota_of(self, user: str, account: User | None = None) -> int | None:
+        """Most slots ``user``'s jobs and sessions may hold (None: no limit).
+
+        ``account``: ``user``'s row as a request already read it (the users are not read
+        again); a row of another user is ignored.
+        """
+        if account is not None and account.name == user:
+            own = account.gpu_quota
+            return own if own is not None else self.settings.user_gpu_quota
         return self.quotas().get(user, self.settings.user_gpu_quota)
 
     def quota_table(self) -> Callable[[str], int | None]:
