@@ -11,13 +11,14 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from hora_service.store.db import Store
+from hora_service.store.db import Store, _busy_timeout
 from hora_service.store.sqlite import BUSY_TIMEOUT_MS
-from sqlalchemy.exc import OperationalError
+from sqlalchemy import Connection
+from sqlalchemy.exc import DBAPIError, OperationalError
 
 
-def busy(conn: object) -> int:
-    return int(conn.exec_driver_sql("PRAGMA busy_timeout").scalar())  # type: ignore[attr-defined]
+def busy(conn: Connection) -> int:
+    return int(conn.exec_driver_sql("PRAGMA busy_timeout").scalar() or 0)
 
 
 def test_a_transaction_waits_its_own_timeout_and_restores_the_default(tmp_path: Path) -> None:
@@ -46,3 +47,15 @@ def test_a_write_another_process_locks_out_fails_after_the_timeout(tmp_path: Pat
         assert busy(conn) == BUSY_TIMEOUT_MS
     with store.tx(0.2) as conn:  # the lock is free again: the same write lands
         conn.exec_driver_sql("CREATE TABLE probe (x)")
+
+
+def test_a_connection_sqlite_refuses_raises_sqlalchemys_error(tmp_path: Path) -> None:
+    store = Store(tmp_path / "hora.db")
+    with store.engine.connect() as conn:
+        conn.connection.driver_connection.close()  # type: ignore[union-attr]
+        with pytest.raises(DBAPIError) as e:  # not sqlite3's own: callers know this one
+            _busy_timeout(conn, 250)
+        assert isinstance(e.value.orig, sqlite3.ProgrammingError)
+        conn.invalidate()
+    with store.tx(0.25) as conn:  # the pool replaces the closed connection
+        assert busy(conn) == 250
