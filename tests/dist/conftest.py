@@ -23,7 +23,7 @@ from helpers.world import run_world as _run_world
 HERE = Path(__file__).parent
 SHARED = (
     "test_collectives.py", "test_objects.py", "test_optimizer.py", "test_model_state.py",
-    "test_autograd.py",
+    "test_autograd.py", "test_large_results.py",
 )
 SIZES = (2, 3)
 # Collectives time out in 20 s (a hang fails fast); the rendezvous waits for slow imports.

@@ -18,7 +18,7 @@ from helpers.fresh import assert_no_cycle, import_graph
 LAYERS: dict[str, tuple[str, ...]] = {
     "state": (
         "_dist", "_sealed", "_authstore", "_rendezvous", "_heartbeat", "_state", "basics",
-        "host", "compression", "_kinds",
+        "host", "compression", "_kinds", "_pages",
     ),
     "diagnosis": ("_stall", "timeline", "_preflight_figures"),
     "launch": (

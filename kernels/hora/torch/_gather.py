@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hora.torch import _handles
+from hora.torch import _handles, _pages
 from hora.torch._collective import Collective
 from hora.torch._engine import Comm, begin, refusal, submit
 from hora.torch._handles import Handle, guarded, signature
@@ -40,18 +40,19 @@ def _gather_into(
         empty = src.new_empty((0, *rest))
         return [], empty, lambda: empty
     if all(d == top for d in dims):
-        out = src.new_empty((top * comm.size, *rest))
+        out = _pages.empty((top * comm.size, *rest), src)
         work = guarded(Kind.ALLGATHER, name, _ALL_GATHER, out, src,
                        group=comm.group, async_op=True)  # fmt: skip
         return [work], out, lambda: out
     padded = src.new_zeros((top, *rest))
     padded[: src.shape[0]] = src
-    big = src.new_empty((top * comm.size, *rest))
+    big = _pages.empty((top * comm.size, *rest), src)
     work = guarded(Kind.ALLGATHER, name, _ALL_GATHER, big, padded,
                    group=comm.group, async_op=True)  # fmt: skip
 
     def finish() -> torch.Tensor:
-        return torch.cat([big[r * top : r * top + d] for r, d in enumerate(dims)])
+        return torch.cat([big[r * top : r * top + d] for r, d in enumerate(dims)],
+                         out=_pages.empty((sum(dims), *rest), src))
 
     return [work], big, finish
 

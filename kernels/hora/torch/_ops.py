@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hora.torch import _engine, _handles, _lane, _shm_ops, _state, timeline
+from hora.torch import _engine, _handles, _lane, _pages, _shm_ops, _state, timeline
 from hora.torch._collective import Collective
 from hora.torch._engine import Comm, GroupHandle, begin, refusal, refuse, submit
 from hora.torch._handles import Handle, guarded, signature
@@ -194,10 +194,10 @@ def reduce_async(tensor: torch.Tensor, coll: Collective, inplace: bool) -> Handl
     run = _allreduce_buffer
     if not inplace and t.is_contiguous() and _shm_lane(comm, t, op) is not None:
         # the ring reads t as it copies in: no clone first
-        buf = torch.empty_like(t, memory_format=torch.contiguous_format)
+        buf = _pages.empty(t.shape, t)
         return run(comm, _ALLREDUCE, name, op, coll, buf, source=t)
     if not inplace:
-        buf = t.clone(memory_format=torch.contiguous_format)
+        buf = _pages.clone(t)
         return run(comm, _ALLREDUCE, name, op, coll, buf)
     if t.is_contiguous():
         return run(comm, _ALLREDUCE, name, op, coll, t, ret=tensor)
@@ -246,7 +246,8 @@ def grouped_reduce_async(
     t0 = timeline.now_ns() if timeline.enabled() else 0
     if len({t.dtype for t in tensors}) != 1:
         return _grouped_per_tensor(tensors, inplace, name, op, coll)
-    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors],
+                     out=_pages.empty((sum(t.numel() for t in tensors),), tensors[0].detach()))
     if t0:
         timeline.record(name, "MEMCPY_IN_FUSION_BUFFER", t0, timeline.now_ns(), _nbytes(flat))
     shapes = [t.shape for t in tensors]
@@ -339,7 +340,7 @@ def _broadcast(
             raise ValueError(f"root_rank={root_rank!r} is outside {where}")
     src = tensor.detach()
     direct = inplace and src.is_contiguous()
-    buf = src if direct else src.clone(memory_format=torch.contiguous_format)
+    buf = src if direct else _pages.clone(src)
     key = signature(Kind.BROADCAST.code, root_rank, buf.dtype, buf.shape)
 
     def launch(_rows: Any) -> tuple[list[Any], Any]:
