@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,3 +82,23 @@ def slowest_rounds(dist: Any, rounds: list[dict[str, float]]) -> list[dict[str, 
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, rounds)
     return [{row: max(e[i][row] for e in every) for row in mine} for i, mine in enumerate(rounds)]
+
+
+def timed_rounds(dist: Any, rows: dict[str, Callable[[], Any]], rounds: int,
+                 calls: int) -> dict[str, list[float]]:
+    """Seconds a call of each row, per round: blocks of ``calls`` calls after a barrier each.
+
+    The rows run in their order in even rounds and reversed in odd ones, so a slow spell of
+    the machine hits them alike; round 0 warms up and is not kept.
+    """
+    names = list(rows)
+    per: dict[str, list[float]] = {r: [] for r in names}
+    for r in range(rounds + 1):
+        for row in names if r % 2 == 0 else names[::-1]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                rows[row]()
+            if r:
+                per[row].append((time.perf_counter() - t0) / calls)
+    return per

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _world import run_ranks
+from _world import run_ranks, timed_rounds
 
 HERE = Path(__file__).resolve().parent
 SIZES = [8, 64 * 1024, 1024 * 1024, 4 * 1024 * 1024, 16 * 1024 * 1024]
@@ -72,16 +72,8 @@ def worker(args: argparse.Namespace) -> None:
             if not torch.equal(t, ref):
                 raise SystemExit(f"{row} at {nbytes} bytes differs from gloo's sum")
         calls = _calls(nbytes, args.quick)
-        per: dict[str, list[float]] = {r: [] for r in ROWS}
-        for r in range(args.rounds + 1):
-            for row in ROWS if r % 2 == 0 else ROWS[::-1]:
-                dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    rows[row]()
-                if r:  # round 0 warms up
-                    per[row].append((time.perf_counter() - t0) / calls * 1e6)
-        out["sizes"][nbytes] = {row: statistics.median(v) for row, v in per.items()}
+        per = timed_rounds(dist, {r: rows[r] for r in ROWS}, args.rounds, calls)
+        out["sizes"][nbytes] = {row: statistics.median(v) * 1e6 for row, v in per.items()}
     out["load"].append(os.getloadavg()[0])
     if hvd.rank() == 0:
         Path(args.out).write_text(json.dumps(out))

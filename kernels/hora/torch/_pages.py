@@ -4,7 +4,8 @@ A collective that returns a new tensor (``hvd.allreduce``, ``hvd.allgather``,
 ``hvd.broadcast``) allocates it on every call. From 32 MiB, glibc's largest mmap threshold,
 every such allocation is a fresh mapping, and writing the result faults it in one 4 KiB page
 at a time: on the development VM a fresh 256 MB tensor took 3x as long to fill as with
-2 MiB pages, more than the reduction's own moves (``bench/RESULTS.md`` section 22). The kernel
+2 MiB pages, and a 2-rank ``hvd.allreduce`` of it twice as long as with them
+(``bench/RESULTS.md`` section 22). The kernel
 backs a range with huge pages at its first touch when the process asks for them
 (``madvise(MADV_HUGEPAGE)``), also where transparent huge pages are set to ``madvise``, the
 default of most distributions. :func:`empty` asks for them over the 2 MiB-aligned inside of a
