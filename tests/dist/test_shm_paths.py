@@ -6,8 +6,8 @@ In one healthy world per size (2 and 3 ranks):
   second ring, run by a thread: its barriers move) and end equal to
   gloo's ``all_reduce`` of the same tensors, with the same bits on every rank: dtypes
   float32/float64/float16/bfloat16/int64/int32/int16/uint8, ops Sum/Average/Min/Max/Product,
-  a tensor larger than a slot, out of place (the input is left as it was), a non-contiguous
-  tensor in place, and a grouped allreduce;
+  a tensor larger than a slot (summed and averaged), out of place (the input is left as it
+  was), a non-contiguous tensor in place, and a grouped allreduce;
 * a blocking ``hvd.allreduce`` runs the lane's operations in the calling thread (its own and
   any queued before it, in launch order) instead of waking the lane's thread and sleeping;
 * a rank that joined serves the others' allreduce through the lane with zeros;
@@ -88,6 +88,8 @@ def _plain(hvd: Any, rank: int) -> dict[str, Any]:
     got = hvd.allreduce(big, op=hvd.Sum, name="big")
     out["big"] = dict(_compare(torch, dist, hvd, got, _gloo(torch, dist, hvd, big, "Sum")),
                       input_kept=bool(torch.equal(big, keep)))
+    got = hvd.allreduce(big, op=hvd.Average, name="big.average")
+    out["big_average"] = _compare(torch, dist, hvd, got, _gloo(torch, dist, hvd, big, "Average"))
     grid = _data(torch, torch.float32, 48, rank).view(6, 8)
     ref = _gloo(torch, dist, hvd, grid[:, ::2].contiguous(), "Sum")
     hvd.allreduce_(grid[:, ::2], op=hvd.Sum, name="strided")
@@ -257,6 +259,8 @@ def test_plain_allreduce_goes_through_the_ring_and_sums_like_gloo(world: Any) ->
                 assert c["diff"] <= tol, (rank, key, c)
         assert p["big"]["same_bits"] and p["big"]["input_kept"]
         assert p["big"]["exact"] or (n > 2 and p["big"]["diff"] < 1e-4), p["big"]
+        avg = p["big_average"]  # each slice divided as it is summed, gloo's bits at 2 ranks
+        assert avg["same_bits"] and (avg["exact"] or (n > 2 and avg["diff"] < 1e-5)), avg
         for c in [p["strided"], *p["grouped"]]:
             assert c["same_bits"] and (c["exact"] or (n > 2 and c["diff"] < 1e-4)), c
 

@@ -45,3 +45,22 @@ def test_summing_from_the_members_own_data_gives_the_bits_of_its_slot(
         lo, hi = _shm_ops.bounds(11, n, me)
         assert torch.equal(part[me][lo:hi], whole[me][lo:hi]), me
         assert torch.equal(data[me], kept[me]), "its own data is only read"
+
+
+@pytest.mark.parametrize("dtype", sorted(_shm_ops.DTYPES, key=str))
+@pytest.mark.parametrize("n", [2, 3])
+def test_an_average_divides_each_summed_slice_with_the_bits_of_dividing_the_result(
+        dtype: torch.dtype, n: int) -> None:
+    from hora.torch._ops import _average  # what the whole result was divided by before
+
+    g = torch.Generator().manual_seed(10 + n)
+    raw = [torch.randn(13, generator=g) * 50 for _ in range(n)]
+    data = [(r.abs() if dtype == torch.uint8 else r).to(dtype) for r in raw]
+    for me in range(n):  # the chunked path: each member's summed slice
+        summed, averaged = [d.clone() for d in data], [d.clone() for d in data]
+        _shm_ops.reduce_slice(summed, me, "sum", data[me])
+        _shm_ops.reduce_slice(averaged, me, "average", data[me])
+        lo, hi = _shm_ops.bounds(13, n, me)
+        want = summed[me][lo:hi].clone()
+        _average(want, n, 1.0)
+        assert torch.equal(averaged[me][lo:hi], want), me

@@ -36,7 +36,7 @@ _TORCH_OPS = {
     Product: dist.ReduceOp.PRODUCT,
 }
 # how the shared-memory ring reduces each op (Average: a sum, divided afterwards as on gloo)
-_SHM_OPS = {Average: "sum", Sum: "sum", Min: "min", Max: "max", Product: "product"}
+_SHM_OPS = {Average: "average", Sum: "sum", Min: "min", Max: "max", Product: "product"}
 # read once: the allreduce path runs per call, where an Enum attribute costs a lookup each time
 _ALLREDUCE, _ALLREDUCE_CODE = Kind.ALLREDUCE, Kind.ALLREDUCE.code
 
@@ -122,7 +122,7 @@ def _allreduce_buffer(
                 work.raise_error()
             if wire is not out:
                 out.copy_(wire)
-            if op == Average:
+            if op == Average and lane is None:  # the lane divides each slice as it sums it
                 _average(out, comm.size, post)
             else:
                 _scale(out, post)

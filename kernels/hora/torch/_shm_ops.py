@@ -8,8 +8,9 @@ ranks).
 **Allreduce**, ``n`` members, a tensor of ``S`` bytes cut into chunks of a slot: every member
 copies the slices of chunk ``k`` that the others sum into its slot of a buffer (*A*: every
 slice but its own), sums slice ``me`` of its own chunk and of every other member's slot into
-its own slot (*R*: a reduce-scatter; its own slice is read where it is, never copied in) and
-copies every member's summed slice into its tensor (*O*: an allgather). With three buffers
+its own slot (*R*: a reduce-scatter; its own slice is read where it is, never copied in; an
+``average`` divides the summed slice there, still in the cache) and copies every member's
+summed slice into its tensor (*O*: an allgather). With three buffers
 used in turn, one barrier ends each step
 ``[O(k-2), R(k-1), A(k)]``: a chunk is summed one barrier after every member wrote it,
 copied out one barrier after every member summed it, and its buffer is written again only
@@ -52,6 +53,7 @@ Reduce = Callable[[torch.Tensor, torch.Tensor], object]
 
 REDUCERS: dict[str, Reduce] = {  # acc (op)= x, in place
     "sum": torch.Tensor.add_,
+    "average": torch.Tensor.add_,  # then divided by the member count (:func:`divide`)
     "min": lambda acc, x: torch.minimum(acc, x, out=acc),
     "max": lambda acc, x: torch.maximum(acc, x, out=acc),
     "product": torch.Tensor.mul_,
@@ -59,6 +61,7 @@ REDUCERS: dict[str, Reduce] = {  # acc (op)= x, in place
 
 INTO: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]] = {
     "sum": lambda a, b, out: torch.add(a, b, out=out),  # out = a (op) b
+    "average": lambda a, b, out: torch.add(a, b, out=out),
     "min": lambda a, b, out: torch.minimum(a, b, out=out),
     "max": lambda a, b, out: torch.maximum(a, b, out=out),
     "product": lambda a, b, out: torch.mul(a, b, out=out),
@@ -72,6 +75,19 @@ SMALL_BYTES = 64 * 1024
 # dtypes the ring reduces with torch's own kernels, with gloo's results (integers wrap alike)
 DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
                     torch.int32, torch.int16, torch.int8, torch.uint8})
+
+
+def divide(t: torch.Tensor, n: int) -> None:
+    """Divide a sum by the member count in place, as Horovod's Average does (integers truncate).
+
+    Example:
+        >>> x = torch.tensor([7, -7]); divide(x, 2); x.tolist()
+        [3, -3]
+    """
+    if t.is_floating_point() or t.is_complex():
+        t.div_(n)
+    else:
+        t.div_(n, rounding_mode="trunc")
 
 
 def checksum(what: str) -> int:
@@ -116,6 +132,8 @@ def reduce_slice(slots: list[torch.Tensor], me: int, reduce: str,
     fn = REDUCERS[reduce]
     for x in others:
         fn(acc, x)
+    if reduce == "average":  # on the slice just summed, still in the cache
+        divide(acc, len(slots))
 
 
 def copy_others(slot: torch.Tensor, src: torch.Tensor, n: int, me: int) -> None:
@@ -146,12 +164,12 @@ def allreduce(ring: Ring, t: torch.Tensor, op: str, name: str, reduce: str, tag:
     one; ``tag`` (with the dtype and the reduction) is what the members check they agree on.
     """
     flat, src = t.view(-1), source.view(-1)
-    fn, me, dtype = REDUCERS[reduce], ring.index, t.dtype
+    me, dtype = ring.index, t.dtype
     per = ring.slot // t.element_size()
     total = flat.numel()
     check = checksum(f"{tag}|{dtype}|{reduce}")
     if total * t.element_size() <= SMALL_BYTES:
-        _allreduce_small(ring, flat, src, op, name, fn, check)
+        _allreduce_small(ring, flat, src, op, name, reduce, check)
         return
     chunks = [(s, min(per, total - s)) for s in range(0, total, per)]
     held: list[list[torch.Tensor]] = []  # the members' slots of each chunk written so far
@@ -173,7 +191,7 @@ def allreduce(ring: Ring, t: torch.Tensor, op: str, name: str, reduce: str, tag:
 
 
 def _allreduce_small(ring: Ring, flat: torch.Tensor, src: torch.Tensor, op: str, name: str,
-                     fn: Reduce, check: int) -> None:
+                     reduce: str, check: int) -> None:
     """A tensor of at most SMALL_BYTES: one barrier, then every member reduces every slot.
 
     Each member copies its tensor into its slot; after the barrier each reduces all the
@@ -187,8 +205,11 @@ def _allreduce_small(ring: Ring, flat: torch.Tensor, src: torch.Tensor, op: str,
     slots[ring.index].copy_(src)
     ring.step(op, name, total, 0, check)
     flat.copy_(slots[0])
+    fn = REDUCERS[reduce]
     for s in slots[1:]:
         fn(flat, s)
+    if reduce == "average":
+        divide(flat, len(slots))
 
 
 def broadcast(ring: Ring, t: torch.Tensor, op: str, name: str) -> None:
