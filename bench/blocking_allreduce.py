@@ -17,7 +17,11 @@ over ``now`` µs for the ``hvd`` row, > 1: faster now) compares the two codes in
 minutes of the machine. Correct first: in every run, every row's result equals gloo's.
 Target (with ``--before``): not slower than REF at any size (median speed-up >= 1.0).
 
-Usage: python bench/blocking_allreduce.py [--quick] [--pairs 5] [--before REF]
+``--op Average`` times ``hvd.allreduce_(t, op=Average)`` instead (gloo's row divides after its
+sum; the ring row stays the data's moves); ``--sizes 4MB,64MB,256MB`` picks the sizes.
+
+Usage: python bench/blocking_allreduce.py [--quick] [--pairs 5] [--before REF] [--op Average]
+       [--sizes 8B,64KB,1MB,4MB,16MB]
 """
 
 from __future__ import annotations
@@ -58,19 +62,23 @@ def worker(args: argparse.Namespace) -> None:
     if ring is None:
         raise SystemExit("shared memory is not usable by these ranks (HORA_SHM=off?)")
     out: dict[str, Any] = {"load": [os.getloadavg()[0]], "sizes": {}}
-    for nbytes in SIZES:
+    average = args.op == "Average"
+    for nbytes in _sizes(args.sizes):
         t = torch.ones(max(1, nbytes // 4))
-        rows = {"hvd": lambda t=t: hvd.allreduce_(t, op=hvd.Sum, name="b"),
+        rows = {"hvd": lambda t=t: hvd.allreduce_(t, op=getattr(hvd, args.op), name="b"),
                 "ring": lambda t=t: ring.allreduce_(t, "allreduce", "b"),
-                "gloo": lambda t=t: dist.all_reduce(t)}
-        for row, fn in rows.items():  # correct first: each row sums like gloo
+                "gloo": lambda t=t: dist.all_reduce(t) or (t.div_(hvd.size()) if average
+                                                           else None)}
+        for row, fn in rows.items():  # correct first: each row reduces like gloo
             x = torch.arange(t.numel(), dtype=torch.float32) % 7 + hvd.rank()
             ref = x.clone()
             dist.all_reduce(ref)
+            if average and row != "ring":  # the ring row is the data's moves: a sum
+                ref.div_(hvd.size())
             t.copy_(x)
             fn()
             if not torch.equal(t, ref):
-                raise SystemExit(f"{row} at {nbytes} bytes differs from gloo's sum")
+                raise SystemExit(f"{row} at {nbytes} bytes differs from gloo's {args.op}")
         calls = _calls(nbytes, args.quick)
         per = timed_rounds(dist, {r: rows[r] for r in ROWS}, args.rounds, calls)
         out["sizes"][nbytes] = {row: statistics.median(v) * 1e6 for row, v in per.items()}
@@ -94,13 +102,23 @@ def _run(args: argparse.Namespace, kernels: Path | None) -> dict[str, Any]:
     if kernels is not None:
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(kernels), saved) if p)
     try:
-        extra = ["--rounds", str(args.rounds)] + (["--quick"] if args.quick else [])
-        return run_ranks(__file__, 2, extra)
+        extra = ["--rounds", str(args.rounds), "--op", args.op, "--sizes", args.sizes]
+        return run_ranks(__file__, 2, extra + (["--quick"] if args.quick else []))
     finally:
         if saved is None:
             os.environ.pop("PYTHONPATH", None)
         else:
             os.environ["PYTHONPATH"] = saved
+
+
+def _sizes(text: str) -> list[int]:
+    """``8B,64KB,4MB`` as bytes."""
+    units = {"B": 1, "KB": 1 << 10, "MB": 1 << 20}
+    out = []
+    for part in text.split(","):
+        num = part.rstrip("BKM")
+        out.append(int(num) * units[part[len(num):]])
+    return out
 
 
 def _fmt(n: int) -> str:
@@ -117,7 +135,7 @@ def report(runs: list[dict[str, Any]], before: list[dict[str, Any]], ref: str | 
     head = f"{'size':>7} {'hvd':>9} {'ring':>9} {'gloo':>9} {'hvd/ring':>9} {'gloo/hvd':>9}"
     print(head + (f" {'hvd before':>11} {'speed-up med (min..max)':>24}" if before else ""))
     out: dict[str, Any] = {}
-    for n in SIZES:
+    for n in (int(k) for k in runs[0]["sizes"]):
         med = {row: statistics.median(r["sizes"][str(n)][row] for r in runs) for row in ROWS}
         line = (f"{_fmt(n):>7} {med['hvd']:9.1f} {med['ring']:9.1f} {med['gloo']:9.1f} "
                 f"{med['hvd'] / med['ring']:9.2f} {med['gloo'] / med['hvd']:9.2f}")
@@ -142,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", type=int, default=5, help="timed runs a side (default 5)")
     ap.add_argument("--rounds", type=int, default=6, help="timed rounds a run (default 6)")
     ap.add_argument("--before", metavar="REF", help="alternate with the kernels of commit REF")
+    ap.add_argument("--op", choices=["Sum", "Average"], default="Sum",
+                    help="the hvd row's reduce op (default Sum; gloo's row divides after)")
+    ap.add_argument("--sizes", default=",".join(map(_fmt, SIZES)).replace(" ", ""),
+                    help="comma-separated sizes, e.g. 4MB,64MB,256MB (default 8B to 16MB)")
     args = ap.parse_args(argv)
     if args.worker:
         worker(args)
@@ -161,9 +183,11 @@ def main(argv: list[str] | None = None) -> int:
             if old is not None:
                 before.append(got[True])
     table = report(runs, before, args.before)
-    hvd4 = table["4 MB"]
+    at = "4 MB" if "4 MB" in table else list(table)[-1]
+    hvd4 = table[at]
     worst = min((r["speedup"] for r in table.values()), default=None) if before else None
-    result = {"bench": "blocking_allreduce", "metric": "µs a blocking hvd.allreduce_, 4 MB"
+    result = {"bench": "blocking_allreduce", "metric": f"µs a blocking hvd.allreduce_ "
+              f"({args.op}), {at}"
               + (f", {args.before} / this checkout" if before else ", hvd / ring"),
               "hora": hvd4["hvd_us"], "baseline": hvd4.get("before_us", hvd4["ring_us"]),
               "ratio": hvd4.get("speedup", hvd4["ring_us"] / hvd4["hvd_us"]),
