@@ -35,7 +35,7 @@ _TORCH_OPS = {
     Max: dist.ReduceOp.MAX,
     Product: dist.ReduceOp.PRODUCT,
 }
-# how the shared-memory ring reduces each op (Average: a sum, divided afterwards as on gloo)
+# how the shared-memory ring reduces each op (Average: a sum, each slice divided in the ring)
 _SHM_OPS = {Average: "average", Sum: "sum", Min: "min", Max: "max", Product: "product"}
 # read once: the allreduce path runs per call, where an Enum attribute costs a lookup each time
 _ALLREDUCE, _ALLREDUCE_CODE = Kind.ALLREDUCE, Kind.ALLREDUCE.code

@@ -5,13 +5,12 @@ A collective that returns a new tensor (``hvd.allreduce``, ``hvd.allgather``,
 every such allocation is a fresh mapping, and writing the result faults it in one 4 KiB page
 at a time: on the development VM a fresh 256 MB tensor took 3x as long to fill as with
 2 MiB pages, and a 2-rank ``hvd.allreduce`` of it twice as long as with them
-(``bench/RESULTS.md`` section 22). The kernel
-backs a range with huge pages at its first touch when the process asks for them
-(``madvise(MADV_HUGEPAGE)``), also where transparent huge pages are set to ``madvise``, the
-default of most distributions. :func:`empty` asks for them over the 2 MiB-aligned inside of a
-tensor of at least :data:`MIN_BYTES`, before anything wrote it; the edges keep small pages,
-so no huge page reaches into another allocation. Smaller tensors come from glibc's heap,
-mostly from pages already in use, and are left alone.
+(``bench/RESULTS.md`` section 22). The kernel backs a range with huge pages at its first
+touch when the process asks for them (``madvise(MADV_HUGEPAGE)``), also where transparent
+huge pages are set to ``madvise``, the default of most distributions. :func:`empty` asks for
+them over the 2 MiB-aligned inside of a tensor of at least :data:`MIN_BYTES`, before anything
+wrote it; the edges keep small pages, so no huge page reaches into another allocation.
+Smaller tensors come from glibc's heap, mostly from pages already in use, and are left alone.
 
 Advice only: where the kernel has no transparent huge pages (or they are ``never``), on another
 OS, where torch already asks for every allocation (its ``THP_MEM_ALLOC_ENABLE=1``), or with
