@@ -63,12 +63,17 @@ def worker(args: argparse.Namespace) -> None:
         raise SystemExit("shared memory is not usable by these ranks (HORA_SHM=off?)")
     out: dict[str, Any] = {"load": [os.getloadavg()[0]], "sizes": {}}
     average = args.op == "Average"
+
+    def gloo(t: Any) -> None:
+        dist.all_reduce(t)
+        if average:
+            t.div_(hvd.size())
+
     for nbytes in _sizes(args.sizes):
         t = torch.ones(max(1, nbytes // 4))
         rows = {"hvd": lambda t=t: hvd.allreduce_(t, op=getattr(hvd, args.op), name="b"),
                 "ring": lambda t=t: ring.allreduce_(t, "allreduce", "b"),
-                "gloo": lambda t=t: dist.all_reduce(t) or (t.div_(hvd.size()) if average
-                                                           else None)}
+                "gloo": lambda t=t: gloo(t)}
         for row, fn in rows.items():  # correct first: each row reduces like gloo
             x = torch.arange(t.numel(), dtype=torch.float32) % 7 + hvd.rank()
             ref = x.clone()
