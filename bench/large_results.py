@@ -40,13 +40,13 @@ ROWS = ["huge", "small", "gloo", "gather", "gather_small"]
 OFF = 1 << 62  # _pages.MIN_BYTES that no tensor reaches: the advice off
 
 
-def _rows(hvd: Any, dist: Any, pages: Any, t: Any) -> dict[str, Any]:
-    rows_each = t.numel() // hvd.size()
-    part = t[:rows_each]
+def _rows(hvd: Any, dist: Any, pages: Any, on_bytes: int, t: Any) -> dict[str, Any]:
+    """The rows for tensor ``t``; ``on_bytes``: ``pages.MIN_BYTES`` as hora ships it."""
+    part = t[: t.numel() // hvd.size()]
 
     def hora(fn: Any, on: bool) -> Any:
         def call() -> Any:
-            pages.MIN_BYTES = pages_min if on else OFF
+            pages.MIN_BYTES = on_bytes if on else OFF
             return fn()
         return call
 
@@ -55,7 +55,6 @@ def _rows(hvd: Any, dist: Any, pages: Any, t: Any) -> dict[str, Any]:
         dist.all_reduce(c)
         return c
 
-    pages_min = pages.MIN_BYTES
     return {
         "huge": hora(lambda: hvd.allreduce(t, op=hvd.Sum, name="r"), True),
         "small": hora(lambda: hvd.allreduce(t, op=hvd.Sum, name="r"), False),
@@ -75,9 +74,10 @@ def worker(args: argparse.Namespace) -> None:
     hvd.init()
     hvd.allreduce_(torch.zeros(1), name="set-up")
     out: dict[str, Any] = {"load": [os.getloadavg()[0]], "sizes": {}}
+    on_bytes = _pages.MIN_BYTES  # read before any row sets it
     for nbytes in SIZES:
         t = torch.arange(nbytes // 4, dtype=torch.float32) % 5 + hvd.rank()
-        rows = _rows(hvd, dist, _pages, t)
+        rows = _rows(hvd, dist, _pages, on_bytes, t)
         ref = rows["gloo"]()
         for row in ("huge", "small"):  # correct first
             if not torch.equal(rows[row](), ref):

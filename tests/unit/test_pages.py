@@ -8,6 +8,7 @@ transparent huge pages allow ``madvise`` (none where they are ``never``).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,11 +20,13 @@ THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 @pytest.fixture(autouse=True)
-def _fresh_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
+def _fresh_lookup(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Each test finds libc's madvise again, under its own environment."""
-    monkeypatch.setattr(_pages, "_madvise", None)
     monkeypatch.delenv("HORA_HUGE_PAGES", raising=False)
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    _pages._libc_madvise.cache_clear()
+    yield
+    _pages._libc_madvise.cache_clear()
 
 
 def _mode() -> str:

@@ -51,8 +51,6 @@ def test_summing_from_the_members_own_data_gives_the_bits_of_its_slot(
 @pytest.mark.parametrize("n", [2, 3])
 def test_an_average_divides_each_summed_slice_with_the_bits_of_dividing_the_result(
         dtype: torch.dtype, n: int) -> None:
-    from hora.torch._ops import _average  # what the whole result was divided by before
-
     g = torch.Generator().manual_seed(10 + n)
     raw = [torch.randn(13, generator=g) * 50 for _ in range(n)]
     data = [(r.abs() if dtype == torch.uint8 else r).to(dtype) for r in raw]
@@ -61,6 +59,28 @@ def test_an_average_divides_each_summed_slice_with_the_bits_of_dividing_the_resu
         _shm_ops.reduce_slice(summed, me, "sum", data[me])
         _shm_ops.reduce_slice(averaged, me, "average", data[me])
         lo, hi = _shm_ops.bounds(13, n, me)
-        want = summed[me][lo:hi].clone()
-        _average(want, n, 1.0)
+        want = _divided(summed[me][lo:hi], n)
         assert torch.equal(averaged[me][lo:hi], want), me
+
+
+def _divided(t: torch.Tensor, n: int) -> torch.Tensor:
+    """Horovod's Average of a sum, out of place: a true division, integers truncated."""
+    if t.is_floating_point():
+        return torch.div(t, n)
+    return torch.div(t, n, rounding_mode="trunc")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.int16])
+@pytest.mark.parametrize("post", [1.0, 0.5])
+def test_an_average_off_the_ring_divides_then_scales_like_horovod(
+        dtype: torch.dtype, post: float) -> None:
+    from hora.torch._ops import _average
+
+    summed = (torch.arange(-20, 21) * 7).to(dtype)
+    got = summed.clone()
+    _average(got, 3, post)
+    if dtype.is_floating_point:  # one rounding: postscale / size, as Horovod scales
+        want = summed * (post / 3) if post != 1.0 else torch.div(summed, 3)
+    else:  # truncated division, then the scale, truncated too
+        want = torch.trunc(_divided(summed, 3).double() * post).to(dtype)
+    assert torch.equal(got, want)

@@ -52,13 +52,10 @@ def _scale(t: torch.Tensor, factor: float) -> None:
 
 
 def _average(t: torch.Tensor, n: int, postscale: float) -> None:
-    if t.is_floating_point() or t.is_complex():
-        if postscale == 1.0:
-            t.div_(n)
-        else:
-            t.mul_(postscale / n)
+    if postscale != 1.0 and (t.is_floating_point() or t.is_complex()):
+        t.mul_(postscale / n)  # one rounding, as Horovod scales by postscale / size
         return
-    t.copy_(torch.div(t, n, rounding_mode="trunc"))
+    _shm_ops.divide(t, n)  # the division the ring applies to its slices
     _scale(t, postscale)
 
 

@@ -20,6 +20,7 @@ OS, where torch already asks for every allocation (its ``THP_MEM_ALLOC_ENABLE=1`
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -31,8 +32,6 @@ HUGE = 2 << 20
 MIN_BYTES = 32 << 20  # glibc's largest mmap threshold: from there, every allocation is fresh
 MADV_HUGEPAGE = 14
 _OFF = ("0", "off", "false", "no")
-
-_madvise: Any = None  # libc's madvise, found at the first large tensor; False: none, or off
 
 
 def wanted(environ: Mapping[str, str] | None = None) -> bool:
@@ -49,19 +48,18 @@ def wanted(environ: Mapping[str, str] | None = None) -> bool:
     return env.get("THP_MEM_ALLOC_ENABLE", "").strip() != "1" and sys.platform == "linux"
 
 
+@functools.cache
 def _libc_madvise() -> Any:
-    global _madvise
-    if _madvise is None:
-        _madvise = False
-        if wanted():
-            try:
-                fn = ctypes.CDLL(None, use_errno=True).madvise
-            except (OSError, AttributeError):
-                return False
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            fn.restype = ctypes.c_int
-            _madvise = fn
-    return _madvise
+    """The C library's madvise, looked up at the first large tensor; None if absent or off."""
+    if not wanted():
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def advise(t: torch.Tensor) -> bool:
@@ -74,7 +72,7 @@ def advise(t: torch.Tensor) -> bool:
     if nbytes < MIN_BYTES or t.device.type != "cpu":
         return False
     fn = _libc_madvise()
-    if not fn:
+    if fn is None:
         return False
     start = t.data_ptr()
     lo, hi = (start + HUGE - 1) & ~(HUGE - 1), (start + nbytes) & ~(HUGE - 1)
