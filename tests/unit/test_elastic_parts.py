@@ -135,3 +135,29 @@ def test_a_commit_copies_into_the_last_one_and_a_restore_never_aliases_it() -> N
     copy = snapshot(nested)
     nested["a"][1][0].add_(1)
     assert copy["a"][1][0].tolist() == [0.0, 0.0] and copy["a"][1][1] == "x"
+
+
+def test_a_commit_parses_the_generation_file_again_only_when_the_driver_replaced_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hora.torch.elastic import _world
+
+    monkeypatch.setattr(_world._Seen, "key", None)
+    reads: list[int] = []
+    real = rdzv.read_generation
+
+    def counted(root: Path) -> rdzv.Generation | None:
+        reads.append(1)
+        return real(root)
+
+    monkeypatch.setattr(rdzv, "read_generation", counted)
+    member = rdzv.Member("w0", "localhost", 0, 1, 0, 1)
+    assert _world._generation(tmp_path) is None and reads == []  # nothing published yet
+    rdzv.write_generation(tmp_path, rdzv.Generation(1, (member,), "127.0.0.1", 1))
+    got = [_world._generation(tmp_path) for _ in range(3)]
+    assert [g.number for g in got if g] == [1, 1, 1] and len(reads) == 1
+    rdzv.write_generation(tmp_path, rdzv.Generation(2, (member,), "127.0.0.1", 1, note="grow"))
+    got2 = _world._generation(tmp_path)
+    assert got2 is not None and (got2.number, got2.note) == (2, "grow") and len(reads) == 2
+    (tmp_path / rdzv.WORLD_FILE).unlink()
+    assert _world._generation(tmp_path) is None

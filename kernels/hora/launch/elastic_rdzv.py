@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 DEFAULT_TIMEOUT_S = 600.0
-_WORLD = "world.json"
+WORLD_FILE = "world.json"
 
 
 @dataclass(frozen=True)
@@ -102,15 +102,15 @@ def members_for(order: list[tuple[str, str]]) -> tuple[Member, ...]:
 
 def write_generation(root: Path, gen: Generation) -> None:
     """Publish ``gen`` as the current generation (atomic: readers see the old or the new)."""
-    tmp = root / f".{_WORLD}.{os.getpid()}"
+    tmp = root / f".{WORLD_FILE}.{os.getpid()}"
     tmp.write_text(json.dumps(asdict(gen)))
-    os.replace(tmp, root / _WORLD)
+    os.replace(tmp, root / WORLD_FILE)
 
 
 def read_generation(root: Path) -> Generation | None:
     """Return the current generation, or None before the driver published one."""
     try:
-        raw = json.loads((root / _WORLD).read_text())
+        raw = json.loads((root / WORLD_FILE).read_text())
     except (FileNotFoundError, ValueError):
         return None
     members = tuple(Member(**m) for m in raw.pop("members"))

@@ -91,7 +91,8 @@ class Hier:
         if self.local is not None:
             self.local.broadcast_(t, op, name)
 
-    def allgather_ints(self, mine: list[int], op: str, name: str) -> list[list[int]] | None:
+    def allgather_ints(self, mine: list[int], op: str, name: str,
+                       what: str = "") -> list[list[int]] | None:
         """None: the negotiation tables of a world over hosts go over the side group."""
         return None
 

@@ -304,15 +304,19 @@ class Ring:
         """
         self.run(op, name, _shm_ops.broadcast, self, t, op, name)
 
-    def allgather_ints(self, mine: list[int], op: str, name: str) -> list[list[int]] | None:
+    def allgather_ints(self, mine: list[int], op: str, name: str,
+                       what: str = "") -> list[list[int]] | None:
         """Every member's list of ints (the engine's negotiation tables), in member order.
 
         One barrier: a member writes its list into its slot and reads the others' after it.
         Returns None, on every member alike, when some list does not fit a slot (the caller
-        then uses the group). Raises like :meth:`allreduce_`.
+        then uses the group). ``what`` names another kind of exchange than a negotiation
+        round (``"host updates"``): members signing different kinds raise
+        TensorMismatchError. Raises like :meth:`allreduce_`.
         """
+        extra = (_shm_ops.checksum(what),) if what else ()
         return self.run(op, name, _shm_ops.allgather_ints,  # type: ignore[no-any-return]
-                        self, mine, op, name)
+                        self, mine, op, name, *extra)
 
     def run(self, op: str, name: str, body: Callable[..., Any], *args: Any) -> Any:
         """Run one operation to its end, or leave the ring unusable and tell the members.

@@ -233,15 +233,21 @@ def broadcast(ring: Ring, t: torch.Tensor, op: str, name: str) -> None:
         ring.step(op, name, total, start, check)
 
 
-def allgather_ints(ring: Ring, mine: list[int], op: str, name: str) -> list[list[int]] | None:
-    """Every member's list (in member order); None on every member when one is too long."""
+def allgather_ints(ring: Ring, mine: list[int], op: str, name: str,
+                   check: int = _TABLES) -> list[list[int]] | None:
+    """Every member's list (in member order); None on every member when one is too long.
+
+    ``check`` is what the members sign (default: a negotiation round's tables): members
+    that reached different exchanges raise TensorMismatchError instead of reading each
+    other's lists as their own kind.
+    """
     cap = ring.slot // 8 - 1
     slots = ring.next_ints()
     row, n = slots[ring.index], len(mine)
     row[0] = n
     if n <= cap:
         row[1 : 1 + n] = array("q", mine)
-    ring.step(op, name, 0, 0, _TABLES)
+    ring.step(op, name, 0, 0, check)
     lengths = [s[0] for s in slots]
     if max(lengths) > cap:
         return None
