@@ -137,9 +137,13 @@ def test_a_commit_copies_into_the_last_one_and_a_restore_never_aliases_it() -> N
     assert copy["a"][1][0].tolist() == [0.0, 0.0] and copy["a"][1][1] == "x"
 
 
-def test_a_commit_parses_the_generation_file_again_only_when_the_driver_replaced_it(
+def test_a_commit_parses_the_generation_file_again_only_when_it_may_have_changed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Parsed again when replaced, or while it is younger than a second (a replacement within
+    one tick of the kernel's clock can keep the inode, the size and the time); else one stat."""
+    import os
+
     from hora.torch.elastic import _world
 
     monkeypatch.setattr(_world._Seen, "key", None)
@@ -150,14 +154,32 @@ def test_a_commit_parses_the_generation_file_again_only_when_the_driver_replaced
         reads.append(1)
         return real(root)
 
+    def aged(seconds: float) -> None:  # the file's time, as if written that long ago
+        then = _world.time.time_ns() - int(seconds * 1e9)
+        os.utime(tmp_path / rdzv.WORLD_FILE, ns=(then, then))
+
     monkeypatch.setattr(rdzv, "read_generation", counted)
     member = rdzv.Member("w0", "localhost", 0, 1, 0, 1)
     assert _world._generation(tmp_path) is None and reads == []  # nothing published yet
     rdzv.write_generation(tmp_path, rdzv.Generation(1, (member,), "127.0.0.1", 1))
+    aged(5)
     got = [_world._generation(tmp_path) for _ in range(3)]
     assert [g.number for g in got if g] == [1, 1, 1] and len(reads) == 1
     rdzv.write_generation(tmp_path, rdzv.Generation(2, (member,), "127.0.0.1", 1, note="grow"))
-    got2 = _world._generation(tmp_path)
+    got2 = _world._generation(tmp_path)  # replaced: a new inode and size
     assert got2 is not None and (got2.number, got2.note) == (2, "grow") and len(reads) == 2
-    (tmp_path / rdzv.WORLD_FILE).unlink()
+    aged(0.1)  # young: read at every check, then trusted once it is old
+    _world._generation(tmp_path)
+    assert len(reads) == 3
+    path, stamp = tmp_path / rdzv.WORLD_FILE, os.stat(tmp_path / rdzv.WORLD_FILE).st_mtime_ns
+    path.write_text(path.read_text().replace('"number": 2', '"number": 3'))  # same inode, size
+    os.utime(path, ns=(stamp, stamp))  # and the same time: only its youth tells
+    got3 = _world._generation(tmp_path)
+    assert got3 is not None and got3.number == 3
+    aged(5)
+    _world._generation(tmp_path)
+    n = len(reads)
+    _world._generation(tmp_path)
+    assert len(reads) == n
+    path.unlink()
     assert _world._generation(tmp_path) is None

@@ -35,6 +35,7 @@ RDZV_START_S = 10.0
 _RETRIES = 20
 _UPDATES = "hora.elastic.host_updates"
 _CHECK = "check_host_updates"
+_RACY_NS = 1_000_000_000  # a generation file younger than this is read, whatever its stat
 
 
 class NoWorldError(CollectiveTimeout):
@@ -178,17 +179,20 @@ class _Seen:
 
 
 def _generation(root: Path) -> rdzv.Generation | None:
-    """The driver's current generation, read again only when its file was replaced.
+    """The driver's current generation, read again only when its file may have changed.
 
     The driver replaces the file whole (a rename), so a new inode, time or size means new
-    contents; a commit reads it with one stat() instead of parsing it (60 µs here).
+    contents; a commit reads it with one stat() instead of parsing it (60 µs here). A file
+    replaced less than ``_RACY_NS`` ago is read anyway: the kernel stamps times from a coarse
+    clock, so two replacements within one tick could reuse an inode and a size and look alike
+    (git's "racily clean" index entries, the same way).
     """
     try:
         st = os.stat(root / rdzv.WORLD_FILE)
     except FileNotFoundError:
         return None
     key = (st.st_ino, st.st_mtime_ns, st.st_size)
-    if key != _Seen.key:
+    if key != _Seen.key or time.time_ns() - st.st_mtime_ns < _RACY_NS:
         _Seen.key, _Seen.gen = key, rdzv.read_generation(root)
     return _Seen.gen
 
