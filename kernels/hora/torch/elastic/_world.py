@@ -205,8 +205,7 @@ def check_updates() -> bool:
     first of them saw it. Otherwise each commit posts this rank's view (an all_gather of one
     int on the gloo side group, in the background) and reads the views posted at the commit
     before, complete by now: the ranks agree one commit after the first of them saw it, and
-    a commit waits for nobody (a gloo round trip in the foreground costs more than the
-    step's wait it saves). False outside an elastic run.
+    a commit waits for nobody. False outside an elastic run.
     """
     st = _state.current()
     root = _Joined.root
@@ -217,7 +216,8 @@ def check_updates() -> bool:
     if st.size == 1:
         return bool(mine)
     ring = _hier.ring_of(comm_of(None, _CHECK), _CHECK)
-    views = ring.allgather_ints([mine], _CHECK, _UPDATES, "host updates") if ring else None
+    views = (ring.allgather_ints([mine], _CHECK, _UPDATES, "host updates")
+             if ring is not None else None)
     if views is not None:
         return any(v[0] for v in views)
     seen = False
