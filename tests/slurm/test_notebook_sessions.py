@@ -47,7 +47,11 @@ def server(slurm: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     (tmp / "skew").mkdir()
     (tmp / "skew" / "sitecustomize.py").write_text(SKEW)
     path = os.pathsep.join(p for p in (str(tmp / "skew"), os.environ.get("PYTHONPATH")) if p)
-    env = slurm_env(slurm, HORA_SESSION_LEASE_S="3", PYTHONPATH=path)
+    # a short lease, so that a killed kernel's session ends within the test; not under 6 s:
+    # CI runs this suite beside the gates and an install on 2 cores, where a kernel's
+    # heartbeat (every lease / 3) once went unheard for 4 s and a 3 s lease ended a healthy
+    # session mid-cell
+    env = slurm_env(slurm, HORA_SESSION_LEASE_S="6", PYTHONPATH=path)
     with ServiceServer(tmp, {"ann": False, "root": True}, 2, env) as srv:
         yield srv
     slurm.wait_idle()
