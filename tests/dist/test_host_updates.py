@@ -10,11 +10,16 @@ world than the others, as happens when the driver publishes one between their re
 * with ``HORA_SHM=off`` (the gloo side group, exchanged in the background) they all answer
   True one check later, and still all at the same check;
 * a check that meets another rank's negotiation round in the ring raises
-  TensorMismatchError on both ranks, instead of reading the round's table as a view.
+  TensorMismatchError on both ranks, instead of reading the round's table as a view;
+* a rank whose process is gone is named by the others' check at once, with an error that
+  ``hvd.elastic.run`` treats as a failed world (it goes back to the last commit).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -94,3 +99,37 @@ def test_a_check_that_meets_a_negotiation_round_fails_on_both_ranks(
     res = run_world(__file__, "_rank_check_meets_a_round", 2, args=(str(tmp_path),),
                     timeout=90)
     assert all("members reached different tensors" in r for r in res), res
+
+
+def _rank_check_after_a_peer_died(rank: int, size: int, base: str) -> None:
+    import hora.torch as hvd
+    import torch
+    from hora.torch.elastic import _is_world_failure, _world
+
+    hvd.init()
+    hvd.allreduce(torch.ones(1), name="set-up")
+    _joined(rank, base)
+    if rank == size - 1:
+        os._exit(0)  # gone without a word, between two commits
+    t0 = time.monotonic()
+    try:
+        _world.check_updates()
+        got: dict[str, Any] = {"type": "no error"}
+    except Exception as e:  # noqa: BLE001
+        got = {"type": type(e).__name__, "msg": str(e), "world": _is_world_failure(e)}
+    got["elapsed"] = time.monotonic() - t0
+    print("RESULT " + json.dumps(got), flush=True)
+    os._exit(0)  # the world is broken: skip the exit handlers' waits
+
+
+def test_a_check_names_a_rank_that_died_at_once(
+    run_world: Callable[..., list[Any]], tmp_path: Path
+) -> None:
+    outputs = run_world(__file__, "_rank_check_after_a_peer_died", 2, args=(str(tmp_path),),
+                        timeout=90, env={"HORA_TIMEOUT": "60"}, expect_failure=True)
+    line = [ln for ln in outputs[0][1].splitlines() if ln.startswith("RESULT ")]
+    assert line, outputs[0][1][-3000:]
+    got = json.loads(line[-1][len("RESULT "):])
+    assert got["type"] == "PeerFailedError" and "rank 1" in got["msg"], got
+    assert got["world"] is True, got  # hvd.elastic.run restores the last commit
+    assert got["elapsed"] < 10, got  # the timeout is 60 s

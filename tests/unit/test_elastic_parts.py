@@ -6,6 +6,8 @@ checked without them, in milliseconds.
 
 from __future__ import annotations
 
+import os
+import time
 import types
 from pathlib import Path
 
@@ -142,8 +144,6 @@ def test_a_commit_parses_the_generation_file_again_only_when_it_may_have_changed
 ) -> None:
     """Parsed again when replaced, or while it is younger than a second (a replacement within
     one tick of the kernel's clock can keep the inode, the size and the time); else one stat."""
-    import os
-
     from hora.torch.elastic import _world
 
     monkeypatch.setattr(_world._Seen, "key", None)
@@ -155,7 +155,7 @@ def test_a_commit_parses_the_generation_file_again_only_when_it_may_have_changed
         return real(root)
 
     def aged(seconds: float) -> None:  # the file's time, as if written that long ago
-        then = _world.time.time_ns() - int(seconds * 1e9)
+        then = time.time_ns() - int(seconds * 1e9)
         os.utime(tmp_path / rdzv.WORLD_FILE, ns=(then, then))
 
     monkeypatch.setattr(rdzv, "read_generation", counted)

@@ -314,9 +314,8 @@ class Ring:
         round (``"host updates"``): members signing different kinds raise
         TensorMismatchError. Raises like :meth:`allreduce_`.
         """
-        extra = (_shm_ops.checksum(what),) if what else ()
         return self.run(op, name, _shm_ops.allgather_ints,  # type: ignore[no-any-return]
-                        self, mine, op, name, *extra)
+                        self, mine, op, name, what)
 
     def run(self, op: str, name: str, body: Callable[..., Any], *args: Any) -> Any:
         """Run one operation to its end, or leave the ring unusable and tell the members.

@@ -234,12 +234,12 @@ def broadcast(ring: Ring, t: torch.Tensor, op: str, name: str) -> None:
 
 
 def allgather_ints(ring: Ring, mine: list[int], op: str, name: str,
-                   check: int = _TABLES) -> list[list[int]] | None:
+                   what: str = "") -> list[list[int]] | None:
     """Every member's list (in member order); None on every member when one is too long.
 
-    ``check`` is what the members sign (default: a negotiation round's tables): members
-    that reached different exchanges raise TensorMismatchError instead of reading each
-    other's lists as their own kind.
+    ``what`` names the kind of exchange the members sign (default: a negotiation round's
+    tables): members that reached different kinds raise TensorMismatchError instead of
+    reading each other's lists as their own kind.
     """
     cap = ring.slot // 8 - 1
     slots = ring.next_ints()
@@ -247,7 +247,7 @@ def allgather_ints(ring: Ring, mine: list[int], op: str, name: str,
     row[0] = n
     if n <= cap:
         row[1 : 1 + n] = array("q", mine)
-    ring.step(op, name, 0, 0, check)
+    ring.step(op, name, 0, 0, checksum(what) if what else _TABLES)
     lengths = [s[0] for s in slots]
     if max(lengths) > cap:
         return None
